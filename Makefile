@@ -1,0 +1,50 @@
+# Two commands on a fresh machine: `make run` (daemon on a real model) and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+GENIE  := $(VENV)/bin/genie-supervisor
+STAMP  := $(VENV)/.installed
+APT_GET := $(shell command -v apt-get 2>/dev/null)
+
+.PHONY: run test deps system-deps models lint bench bench-engine bench-gate clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || { \
+	  echo "venv failed; installing python3-venv"; apt-get update -qq && apt-get install -y -qq python3-venv && $(PYTHON) -m venv $(VENV); }
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	@touch $(STAMP)
+
+deps: $(STAMP)
+
+# Mosquitto is a real part of the tests (MQTT); installed from Debian when missing.
+system-deps:
+	@command -v mosquitto >/dev/null 2>&1 || test -x /usr/sbin/mosquitto || { \
+	  if [ -n "$(APT_GET)" ]; then echo "installing mosquitto"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mosquitto >/dev/null; \
+	  else echo "mosquitto not found and apt-get unavailable: MQTT tests will be skipped"; fi; }
+
+models: $(STAMP)
+	@$(GENIE) models fetch smollm2 >/dev/null
+	@$(GENIE) models fetch gemma3 >/dev/null
+
+run: $(STAMP) system-deps
+	$(GENIE) run --model "$$($(GENIE) models fetch smollm2)" --policy policies/default.yaml
+
+test: $(STAMP) system-deps models
+	$(PY) -m pytest -q tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check genie_supervisor engine tests bench
+	$(VENV)/bin/mypy genie_supervisor engine
+
+bench-engine: $(STAMP) models
+	$(PY) bench/engine_cpu.py
+
+bench-gate: $(STAMP) models
+	$(PY) bench/gate.py
+
+bench: bench-engine bench-gate
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,23 @@
+"""What the engine needs from a decode gate (the supervisor's DecodeGate implements it)."""
+
+from __future__ import annotations
+
+from typing import Literal, Protocol, runtime_checkable
+
+Phase = Literal["prefill", "decode"]
+
+
+@runtime_checkable
+class Gate(Protocol):
+    """Awaited by the engine before every decode step and between prefill chunks."""
+
+    async def wait(self, phase: Phase) -> None:
+        """Return when the next step may run; block (parked) while paused, pace while throttled."""
+        ...
+
+
+class OpenGate:
+    """A gate that never waits (the engine's default)."""
+
+    async def wait(self, phase: Phase) -> None:
+        return None

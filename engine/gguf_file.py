@@ -1,0 +1,187 @@
+"""Open a GGUF file: metadata as plain Python values, tensors memory-mapped (never copied here).
+
+The `gguf` package supplies the format's constants (value types, ggml tensor types and their block
+sizes). Its `GGUFReader` builds a Python object per array element, which takes ~10 s on Gemma's
+262k-token vocabulary, so the header is walked here with `struct` and `numpy.frombuffer` instead.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+
+from .errors import ModelFormatError
+
+GGUF_MAGIC = b"GGUF"
+
+# Tensor types the engine can compute with (names as in ggml / gguf.GGMLQuantizationType).
+SUPPORTED_TYPES = frozenset(
+    ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
+)
+
+_SCALAR = {
+    GGUFValueType.UINT8: ("<B", np.uint8),
+    GGUFValueType.INT8: ("<b", np.int8),
+    GGUFValueType.UINT16: ("<H", np.uint16),
+    GGUFValueType.INT16: ("<h", np.int16),
+    GGUFValueType.UINT32: ("<I", np.uint32),
+    GGUFValueType.INT32: ("<i", np.int32),
+    GGUFValueType.FLOAT32: ("<f", np.float32),
+    GGUFValueType.BOOL: ("<?", np.bool_),
+    GGUFValueType.UINT64: ("<Q", np.uint64),
+    GGUFValueType.INT64: ("<q", np.int64),
+    GGUFValueType.FLOAT64: ("<d", np.float64),
+}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of the file, its bytes still memory-mapped."""
+
+    name: str
+    """GGUF tensor name, e.g. ``blk.0.attn_q.weight``."""
+    type_name: str
+    """ggml type name, e.g. ``Q4_K``."""
+    shape: tuple[int, ...]
+    """Logical shape, outermost first, e.g. ``(rows, cols)`` for a weight ``y = W @ x``."""
+    raw: np.ndarray
+    """Stored bytes: ``uint8[rows, bytes_per_row]`` for quantized types, typed array otherwise."""
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.raw.nbytes)
+
+
+@dataclass
+class GGUFFile:
+    """Metadata and tensors of one GGUF file."""
+
+    path: str
+    metadata: dict[str, Any]
+    tensors: dict[str, TensorInfo]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.metadata.get(key, default)
+
+    def require(self, key: str) -> Any:
+        if key not in self.metadata:
+            raise ModelFormatError(self.path, key, "required metadata key is missing")
+        return self.metadata[key]
+
+
+class _Cursor:
+    """Bounds-checked reader over the memory-mapped header."""
+
+    def __init__(self, path: str, buf: np.ndarray) -> None:
+        self.path = path
+        self.buf = buf
+        self.mv = memoryview(buf)  # type: ignore[arg-type]
+        self.pos = 0
+
+    def take(self, n: int, what: str) -> memoryview:
+        end = self.pos + n
+        if n < 0 or end > len(self.buf):
+            raise ModelFormatError(
+                self.path, what, f"file is truncated: needs byte {end}, file has {len(self.buf)}"
+            )
+        out = self.mv[self.pos : end]
+        self.pos = end
+        return out
+
+    def unpack(self, fmt: str, what: str) -> Any:
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt), what))[0]
+
+    def string(self, what: str) -> str:
+        n = self.unpack("<Q", what)
+        return bytes(self.take(n, what)).decode("utf-8", errors="replace")
+
+    def value(self, vtype: int, what: str) -> Any:
+        if vtype == GGUFValueType.STRING:
+            return self.string(what)
+        if vtype == GGUFValueType.ARRAY:
+            etype = self.unpack("<I", what)
+            count = self.unpack("<Q", what)
+            if etype == GGUFValueType.STRING:
+                return [self.string(what) for _ in range(count)]
+            if etype == GGUFValueType.ARRAY:
+                return [self.value(GGUFValueType.ARRAY, what) for _ in range(count)]
+            if etype not in _SCALAR:
+                raise ModelFormatError(self.path, what, f"unknown array element type {etype}")
+            fmt, dtype = _SCALAR[GGUFValueType(etype)]
+            raw = self.take(count * struct.calcsize(fmt), what)
+            return np.frombuffer(raw, dtype=np.dtype(dtype).newbyteorder("<")).copy()
+        if vtype not in _SCALAR:
+            raise ModelFormatError(self.path, what, f"unknown value type {vtype}")
+        fmt, _ = _SCALAR[GGUFValueType(vtype)]
+        return self.unpack(fmt, what)
+
+
+def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:
+    """Open `path`; raise ModelFormatError naming what is wrong when it is not a usable GGUF."""
+    p = os.fspath(path)
+    try:
+        size = os.path.getsize(p)
+        with open(p, "rb") as fh:
+            magic = fh.read(4)
+    except OSError as exc:
+        raise ModelFormatError(p, "file", f"cannot open: {exc.strerror or exc}") from None
+    if magic != GGUF_MAGIC:
+        raise ModelFormatError(p, "magic", f"expected b'GGUF', found {magic!r}: not a GGUF file")
+    buf = np.memmap(p, dtype=np.uint8, mode="r", shape=(size,))
+    cur = _Cursor(p, buf)
+    cur.take(4, "magic")
+    version = cur.unpack("<I", "version")
+    if version not in (2, 3):
+        raise ModelFormatError(p, "version", f"GGUF version {version} is not supported (2 or 3)")
+    n_tensors = cur.unpack("<Q", "tensor_count")
+    n_kv = cur.unpack("<Q", "kv_count")
+    metadata: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = cur.string("metadata key")
+        vtype = cur.unpack("<I", key)
+        metadata[key] = cur.value(vtype, key)
+    infos = []
+    for _ in range(n_tensors):
+        name = cur.string("tensor name")
+        n_dims = cur.unpack("<I", name)
+        dims = [cur.unpack("<Q", name) for _ in range(n_dims)]
+        ttype = cur.unpack("<I", name)
+        offset = cur.unpack("<Q", name)
+        infos.append((name, dims, ttype, offset))
+    align = int(metadata.get("general.alignment", 32))
+    data_start = (cur.pos + align - 1) // align * align
+    tensors: dict[str, TensorInfo] = {}
+    for name, dims, ttype, offset in infos:
+        try:
+            qtype = GGMLQuantizationType(ttype)
+        except ValueError:
+            raise ModelFormatError(p, name, f"unknown tensor type id {ttype}") from None
+        shape = tuple(int(d) for d in reversed(dims))  # ggml lists the fastest dimension first
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        n_elems = int(np.prod(shape)) if shape else 1
+        cols = shape[-1] if shape else 1
+        if cols % block:
+            raise ModelFormatError(p, name, f"row length {cols} is not a multiple of {block}")
+        nbytes = n_elems // block * type_size
+        start = data_start + int(offset)
+        if start + nbytes > size:
+            raise ModelFormatError(
+                p, name, f"file is truncated: tensor ends at byte {start + nbytes}, file has {size}"
+            )
+        raw = buf[start : start + nbytes]
+        if qtype == GGMLQuantizationType.F32:
+            arr = raw.view(np.float32).reshape(shape)
+        elif qtype == GGMLQuantizationType.F16:
+            arr = raw.view(np.float16).reshape(shape)
+        elif qtype == GGMLQuantizationType.BF16:
+            arr = raw.view(np.uint16).reshape(shape)
+        else:
+            rows = n_elems // cols if cols else 0
+            arr = raw.reshape(rows, cols // block * type_size)
+        tensors[name] = TensorInfo(name, qtype.name, shape, arr)
+    return GGUFFile(p, metadata, tensors)

@@ -1,0 +1,156 @@
+"""NumPy backend: the reference ops on CPU (weights dequantized once to float32 at load)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..gguf_file import TensorInfo
+from ..quants import dequantize, dequantize_rows
+
+_GELU_C = math.sqrt(2.0 / math.pi)
+
+
+class NumpyOps:
+    """Every op the forward pass uses; arrays are float32 NumPy arrays."""
+
+    name = "numpy"
+    xp = np
+
+    # --- weights -------------------------------------------------------------------------
+    def weight(self, t: TensorInfo) -> np.ndarray:
+        """A tensor as a float32 array of its logical shape (dequantized once)."""
+        return dequantize(t.raw, t.type_name, t.shape)
+
+    def concat_rows(self, parts: list[np.ndarray]) -> np.ndarray:
+        """Stack weights along the output dimension (fused QKV, fused gate+up)."""
+        return np.ascontiguousarray(np.concatenate(parts, axis=0))
+
+    def embed_rows(self, table: TensorInfo | np.ndarray, ids: np.ndarray, cols: int) -> np.ndarray:
+        """Rows of the embedding table: [T] ids -> [T, E]."""
+        if isinstance(table, np.ndarray):
+            return table[ids]
+        return dequantize_rows(table.raw, table.type_name, ids, cols)
+
+    def zeros(self, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+        return np.zeros(shape, dtype=np.dtype(dtype))
+
+    def to_host(self, x: np.ndarray) -> np.ndarray:
+        return x
+
+    # --- math ----------------------------------------------------------------------------
+    @staticmethod
+    def act_quant(x: np.ndarray, kind: str | None) -> np.ndarray:
+        """Round activations the way llama.cpp's CPU path does before a quantized dot product.
+
+        ``q8_0``: blocks of 32, scale amax/127 (also Q8_1's values); ``q8_k``: blocks of 256,
+        scale = (signed value of largest magnitude) / -128. None leaves x unchanged.
+        """
+        if kind is None:
+            return x
+        qk = 32 if kind == "q8_0" else 256
+        t, n = x.shape
+        xb = x.reshape(t, n // qk, qk)
+        if kind == "q8_0":
+            d = np.abs(xb).max(axis=-1, keepdims=True) / np.float32(127)
+            inv = np.divide(1.0, d, out=np.zeros_like(d), where=d != 0)
+            q = np.round(xb * inv)
+        else:
+            idx = np.abs(xb).argmax(axis=-1)[..., None]
+            mx = np.take_along_axis(xb, idx, axis=-1)
+            iscale = np.divide(np.float32(-128), mx, out=np.zeros_like(mx), where=mx != 0)
+            q = np.minimum(np.round(xb * iscale), 127)
+            d = np.divide(1.0, iscale, out=np.zeros_like(iscale), where=iscale != 0)
+        return (q * d).astype(np.float32).reshape(t, n)
+
+    @classmethod
+    def linear(
+        cls, x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None, aq: str | None = None
+    ) -> np.ndarray:
+        """[T, in] x [out, in] -> [T, out] (+ bias); `aq` rounds x as llama.cpp does (act_quant)."""
+        x = cls.act_quant(x, aq)
+        y = (w @ x[0])[None, :] if x.shape[0] == 1 else x @ w.T
+        if b is not None:
+            y += b
+        return y
+
+    @staticmethod
+    def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+        """RMSNorm over the last axis, scaled by `w`."""
+        ms = np.mean(np.square(x), axis=-1, keepdims=True, dtype=np.float32)
+        return (x / np.sqrt(ms + eps)) * w
+
+    @staticmethod
+    def rope_tables(n_ctx: int, dim: int, base: float, scale: float) -> tuple[np.ndarray, np.ndarray]:
+        """cos and sin, [n_ctx, dim/2], for positions 0..n_ctx-1."""
+        inv = base ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)
+        ang = np.outer(np.arange(n_ctx, dtype=np.float64) / scale, inv)
+        return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+    @staticmethod
+    def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str) -> np.ndarray:
+        """Rotate [T, heads, D] by per-position [T, d/2] tables; d <= D dims rotate."""
+        half = cos.shape[-1]
+        c, s = cos[:, None, :], sin[:, None, :]
+        out = x.copy()
+        if style == "neox":
+            x0, x1 = x[..., :half], x[..., half : 2 * half]
+            out[..., :half] = x0 * c - x1 * s
+            out[..., half : 2 * half] = x0 * s + x1 * c
+        else:
+            x0, x1 = x[..., 0 : 2 * half : 2], x[..., 1 : 2 * half : 2]
+            out[..., 0 : 2 * half : 2] = x0 * c - x1 * s
+            out[..., 1 : 2 * half : 2] = x0 * s + x1 * c
+        return out
+
+    @staticmethod
+    def kv_store(cache: np.ndarray, start: int, x: np.ndarray) -> None:
+        """Write [T, KV, D] into the cache [KV, n_ctx, D] at positions start..start+T-1."""
+        cache[:, start : start + x.shape[0], :] = x.transpose(1, 0, 2)
+
+    @staticmethod
+    def attention(
+        q: np.ndarray,
+        k_cache: np.ndarray,
+        v_cache: np.ndarray,
+        start: int,
+        window: int,
+        scale: float,
+    ) -> np.ndarray:
+        """Causal (optionally sliding-window) GQA attention of [T, H, D] queries at positions
+        start.. over the cached keys 0..start+T-1 -> [T, H*Dv]."""
+        t, h, d = q.shape
+        kv = k_cache.shape[0]
+        g = h // kv
+        end = start + t
+        lo = max(0, start - window + 1) if window else 0
+        k = k_cache[:, lo:end, :]
+        v = v_cache[:, lo:end, :]
+        half = k.dtype == np.float16
+        if half:
+            k, v = k.astype(np.float32), v.astype(np.float32)
+        qg = q.reshape(t, kv, g, d).transpose(1, 0, 2, 3).reshape(kv, t * g, d)
+        scores = (qg @ k.transpose(0, 2, 1)) * scale  # [KV, T*G, S]
+        scores = scores.reshape(kv, t, g, end - lo)
+        if t > 1 or window:
+            qpos = np.arange(start, end)[:, None]
+            kpos = np.arange(lo, end)[None, :]
+            masked = kpos > qpos
+            if window:
+                masked |= (qpos - kpos) >= window
+            scores += np.where(masked, np.float32(-np.inf), np.float32(0))[None, :, None, :]
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(axis=-1, keepdims=True)
+        out = scores.reshape(kv, t * g, end - lo) @ v  # [KV, T*G, Dv]
+        dv = v.shape[-1]
+        return out.reshape(kv, t, g, dv).transpose(1, 0, 2, 3).reshape(t, h * dv)
+
+    @staticmethod
+    def gated_act(gate: np.ndarray, up: np.ndarray, kind: str) -> np.ndarray:
+        """SwiGLU (`silu`) or GeGLU with tanh GELU (`gelu_tanh`)."""
+        if kind == "silu":
+            return gate / (1.0 + np.exp(-gate)) * up
+        inner = _GELU_C * (gate + 0.044715 * gate * gate * gate)
+        return 0.5 * gate * (1.0 + np.tanh(inner)) * up

@@ -1,0 +1,234 @@
+"""The model: weights, one forward pass shared by every architecture, and the public facade.
+
+A block is ``h = x + attn(norm(x)); out = h + ffn(norm(h))``; the architecture options
+(`spec.traits`) switch biases, Q/K norms, post norms, sliding windows, GeGLU and embedding scale.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .errors import ContextOverflowError, ModelFormatError
+from .gguf_file import SUPPORTED_TYPES, GGUFFile, TensorInfo
+from .kv_cache import KVCache, kv_bytes
+from .spec import ModelSpec
+
+
+# How llama.cpp's CPU path rounds the activations that meet a weight of each type.
+ACT_QUANT = {
+    "Q4_0": "q8_0", "Q5_0": "q8_0", "Q8_0": "q8_0", "Q4_1": "q8_0", "Q5_1": "q8_0",
+    "Q4_K": "q8_k", "Q5_K": "q8_k", "Q6_K": "q8_k",
+}
+
+
+def act_quant_of(*tensors: TensorInfo) -> str | None:
+    """The activation rounding for a (fused) weight; None when its parts disagree or are float."""
+    kinds = {ACT_QUANT.get(t.type_name) for t in tensors}
+    return kinds.pop() if len(kinds) == 1 else None
+
+
+@dataclass
+class LayerWeights:
+    """Weights of one block, in the backend's array type (QKV and gate+up fused)."""
+
+    attn_norm: Any
+    wqkv: Any
+    bqkv: Any | None
+    q_norm: Any | None
+    k_norm: Any | None
+    wo: Any
+    post_attn_norm: Any | None
+    ffn_norm: Any
+    w_gate_up: Any
+    w_down: Any
+    post_ffn_norm: Any | None
+    aq: dict[str, str | None]
+    """Activation rounding per matrix (``qkv``, ``o``, ``gate_up``, ``down``)."""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes the model needs, planned before anything is allocated."""
+
+    weights: int
+    """Weights as the backend stores them."""
+    kv: int
+    """KV cache at the planned context."""
+    scratch: int
+    """Largest activations of one prefill chunk (estimate)."""
+    n_ctx: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.scratch
+
+
+def _check_types(gf: GGUFFile) -> None:
+    for t in gf.tensors.values():
+        if t.type_name not in SUPPORTED_TYPES:
+            raise ModelFormatError(
+                gf.path, t.name, f"tensor type {t.type_name} is not supported "
+                f"(supported: {', '.join(sorted(SUPPORTED_TYPES))})"
+            )
+
+
+def _tensor(gf: GGUFFile, name: str, shape: tuple[int, ...] | None = None) -> TensorInfo:
+    t = gf.tensors.get(name)
+    if t is None:
+        raise ModelFormatError(gf.path, name, "required tensor is missing")
+    if shape is not None and t.shape != shape:
+        raise ModelFormatError(gf.path, name, f"shape {t.shape}, expected {shape}")
+    return t
+
+
+def plan_memory(gf: GGUFFile, spec: ModelSpec, n_ctx: int, kv_dtype: str, chunk: int = 64) -> MemoryPlan:
+    """Memory plan of the float32 CPU backend: weights dequantized, KV at n_ctx, one chunk of scratch."""
+    weights = 0
+    for t in gf.tensors.values():
+        weights += int(np.prod(t.shape)) * 4
+    if "output.weight" not in gf.tensors:
+        pass  # tied head: the embedding table is dequantized once and shared
+    width = max(spec.n_embd, spec.n_heads * spec.head_dim * 3, 2 * spec.n_ff)
+    scratch = chunk * (width * 4 * 4 + spec.n_vocab * 4) + spec.n_heads * chunk * n_ctx * 4
+    return MemoryPlan(weights, kv_bytes(spec, n_ctx, kv_dtype), scratch, n_ctx)
+
+
+class Transformer:
+    """Weights + KV cache + forward pass. Not thread-safe: callers hold `lock`."""
+
+    def __init__(self, gf: GGUFFile, spec: ModelSpec, ops: Any, n_ctx: int, kv_dtype: str) -> None:
+        _check_types(gf)
+        self.spec = spec
+        self.ops = ops
+        self.lock = threading.Lock()
+        e, hd, vd = spec.n_embd, spec.head_dim, spec.v_head_dim
+        q_rows, kv_rows = spec.n_heads * hd, spec.n_kv_heads * hd
+        emb = _tensor(gf, "token_embd.weight")
+        if emb.shape[-1] != e:
+            raise ModelFormatError(gf.path, "token_embd.weight", f"width {emb.shape[-1]}, expected {e}")
+        out = gf.tensors.get("output.weight")
+        self.output_aq = act_quant_of(out if out is not None else emb)
+        if out is None:  # tied head: one float32 table serves lookup and logits
+            self.output = ops.weight(emb)
+            self.embed_table: Any = self.output
+        else:
+            self.output = ops.weight(out)
+            self.embed_table = emb  # rows dequantized on lookup
+        self.output_norm = ops.weight(_tensor(gf, "output_norm.weight", (e,)))
+        tr = spec.traits
+        self.layers: list[LayerWeights] = []
+        for i in range(spec.n_layers):
+            p = f"blk.{i}."
+
+            def w(name: str, shape: tuple[int, ...] | None = None, p: str = p) -> Any:
+                return ops.weight(_tensor(gf, p + name, shape))
+
+            def aq(*names: str, p: str = p) -> str | None:
+                return act_quant_of(*(gf.tensors[p + n] for n in names))
+
+            def opt(name: str, p: str = p) -> Any | None:
+                t = gf.tensors.get(p + name)
+                return None if t is None else ops.weight(t)
+
+            biases = [opt("attn_q.bias"), opt("attn_k.bias"), opt("attn_v.bias")]
+            bqkv = None
+            if any(b is not None for b in biases):
+                if any(b is None for b in biases):
+                    raise ModelFormatError(gf.path, p + "attn_q.bias", "Q/K/V biases must all exist")
+                bqkv = ops.xp.concatenate(biases)
+            self.layers.append(
+                LayerWeights(
+                    attn_norm=w("attn_norm.weight", (e,)),
+                    wqkv=ops.concat_rows(
+                        [w("attn_q.weight", (q_rows, e)), w("attn_k.weight", (kv_rows, e)),
+                         w("attn_v.weight", (spec.n_kv_heads * vd, e))]
+                    ),
+                    bqkv=bqkv,
+                    q_norm=w("attn_q_norm.weight", (hd,)) if tr.qk_norm else None,
+                    k_norm=w("attn_k_norm.weight", (hd,)) if tr.qk_norm else None,
+                    wo=w("attn_output.weight", (e, spec.n_heads * vd)),
+                    post_attn_norm=w("post_attention_norm.weight", (e,)) if tr.post_norms else None,
+                    ffn_norm=w("ffn_norm.weight", (e,)),
+                    w_gate_up=ops.concat_rows(
+                        [w("ffn_gate.weight", (spec.n_ff, e)), w("ffn_up.weight", (spec.n_ff, e))]
+                    ),
+                    w_down=w("ffn_down.weight", (e, spec.n_ff)),
+                    post_ffn_norm=w("post_ffw_norm.weight", (e,)) if tr.post_norms else None,
+                    aq={
+                        "qkv": aq("attn_q.weight", "attn_k.weight", "attn_v.weight"),
+                        "o": aq("attn_output.weight"),
+                        "gate_up": aq("ffn_gate.weight", "ffn_up.weight"),
+                        "down": aq("ffn_down.weight"),
+                    },
+                )
+            )
+        self.n_ctx = n_ctx
+        self.kv = KVCache.allocate(ops, spec, n_ctx, kv_dtype)
+        rope_dim = min(spec.rope_dim, hd)
+        self.rope = {
+            base: ops.rope_tables(n_ctx, rope_dim, base, spec.rope_scale)
+            for base in {spec.layer_rope_base(i) for i in range(spec.n_layers)}
+        }
+        self.weights_bytes = int(
+            sum(a.nbytes for a in _arrays(self.layers)) + self.output.nbytes + self.output_norm.nbytes
+        )
+
+    # ------------------------------------------------------------------------------------
+    def forward(self, ids: Sequence[int], start: int, last_n: int | None = 1) -> Any:
+        """Run `ids` at positions start.. through the model, writing their K/V into the cache.
+
+        Returns logits [n, vocab] for the last `last_n` positions (all when None).
+        """
+        s, ops = self.spec, self.ops
+        t = len(ids)
+        if start + t > self.n_ctx:
+            raise ContextOverflowError(start + t, self.n_ctx)
+        idx = np.asarray(ids, dtype=np.int64)
+        x = ops.embed_rows(self.embed_table, idx, s.n_embd)  # [T, E]
+        if s.traits.embed_scale:
+            x = x * np.float32(math.sqrt(s.n_embd))
+        hd, vd, nh, nkv = s.head_dim, s.v_head_dim, s.n_heads, s.n_kv_heads
+        for i, lw in enumerate(self.layers):
+            h = ops.rms_norm(x, lw.attn_norm, s.norm_eps)
+            qkv = ops.linear(h, lw.wqkv, lw.bqkv, lw.aq["qkv"])  # [T, (H + KV) * D + KV * Dv]
+            q = qkv[:, : nh * hd].reshape(t, nh, hd)
+            k = qkv[:, nh * hd : (nh + nkv) * hd].reshape(t, nkv, hd)
+            v = qkv[:, (nh + nkv) * hd :].reshape(t, nkv, vd)
+            if lw.q_norm is not None:
+                q = ops.rms_norm(q, lw.q_norm, s.norm_eps)
+                k = ops.rms_norm(k, lw.k_norm, s.norm_eps)
+            cos, sin = self.rope[s.layer_rope_base(i)]
+            q = ops.rope(q, cos[start : start + t], sin[start : start + t], s.traits.rope_style)
+            k = ops.rope(k, cos[start : start + t], sin[start : start + t], s.traits.rope_style)
+            ops.kv_store(self.kv.k[i], start, k)
+            ops.kv_store(self.kv.v[i], start, v)
+            window = s.sliding_window if s.is_swa_layer(i) else 0
+            a = ops.attention(q, self.kv.k[i], self.kv.v[i], start, window, s.attn_scale)  # [T, H*Dv]
+            a = ops.linear(a, lw.wo, None, lw.aq["o"])  # [T, E]
+            if lw.post_attn_norm is not None:
+                a = ops.rms_norm(a, lw.post_attn_norm, s.norm_eps)
+            x = x + a
+            h = ops.rms_norm(x, lw.ffn_norm, s.norm_eps)
+            gu = ops.linear(h, lw.w_gate_up, None, lw.aq["gate_up"])  # [T, 2F]
+            act = ops.gated_act(gu[:, : s.n_ff], gu[:, s.n_ff :], s.traits.activation)
+            f = ops.linear(act, lw.w_down, None, lw.aq["down"])
+            if lw.post_ffn_norm is not None:
+                f = ops.rms_norm(f, lw.post_ffn_norm, s.norm_eps)
+            x = x + f
+        if last_n is not None:
+            x = x[-last_n:]
+        x = ops.rms_norm(x, self.output_norm, s.norm_eps)
+        return ops.linear(x, self.output, None, self.output_aq)  # [n, vocab]
+
+
+def _arrays(layers: list[LayerWeights]) -> list[Any]:
+    out = []
+    for lw in layers:
+        out.extend(a for a in vars(lw).values() if a is not None and hasattr(a, "nbytes"))
+    return out

@@ -1,0 +1,291 @@
+"""The daemon's config file (YAML): validated, unknown keys refused, errors as file:line.
+
+``load_config(path, overrides)`` reads the file (or starts from defaults when `path` is None),
+applies the CLI flags (``--model``, ``--policy``, ``--mqtt``, ``--listen``, ``--platform``),
+and resolves relative paths against the config file's folder.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from .errors import ConfigError, ConfigErrors
+from .yamlsrc import KeyedValueError, LineMap, load_yaml, validate
+
+_HOSTPORT = re.compile(r"^(?:tcp://)?(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
+
+
+def parse_hostport(value: str) -> tuple[str, int]:
+    """``host:port`` (optionally ``tcp://host:port``, ``[v6]:port``) -> (host, port); ValueError if not."""
+    m = _HOSTPORT.match(value.strip())
+    if not m or not 0 < int(m.group(2)) < 65536:
+        raise ValueError(f"expected HOST:PORT with a port 1-65535, got {value!r}")
+    return m.group(1).strip("[]"), int(m.group(2))
+
+
+def _hostport(value: str) -> str:
+    parse_hostport(value)
+    return value
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class LogConfig(_Section):
+    """Logging."""
+
+    level: Literal["debug", "info", "warning", "error"] = Field("info", description="lowest level written")
+    format: Literal["auto", "json", "console"] = Field(
+        "auto", description="json lines, pretty console, or auto (console on a terminal, json otherwise)"
+    )
+
+
+class HttpConfig(_Section):
+    """The HTTP API."""
+
+    listen: str = Field("127.0.0.1:8080", description="HOST:PORT the API listens on")
+
+    _v = field_validator("listen")(classmethod(lambda cls, v: _hostport(v)))
+
+
+class MqttConfig(_Section):
+    """The MQTT connection and Home Assistant discovery."""
+
+    url: str | None = Field(None, description="broker URL mqtt://HOST:PORT or mqtts://HOST:PORT; null disables MQTT")
+    username: str | None = Field(None, description="broker user name")
+    password: str | None = Field(None, description="broker password")
+    tls: bool = Field(False, description="use TLS (implied by mqtts://)")
+    client_id: str | None = Field(None, description="MQTT client id (default genie-<node_id>)")
+    discovery_prefix: str = Field("homeassistant", min_length=1, description="Home Assistant discovery prefix")
+    base_topic: str = Field("genie", min_length=1, description="state topics live under <base_topic>/<node_id>/")
+    per_entity_discovery: bool = Field(False, description="one discovery message per entity instead of one device message")
+    publish_interval_s: float = Field(5.0, gt=0, le=3600, description="how often state is published (changes go out at once)")
+    keepalive: int = Field(60, ge=5, le=3600, description="MQTT keepalive in seconds")
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        parts = urlsplit(v)
+        if parts.scheme not in ("mqtt", "mqtts") or not parts.hostname:
+            raise ValueError(f"expected mqtt://HOST[:PORT] or mqtts://HOST[:PORT], got {v!r}")
+        try:
+            parts.port  # noqa: B018 - raises on a bad port
+        except ValueError as exc:
+            raise ValueError(f"bad port in {v!r}") from exc
+        return v
+
+
+class EngineConfig(_Section):
+    """The built-in LLM engine."""
+
+    model: str | None = Field(None, description="GGUF model path (relative to this file); null runs without an LLM")
+    backend: Literal["auto", "numpy", "cupy"] = Field("auto", description="compute backend (auto: cupy when CUDA works)")
+    n_ctx: int = Field(4096, ge=128, le=1_048_576, description="context length the KV cache is sized for (tokens)")
+    kv_dtype: Literal["f16", "int8"] = Field("f16", description="KV cache element type")
+    threads: int | None = Field(None, ge=1, le=1024, description="CPU threads for the numpy backend (default: all cores)")
+
+
+class PolicyConfig(_Section):
+    """Which policy is in force."""
+
+    path: str | None = Field(None, description="policy YAML (relative to this file); null uses the built-in defaults")
+    watch: bool = Field(True, description="reload the policy when its file changes")
+    poll_interval_s: float = Field(1.0, gt=0, le=3600, description="how often the policy file is checked")
+
+
+class SimulatedTelemetry(_Section):
+    """Values of the simulated platform (tests, demos)."""
+
+    temps_c: dict[str, float] = Field(default_factory=lambda: {"cpu": 45.0, "gpu": 44.0}, description="starting temperature per sensor (°C)")
+    mem_total_mb: float = Field(7620, gt=0, description="MemTotal reported (MiB)")
+    mem_available_mb: float = Field(5000, ge=0, description="starting MemAvailable (MiB)")
+    script: str | None = Field(None, description="JSONL file of timed samples to replay ({\"t\": s, ...sample fields})")
+    loop: bool = Field(False, description="replay the script forever")
+
+
+class TelemetryConfig(_Section):
+    """Platform telemetry."""
+
+    platform: Literal["auto", "jetson", "nvml", "linux", "simulated"] = Field("auto", description="telemetry source")
+    interval_s: float = Field(1.0, gt=0, le=600, description="seconds between samples")
+    simulated: SimulatedTelemetry = Field(default_factory=SimulatedTelemetry, description="settings of the simulated platform")
+
+
+class MatchConfig(_Section):
+    """How a watcher finds a service: any combination; the first that finds something wins."""
+
+    systemd_unit: str | None = Field(None, description="systemd unit name, e.g. wyoming-faster-whisper.service")
+    process_name: str | None = Field(None, description="process name (comm)")
+    cmdline_pattern: str | None = Field(None, description="regular expression searched in the command line")
+    pid_file: str | None = Field(None, description="file holding the process id")
+    container: str | None = Field(None, description="Docker/Podman container name")
+    cgroup_path: str | None = Field(None, description="cgroup v2 path whose memory/CPU is read")
+    health_url: str | None = Field(None, description="URL that answers 2xx while the service is healthy")
+
+    @field_validator("cmdline_pattern")
+    @classmethod
+    def _regex(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                re.compile(v)
+            except re.error as exc:
+                raise ValueError(f"not a valid regular expression: {exc}") from exc
+        return v
+
+
+class WyomingProxy(_Section):
+    """A byte-transparent Wyoming proxy that tells the supervisor when STT/TTS runs."""
+
+    listen: str = Field(..., description="HOST:PORT clients (Home Assistant) connect to")
+    upstream: str = Field(..., description="HOST:PORT (or tcp://HOST:PORT) of the real Wyoming server")
+    hold_audio_stop_until_parked: bool = Field(True, description="hold `audio-stop` until the LLM is parked (bounded by hold_max_ms)")
+    hold_max_ms: int = Field(250, ge=0, le=10000, description="longest `audio-stop` is held")
+
+    _v = field_validator("listen", "upstream")(classmethod(lambda cls, v: _hostport(v)))
+
+
+ServiceKind = Literal["wyoming_stt", "wyoming_tts", "process", "http", "dfn", "homeassistant"]
+
+
+class ServiceConfig(_Section):
+    """One neighbour service the supervisor watches."""
+
+    kind: ServiceKind = Field(..., description="what it is; decides the watcher and its signals")
+    match: MatchConfig = Field(default_factory=MatchConfig, description="how to find it")
+    proxy: WyomingProxy | None = Field(None, description="Wyoming proxy in front of it (wyoming_stt / wyoming_tts only)")
+    interval_s: float = Field(2.0, gt=0, le=600, description="seconds between checks")
+    timeout_s: float = Field(2.0, gt=0, le=60, description="deadline of one health check")
+    token: str | None = Field(None, description="bearer token for match.health_url (Home Assistant long-lived token)")
+    log_file: str | None = Field(None, description="log file in which DFN underruns are counted (kind dfn)")
+    journal_unit: str | None = Field(None, description="systemd unit whose journal is followed for DFN underruns (kind dfn)")
+
+    @model_validator(mode="after")
+    def _check(self) -> ServiceConfig:
+        if self.proxy is not None and not self.kind.startswith("wyoming_"):
+            raise KeyedValueError("proxy", f"a proxy only applies to wyoming_stt and wyoming_tts services, not {self.kind}")
+        if self.kind in ("http", "homeassistant") and self.match.health_url is None:
+            raise KeyedValueError("match", f"a {self.kind} service needs match.health_url")
+        if (self.log_file or self.journal_unit) and self.kind != "dfn":
+            raise KeyedValueError("log_file" if self.log_file else "journal_unit", f"underrun counting only applies to kind dfn, not {self.kind}")
+        return self
+
+    def watcher_settings(self, name: str) -> dict[str, Any]:
+        """This service as the plain mapping ``watchers.WatcherSettings.from_mapping`` takes."""
+        out: dict[str, Any] = {"name": name, "kind": _WATCHER_KIND[self.kind], "interval_s": self.interval_s,
+                               "timeout_s": self.timeout_s}
+        out.update({k: v for k, v in self.match.model_dump().items() if v is not None})
+        out.update({k: v for k in ("token", "log_file", "journal_unit") if (v := getattr(self, k)) is not None})
+        if self.proxy is not None:
+            lhost, lport = parse_hostport(self.proxy.listen)
+            uhost, uport = parse_hostport(self.proxy.upstream)
+            out["proxy"] = {
+                "listen_host": lhost, "listen_port": lport, "upstream_host": uhost, "upstream_port": uport,
+                "service": "stt" if self.kind == "wyoming_stt" else "tts",
+                "hold_audio_stop_until_parked": self.proxy.hold_audio_stop_until_parked,
+                "hold_max_s": self.proxy.hold_max_ms / 1000.0,
+            }
+        return out
+
+
+_WATCHER_KIND = {"wyoming_stt": "whisper", "wyoming_tts": "piper", "dfn": "dfn", "homeassistant": "homeassistant",
+                 "process": "generic", "http": "generic"}
+
+
+class VoiceConfig(_Section):
+    """Voice hints."""
+
+    hint_timeout_s: float = Field(30.0, gt=0, le=3600, description="an STT/TTS start with no stop expires after this")
+
+
+class SystemdConfig(_Section):
+    """systemd integration (used only when running under systemd)."""
+
+    notify: bool = Field(True, description="send READY=1/STOPPING=1 when NOTIFY_SOCKET is set")
+    watchdog: bool = Field(True, description="send WATCHDOG=1 pings when WATCHDOG_USEC is set")
+
+
+class Config(_Section):
+    """The whole daemon config."""
+
+    node_id: str = Field("genie", pattern=r"^[a-z0-9_-]{1,64}$", description="this box's id in MQTT topics")
+    log: LogConfig = Field(default_factory=LogConfig, description="logging")
+    http: HttpConfig = Field(default_factory=HttpConfig, description="HTTP API")
+    mqtt: MqttConfig = Field(default_factory=MqttConfig, description="MQTT")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="built-in LLM engine")
+    policy: PolicyConfig = Field(default_factory=PolicyConfig, description="policy")
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig, description="platform telemetry")
+    services: dict[str, ServiceConfig] = Field(default_factory=dict, description="watched services by name")
+    voice: VoiceConfig = Field(default_factory=VoiceConfig, description="voice hints")
+    systemd: SystemdConfig = Field(default_factory=SystemdConfig, description="systemd integration")
+
+    @field_validator("services")
+    @classmethod
+    def _names(cls, services: dict[str, ServiceConfig]) -> dict[str, ServiceConfig]:
+        for name in services:
+            if not re.fullmatch(r"[a-z0-9_-]{1,64}", name):
+                raise KeyedValueError(name, f"service name {name!r} must be 1-64 of a-z, 0-9, _ and -")
+        return services
+
+    def stt_services(self) -> list[str]:
+        """Names of the services of kind wyoming_stt (the policy's failsafe.stt_unknown watches them)."""
+        return [name for name, svc in self.services.items() if svc.kind == "wyoming_stt"]
+
+
+_OVERRIDES = {
+    "model": ("engine", "model"),
+    "policy": ("policy", "path"),
+    "mqtt": ("mqtt", "url"),
+    "listen": ("http", "listen"),
+    "platform": ("telemetry", "platform"),
+}
+
+
+def load_config(path: str | os.PathLike[str] | None = None, overrides: dict[str, Any] | None = None) -> Config:
+    """Read the config (defaults when `path` is None), apply CLI overrides; raises ConfigErrors."""
+    name = os.fspath(path) if path is not None else "<defaults>"
+    data: Any = {}
+    lines = LineMap()
+    if path is not None:
+        try:
+            text = Path(name).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigErrors([ConfigError(name, None, "", f"cannot read: {exc}")]) from exc
+        data, lines, issues = load_yaml(text, name, ConfigError)
+        if issues:
+            raise ConfigErrors(issues)
+        data = {} if data is None else data
+        if isinstance(data, dict):
+            _resolve_paths(data, Path(name).parent)
+    if isinstance(data, dict):
+        for flag, value in (overrides or {}).items():
+            if value is None:
+                continue
+            if flag not in _OVERRIDES:
+                raise ValueError(f"unknown override {flag!r}")
+            section, key = _OVERRIDES[flag]
+            if not isinstance(data.get(section), dict):
+                data[section] = {}
+            data[section][key] = value
+    config, issues = validate(Config, data, lines, name, ConfigError)
+    if issues or config is None:
+        raise ConfigErrors(issues)
+    return config
+
+
+def _resolve_paths(data: dict[str, Any], base: Path) -> None:
+    for section, key in (("engine", "model"), ("policy", "path")):
+        sec = data.get(section)
+        if isinstance(sec, dict) and isinstance(sec.get(key), str) and not os.path.isabs(sec[key]):
+            sec[key] = str(base / sec[key])
+    sim = (data.get("telemetry") or {}).get("simulated") if isinstance(data.get("telemetry"), dict) else None
+    if isinstance(sim, dict) and isinstance(sim.get("script"), str) and not os.path.isabs(sim["script"]):
+        sim["script"] = str(base / sim["script"])

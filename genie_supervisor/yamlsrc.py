@@ -1,0 +1,201 @@
+"""YAML with line numbers: load a file, remember where every key is, map validation errors back.
+
+``load_yaml`` returns the plain data plus a ``LineMap`` (key path -> 1-based line).
+``validate`` runs a pydantic model over the data and turns a ``ValidationError`` into
+``file:line key.path: message`` issues that name the offending value and what was expected.
+"""
+
+from __future__ import annotations
+
+import difflib
+import types
+import typing
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from .errors import SourceError
+
+Path = tuple[str | int, ...]
+M = TypeVar("M", bound=BaseModel)
+IssueFactory = Callable[[str, "int | None", str, str], SourceError]
+
+
+class KeyedValueError(ValueError):
+    """A ValueError raised by a validator that knows which sub-key is wrong (for a precise line)."""
+
+    def __init__(self, key: str | int | Sequence[str | int], message: str) -> None:
+        self.key: Path = (key,) if isinstance(key, (str, int)) else tuple(key)
+        """Key path below the validated object that the message is about."""
+        super().__init__(message)
+
+
+@dataclass
+class LineMap:
+    """Where each key path of a YAML document starts (1-based lines)."""
+
+    lines: dict[Path, int] = field(default_factory=dict)
+
+    def line_of(self, path: Path) -> int | None:
+        """The line of `path`, or of its closest ancestor that has one."""
+        for n in range(len(path), -1, -1):
+            line = self.lines.get(_norm(path[:n]))
+            if line is not None:
+                return line
+        return None
+
+
+def _norm(path: Path) -> Path:
+    return tuple(p if isinstance(p, int) else str(p) for p in path)
+
+
+def format_path(path: Path) -> str:
+    """``('thermal', 'levels', 1, 'enter_c')`` -> ``thermal.levels[1].enter_c``."""
+    out = ""
+    for p in path:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out
+
+
+def _walk(node: yaml.Node, path: Path, lines: dict[Path, int], issues: list[tuple[int, str, str]]) -> None:
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            key = str(key_node.value)
+            line = key_node.start_mark.line + 1
+            if key == "<<":
+                _walk(value_node, path, lines, issues)
+                continue
+            if key in seen:
+                issues.append((line, format_path(path + (key,)), f"duplicate key (first at line {seen[key]})"))
+            seen[key] = line
+            lines[path + (key,)] = line
+            _walk(value_node, path + (key,), lines, issues)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            lines[path + (i,)] = item.start_mark.line + 1
+            _walk(item, path + (i,), lines, issues)
+
+
+def load_yaml(text: str, path: str, make: IssueFactory) -> tuple[Any, LineMap, list[SourceError]]:
+    """Parse `text` (from file `path`); returns (data, line map, issues). Malformed YAML is one issue."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        data = loader.construct_document(node) if node is not None else None
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line = mark.line + 1 if mark is not None else None
+        what = exc.problem or "invalid YAML"
+        if exc.context:
+            what = f"{exc.context}, {what}"
+        return None, LineMap(), [make(path, line, "", f"malformed YAML: {what}")]
+    except yaml.YAMLError as exc:
+        return None, LineMap(), [make(path, None, "", f"malformed YAML: {exc}")]
+    finally:
+        loader.dispose()
+    lines: dict[Path, int] = {(): 1}
+    dup: list[tuple[int, str, str]] = []
+    if node is not None:
+        lines[()] = node.start_mark.line + 1
+        _walk(node, (), lines, dup)
+    issues = [make(path, line, key, msg) for line, key, msg in dup]
+    return data, LineMap(lines), issues
+
+
+def validate(
+    model: type[M], data: Any, lines: LineMap, path: str, make: IssueFactory, context: Any = None
+) -> tuple[M | None, list[SourceError]]:
+    """Validate `data` with `model`; on failure, return issues with file, line and key path."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        return None, [make(path, lines.line_of(()), "", f"expected a mapping of keys at the top level, got {type(data).__name__}")]
+    try:
+        return model.model_validate(data, context=context), []
+    except ValidationError as exc:
+        issues = [_issue(model, err, data, lines, path, make) for err in exc.errors()]
+        issues.sort(key=lambda i: (i.line or 0, i.key))
+        return None, issues
+
+
+def _issue(model: type[BaseModel], err: Any, data: Any, lines: LineMap, path: str, make: IssueFactory) -> SourceError:
+    loc: Path = tuple(err["loc"])
+    msg: str = err["msg"]
+    kind: str = err["type"]
+    ctx = err.get("ctx") or {}
+    cause = ctx.get("error")
+    if kind == "value_error" and isinstance(cause, ValueError):
+        msg = str(cause)
+        if isinstance(cause, KeyedValueError):
+            loc = loc + cause.key
+    real = _data_path(loc, data)
+    if kind == "missing":
+        msg = "required key is missing"
+    elif kind == "extra_forbidden":
+        allowed = _allowed_keys(model, real[:-1])
+        msg = "unknown key"
+        if allowed:
+            close = difflib.get_close_matches(str(real[-1]), allowed, n=1)
+            msg += f" (did you mean '{close[0]}'?)" if close else ""
+            msg += f"; expected one of: {', '.join(allowed)}"
+    elif kind != "value_error":
+        value = err.get("input")
+        if not isinstance(value, (dict, list)):
+            msg = f"{msg} (got {value!r})"
+    return make(path, lines.line_of(real), format_path(real), msg)
+
+
+def _data_path(loc: Path, data: Any) -> Path:
+    """Drop pydantic's union/tag markers from `loc` so that it names keys present in `data`."""
+    out: list[str | int] = []
+    cur = data
+    for i, part in enumerate(loc):
+        if isinstance(cur, dict) and part in cur:
+            cur = cur[part]
+            out.append(part)
+        elif isinstance(cur, list) and isinstance(part, int) and 0 <= part < len(cur):
+            cur = cur[part]
+            out.append(part)
+        elif i == len(loc) - 1:
+            out.append(part)
+    return tuple(out)
+
+
+def _allowed_keys(model: type[BaseModel], path: Path) -> list[str]:
+    """The field names of the model found at `path` below `model` (best effort; [] if unknown)."""
+    tp: Any = model
+    for part in path:
+        tp = _step(tp, part)
+        if tp is None:
+            return []
+    models = [m for m in _unwrap(tp) if isinstance(m, type) and issubclass(m, BaseModel)]
+    if len(models) != 1:
+        return []
+    return sorted(f.alias or name for name, f in models[0].model_fields.items())
+
+
+def _unwrap(tp: Any) -> list[Any]:
+    origin = typing.get_origin(tp)
+    if origin is typing.Annotated:
+        return _unwrap(typing.get_args(tp)[0])
+    if origin is typing.Union or origin is types.UnionType:
+        return [u for a in typing.get_args(tp) for u in _unwrap(a)]
+    return [tp]
+
+
+def _step(tp: Any, part: str | int) -> Any:
+    for cand in _unwrap(tp):
+        if isinstance(cand, type) and issubclass(cand, BaseModel):
+            f = cand.model_fields.get(str(part))
+            if f is not None:
+                return f.annotation
+        origin = typing.get_origin(cand)
+        if origin in (list, tuple) and isinstance(part, int):
+            return typing.get_args(cand)[0]
+        if origin is dict:
+            return typing.get_args(cand)[1]
+    return None

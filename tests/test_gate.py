@@ -1,0 +1,203 @@
+"""DecodeGate: pausing parks the engine, throttling paces it, and the Arbiter applies decisions."""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+import pytest
+
+from engine.gate import Gate
+from genie_supervisor.arbiter import Arbiter, DecodeGate
+from genie_supervisor.events import TelemetrySample, VoiceActivity
+from genie_supervisor.policy.schema import Policy
+from genie_supervisor.state import Decision, FiredRule, StateStore
+
+
+async def decode_loop(gate: DecodeGate, steps: list[float], n: int, started: anyio.Event | None = None) -> None:
+    """A fake generation: awaits the gate before each of `n` steps and records step times."""
+    with gate.generation():
+        if started is not None:
+            started.set()
+        for _ in range(n):
+            await gate.wait("decode")
+            steps.append(time.monotonic())
+            await anyio.lowlevel.checkpoint()
+
+
+def test_gate_implements_engine_protocol() -> None:
+    """DecodeGate satisfies the engine's Gate protocol."""
+    assert isinstance(DecodeGate(), Gate)
+
+
+async def test_open_gate_passes() -> None:
+    """An open gate returns at once and counts steps."""
+    gate = DecodeGate()
+    with anyio.fail_after(2):
+        await gate.wait("prefill")
+        await gate.wait("decode")
+    assert gate.metrics()["steps_total"] == {"prefill": 1, "decode": 1}
+
+
+async def test_pause_parks_and_records_reaction_then_resume_releases() -> None:
+    """A paused gate parks the waiter, records reaction time from the cause, and resume releases it."""
+    gate = DecodeGate()
+    started = anyio.Event()
+    released = anyio.Event()
+
+    async def step() -> None:
+        with gate.generation():
+            started.set()
+            await gate.wait("decode")
+            released.set()
+
+    cause = time.monotonic()
+    gate.pause({"stt"}, cause_ts=cause)
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(step)
+            await started.wait()
+            assert await gate.wait_parked(5) is True
+            assert gate.parked and not released.is_set()
+            m = gate.metrics()
+            assert m["mode"] == "paused" and m["reasons"] == ["stt"] and m["parked_generations"] == 1
+            assert m["reactions"] == 1 and 0 <= m["reaction_ms_last"] < 5000
+            gate.open()
+            await released.wait()
+    m = gate.metrics()
+    assert m["pauses_total"] == {"stt": 1} and m["paused_seconds"]["stt"] > 0 and m["mode"] == "open"
+
+
+async def test_wait_parked_without_generation_is_immediate() -> None:
+    """With no generation running the gate counts as parked at once."""
+    gate = DecodeGate()
+    gate.pause({"stt"})
+    with anyio.fail_after(1):
+        assert await gate.wait_parked(10) is True
+
+
+async def test_wait_parked_waits_for_running_step() -> None:
+    """wait_parked blocks while a generation is between steps and returns once it parks."""
+    gate = DecodeGate()
+    in_step = anyio.Event()
+    finish_step = anyio.Event()
+
+    async def generation() -> None:
+        with gate.generation():
+            in_step.set()
+            await finish_step.wait()  # the forward pass of the current step
+            await gate.wait("decode")
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(generation)
+            await in_step.wait()
+            gate.pause({"stt"}, cause_ts=time.monotonic())
+            assert await gate.wait_parked(0.01) is False  # still in its step: bounded wait times out
+            finish_step.set()
+            assert await gate.wait_parked(5) is True
+            gate.open()
+
+
+async def test_wait_parked_returns_when_not_paused() -> None:
+    """When the gate is not paused there is nothing to wait for: wait_parked returns at once."""
+    gate = DecodeGate()
+    with gate.generation(), anyio.fail_after(1):
+        assert await gate.wait_parked(10) is False
+
+
+async def test_throttle_paces_to_cap() -> None:
+    """A throttled gate spaces decode steps to the cap (within 20% over 20 steps at 200 tok/s)."""
+    gate = DecodeGate()
+    gate.throttle(200)
+    steps: list[float] = []
+    with anyio.fail_after(5):
+        await decode_loop(gate, steps, 21)
+    rate = 20 / (steps[-1] - steps[0])
+    assert rate == pytest.approx(200, rel=0.2)
+    assert gate.metrics()["throttle_wait_seconds"] > 0
+
+
+async def test_throttle_does_not_pace_prefill() -> None:
+    """Prefill chunks are not paced by a throttle (only a pause stops them)."""
+    gate = DecodeGate()
+    gate.throttle(1)
+    with anyio.fail_after(1):
+        for _ in range(5):
+            await gate.wait("prefill")
+
+
+async def test_pause_interrupts_throttle_sleep() -> None:
+    """A waiter sleeping for its throttle slot parks at once when the gate pauses."""
+    gate = DecodeGate()
+    gate.throttle(0.01)  # one step per 100 s
+    steps: list[float] = []
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(decode_loop, gate, steps, 2)
+            while len(steps) < 1:
+                await anyio.lowlevel.checkpoint()
+            await anyio.lowlevel.checkpoint()
+            gate.pause({"thermal"}, cause_ts=time.monotonic())
+            assert await gate.wait_parked(5)
+            gate.open()
+    assert len(steps) == 2
+
+
+def test_throttle_needs_positive_rate() -> None:
+    """Throttling to zero tokens/s is refused (that is a pause)."""
+    with pytest.raises(ValueError):
+        DecodeGate().throttle(0)
+
+
+async def test_arbiter_applies_decisions_and_logs_changes() -> None:
+    """The arbiter maps a decision onto the gate and admission flags and acts only on changes."""
+    gate = DecodeGate()
+    unloads: list[int] = []
+    seen: list[Decision] = []
+    arb = Arbiter(gate, on_unload=lambda: unloads.append(1))
+    arb.add_listener(seen.append)
+    fired = (FiredRule("voice.stt", "pause", "stt", {"sessions": 1}, 10.0),)
+    d1 = Decision(ts=11.0, policy="p", gate="paused", pause_reasons=frozenset({"stt"}), fired=fired)
+    assert arb.apply(d1) is True and gate.mode == "paused" and gate.reasons == {"stt"}
+    assert arb.apply(Decision(ts=12.0, policy="p", gate="paused", pause_reasons=frozenset({"stt"}), fired=fired)) is False
+    d3 = Decision(ts=13.0, policy="p", gate="throttled", throttle_tps=5.0, admission="refuse_new",
+                  max_context=512, unload_llm=True, prefill_chunk_tokens=32)
+    assert arb.apply(d3) is True
+    assert gate.mode == "throttled" and gate.throttle_tps == 5.0
+    assert arb.refuse_new and arb.max_context == 512 and arb.prefill_chunk_tokens == 32
+    assert unloads == [1] and len(seen) == 2
+    arb.apply(Decision(ts=14.0, policy="p"))
+    assert gate.mode == "open" and not arb.refuse_new
+
+
+async def test_arbiter_loop_pauses_on_stt_and_resumes_after_holdoff() -> None:
+    """The arbiter loop evaluates on every change: STT start pauses, stop resumes after the hold-off."""
+    policy = Policy.model_validate({"version": 1, "name": "p", "voice": {"stt": {"action": "pause", "resume_holdoff_ms": 20}}})
+    store = StateStore()
+    gate = DecodeGate()
+    arb = Arbiter(gate)
+    changes: list[str] = []
+    box = {"ev": anyio.Event()}
+
+    def on_change(d: Decision) -> None:
+        changes.append(d.gate)
+        box["ev"].set()
+
+    arb.add_listener(on_change)
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            await tg.start(arb.run, store, lambda: policy)
+            await box["ev"].wait()
+            box["ev"] = anyio.Event()
+            store.publish(VoiceActivity("stt", True, "test", session="a"))
+            await box["ev"].wait()
+            assert gate.mode == "paused"
+            box["ev"] = anyio.Event()
+            stopped = time.monotonic()
+            store.publish(VoiceActivity("stt", False, "test", session="a"))
+            store.publish(TelemetrySample("simulated"))
+            await box["ev"].wait()
+            assert gate.mode == "open" and time.monotonic() - stopped >= 0.02
+            tg.cancel_scope.cancel()
+    assert changes == ["open", "paused", "open"]

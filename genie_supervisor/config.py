@@ -68,6 +68,12 @@ class MqttConfig(_Section):
     per_entity_discovery: bool = Field(False, description="one discovery message per entity instead of one device message")
     publish_interval_s: float = Field(5.0, gt=0, le=3600, description="how often state is published (changes go out at once)")
     keepalive: int = Field(60, ge=5, le=3600, description="MQTT keepalive in seconds")
+    protocol: Literal["3.1.1", "5"] = Field("3.1.1", description="MQTT protocol version")
+    ca_file: str | None = Field(None, description="CA certificate file for TLS (default: the system's CAs)")
+    cert_file: str | None = Field(None, description="client certificate file for TLS client authentication")
+    key_file: str | None = Field(None, description="private key of cert_file")
+    reconnect_max_s: float = Field(10.0, ge=0.5, le=300, description="longest wait between reconnection attempts (back-off starts at 0.5 s)")
+    startup_wait_s: float = Field(3.0, ge=0, le=60, description="how long the daemon's start waits for a first broker connection before going on without it")
 
     @field_validator("url")
     @classmethod

@@ -1,0 +1,185 @@
+"""The LLM engine: GGUF models on NumPy (CPU) or CuPy (CUDA). Usable without the supervisor.
+
+    from engine import load_model, SamplingParams
+    model = load_model(path, backend="auto")
+    ids = model.tokenizer.encode(model.render_chat([{"role": "user", "content": "Hi"}]), parse_special=True)
+    async for tok in model.generate(ids, SamplingParams(temperature=0)): print(tok.text, end="")
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import numpy as np
+
+from .chat_template import render_chat as _render_chat
+from .errors import ContextOverflowError, EngineError, ModelFormatError, TemplateError
+from .gate import Gate, OpenGate
+from .generate import Generation, GenerationStats, TokenEvent
+from .gguf_file import GGUFFile, read_gguf
+from .kv_cache import kv_bytes
+from .model import MemoryPlan, Transformer, plan_memory
+from .sampler import Sampler, SamplingParams
+from .spec import ModelSpec, read_spec
+from .tokenizer import StreamDecoder, Tokenizer
+
+__all__ = [
+    "ContextOverflowError", "EngineError", "Gate", "Generation", "GenerationStats", "MemoryPlan",
+    "Model", "ModelFormatError", "ModelInfo", "OpenGate", "Sampler", "SamplingParams",
+    "StreamDecoder", "TemplateError", "TokenEvent", "Tokenizer", "load_model", "open_model_file",
+]
+
+DEFAULT_CTX = 4096
+LOGITS_CHUNK = 256
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a loaded model is and what it holds in memory."""
+
+    name: str
+    arch: str
+    backend: str
+    n_ctx: int
+    n_vocab: int
+    weights_bytes: int
+    kv_bytes: int
+    path: str
+
+
+class Model:
+    """A loaded model: tokenizer, chat template, logits and async generation (one at a time)."""
+
+    def __init__(self, gf: GGUFFile, backend: str, n_ctx: int, kv_dtype: str) -> None:
+        self.path = gf.path
+        self.spec: ModelSpec = read_spec(gf)
+        self.tokenizer = Tokenizer.from_gguf(gf)
+        self.chat_template: str | None = gf.get("tokenizer.chat_template")
+        self.memory_plan: MemoryPlan = plan_memory(gf, self.spec, n_ctx, kv_dtype)
+        if backend == "cupy":
+            from .backends.cupy_backend import CupyOps  # type: ignore[import-not-found]
+
+            ops: Any = CupyOps()
+        else:
+            from .backends.numpy_backend import NumpyOps
+
+            ops = NumpyOps()
+        self.backend = ops.name
+        self.transformer = Transformer(gf, self.spec, ops, n_ctx, kv_dtype)
+        self.lock = anyio.Lock()
+        """Held by a generation for its whole length: the KV cache holds one sequence."""
+        self._thread_lock = threading.Lock()
+        self.info = ModelInfo(
+            name=self.spec.name,
+            arch=self.spec.arch,
+            backend=self.backend,
+            n_ctx=n_ctx,
+            n_vocab=self.spec.n_vocab,
+            weights_bytes=self.transformer.weights_bytes,
+            kv_bytes=self.transformer.kv.nbytes,
+            path=self.path,
+        )
+
+    # --- text ---------------------------------------------------------------------------
+    def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The conversation as prompt text, through the model's own template (sandboxed)."""
+        tok = self.tokenizer
+        bos = tok.decode([tok.bos_id]) if tok.bos_id is not None else ""
+        eos = tok.decode([tok.eos_id]) if tok.eos_id is not None else ""
+        return _render_chat(
+            self.chat_template, list(messages), add_generation_prompt=add_generation_prompt,
+            bos_token=bos, eos_token=eos, arch=self.spec.arch,
+        )
+
+    def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        """Render and tokenize a conversation (special tokens parsed, BOS as the model wants)."""
+        text = self.render_chat(messages)
+        ids = self.tokenizer.encode(text, add_special=True, parse_special=True)
+        bos = self.tokenizer.bos_id
+        if bos is not None and len(ids) > 1 and ids[0] == bos and ids[1] == bos:
+            ids = ids[1:]  # the template already wrote BOS
+        return ids
+
+    # --- compute ------------------------------------------------------------------------
+    def logits(self, ids: Sequence[int], last_n: int | None = None) -> np.ndarray:
+        """Logits [len(ids), vocab] (or the last `last_n` rows) for `ids` in a fresh context."""
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise ValueError("ids is empty")
+        if len(ids) > self.transformer.n_ctx:
+            raise ContextOverflowError(len(ids), self.transformer.n_ctx)
+        want = len(ids) if last_n is None else min(last_n, len(ids))
+        rows: list[np.ndarray] = []
+        with self._thread_lock:
+            self.transformer.kv.tokens = []
+            for start in range(0, len(ids), LOGITS_CHUNK):
+                chunk = ids[start : start + LOGITS_CHUNK]
+                end = start + len(chunk)
+                n = max(0, min(len(chunk), want - (len(ids) - end)))
+                out = self.transformer.forward(chunk, start, last_n=n if n else 1)
+                if n:
+                    rows.append(np.asarray(self.transformer.ops.to_host(out), dtype=np.float32))
+                self.transformer.kv.tokens.extend(chunk)
+        return np.concatenate(rows, axis=0)
+
+    def step_logits(self, ids: Sequence[int], pos: int) -> np.ndarray:
+        """Run `ids` at `pos` (cache must hold exactly `pos` tokens); logits of the last one."""
+        with self._thread_lock:
+            tf = self.transformer
+            del tf.kv.tokens[pos:]
+            out = tf.forward(list(ids), pos, last_n=1)
+            tf.kv.tokens.extend(int(t) for t in ids)
+            return np.asarray(tf.ops.to_host(out), dtype=np.float32)[0]
+
+    def step_sample(self, token: int, pos: int, sampler: Sampler, history: Sequence[int]) -> int:
+        """One decode step: feed `token` at `pos`, sample the next one."""
+        return sampler(self.step_logits([token], pos), history)
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams | None = None,
+        gate: Gate | None = None,
+        prefill_chunk: int | None = None,
+    ) -> Generation:
+        """An async iterator of TokenEvent; awaits `gate` before every step and prefill chunk."""
+        return Generation(self, prompt_ids, sampling or SamplingParams(), gate, prefill_chunk)
+
+    def close(self) -> None:
+        """Drop the weights and the KV cache."""
+        self.transformer = None  # type: ignore[assignment]
+
+
+def open_model_file(path: str | os.PathLike[str]) -> GGUFFile:
+    """Read a GGUF's header and check that the engine supports it (no weights loaded)."""
+    gf = read_gguf(path)
+    read_spec(gf)
+    return gf
+
+
+def load_model(
+    path: str | os.PathLike[str],
+    backend: str = "auto",
+    n_ctx: int | None = None,
+    kv_dtype: str = "f32",
+) -> Model:
+    """Load a GGUF model. `backend`: "auto" (CuPy when CUDA works, else NumPy), "numpy", "cupy"."""
+    from .backends import resolve_backend
+
+    gf = read_gguf(path)
+    spec = read_spec(gf)
+    ctx = int(n_ctx or min(DEFAULT_CTX, spec.n_ctx_train))
+    if ctx < 1:
+        raise ValueError("n_ctx must be >= 1")
+    if kv_dtype not in ("f32", "f16"):
+        raise ValueError(f"kv_dtype {kv_dtype!r}: expected f32 or f16")
+    return Model(gf, resolve_backend(backend), ctx, kv_dtype)
+
+
+# re-exported helpers
+__all__ += ["kv_bytes"]

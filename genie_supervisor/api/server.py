@@ -1,0 +1,143 @@
+"""The FastAPI app factory and the uvicorn server that runs inside the daemon's task group.
+
+    app = create_app(supervisor)                        # routers read request.app.state.supervisor
+    http = HttpServer(app, sock)                        # sock: a bound listening socket
+    await tg.start(http.run)                            # ready once uvicorn accepts connections
+    await http.stop(timeout=3)                          # graceful: stop accepting, drain, close
+
+uvicorn's own signal handling is switched off: the supervisor owns SIGTERM/SIGINT/SIGHUP.
+Errors use the OpenAI shape ``{"error": {"message", "type", "code"}}`` on every route.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import uvicorn
+from anyio.abc import TaskStatus
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .. import __version__
+from ..engine_host import AdmissionError
+
+if TYPE_CHECKING:
+    from ..app import Supervisor
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error",
+                   code: str | None = None) -> JSONResponse:
+    """An OpenAI-shaped error response."""
+    return JSONResponse({"error": {"message": message, "type": type_, "code": code}}, status_code=status)
+
+
+def get_supervisor(request: Request) -> Supervisor:
+    """The running Supervisor (a FastAPI dependency for routers)."""
+    return request.app.state.supervisor  # type: ignore[no-any-return]
+
+
+def create_app(supervisor: Supervisor) -> FastAPI:
+    """The app with the ops routes; further routers are added here with ``include_router``."""
+    from . import ops
+
+    app = FastAPI(title="genie-supervisor", version=__version__, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.supervisor = supervisor
+
+    async def validation_error(_request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        message = f"{where}: {first.get('msg', 'invalid request')}" if where else str(first.get("msg", exc))
+        return error_response(400, message)
+
+    async def http_error(_request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return error_response(exc.status_code, str(exc.detail), kind)
+
+    async def admission_error(_request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, AdmissionError)
+        kind = "invalid_request_error" if exc.status < 500 else "server_error"
+        return error_response(exc.status, str(exc), kind, exc.code)
+
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(AdmissionError, admission_error)
+    app.include_router(ops.router)
+    return app
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (IPv4 or IPv6); OSError says why it could not bind."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its signal handlers, telling us when it accepts connections."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.ready = anyio.Event()
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield  # the supervisor owns the signals
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        self.ready.set()
+
+
+class HttpServer:
+    """Runs an ASGI app with uvicorn on an already bound socket, inside the caller's task group."""
+
+    def __init__(self, app: Any, sock: socket.socket, *, graceful_s: float = 2.0) -> None:
+        self.sock = sock
+        """The listening socket."""
+        host, port = sock.getsockname()[:2]
+        self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        """HOST:PORT it listens on (the real port when 0 was asked for)."""
+        self.port: int = port
+        """The port it listens on."""
+        config = uvicorn.Config(app, log_config=None, lifespan="off", access_log=False,
+                                timeout_graceful_shutdown=graceful_s, server_header=False)
+        self._server = _Server(config)
+        self._done: anyio.Event | None = None
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Serve until stopped; ready once uvicorn accepts connections."""
+        self._done = anyio.Event()
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._server.serve, [self.sock])
+                await self._server.ready.wait()
+                task_status.started()
+        finally:
+            self._done.set()
+            self.sock.close()
+
+    async def stop(self, timeout: float = 3.0) -> bool:  # noqa: ASYNC109 - a bounded drain
+        """Stop accepting, let open requests finish (bounded); True if it stopped in time."""
+        self._server.should_exit = True
+        if self._done is None:
+            return True
+        with anyio.move_on_after(timeout):
+            await self._done.wait()
+        return self._done.is_set()

@@ -1,0 +1,429 @@
+"""The daemon's one door to the LLM engine: load off the loop, admit, generate behind the gate.
+
+    host = EngineHost(path, gate=gate, arbiter=arbiter, publish=store.publish)
+    await tg.start(host.run)                                  # ready once the model is loaded
+    gen = await host.generate(messages, SamplingParams(max_tokens=64), priority="voice")
+    async with gen:
+        async for tok in gen: ...                             # engine.TokenEvent
+    gen.finish_reason, gen.stats                              # "stop" | "length" | "cancelled"
+
+Every generation runs inside ``gate.generation()`` with the DecodeGate and the policy's prefill
+chunk, so a pause parks it before its next step. Admission follows the arbiter: ``refuse_new``
+refuses new requests, ``max_context`` bounds prompt + max_tokens; both raise an AdmissionError
+that says why. The host publishes ``EngineStats`` on every state change and every
+``stats_interval_s`` while generating. The queue, priorities and model roles come later: they
+wrap ``generate`` (the model itself runs one generation at a time; later ones wait for it).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import psutil
+import structlog
+from anyio.abc import TaskStatus
+
+from engine import GenerationStats, Model, SamplingParams, TokenEvent, load_model, open_model_file
+from engine.model import MemoryPlan, plan_memory
+from engine.spec import read_spec
+
+from .arbiter import Arbiter, DecodeGate
+from .errors import BudgetError, SupervisorError
+from .events import EngineStats, Observation
+
+log = structlog.get_logger(__name__)
+
+MiB = 1024 * 1024
+Prompt = Sequence[int] | str | Sequence[Mapping[str, Any]]
+"""Token ids, raw text (tokenized as is), or chat messages (rendered with the model's template)."""
+
+
+class AdmissionError(SupervisorError):
+    """A request the engine does not take now; `code` and `status` map it onto HTTP."""
+
+    code = "unavailable"
+    """Short machine-readable reason."""
+    status = 503
+    """HTTP status that fits."""
+
+
+class EngineUnavailable(AdmissionError):
+    """No model is loaded (none configured, still loading, failed, or shutting down)."""
+
+
+class RequestRefused(AdmissionError):
+    """The policy refuses new requests right now (memory pressure)."""
+
+    code = "refused"
+
+
+class ContextTooLong(AdmissionError):
+    """Prompt plus max_tokens exceed the context allowed now."""
+
+    code = "context_length_exceeded"
+    status = 400
+
+    def __init__(self, needed: int, limit: int, why: str) -> None:
+        self.needed = needed
+        """prompt tokens + max_tokens."""
+        self.limit = limit
+        """The context a new request may use now."""
+        super().__init__(f"prompt and max_tokens need {needed} tokens but {why} allows {limit}")
+
+
+class _Shutdown(Exception):
+    """Raised from the gate into a generation when the host shuts down."""
+
+
+class _HostGate:
+    """The DecodeGate, plus a way out: during shutdown every wait raises instead of parking."""
+
+    def __init__(self, host: EngineHost) -> None:
+        self._host = host
+
+    async def wait(self, phase: Any) -> None:
+        if self._host.closing:
+            raise _Shutdown
+        await self._host.gate.wait(phase)
+        if self._host.closing:
+            raise _Shutdown
+
+
+class HostedGeneration:
+    """One admitted generation: an async iterator of TokenEvent; close it (``async with``) when done."""
+
+    def __init__(self, host: EngineHost, prompt_ids: list[int], sampling: SamplingParams,
+                 priority: str | None) -> None:
+        self.prompt_ids = prompt_ids
+        """The prompt as token ids."""
+        self.sampling = sampling
+        """The sampling parameters."""
+        self.priority = priority
+        """Request class (voice, tool, background; used by the later admission queue)."""
+        self.finish_reason: str | None = None
+        """``stop``, ``length`` or ``cancelled`` once finished."""
+        self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
+        """Counts and timings (the engine's), final once finished."""
+        self.text = ""
+        """Text produced so far."""
+        self.first_token_at: float | None = None
+        """Monotonic time of the first token."""
+        self.tokens = 0
+        """Token events seen so far."""
+        self._host = host
+        self._agen = self._run()
+
+    def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        return await self._agen.__anext__()
+
+    async def aclose(self) -> None:
+        """Stop the generation (within one step) and release the model."""
+        await self._agen.aclose()
+
+    async def __aenter__(self) -> HostedGeneration:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def collect(self) -> str:
+        """Run to the end and return the whole text."""
+        async with self:
+            async for _ in self:
+                pass
+        return self.text
+
+    @property
+    def decoding(self) -> bool:
+        """True once the first token came out."""
+        return self.first_token_at is not None
+
+    def wall_tps(self) -> float | None:
+        """Tokens per second since the first token, wall clock (gate waits included)."""
+        if self.first_token_at is None or self.tokens < 2:
+            return None
+        elapsed = time.monotonic() - self.first_token_at
+        return (self.tokens - 1) / elapsed if elapsed > 0 else None
+
+    async def _run(self) -> AsyncIterator[TokenEvent]:
+        host = self._host
+        model = host.model
+        if model is None:
+            raise EngineUnavailable(f"the engine is {host.state}")
+        gen = model.generate(self.prompt_ids, self.sampling, gate=_HostGate(host),
+                             prefill_chunk=host.arbiter.prefill_chunk_tokens)
+        self.stats = gen.stats
+        host._started(self)
+        try:
+            with host.gate.generation():
+                try:
+                    async for tok in gen:
+                        if self.first_token_at is None:
+                            self.first_token_at = time.monotonic()
+                            host._changed()
+                        self.tokens += 1
+                        self.text += tok.text
+                        yield tok
+                except _Shutdown:
+                    pass
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        await gen.aclose()
+        finally:
+            self.finish_reason = gen.finish_reason or "cancelled"
+            host._finished(self)
+
+
+class EngineHost:
+    """Loads the model in a worker thread, admits requests, runs generations behind the gate."""
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike[str] | None,
+        *,
+        gate: DecodeGate,
+        arbiter: Arbiter,
+        publish: Callable[[Observation], None],
+        backend: str = "auto",
+        n_ctx: int = 4096,
+        kv_dtype: str = "f16",
+        budget_mb: Callable[[], float | None] = lambda: None,
+        loader: Callable[..., Model] = load_model,
+        stats_interval_s: float = 1.0,
+    ) -> None:
+        self.model_path = os.fspath(model_path) if model_path is not None else None
+        """GGUF file to load, None runs without an LLM."""
+        self.gate = gate
+        """The decode gate every generation awaits."""
+        self.arbiter = arbiter
+        """Where admission flags and the prefill chunk come from."""
+        self.model: Model | None = None
+        """The loaded model."""
+        self.memory_plan: MemoryPlan | None = None
+        """Planned bytes (weights, KV, scratch), known before the weights load."""
+        self.error: str | None = None
+        """Why loading failed."""
+        self.closing = False
+        """Set at shutdown: running generations stop at their next step, new ones are refused."""
+        self.stats_interval_s = stats_interval_s
+        """How often stats are published while generating."""
+        self._publish_fn = publish
+        self._backend, self._n_ctx, self._kv_dtype = backend, n_ctx, kv_dtype
+        self._budget_mb = budget_mb
+        self._loader = loader
+        self._load_state = "disabled" if self.model_path is None else "loading"
+        self._live: list[HostedGeneration] = []
+        self._tokens_done = 0
+        self._last: HostedGeneration | None = None
+        self._activity: anyio.Event | None = None  # events are made on the loop, not here
+        self._idle: anyio.Event | None = None
+        self._proc = psutil.Process()
+        arbiter.add_listener(lambda _decision: self._changed())
+
+    # -- state ------------------------------------------------------------------------------
+    @property
+    def state(self) -> str:
+        """``disabled``, ``loading``, ``error``, ``idle``, ``prefill``, ``decoding``, ``paused``, ``throttled``."""
+        if self._load_state != "ready":
+            return self._load_state
+        if not self._live:
+            return "idle"
+        if self.gate.mode == "paused":
+            return "paused"
+        if self.gate.mode == "throttled":
+            return "throttled"
+        return "decoding" if any(g.decoding for g in self._live) else "prefill"
+
+    @property
+    def in_flight(self) -> int:
+        """Generations admitted and not finished (one computes, the others wait for the model)."""
+        return len(self._live)
+
+    @property
+    def backend(self) -> str | None:
+        """``numpy`` / ``cupy`` once loaded, else what was asked for."""
+        return self.model.backend if self.model is not None else (self._backend if self.model_path else None)
+
+    def stats(self) -> EngineStats:
+        """The engine's state as an observation."""
+        running = next((g for g in self._live if g.decoding), None)
+        ref = running or self._last
+        tps = None
+        if ref is not None:
+            tps = ref.wall_tps() if ref is running else (ref.stats.decode_tps or None)
+        first_ms = None
+        if ref is not None and ref.stats.first_token_s is not None:
+            first_ms = round(ref.stats.first_token_s * 1000.0, 3)
+        info = self.model.info if self.model is not None else None
+        try:
+            rss = self._proc.memory_info().rss / MiB
+        except psutil.Error:
+            rss = None
+        return EngineStats(
+            state=self.state,
+            model=info.name if info else (os.path.basename(self.model_path) if self.model_path else None),
+            backend=self.backend,
+            decode_tps=round(tps, 3) if tps else None,
+            first_token_ms=first_ms,
+            tokens_total=self._tokens_done + sum(g.stats.completion_tokens for g in self._live),
+            requests_in_flight=len(self._live),
+            weights_mb=round(info.weights_bytes / MiB, 3) if info else None,
+            kv_mb=round(info.kv_bytes / MiB, 3) if info else None,
+            rss_mb=round(rss, 1) if rss is not None else None,
+        )
+
+    def _changed(self) -> None:
+        self._publish_fn(self.stats())
+
+    def _started(self, g: HostedGeneration) -> None:
+        self._live.append(g)
+        if self._activity is not None:
+            self._activity.set()
+        self._changed()
+
+    def _finished(self, g: HostedGeneration) -> None:
+        if g in self._live:
+            self._live.remove(g)
+        self._tokens_done += g.stats.completion_tokens
+        self._last = g
+        if not self._live and self._idle is not None:
+            self._idle.set()
+        log.info("generation_done", finish=g.finish_reason, priority=g.priority,
+                 prompt_tokens=g.stats.prompt_tokens, cached_tokens=g.stats.cached_tokens,
+                 completion_tokens=g.stats.completion_tokens,
+                 first_token_ms=round((g.stats.first_token_s or 0) * 1000, 1),
+                 decode_tps=round(g.stats.decode_tps, 2))
+        self._changed()
+
+    # -- lifecycle --------------------------------------------------------------------------
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Load the model (raises BudgetError / EngineError), then publish stats while generating."""
+        self._changed()
+        if self.model_path is not None:
+            await self._load(self.model_path)
+        task_status.started()
+        while True:
+            if self._live:
+                await anyio.sleep(self.stats_interval_s)
+                self._changed()
+            else:
+                self._activity = anyio.Event()
+                await self._activity.wait()
+
+    async def _load(self, path: str) -> None:
+        t0 = time.monotonic()
+        log.info("model_loading", path=path, backend=self._backend, n_ctx=self._n_ctx, kv_dtype=self._kv_dtype)
+        try:
+            plan = await anyio.to_thread.run_sync(self._plan, path)
+            self.memory_plan = plan
+            budget = self._budget_mb()
+            if budget is not None and plan.total / MiB > budget:
+                raise BudgetError(plan.total / MiB, budget,
+                                  f"model {os.path.basename(path)} with n_ctx {self._n_ctx} "
+                                  f"(weights {plan.weights / MiB:.0f} + KV {plan.kv / MiB:.0f} + "
+                                  f"scratch {plan.scratch / MiB:.0f} MiB; policy memory.llm_budget_mb)")
+            model = await anyio.to_thread.run_sync(self._load_blocking, path, abandon_on_cancel=True)
+        except BaseException as exc:
+            self._load_state, self.error = "error", f"{type(exc).__name__}: {exc}"
+            with anyio.CancelScope(shield=True):
+                self._changed()
+            raise
+        self.model, self._load_state = model, "ready"
+        log.info("model_loaded", name=model.info.name, arch=model.info.arch, backend=model.backend,
+                 n_ctx=model.info.n_ctx, weights_mb=round(model.info.weights_bytes / MiB, 1),
+                 kv_mb=round(model.info.kv_bytes / MiB, 1), load_s=round(time.monotonic() - t0, 2))
+        self._changed()
+
+    def _plan(self, path: str) -> MemoryPlan:
+        if self._kv_dtype not in ("f32", "f16"):
+            raise SupervisorError(f"engine.kv_dtype {self._kv_dtype!r} is not supported by the built-in "
+                                  "engine yet; use f16 or f32")
+        gf = open_model_file(path)
+        return plan_memory(gf, read_spec(gf), self._n_ctx, self._kv_dtype)
+
+    def _load_blocking(self, path: str) -> Model:
+        return self._loader(path, backend=self._backend, n_ctx=self._n_ctx, kv_dtype=self._kv_dtype)
+
+    async def shutdown(self, timeout: float = 2.0) -> None:  # noqa: ASYNC109 - a bounded drain
+        """Refuse new requests, stop running generations at their next step, wait (bounded)."""
+        self.closing = True
+        if self._live and self.gate.mode == "paused":
+            self.gate.open()  # wake parked generations; the host gate then stops them
+        with anyio.move_on_after(timeout):
+            while self._live:
+                self._idle = anyio.Event()
+                await self._idle.wait()
+        if self._load_state == "ready":
+            self._load_state = "disabled"
+        self._changed()
+
+    # -- requests ---------------------------------------------------------------------------
+    async def generate(self, prompt: Prompt, sampling: SamplingParams | None = None, *,
+                       priority: str | None = None) -> HostedGeneration:
+        """Admit a request and return its generation (not started until iterated).
+
+        Raises EngineUnavailable, RequestRefused or ContextTooLong with the reason.
+        """
+        sampling = sampling or SamplingParams()
+        model = self._admit()
+        ids = await self._tokenize(model, prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        needed = len(ids) + sampling.max_tokens
+        limit, why = model.info.n_ctx, "the model's context (engine.n_ctx)"
+        policy_ctx = self.arbiter.max_context
+        if policy_ctx is not None and policy_ctx < limit:
+            limit, why = policy_ctx, "the policy under memory pressure (shrink_context)"
+        if needed > limit:
+            raise ContextTooLong(needed, limit, why)
+        model = self._admit()  # tokenizing took a moment: check again
+        return HostedGeneration(self, ids, sampling, priority)
+
+    def _admit(self) -> Model:
+        if self.closing:
+            raise EngineUnavailable("the supervisor is shutting down")
+        if self.model is None:
+            detail = f": {self.error}" if self.error else ""
+            raise EngineUnavailable(f"no model is loaded (engine {self.state}{detail})")
+        if self.arbiter.refuse_new:
+            raise RequestRefused("new requests are refused while memory is low (policy memory.thresholds)")
+        return self.model
+
+    @staticmethod
+    async def _tokenize(model: Model, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return await anyio.to_thread.run_sync(model.tokenizer.encode, prompt)
+        items = list(prompt)
+        if all(isinstance(t, int) for t in items):
+            return [int(t) for t in items]
+        if all(isinstance(m, Mapping) for m in items):
+            return await anyio.to_thread.run_sync(model.encode_chat, [dict(m) for m in items])
+        raise ValueError("a prompt is token ids, a string, or a list of chat messages")
+
+    def describe(self) -> dict[str, Any]:
+        """Model, backend, memory plan and state for /health and /status."""
+        plan = self.memory_plan
+        info = self.model.info if self.model is not None else None
+        return {
+            "state": self.state,
+            "model": info.name if info else None,
+            "path": self.model_path,
+            "arch": info.arch if info else None,
+            "backend": self.backend,
+            "n_ctx": info.n_ctx if info else self._n_ctx,
+            "kv_dtype": self._kv_dtype,
+            "error": self.error,
+            "memory_plan": None if plan is None else {
+                "weights_mb": round(plan.weights / MiB, 3), "kv_mb": round(plan.kv / MiB, 3),
+                "scratch_mb": round(plan.scratch / MiB, 3), "total_mb": round(plan.total / MiB, 3),
+                "n_ctx": plan.n_ctx, "budget_mb": self._budget_mb(),
+            },
+        }

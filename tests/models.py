@@ -1,0 +1,37 @@
+"""Where the tests find the real demo models (fetched by `make test` into the cache)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+CACHE = Path(os.environ.get("GENIE_MODELS_DIR") or Path.home() / ".cache" / "genie-supervisor" / "models")
+SMOLLM2 = CACHE / "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3 = CACHE / "gemma-3-270m-q4_k_m.gguf"
+FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures"
+if not FIXTURES.exists():
+    FIXTURES = Path(os.environ.get("GENIE_FIXTURES", "/work/shared/fixtures"))
+
+MODELS = {"smollm2-135m-q4_1": SMOLLM2, "gemma3-270m-q4_k_m": GEMMA3}
+
+
+def require(path: Path) -> Path:
+    """Skip the calling test when a model file is missing (run `make models`)."""
+    if not path.exists():
+        pytest.skip(f"{path} missing: run `genie-supervisor models fetch`")
+    return path
+
+
+_LOADED: dict[str, object] = {}
+
+
+def shared_model(path: Path):  # type: ignore[no-untyped-def]
+    """Load a model once per test session (loading takes seconds)."""
+    from engine import load_model
+
+    key = str(require(path))
+    if key not in _LOADED:
+        _LOADED[key] = load_model(key, backend="numpy")
+    return _LOADED[key]

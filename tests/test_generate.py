@@ -1,0 +1,134 @@
+"""Sampling and generation on the real SmolLM2 model: stops, seeds, gates, cancellation, caching."""
+
+from __future__ import annotations
+
+import anyio
+import numpy as np
+import pytest
+
+from engine import SamplingParams, TokenEvent
+from engine.generate import _StopMatcher
+from engine.sampler import Sampler
+from tests.models import SMOLLM2, shared_model
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _model():  # type: ignore[no-untyped-def]
+    return shared_model(SMOLLM2)
+
+
+async def _collect(gen) -> list[TokenEvent]:  # type: ignore[no-untyped-def]
+    return [tok async for tok in gen]
+
+
+def test_sampler_greedy_and_topk1_pick_argmax() -> None:
+    """Temperature 0 and top-k 1 both return the argmax."""
+    logits = np.array([0.1, 3.0, 2.9, -1.0], dtype=np.float32)
+    assert Sampler(SamplingParams(temperature=0))(logits) == 1
+    assert Sampler(SamplingParams(temperature=1.5, top_k=1, seed=3))(logits) == 1
+
+
+def test_sampler_same_seed_same_tokens() -> None:
+    """The same seed gives the same draws; another seed gives different ones."""
+    rng = np.random.default_rng(0)
+    rows = rng.standard_normal((50, 100)).astype(np.float32)
+    p = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=42)
+    a = [Sampler(p)(r) for r in rows]
+    s1 = Sampler(p)
+    b = [s1(r) for r in rows]
+    s2 = Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=43))
+    c = [s2(r) for r in rows]
+    assert a[0] == b[0] and b != c
+
+
+def test_sampler_top_p_and_min_p_cut_the_tail() -> None:
+    """top-p and min-p never pick tokens outside their kept set."""
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05], dtype=np.float32))
+    s = Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=0.7, min_p=0.0, seed=1))
+    assert {s(logits) for _ in range(200)} <= {0, 1}
+    m = Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.5, seed=1))
+    assert {m(logits) for _ in range(200)} <= {0, 1}
+
+
+def test_repetition_penalty_lowers_seen_tokens() -> None:
+    """A strong repetition penalty moves greedy away from a token already in the history."""
+    logits = np.array([2.0, 1.9, 0.0], dtype=np.float32)
+    assert Sampler(SamplingParams(temperature=0, repeat_penalty=2.0))(logits, [0]) == 1
+
+
+def test_stop_matcher_holds_partial_stop_strings() -> None:
+    """Text that may start a stop string is held back, and released when it does not."""
+    m = _StopMatcher(["STOP"])
+    assert m.push("hello ST") == ("hello ", False)
+    assert m.push("ART") == ("START", False)
+    assert m.push(" x STO") == (" x ", False)
+    assert m.push("P tail") == ("", True)
+
+
+async def test_greedy_generation_is_deterministic_and_prefix_cached() -> None:
+    """Greedy text is the same twice; the second run reuses the cached prompt prefix."""
+    model = _model()
+    ids = model.encode_chat([{"role": "user", "content": "Name a fruit."}])
+    g1 = model.generate(ids, SamplingParams(temperature=0, max_tokens=12))
+    t1 = "".join(t.text for t in await _collect(g1))
+    g2 = model.generate(ids, SamplingParams(temperature=0, max_tokens=12))
+    t2 = "".join(t.text for t in await _collect(g2))
+    assert t1 == t2 == g1.text and t1
+    assert g2.stats.cached_tokens == len(ids) - 1
+    assert g1.finish_reason in ("length", "stop")
+
+
+async def test_max_tokens_and_stop_strings_end_generation() -> None:
+    """max_tokens caps the count; a stop string ends it and is not included."""
+    model = _model()
+    ids = model.tokenizer.encode("1, 2, 3, 4, 5, 6,", add_special=True)
+    g = model.generate(ids, SamplingParams(temperature=0, max_tokens=5))
+    toks = await _collect(g)
+    assert len([t for t in toks if t.id >= 0]) <= 5 and g.finish_reason == "length"
+    g = model.generate(ids, SamplingParams(temperature=0, max_tokens=30, stop=["9"]))
+    await _collect(g)
+    assert g.finish_reason == "stop" and "9" not in g.text and "8" in g.text
+
+
+async def test_gate_is_awaited_before_every_step() -> None:
+    """The gate is awaited once per prefill chunk and once per decode step."""
+    model = _model()
+    calls: list[str] = []
+
+    class CountingGate:
+        async def wait(self, phase: str) -> None:
+            calls.append(phase)
+
+    ids = model.tokenizer.encode("The kitchen lights are", add_special=True)
+    model.transformer.kv.tokens = []
+    g = model.generate(ids, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), CountingGate(), 2)
+    await _collect(g)
+    assert calls.count("prefill") == -(-len(ids) // 2)
+    assert calls.count("decode") == g.stats.completion_tokens - 1
+
+
+async def test_cancel_stops_within_one_step() -> None:
+    """Leaving the loop and closing the generation stops it; the model is free right after."""
+    model = _model()
+    ids = model.tokenizer.encode("Once upon a time", add_special=True)
+    g = model.generate(ids, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    n = 0
+    async for _ in g:
+        n += 1
+        if n == 3:
+            break
+    await g.aclose()
+    assert g.finish_reason == "cancelled" and g.stats.completion_tokens == 3
+    with anyio.fail_after(5):
+        async with model.lock:
+            pass
+
+
+async def test_streamed_text_handles_multibyte_characters() -> None:
+    """Concatenated streamed pieces equal the decoded completion, even across split characters."""
+    model = _model()
+    ids = model.encode_chat([{"role": "user", "content": "Write the word café and an emoji."}])
+    g = model.generate(ids, SamplingParams(temperature=0, max_tokens=24))
+    text = "".join(t.text for t in await _collect(g))
+    assert text == model.tokenizer.decode(g.completion_ids)

@@ -1,0 +1,160 @@
+"""GPU engine benchmark: decode and prefill tokens/s and GPU memory on models it generates itself.
+
+    python bench/engine_gpu.py [--models smollm2,qwen3-4b] [--prompt 512] [--decode 128]
+
+Shapes and llama.cpp's figures (commit 0c1e570, CUDA, flash attention, H200, same shapes,
+random weights) come from issue 7. Prints each figure beside llama.cpp's with the ratio and the
+fraction of the memory-bandwidth limit (weight bytes per token / measured copy bandwidth);
+writes the numbers to bench/results/engine_gpu-<time>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine import load_model  # noqa: E402
+from engine.synth import preset_config, write_config  # noqa: E402
+
+LLAMA_CPP = {  # tok/s, issue 7
+    "smollm2": {"preset": "smollm2-135m-q4_1", "decode": 929.0, "prefill": 43000.0},
+    "qwen3-4b": {"preset": "qwen3-4b-q4_k_m", "decode": 333.0, "prefill": 12600.0},
+}
+
+
+def copy_bandwidth(cp) -> float:  # type: ignore[no-untyped-def]
+    """Device-to-device copy, bytes read + written per second (the decode ceiling)."""
+    a = cp.empty(1 << 30, dtype=cp.uint8)
+    b = cp.empty_like(a)
+    b[...] = a
+    cp.cuda.Device().synchronize()
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    start.record()
+    for _ in range(10):
+        b[...] = a
+    stop.record()
+    stop.synchronize()
+    sec = cp.cuda.get_elapsed_time(start, stop) / 1e3 / 10
+    del a, b
+    return 2 * (1 << 30) / sec
+
+
+def bench_model(key: str, path: str, prompt_len: int, n_decode: int, bw: float, cp) -> dict:  # type: ignore[no-untyped-def]
+    pool = cp.get_default_memory_pool()
+    pool.free_all_blocks()
+    base_used = pool.used_bytes()
+    t0 = time.perf_counter()
+    m = load_model(path, backend="cupy", n_ctx=4096, kv_dtype="f16")
+    load_s = time.perf_counter() - t0
+    tf, ops = m.transformer, m.transformer.ops
+    prompt = np.random.default_rng(0).integers(0, m.spec.n_vocab, prompt_len).tolist()
+    # warm-up (compilation, cuBLAS handles, pool growth)
+    tf.forward(prompt[:64], 0, last_n=1)
+    for i in range(4):
+        tf.forward([prompt[i]], 64 + i, last_n=1)
+    cp.cuda.Device().synchronize()
+    # prefill
+    t0 = time.perf_counter()
+    logits = tf.forward(prompt, 0, last_n=1)
+    tok = ops.argmax(logits)
+    cp.cuda.Device().synchronize()
+    prefill_s = time.perf_counter() - t0
+    # the same prefill with fp16 tiles (faster, less exact: see cupy_backend)
+    ops._scratch, ops.prefill_dtype = None, np.dtype("float16")
+    tf.forward(prompt[:64], 0, last_n=1)
+    cp.cuda.Device().synchronize()
+    t0 = time.perf_counter()
+    ops.argmax(tf.forward(prompt, 0, last_n=1))
+    cp.cuda.Device().synchronize()
+    prefill16_s = time.perf_counter() - t0
+    # decode (greedy on the device: only the id comes back)
+    t0 = time.perf_counter()
+    pos = prompt_len
+    for _ in range(n_decode):
+        tok = ops.argmax(tf.forward([tok], pos, last_n=1))
+        pos += 1
+    cp.cuda.Device().synchronize()
+    decode_s = time.perf_counter() - t0
+    weights = tf.weights_bytes
+    held = pool.total_bytes()
+    ref = LLAMA_CPP[key]
+    decode_tps = n_decode / decode_s
+    prefill_tps = prompt_len / prefill_s
+    limit_tps = bw / weights
+    row = {
+        "model": key,
+        "preset": ref["preset"],
+        "load_s": round(load_s, 2),
+        "decode_tok_s": round(decode_tps, 1),
+        "prefill_tok_s": round(prefill_tps, 1),
+        "prefill_f16_tok_s": round(prompt_len / prefill16_s, 1),
+        "decode_vs_llama_cpp": round(decode_tps / ref["decode"], 3),
+        "prefill_vs_llama_cpp": round(prefill_tps / ref["prefill"], 3),
+        "bandwidth_limit_tok_s": round(limit_tps, 1),
+        "decode_fraction_of_limit": round(decode_tps / limit_tps, 3),
+        "llama_cpp_fraction_of_limit": round(ref["decode"] / limit_tps, 3),
+        "weights_bytes": int(weights),
+        "kv_bytes": int(tf.kv.nbytes),
+        "pool_held_bytes": int(held - base_used),
+        "plan_bytes": int(m.memory_plan.total),
+    }
+    m.close()
+    del m, tf, ops, logits
+    pool.free_all_blocks()
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="smollm2,qwen3-4b")
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--decode", type=int, default=128)
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--workdir", default=None, help="where the generated models go (temp dir)")
+    a = ap.parse_args()
+    import cupy as cp
+
+    dev = cp.cuda.Device()
+    name = cp.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
+    bw = copy_bandwidth(cp)
+    print(f"device {name}: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    rows = []
+    with tempfile.TemporaryDirectory(dir=a.workdir) as tmp:
+        for key in a.models.split(","):
+            path = os.path.join(tmp, key + ".gguf")
+            t0 = time.perf_counter()
+            write_config(path, preset_config(LLAMA_CPP[key]["preset"], fast=True))
+            print(f"{key}: generated {os.path.getsize(path) / 1e9:.2f} GB in {time.perf_counter() - t0:.1f} s", flush=True)
+            row = bench_model(key, path, a.prompt, a.decode, bw, cp)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            os.remove(path)
+    print()
+    print(f"{'model':10} {'decode tok/s':>12} {'llama.cpp':>9} {'ratio':>6} {'of limit':>8} "
+          f"{'prefill tok/s':>13} {'llama.cpp':>9} {'ratio':>6} {'GPU MiB':>8}")
+    for r in rows:
+        ref = LLAMA_CPP[r["model"]]
+        print(f"{r['model']:10} {r['decode_tok_s']:12.1f} {ref['decode']:9.0f} {r['decode_vs_llama_cpp']:6.2f} "
+              f"{r['decode_fraction_of_limit']:8.1%} {r['prefill_tok_s']:13.1f} {ref['prefill']:9.0f} "
+              f"{r['prefill_vs_llama_cpp']:6.2f} {r['pool_held_bytes'] / 2**20:8.0f}")
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    result = {"device": name, "copy_bandwidth_Bps": bw, "prompt": a.prompt, "decode": a.decode,
+              "version": "cupy-v1 (no CUDA graphs)", "rows": rows}
+    out = Path(a.out) / f"engine_gpu-{stamp}.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,305 @@
+"""CuPy backend: the ops of the forward pass on a CUDA GPU, weights kept quantized on the device.
+
+Weights stay in their GGUF block layout in GPU memory (`QWeight`). One token (decode) runs fused
+dequantize+GEMV kernels (one warp per row); several tokens (prefill) dequantize row tiles to fp16
+into one preallocated scratch buffer and multiply with cuBLAS. Kernels: `engine.kernels`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import cupy as cp
+import numpy as np
+
+from .. import kernels
+from ..gguf_file import TensorInfo
+from ..quants import dequantize, dequantize_rows
+
+_GELU_C = math.sqrt(2.0 / math.pi)
+WARPS = 4  # rows per GEMV block
+SCRATCH_ELEMS = 16 * 1024 * 1024  # prefill tiles: 64 MiB as fp32, 32 MiB as fp16
+
+_silu = cp.ElementwiseKernel(
+    "float32 g, float32 u", "float32 y", "y = g / (1.0f + expf(-g)) * u", "genie_silu"
+)
+_gelu = cp.ElementwiseKernel(
+    "float32 g, float32 u, float32 c",
+    "float32 y",
+    "y = 0.5f * g * (1.0f + tanhf(c * (g + 0.044715f * g * g * g))) * u",
+    "genie_gelu_tanh",
+)
+
+
+@dataclass
+class QWeight:
+    """A 2-D weight on the device in its stored layout (or several such, stacked by rows)."""
+
+    raw: cp.ndarray | None
+    """uint8 [rows, bytes_per_row] (float types too, as bytes); None when `parts` holds it."""
+    type_name: str
+    shape: tuple[int, int]
+    """(rows, cols) as in y = W @ x."""
+    parts: list[QWeight] = field(default_factory=list)
+    """Row blocks of different types (a fused QKV whose parts disagree); empty otherwise."""
+
+    @property
+    def nbytes(self) -> int:
+        if self.parts:
+            return sum(p.nbytes for p in self.parts)
+        return int(self.raw.nbytes) if self.raw is not None else 0
+
+    def pieces(self) -> list[QWeight]:
+        return self.parts or [self]
+
+
+def _null() -> np.uint64:
+    return np.uint64(0)
+
+
+class CupyOps:
+    """The ops of `engine.model.Transformer` on CUDA (same interface as NumpyOps)."""
+
+    name = "cupy"
+    xp = cp
+
+    def __init__(self, prefill_dtype: str = "float32") -> None:
+        if prefill_dtype not in ("float32", "float16"):
+            raise ValueError(f"prefill_dtype {prefill_dtype!r}: expected float32 or float16")
+        kernels.module()  # compile now (NVRTC), not in the middle of the first forward pass
+        self.prefill_dtype = np.dtype(prefill_dtype)
+        self._scratch: cp.ndarray | None = None
+
+    # --- weights -------------------------------------------------------------------------
+    def weight(self, t: TensorInfo) -> QWeight | cp.ndarray:
+        """2-D: raw bytes on the device (QWeight); 1-D (norms, biases): float32 array."""
+        if len(t.shape) != 2:
+            return cp.asarray(dequantize(t.raw, t.type_name, t.shape))
+        raw = np.ascontiguousarray(t.raw).view(np.uint8).reshape(t.shape[0], -1)
+        return QWeight(cp.asarray(raw), t.type_name, (int(t.shape[0]), int(t.shape[1])))
+
+    def concat_rows(self, parts: list[QWeight]) -> QWeight:
+        """Stack weights by rows: one buffer when the types agree, else a list of pieces."""
+        cols = parts[0].shape[1]
+        rows = sum(p.shape[0] for p in parts)
+        if len({p.type_name for p in parts}) == 1 and all(not p.parts for p in parts):
+            raw = cp.concatenate([p.raw for p in parts], axis=0)
+            for p in parts:
+                p.raw = None  # free the pieces
+            return QWeight(raw, parts[0].type_name, (rows, cols))
+        pieces = [q for p in parts for q in p.pieces()]
+        return QWeight(None, "mixed", (rows, cols), pieces)
+
+    def embed_rows(self, table: QWeight | TensorInfo, ids: np.ndarray, cols: int) -> cp.ndarray:
+        """Rows of the embedding table [T] -> [T, E]; a host-side table is decoded on the host."""
+        if isinstance(table, TensorInfo):
+            return cp.asarray(dequantize_rows(table.raw, table.type_name, ids, cols))
+        w = table.pieces()[0] if len(table.pieces()) == 1 else None
+        if w is None:
+            raise ValueError("embedding table made of mixed pieces")
+        n = len(ids)
+        out = cp.empty((n, cols), dtype=cp.float32)
+        dev_ids = cp.asarray(np.asarray(ids, dtype=np.int64))
+        units = n * (cols // 32)
+        kernels.kernel(f"gather_{w.type_name}")(
+            ((units + 127) // 128,), (128,),
+            (w.raw, np.int64(w.raw.shape[1]), dev_ids, out, np.int32(n), np.int32(cols)),
+        )
+        return out
+
+    def zeros(self, shape: tuple[int, ...], dtype: str) -> cp.ndarray:
+        return cp.zeros(shape, dtype=np.dtype(dtype))
+
+    def to_host(self, x: cp.ndarray) -> np.ndarray:
+        return cp.asnumpy(x)
+
+    # --- matrices ------------------------------------------------------------------------
+    @staticmethod
+    def act_quant(x: cp.ndarray, kind: str | None) -> cp.ndarray:
+        """llama.cpp's activation rounding on the device (NumpyOps.act_quant's twin)."""
+        if kind is None:
+            return x
+        x = cp.ascontiguousarray(x, dtype=cp.float32)
+        y = cp.empty_like(x)
+        groups = x.size // (32 if kind == "q8_0" else 256)
+        per_block = 8
+        kernels.kernel("act_q8_0" if kind == "q8_0" else "act_q8_k")(
+            ((groups + per_block - 1) // per_block,), (32 * per_block,), (x, y, np.int32(groups))
+        )
+        return y
+
+    def gemv(self, w: QWeight, x: cp.ndarray, y: cp.ndarray, bias: cp.ndarray | None) -> None:
+        """y[rows] = W @ x (+ bias) with the fused dequantize+GEMV kernel of W's type."""
+        r0 = 0
+        for p in w.pieces():
+            rows, cols = p.shape
+            b = _null() if bias is None else bias[r0 : r0 + rows]
+            kernels.kernel(f"gemv_{p.type_name}")(
+                ((rows + WARPS - 1) // WARPS,), (32 * WARPS,),
+                (p.raw, np.int64(p.raw.shape[1]), x, y[r0 : r0 + rows], b,
+                 np.int32(rows), np.int32(cols)),
+            )
+            r0 += rows
+
+    def dequant_f16(self, p: QWeight, r0: int, r1: int, out: cp.ndarray) -> None:
+        """Rows r0..r1 of one piece as fp16 into `out` [r1 - r0, cols]."""
+        cols = p.shape[1]
+        units = (r1 - r0) * (cols // 32)
+        kernels.kernel(f"dequant_h_{p.type_name}")(
+            ((units + 127) // 128,), (128,),
+            (p.raw[r0:r1], np.int64(p.raw.shape[1]), out, np.int32(r1 - r0), np.int32(cols)),
+        )
+
+    def dequant_f32(self, p: QWeight, r0: int, r1: int, out: cp.ndarray) -> None:
+        """Rows r0..r1 of one piece as fp32 into `out` [r1 - r0, cols] (the gather kernel)."""
+        cols = p.shape[1]
+        ids = cp.arange(r0, r1, dtype=cp.int64)
+        units = (r1 - r0) * (cols // 32)
+        kernels.kernel(f"gather_{p.type_name}")(
+            ((units + 127) // 128,), (128,),
+            (p.raw, np.int64(p.raw.shape[1]), ids, out, np.int32(r1 - r0), np.int32(cols)),
+        )
+
+    def matmul(self, w: QWeight, x: cp.ndarray, bias: cp.ndarray | None) -> cp.ndarray:
+        """[T, in] x W.T for T > 1: tiles of W decoded into the scratch buffer, cuBLAS, fp32 out."""
+        t = x.shape[0]
+        rows, cols = w.shape
+        y = cp.empty((t, rows), dtype=cp.float32)
+        half = self.prefill_dtype == np.float16
+        xs = x.astype(cp.float16) if half else x
+        if self._scratch is None:
+            self._scratch = cp.empty(SCRATCH_ELEMS, dtype=self.prefill_dtype)
+        tile = max(1, SCRATCH_ELEMS // cols)
+        base = 0
+        for p in w.pieces():
+            for r0 in range(0, p.shape[0], tile):
+                r1 = min(p.shape[0], r0 + tile)
+                wt = self._scratch[: (r1 - r0) * cols].reshape(r1 - r0, cols)
+                (self.dequant_f16 if half else self.dequant_f32)(p, r0, r1, wt)
+                y[:, base + r0 : base + r1] = cp.matmul(xs, wt.T)
+            base += p.shape[0]
+        if bias is not None:
+            y += bias
+        return y
+
+    def linear(
+        self, x: cp.ndarray, w: QWeight, b: cp.ndarray | None = None, aq: str | None = None
+    ) -> cp.ndarray:
+        """[T, in] x [out, in] -> [T, out] (+ bias); `aq` rounds x as llama.cpp does."""
+        x = self.act_quant(cp.ascontiguousarray(x, dtype=cp.float32), aq)
+        if x.shape[0] != 1:
+            return self.matmul(w, x, b)
+        y = cp.empty((1, w.shape[0]), dtype=cp.float32)
+        self.gemv(w, x, y[0], b)
+        return y
+
+    # --- math ----------------------------------------------------------------------------
+    @staticmethod
+    def rms_norm(x: cp.ndarray, w: cp.ndarray, eps: float) -> cp.ndarray:
+        """RMSNorm over the last axis, scaled by `w`."""
+        x = cp.ascontiguousarray(x, dtype=cp.float32)
+        n = x.shape[-1]
+        y = cp.empty_like(x)
+        kernels.kernel("rms_norm")(
+            (x.size // n,), (min(256, max(32, (n + 31) // 32 * 32)),), (x, w, y, np.int32(n), np.float32(eps))
+        )
+        return y
+
+    @staticmethod
+    def rope_tables(n_ctx: int, dim: int, base: float, scale: float) -> tuple[cp.ndarray, cp.ndarray]:
+        """cos and sin, [n_ctx, dim/2] (computed in float64 on the host, as NumpyOps does)."""
+        inv = base ** (-np.arange(0, dim, 2, dtype=np.float64) / dim)
+        ang = np.outer(np.arange(n_ctx, dtype=np.float64) / scale, inv)
+        return cp.asarray(np.cos(ang).astype(np.float32)), cp.asarray(np.sin(ang).astype(np.float32))
+
+    @staticmethod
+    def rope(x: cp.ndarray, cos: cp.ndarray, sin: cp.ndarray, style: str) -> cp.ndarray:
+        """Rotate [T, heads, D] by per-position [T, d/2] tables; d <= D dims rotate."""
+        out = cp.array(x, dtype=cp.float32, order="C")  # always a copy: rotated in place
+        t, h, d = out.shape
+        half = cos.shape[-1]
+        cos, sin = cp.ascontiguousarray(cos), cp.ascontiguousarray(sin)
+        n = t * h * half
+        kernels.kernel("rope")(
+            ((n + 255) // 256,), (256,),
+            (out, cos, sin, np.int32(t), np.int32(h), np.int32(d), np.int32(half),
+             np.int32(style == "neox")),
+        )
+        return out
+
+    @staticmethod
+    def kv_store(cache: cp.ndarray, start: int, x: cp.ndarray) -> None:
+        """Write [T, KV, D] into the cache [KV, n_ctx, D] at positions start..start+T-1."""
+        cache[:, start : start + x.shape[0], :] = x.transpose(1, 0, 2)
+
+    def attention(
+        self,
+        q: cp.ndarray,
+        k_cache: cp.ndarray,
+        v_cache: cp.ndarray,
+        start: int,
+        window: int,
+        scale: float,
+    ) -> cp.ndarray:
+        """Causal (optionally sliding-window) GQA attention -> [T, H*Dv]; decode uses a kernel."""
+        t, h, d = q.shape
+        kv, n_ctx, dv = v_cache.shape
+        end = start + t
+        lo = max(0, start - window + 1) if window else 0
+        if t == 1 and d <= 512:
+            qc = cp.ascontiguousarray(q, dtype=cp.float32)
+            out = cp.empty((1, h * dv), dtype=cp.float32)
+            scores = cp.empty((h, n_ctx), dtype=cp.float32)
+            name = "attn_decode_half" if k_cache.dtype == cp.float16 else "attn_decode_float"
+            kernels.kernel(name)(
+                (h,), (256,),
+                (qc, k_cache, v_cache, out, scores, np.int32(h // kv), np.int32(d), np.int32(dv),
+                 np.int32(n_ctx), np.int32(lo), np.int32(end), np.float32(scale)),
+            )
+            return out
+        return _attention_xp(q, k_cache, v_cache, start, window, scale)
+
+    @staticmethod
+    def gated_act(gate: cp.ndarray, up: cp.ndarray, kind: str) -> cp.ndarray:
+        """SwiGLU (`silu`) or GeGLU with tanh GELU (`gelu_tanh`)."""
+        if kind == "silu":
+            return _silu(gate, up)
+        return _gelu(gate, up, np.float32(_GELU_C))
+
+    @staticmethod
+    def argmax(logits: cp.ndarray) -> int:
+        """Greedy sampling on the device: only the token id comes back to the host."""
+        x = cp.ascontiguousarray(logits.reshape(-1), dtype=cp.float32)
+        out = cp.empty((1,), dtype=cp.int64)
+        kernels.kernel("argmax")((1,), (1024,), (x, np.int32(x.size), out))
+        return int(out.get()[0])
+
+
+def _attention_xp(
+    q: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray, start: int, window: int, scale: float
+) -> cp.ndarray:
+    """NumpyOps.attention written for CuPy arrays (prefill: several query positions)."""
+    t, h, d = q.shape
+    kv = k_cache.shape[0]
+    g = h // kv
+    end = start + t
+    lo = max(0, start - window + 1) if window else 0
+    k = k_cache[:, lo:end, :].astype(cp.float32)
+    v = v_cache[:, lo:end, :].astype(cp.float32)
+    qg = q.reshape(t, kv, g, d).transpose(1, 0, 2, 3).reshape(kv, t * g, d)
+    scores = cp.matmul(qg, k.transpose(0, 2, 1)) * np.float32(scale)
+    scores = scores.reshape(kv, t, g, end - lo)
+    if t > 1 or window:
+        qpos = cp.arange(start, end)[:, None]
+        kpos = cp.arange(lo, end)[None, :]
+        masked = kpos > qpos
+        if window:
+            masked |= (qpos - kpos) >= window
+        scores += cp.where(masked, np.float32(-np.inf), np.float32(0))[None, :, None, :]
+    scores -= scores.max(axis=-1, keepdims=True)
+    cp.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    out = cp.matmul(scores.reshape(kv, t * g, end - lo), v)
+    dv = v.shape[-1]
+    return out.reshape(kv, t, g, dv).transpose(1, 0, 2, 3).reshape(t, h * dv)

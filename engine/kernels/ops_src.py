@@ -1,0 +1,156 @@
+"""CUDA C of the non-GEMV kernels: activation rounding, RMSNorm, RoPE, decode attention, argmax."""
+
+OPS = r"""
+// llama.cpp's activation rounding (NumpyOps.act_quant): q8_0 groups of 32, one warp per group.
+extern "C" __global__ void act_q8_0(const float* x, float* y, int n_groups) {
+    int g = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (g >= n_groups) return;
+    float v = x[(long long)g * 32 + lane], a = fabsf(v);
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
+    float d = a / 127.0f;
+    float inv = d != 0.f ? 1.0f / d : 0.f;
+    y[(long long)g * 32 + lane] = rintf(v * inv) * d;
+}
+// q8_k: groups of 256, one warp per group; scale from the first value of largest magnitude.
+extern "C" __global__ void act_q8_k(const float* x, float* y, int n_groups) {
+    int g = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (g >= n_groups) return;
+    const float* xg = x + (long long)g * 256;
+    float v[8]; float best = -1.f; int bi = 0;
+    #pragma unroll
+    for (int k = 0; k < 8; k++) {
+        v[k] = xg[lane + 32*k];
+        float a = fabsf(v[k]); int i = lane + 32*k;
+        if (a > best) { best = a; bi = i; }
+    }
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        float ob = __shfl_xor_sync(0xffffffffu, best, o);
+        int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (ob > best || (ob == best && oi < bi)) { best = ob; bi = oi; }
+    }
+    float mx = xg[bi];
+    float iscale = mx != 0.f ? -128.0f / mx : 0.f;
+    float d = iscale != 0.f ? 1.0f / iscale : 0.f;
+    #pragma unroll
+    for (int k = 0; k < 8; k++) y[(long long)g * 256 + lane + 32*k] = fminf(rintf(v[k] * iscale), 127.f) * d;
+}
+// RMSNorm of each row of n values, one block per row.
+extern "C" __global__ void rms_norm(const float* x, const float* w, float* y, int n, float eps) {
+    __shared__ float part[32];
+    const float* xr = x + (long long)blockIdx.x * n;
+    float* yr = y + (long long)blockIdx.x * n;
+    float s = 0.f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) s += xr[i] * xr[i];
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = s;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        s = threadIdx.x < (blockDim.x >> 5) ? part[threadIdx.x] : 0.f;
+        #pragma unroll
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        if (threadIdx.x == 0) part[0] = s;
+    }
+    __syncthreads();
+    float r = sqrtf(part[0] / (float)n + eps);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = xr[i] / r * w[i];
+}
+// RoPE in place on x [T, H, D]; cos/sin [T, half]; neox rotates (i, i+half), else (2i, 2i+1).
+extern "C" __global__ void rope(float* x, const float* cs, const float* sn, int T, int H, int D,
+                                int half, int neox) {
+    long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)T * H * half) return;
+    int i = (int)(idx % half); long long th = idx / half; int t = (int)(th / H);
+    float c = cs[(long long)t * half + i], s = sn[(long long)t * half + i];
+    float* r = x + th * D;
+    int i0 = neox ? i : 2 * i, i1 = neox ? i + half : 2 * i + 1;
+    float x0 = r[i0], x1 = r[i1];
+    r[i0] = x0 * c - x1 * s;
+    r[i1] = x0 * s + x1 * c;
+}
+// Greedy sampling on the device: index of the largest value (first one on ties), one block.
+extern "C" __global__ void argmax(const float* x, int n, long long* out) {
+    __shared__ float bv[1024]; __shared__ int bi[1024];
+    float best = __int_as_float(0xff800000); int idx = 0x7fffffff;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        float v = x[i];
+        if (v > best) { best = v; idx = i; }
+    }
+    bv[threadIdx.x] = best; bi[threadIdx.x] = idx;
+    __syncthreads();
+    for (int s = blockDim.x >> 1; s > 0; s >>= 1) {
+        if (threadIdx.x < s) {
+            float ov = bv[threadIdx.x + s]; int oi = bi[threadIdx.x + s];
+            if (ov > bv[threadIdx.x] || (ov == bv[threadIdx.x] && oi < bi[threadIdx.x])) {
+                bv[threadIdx.x] = ov; bi[threadIdx.x] = oi;
+            }
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) *out = bi[0];
+}
+"""
+
+# Decode attention (one query position), one block per query head, for a KV cache of type KT.
+ATTN_HELPERS = r"""
+__device__ __forceinline__ float ldkv_float(const float* p) { return *p; }
+__device__ __forceinline__ float ldkv_half(const unsigned short* p) {
+    float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(*p)); return f;
+}
+"""
+ATTN = r"""
+extern "C" __global__ void attn_decode_{N}(const float* q, const {KT}* K, const {KT}* V,
+        float* out, float* scores, int G, int D, int Dv, int n_ctx, int lo, int end, float scale) {
+    __shared__ float red[32];
+    __shared__ float qs[512];
+    int h = blockIdx.x, kvh = h / G;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) qs[i] = q[(long long)h * D + i];
+    __syncthreads();
+    const {KT}* Kh = K + (long long)kvh * n_ctx * D;
+    const {KT}* Vh = V + (long long)kvh * n_ctx * Dv;
+    float* sc = scores + (long long)h * n_ctx;
+    float mx = __int_as_float(0xff800000);
+    for (int s = lo + warp; s < end; s += nw) {
+        const {KT}* kr = Kh + (long long)s * D;
+        float a = 0.f;
+        for (int i = lane; i < D; i += 32) a += qs[i] * ldkv_{N}(kr + i);
+        #pragma unroll
+        for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
+        a *= scale;
+        if (lane == 0) sc[s] = a;
+        mx = fmaxf(mx, a);
+    }
+    if (lane == 0) red[warp] = mx;
+    __syncthreads();
+    if (threadIdx.x == 0) { float m = __int_as_float(0xff800000); for (int w = 0; w < nw; w++) m = fmaxf(m, red[w]); red[31] = m; }
+    __syncthreads();
+    mx = red[31];
+    __syncthreads();
+    float sum = 0.f;
+    for (int s = lo + threadIdx.x; s < end; s += blockDim.x) { float e = expf(sc[s] - mx); sc[s] = e; sum += e; }
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (lane == 0) red[warp] = sum;
+    __syncthreads();
+    if (threadIdx.x == 0) { float t = 0.f; for (int w = 0; w < nw; w++) t += red[w]; red[30] = t; }
+    __syncthreads();
+    float inv = 1.0f / red[30];
+    for (int d = threadIdx.x; d < Dv; d += blockDim.x) {
+        float acc = 0.f;
+        for (int s = lo; s < end; s++) acc += sc[s] * ldkv_{N}(Vh + (long long)s * Dv + d);
+        out[(long long)h * Dv + d] = acc * inv;
+    }
+}
+"""
+
+
+def source() -> str:
+    """Every kernel of this file as one CUDA C translation unit."""
+    attn = "".join(
+        ATTN.replace("{N}", n).replace("{KT}", kt)
+        for n, kt in (("float", "float"), ("half", "unsigned short"))
+    )
+    return OPS + ATTN_HELPERS + attn

@@ -71,6 +71,9 @@ class Model:
             ops = NumpyOps()
         self.backend = ops.name
         self.transformer = Transformer(gf, self.spec, ops, n_ctx, kv_dtype)
+        make_decoder = getattr(ops, "make_decoder", None)
+        self.decoder: Any = make_decoder(self.transformer) if make_decoder is not None else None
+        """Optional backend fast path for one-token steps (e.g. a replayed CUDA graph)."""
         self.lock = anyio.Lock()
         """Held by a generation for its whole length: the KV cache holds one sequence."""
         self._thread_lock = threading.Lock()
@@ -132,12 +135,23 @@ class Model:
         with self._thread_lock:
             tf = self.transformer
             del tf.kv.tokens[pos:]
-            out = tf.forward(list(ids), pos, last_n=1)
+            if len(ids) == 1 and self.decoder is not None:
+                out = self.decoder.logits(int(ids[0]), pos)
+            else:
+                out = tf.ops.to_host(tf.forward(list(ids), pos, last_n=1))[0]
             tf.kv.tokens.extend(int(t) for t in ids)
-            return np.asarray(tf.ops.to_host(out), dtype=np.float32)[0]
+            return np.asarray(out, dtype=np.float32)
 
     def step_sample(self, token: int, pos: int, sampler: Sampler, history: Sequence[int]) -> int:
-        """One decode step: feed `token` at `pos`, sample the next one."""
+        """One decode step: feed `token` at `pos`, sample the next one (on the device when the
+        backend's decoder can and sampling is plain greedy)."""
+        p = sampler.params
+        if self.decoder is not None and p.temperature <= 0 and p.repeat_penalty == 1.0:
+            with self._thread_lock:
+                del self.transformer.kv.tokens[pos:]
+                nxt = int(self.decoder.greedy(int(token), pos))
+                self.transformer.kv.tokens.append(int(token))
+                return nxt
         return sampler(self.step_logits([token], pos), history)
 
     def generate(

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -153,7 +153,7 @@ class HostedGeneration:
         elapsed = time.monotonic() - self.first_token_at
         return (self.tokens - 1) / elapsed if elapsed > 0 else None
 
-    async def _run(self) -> AsyncIterator[TokenEvent]:
+    async def _run(self) -> AsyncGenerator[TokenEvent, None]:
         host = self._host
         model = host.model
         if model is None:
@@ -333,8 +333,7 @@ class EngineHost:
             model = await anyio.to_thread.run_sync(self._load_blocking, path, abandon_on_cancel=True)
         except BaseException as exc:
             self._load_state, self.error = "error", f"{type(exc).__name__}: {exc}"
-            with anyio.CancelScope(shield=True):
-                self._changed()
+            self._changed()
             raise
         self.model, self._load_state = model, "ready"
         log.info("model_loaded", name=model.info.name, arch=model.info.arch, backend=model.backend,
@@ -401,7 +400,7 @@ class EngineHost:
     async def _tokenize(model: Model, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             return await anyio.to_thread.run_sync(model.tokenizer.encode, prompt)
-        items = list(prompt)
+        items: list[Any] = list(prompt)
         if all(isinstance(t, int) for t in items):
             return [int(t) for t in items]
         if all(isinstance(m, Mapping) for m in items):

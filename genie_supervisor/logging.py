@@ -26,6 +26,11 @@ _QUIET = {"httpx": logging.WARNING, "httpcore": logging.WARNING, "uvicorn.access
 """Chatty loggers held at WARNING unless the level is debug (one line per HTTP request is noise)."""
 
 
+def _drop_color_message(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, Any]:
+    event.pop("color_message", None)  # uvicorn's ANSI-coloured copy of the message
+    return event
+
+
 def use_json(fmt: str, stream: TextIO) -> bool:
     """Whether to write JSON lines: ``json``, ``console``, or ``auto`` (JSON unless `stream` is a TTY)."""
     if fmt == "auto":
@@ -44,6 +49,7 @@ def configure_logging(level: str = "info", fmt: str = "auto", stream: TextIO | N
         structlog.stdlib.add_log_level,
         structlog.stdlib.add_logger_name,
         structlog.stdlib.ExtraAdder(),
+        _drop_color_message,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
         structlog.processors.StackInfoRenderer(),
     ]

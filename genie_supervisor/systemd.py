@@ -13,8 +13,8 @@ and never raises: a lost notification is logged, the daemon goes on.
 from __future__ import annotations
 
 import os
-from collections import deque
 import socket
+from collections import deque
 from collections.abc import Mapping
 
 import anyio

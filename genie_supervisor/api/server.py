@@ -39,7 +39,7 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
 
 def get_supervisor(request: Request) -> Supervisor:
     """The running Supervisor (a FastAPI dependency for routers)."""
-    return request.app.state.supervisor  # type: ignore[no-any-return]
+    return request.app.state.supervisor
 
 
 def create_app(supervisor: Supervisor) -> FastAPI:
@@ -108,7 +108,7 @@ class _Server(uvicorn.Server):
 class HttpServer:
     """Runs an ASGI app with uvicorn on an already bound socket, inside the caller's task group."""
 
-    def __init__(self, app: Any, sock: socket.socket, *, graceful_s: float = 2.0) -> None:
+    def __init__(self, app: Any, sock: socket.socket, *, graceful_s: int = 2) -> None:
         self.sock = sock
         """The listening socket."""
         host, port = sock.getsockname()[:2]
@@ -120,6 +120,11 @@ class HttpServer:
                                 timeout_graceful_shutdown=graceful_s, server_header=False)
         self._server = _Server(config)
         self._done: anyio.Event | None = None
+
+    @property
+    def serving(self) -> bool:
+        """True once uvicorn accepts connections."""
+        return self._server.started and not self._server.should_exit
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Serve until stopped; ready once uvicorn accepts connections."""

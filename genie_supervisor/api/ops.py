@@ -1,0 +1,75 @@
+"""Operations routes: ``GET /health``, ``GET /status``, ``POST /v1/voice/events``."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from .server import error_response, get_supervisor
+
+router = APIRouter()
+
+
+def jsonable(value: Any) -> Any:
+    """Observations, decisions and snapshots as plain JSON values (sets sorted, inf/nan as null)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (set, frozenset)):
+        return sorted(jsonable(v) for v in value)
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    """Liveness and identity: 200 when serving (with or without a model), 503 while loading or broken."""
+    sup = get_supervisor(request)
+    engine = sup.engine.describe()
+    state = engine["state"]
+    status = {"loading": "loading", "error": "error"}.get(state, "ok")
+    body = {
+        "status": status,
+        "backend": engine["backend"],
+        "model": engine["model"],
+        "engine": state,
+        "gate": sup.gate.mode,
+        "gate_reasons": sorted(sup.gate.reasons),
+        "policy": sup.policy.name,
+        "uptime_s": round(sup.uptime_s, 3),
+        "version": sup.version,
+    }
+    return JSONResponse(body, status_code=200 if status == "ok" else 503)
+
+
+@router.get("/status")
+async def status(request: Request) -> JSONResponse:
+    """The full snapshot: telemetry, services, voice, engine, gate, policy, decision, memory plan."""
+    return JSONResponse(get_supervisor(request).status())
+
+
+@router.post("/v1/voice/events")
+async def voice_event(request: Request) -> JSONResponse:
+    """A voice hint ``{"service": "stt"|"tts", "event": "start"|"stop", "session"?: str}``."""
+    sup = get_supervisor(request)
+    raw = await request.body()
+    try:
+        payload = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        return error_response(400, f"the body must be JSON: {exc}")
+    try:
+        activity = sup.voice.handle(payload, "http")
+    except ValueError as exc:
+        return error_response(400, str(exc))
+    return JSONResponse({"ok": True, "service": activity.service, "active": activity.active,
+                         "session": activity.session, "ts": activity.ts})

@@ -1,0 +1,398 @@
+"""The composition root: ``genie-supervisor run`` builds every part and runs them in one task group.
+
+    sup = Supervisor(load_config(None, {"model": path}), telemetry_source=SimulatedSource())
+    async with sup:                     # returns once every component has started (READY=1)
+        ...                             # sup.store, sup.gate, sup.engine, sup.http.port
+    # leaving the block shuts down gracefully (generations cancelled, STOPPING=1)
+
+Start order (each with ``await tg.start``, so READY=1 means all of them are up): signals, state
+expiry, policy (first load; a bad file stops the start), arbiter, telemetry sampler, watchers,
+HTTP server, engine (model load), MQTT. SIGTERM/SIGINT shut down within ``shutdown_timeout_s``;
+SIGHUP reloads the policy (a bad file keeps the old one, and says so in /status).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import structlog
+from anyio.abc import TaskGroup, TaskStatus
+
+from . import __version__
+from .api.ops import jsonable
+from .api.server import HttpServer, bind_socket, create_app
+from .arbiter import Arbiter, DecodeGate
+from .config import Config, parse_hostport
+from .engine_host import EngineHost
+from .errors import ConfigErrors, PolicyErrors, SupervisorError
+from .policy import Policy, PolicyWatcher
+from .policy.schema import builtin_policy
+from .state import StateStore
+from .systemd import Notifier
+from .telemetry import TelemetrySource, create_source, run_sampler
+from .voice import VoiceHints
+from .watchers import WatcherSettings, build_watchers
+
+if sys.version_info < (3, 11):  # pragma: no cover - Python 3.10 (JetPack 6)
+    from exceptiongroup import BaseExceptionGroup
+
+log = structlog.get_logger(__name__)
+
+
+class Supervisor:
+    """Every component of the daemon, wired; `run` starts them and owns their lifetime."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        telemetry_source: TelemetrySource | None = None,
+        notifier: Notifier | None = None,
+        http_socket: socket.socket | None = None,
+        handle_signals: bool = False,
+        environ: Mapping[str, str] | None = None,
+        model_loader: Any = None,
+        shutdown_timeout_s: float = 5.0,
+    ) -> None:
+        """Fakes come in here: a telemetry source (e.g. SimulatedSource), a notifier, a bound
+        HTTP socket (tests bind port 0), a model loader. `handle_signals` makes this process's
+        SIGTERM/SIGINT/SIGHUP ours (the CLI does; tests usually do not)."""
+        self.cfg = cfg
+        """The validated config."""
+        self.version = __version__
+        """Package version (in /health)."""
+        env = os.environ if environ is None else environ
+        self.notifier = notifier or Notifier.from_env(env, notify=cfg.systemd.notify,
+                                                      watchdog=cfg.systemd.watchdog)
+        """systemd notifications (inactive without NOTIFY_SOCKET)."""
+        self.store = StateStore(hint_timeout_s=cfg.voice.hint_timeout_s, stt_services=cfg.stt_services())
+        """The snapshot store every observation goes to."""
+        self.gate = DecodeGate()
+        """The decode gate the engine awaits."""
+        self.arbiter = Arbiter(self.gate, on_unload=self._on_unload)
+        """Applies decisions."""
+        self.voice = VoiceHints(self.store)
+        """Voice hint handler (HTTP route and MQTT topic)."""
+        self.policy_watcher = (PolicyWatcher(cfg.policy.path, poll_interval_s=cfg.policy.poll_interval_s)
+                               if cfg.policy.path else None)
+        """Loads and reloads the policy file; None when the built-in policy is used."""
+        self._builtin = builtin_policy() if self.policy_watcher is None else None
+        if self.policy_watcher is not None:
+            self.policy_watcher.add_listener(self._on_policy)
+        loader = {} if model_loader is None else {"loader": model_loader}
+        self.engine = EngineHost(
+            cfg.engine.model, gate=self.gate, arbiter=self.arbiter, publish=self.store.publish,
+            backend=cfg.engine.backend, n_ctx=cfg.engine.n_ctx, kv_dtype=cfg.engine.kv_dtype,
+            budget_mb=lambda: self.policy.memory.llm_budget_mb, **loader,
+        )
+        """The LLM engine facade."""
+        self.http: HttpServer | None = None
+        """The HTTP server once started."""
+        self.mqtt: Any = None
+        """The MQTT bridge when configured and available."""
+        self.ready = False
+        """True once every component has started."""
+        self.shutdown_timeout_s = shutdown_timeout_s
+        """Graceful shutdown must finish within this."""
+        self._source = telemetry_source
+        self._owns_source = telemetry_source is None
+        self._http_socket = http_socket
+        self._handle_signals = handle_signals
+        self._t0 = time.monotonic()
+        self._tg: TaskGroup | None = None
+        self._stop: anyio.Event | None = None
+        self._stop_reason: str | None = None
+        self._stopped: anyio.Event | None = None
+        self._outer: TaskGroup | None = None
+
+    # -- state ------------------------------------------------------------------------------
+    @property
+    def policy(self) -> Policy:
+        """The policy in force."""
+        if self.policy_watcher is not None and self.policy_watcher.policy is not None:
+            return self.policy_watcher.policy
+        return self._builtin or builtin_policy()
+
+    @property
+    def uptime_s(self) -> float:
+        """Seconds since `run` began."""
+        return time.monotonic() - self._t0
+
+    def status(self) -> dict[str, Any]:
+        """The whole state as JSON values (``GET /status``)."""
+        snap = self.store.snapshot()
+        watcher = self.policy_watcher
+        return {
+            "ts": snap.ts,
+            "uptime_s": round(self.uptime_s, 3),
+            "version": self.version,
+            "node_id": self.cfg.node_id,
+            "ready": self.ready,
+            "telemetry": jsonable(snap.telemetry),
+            "services": jsonable(snap.services),
+            "voice": jsonable(snap.voice),
+            "engine": {**self.engine.describe(), "stats": jsonable(snap.engine)},
+            "gate": self.gate.metrics(),
+            "policy": {
+                "name": snap.policy_name,
+                "path": watcher.path if watcher else None,
+                "error": snap.policy_error,
+                "generation": watcher.generation if watcher else 1,
+            },
+            "decision": jsonable(snap.decision),
+            "memory_plan": self.engine.describe()["memory_plan"],
+            "http": {"listen": self.http.address if self.http else None},
+            "mqtt": {"url": self.cfg.mqtt.url, "enabled": self.mqtt is not None},
+            "systemd": {"notify_socket": self.notifier.socket_path, "watchdog_s": self.notifier.watchdog_s},
+        }
+
+    def _on_policy(self, policy: Policy, error: PolicyErrors | None) -> None:
+        self.store.set_policy(policy.name, str(error) if error else None)
+        self.store.set_hint_timeout(policy.voice.hint_timeout_s or self.cfg.voice.hint_timeout_s)
+
+    def _on_unload(self) -> None:
+        # The model manager (roles, swapping, unloading) comes with the OpenAI routes; until then
+        # the decision is logged and new requests are refused (unload_llm implies refuse_new).
+        log.warning("unload_llm_requested", action="refusing new requests; unloading not implemented yet")
+
+    # -- lifecycle --------------------------------------------------------------------------
+    async def reload_policy(self) -> bool:
+        """Reload the policy file now (SIGHUP); False if it was rejected (the old one stays)."""
+        if self.policy_watcher is None:
+            log.info("policy_reload_skipped", reason="no policy file configured (built-in policy)")
+            return False
+        return await self.policy_watcher.reload()
+
+    def request_stop(self, reason: str = "requested") -> None:
+        """Begin a graceful shutdown (during start-up: cancel the start)."""
+        if self._stop_reason is None:
+            self._stop_reason = reason
+        if self._stop is not None:
+            self._stop.set()
+        if not self.ready and self._tg is not None:
+            self._tg.cancel_scope.cancel()
+
+    async def run(self, *, task_status: TaskStatus[Supervisor] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Start every component, announce readiness, run until asked to stop, then shut down.
+
+        Raises PolicyErrors (bad policy), TelemetryUnavailable, BudgetError, EngineError or
+        SupervisorError (cannot listen) when start-up fails.
+        """
+        self._t0 = time.monotonic()
+        self._stop = anyio.Event()
+        self._stopped = anyio.Event()
+        self.notifier.status("starting")
+        log.info("supervisor_starting", version=self.version, node_id=self.cfg.node_id,
+                 model=self.cfg.engine.model, policy=self.cfg.policy.path or "builtin",
+                 platform=self.cfg.telemetry.platform, listen=self.cfg.http.listen)
+        source: TelemetrySource | None = None
+        sock: socket.socket | None = self._http_socket
+        try:
+            if self.policy_watcher is not None:
+                await self.policy_watcher.load()
+            else:
+                self._on_policy(self.policy, None)
+            source = self._source or await anyio.to_thread.run_sync(self._create_source)
+            assert source is not None
+            sock = sock or self._bind()
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                if self._stop_reason is not None:
+                    tg.cancel_scope.cancel()
+                await self._start_all(tg, source, sock)
+                self.ready = True
+                self.notifier.ready(f"serving on {self.http.address if self.http else '-'}; "
+                                    f"policy {self.policy.name}; engine {self.engine.state}")
+                log.info("supervisor_ready", listen=self.http.address if self.http else None,
+                         engine=self.engine.state, backend=self.engine.backend,
+                         policy=self.policy.name, platform=source.name)
+                task_status.started(self)
+                await self._stop.wait()
+                await self._shutdown()
+                tg.cancel_scope.cancel()
+        finally:
+            self.ready = False
+            if not any(m.startswith("STOPPING=1") for m in self.notifier.sent):
+                self.notifier.stopping()
+            if source is not None and self._owns_source:
+                source.close()
+            if sock is not None:
+                sock.close()  # ours (or handed to us); closing twice is harmless
+            self._stopped.set()
+            log.info("supervisor_stopped", reason=self._stop_reason)
+
+    async def _start_all(self, tg: TaskGroup, source: TelemetrySource, sock: socket.socket) -> None:
+        cfg = self.cfg
+        if self._handle_signals:
+            await tg.start(self._signals)
+        await tg.start(self.store.run_expiry)
+        if self.policy_watcher is not None and cfg.policy.watch:
+            await tg.start(self.policy_watcher.run)
+        await tg.start(self.arbiter.run, self.store, lambda: self.policy)
+        await tg.start(run_sampler, source, self.store.publish, cfg.telemetry.interval_s)
+        settings = [WatcherSettings.from_mapping(svc.watcher_settings(name))
+                    for name, svc in cfg.services.items()]
+        for watcher in build_watchers(settings, self.store.publish, wait_parked=self.gate.wait_parked):
+            await tg.start(watcher.run)
+        self.http = HttpServer(create_app(self), sock)
+        await tg.start(self.http.run)
+        log.info("http_listening", address=self.http.address)
+        await tg.start(self.engine.run)
+        await self._start_mqtt(tg)
+        await tg.start(self.notifier.run_watchdog)
+
+    async def _start_mqtt(self, tg: TaskGroup) -> None:
+        # --- MQTT hook (lead: finish the wiring) ------------------------------------------------
+        # Wired: the bridge, voice hints and policy reload. Not wired yet (they answer with an
+        # error): policy select, LLM enable/disable, unload, thermal soft limit; they need the
+        # model manager and a policy-override API that do not exist yet.
+        if not self.cfg.mqtt.url:
+            return
+        try:
+            from .mqtt import MqttBridge, MqttCommands
+        except ImportError as exc:  # pragma: no cover - the package ships with mqtt/
+            log.warning("mqtt_unavailable", url=self.cfg.mqtt.url, reason=str(exc))
+            return
+
+        async def voice_hint(payload: dict[str, Any]) -> None:
+            self.voice.handle(payload, "mqtt")
+
+        async def reload_policy() -> None:
+            await self.reload_policy()
+
+        def unsupported(what: str) -> Any:
+            async def command(*_args: Any) -> None:
+                raise SupervisorError(f"{what} is not supported yet")
+            return command
+
+        commands = MqttCommands(
+            select_policy=unsupported("selecting a policy"), set_llm_enabled=unsupported("enabling/disabling the LLM"),
+            reload_policy=reload_policy, unload_model=unsupported("unloading the model"),
+            set_thermal_soft_limit=unsupported("a thermal soft limit"), voice_hint=voice_hint,
+            policy_options=lambda: [self.policy.name],
+        )
+        self.mqtt = MqttBridge(self.cfg.mqtt, self.cfg.node_id, self.store,
+                               gate_metrics=self.gate.metrics, commands=commands)
+        await tg.start(self.mqtt.run)
+
+    async def _signals(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+            task_status.started()
+            async for signum in signals:
+                name = signal.Signals(signum).name
+                if signum == signal.SIGHUP:
+                    log.info("signal_received", signal=name, action="reload policy")
+                    await self.reload_policy()
+                elif self._stop_reason is not None and self._tg is not None:
+                    log.warning("signal_received", signal=name, action="second stop signal: cancelling now")
+                    self._tg.cancel_scope.cancel()
+                else:
+                    log.info("signal_received", signal=name, action="shutdown")
+                    self.request_stop(name)
+
+    async def _shutdown(self) -> None:
+        """Stop in order within the deadline: STOPPING=1, generations, HTTP; then the group is cancelled."""
+        t0 = time.monotonic()
+        self.notifier.stopping()
+        log.info("supervisor_stopping", reason=self._stop_reason)
+        budget = max(0.5, self.shutdown_timeout_s - 1.0)
+        with anyio.move_on_after(budget):
+            await self.engine.shutdown(timeout=budget * 0.4)
+            if self.http is not None:
+                await self.http.stop(timeout=budget * 0.5)
+        log.info("supervisor_drained", seconds=round(time.monotonic() - t0, 3))
+
+    def _create_source(self) -> TelemetrySource:
+        tel = self.cfg.telemetry
+        if tel.platform != "simulated":
+            return create_source(tel.platform)
+        sim = tel.simulated
+        return create_source("simulated", temps_c=dict(sim.temps_c), mem_total_mb=sim.mem_total_mb,
+                             mem_available_mb=sim.mem_available_mb, script=sim.script or (), loop=sim.loop)
+
+    def _bind(self) -> socket.socket:
+        host, port = parse_hostport(self.cfg.http.listen)
+        try:
+            return bind_socket(host, port)
+        except OSError as exc:
+            raise SupervisorError(f"http.listen {self.cfg.http.listen}: cannot listen: {exc.strerror or exc}") from exc
+
+    # -- as an async context manager (tests) --------------------------------------------------
+    async def __aenter__(self) -> Supervisor:
+        self._outer = anyio.create_task_group()
+        await self._outer.__aenter__()
+        try:
+            await self._outer.start(self.run)
+        except BaseException as exc:  # a start-up error: close the group, raise the error itself
+            try:
+                await self._outer.__aexit__(type(exc), exc, exc.__traceback__)
+            except BaseException:  # noqa: B036 - the group re-raises `exc` (wrapped); raise it plainly
+                pass
+            raise _unwrap(exc) from None
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> bool | None:
+        self.request_stop("context exit")
+        assert self._outer is not None
+        return await self._outer.__aexit__(*exc_info)
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    """The single real error inside (nested) exception groups, else `exc` itself."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+async def _main(sup: Supervisor) -> None:
+    await sup.run()
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """``genie-supervisor run``: load the config (flags override it) and run until SIGTERM."""
+    from engine.errors import EngineError
+
+    from .config import load_config
+    from .logging import configure_logging
+    from .telemetry import TelemetryError
+
+    overrides = {k: getattr(args, k, None) for k in ("model", "policy", "mqtt", "listen", "platform")}
+    try:
+        cfg = load_config(args.config, overrides)
+    except ConfigErrors as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
+    configure_logging(cfg.log.level, cfg.log.format)
+    sup = Supervisor(cfg, handle_signals=True)
+    backend = "asyncio"
+    options: dict[str, Any] = {}
+    try:
+        import uvloop  # noqa: F401
+
+        options["use_uvloop"] = True
+    except ImportError:
+        log.info("uvloop_unavailable", fallback="asyncio default loop")
+    try:
+        anyio.run(_main, sup, backend=backend, backend_options=options)
+    except BaseException as raw:  # noqa: B036 - mapped to an exit status below, or re-raised
+        err = _unwrap(raw)
+        if isinstance(err, (PolicyErrors, ConfigErrors)):
+            print(str(err), file=sys.stderr)
+            return 1
+        if isinstance(err, (SupervisorError, TelemetryError, EngineError, OSError, ValueError)):
+            log.error("supervisor_failed", error=f"{type(err).__name__}: {err}")
+            print(f"error: {err}", file=sys.stderr)
+            return 1
+        if isinstance(err, KeyboardInterrupt):
+            return 130
+        raise
+    return 0

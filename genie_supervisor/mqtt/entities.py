@@ -108,7 +108,7 @@ class Entity:
     platform: str
     """``sensor``, ``binary_sensor``, ``select``, ``switch``, ``button`` or ``number``."""
     name: str
-    """Entity name shown after the device name."""
+    """Entity name, shown after the device name."""
     state: str | None = None
     """State topic path under the node's base (None for buttons)."""
     value: Render | None = None
@@ -290,18 +290,35 @@ STATIC: tuple[Entity, ...] = (
            lambda i: (i.snapshot.decision.thermal_level or "none") if i.snapshot.decision else None,
            icon="mdi:thermometer-alert"),
     # controls
-    Entity("policy_select", "select", "Policy file", "policy/selected", _selected_policy, command="policy/set",
-           icon="mdi:script-text", category="config"),
     Entity("llm_enabled", "switch", "LLM enabled", "llm/enabled", _llm_enabled, command="llm/enabled/set",
            icon="mdi:robot", extra={"pl_on": ON, "pl_off": OFF, "stat_on": ON, "stat_off": OFF}),
     Entity("reload_policy", "button", "Reload policy", command="policy/reload", icon="mdi:reload",
            category="config", extra={"pl_prs": PRESS}),
     Entity("unload_model", "button", "Unload model", command="llm/unload", icon="mdi:eject",
            category="config", extra={"pl_prs": PRESS}),
-    Entity("thermal_soft_limit", "number", "Thermal soft limit", "thermal/soft_limit",
-           lambda i: i.thermal_soft_limit, command="thermal/soft_limit/set",
-           device_class="temperature", unit="°C", icon="mdi:thermometer-chevron-up", category="config"),
 )
+
+
+def policy_choices(inputs: Inputs) -> list[str]:
+    """Options of the policy select: never empty (Home Assistant refuses a select without options)."""
+    options = list(dict.fromkeys(inputs.policy_options))
+    current = _selected_policy(inputs)
+    if not options:
+        options = [current or "default"]
+    return options
+
+
+def _controls(inputs: Inputs) -> list[Entity]:
+    low, high = inputs.thermal_limit_range
+    return [
+        Entity("policy_select", "select", "Policy file", "policy/selected", _selected_policy,
+               command="policy/set", icon="mdi:script-text", category="config",
+               extra={"ops": policy_choices(inputs)}),
+        Entity("thermal_soft_limit", "number", "Thermal soft limit", "thermal/soft_limit",
+               lambda i: i.thermal_soft_limit, command="thermal/soft_limit/set",
+               device_class="temperature", unit="°C", icon="mdi:thermometer-chevron-up", category="config",
+               extra={"min": low, "max": high, "step": 0.5, "mode": "box"}),
+    ]
 
 
 def _service_entities(name: str) -> list[Entity]:
@@ -337,7 +354,7 @@ def _pause_entities(reason: str) -> list[Entity]:
 
 def entities(inputs: Inputs) -> list[Entity]:
     """Every entity for these inputs: the static ones, then per service, then per pause reason."""
-    out = list(STATIC)
+    out = [*STATIC, *_controls(inputs)]
     for name in sorted(inputs.snapshot.services):
         out += _service_entities(name)
     for reason in pause_reasons(inputs.gate):

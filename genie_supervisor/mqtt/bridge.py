@@ -1,0 +1,374 @@
+"""The MQTT client task: connection loop, discovery, state publishing, commands and voice hints.
+
+``MqttBridge.run`` lives in the daemon's task group. Each connection: connect (with a retained
+``offline`` will on ``<base>/<node>/availability``) -> find our own retained discovery and clear
+what is stale -> publish discovery and every state -> ``online`` -> work until the connection
+drops. On an error it logs, backs off (0.5 s doubling to ``reconnect_max_s``, starting over after
+a connection that got online) and retries; cancellation always propagates, after publishing
+``offline`` and disconnecting cleanly (bounded by a short deadline).
+
+Readiness: ``task_status.started()`` is called once the first connection is online, or after
+``startup_wait_s`` when the broker cannot be reached: the daemon never waits on the broker; the
+bridge keeps retrying in the background.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import secrets
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import aiomqtt
+import anyio
+import structlog
+from anyio.abc import TaskStatus
+
+from .. import __version__
+from ..config import MqttConfig
+from ..state import StateStore
+from .commands import COMMAND_PATHS, Command, CommandError, MqttCommands, parse_command
+from .discovery import (
+    DeviceInfo,
+    device_config,
+    entity_configs,
+    expire_after,
+    plan_cleanup,
+    signature,
+)
+from .entities import Entity, Inputs, Topics, entities
+from .publisher import Message, StatePublisher, render
+
+log = structlog.get_logger(__name__)
+
+BACKOFF_START_S = 0.5
+"""First wait after a failed or lost connection."""
+SHUTDOWN_TIMEOUT_S = 2.0
+"""Longest a clean shutdown spends publishing ``offline`` and disconnecting."""
+SCAN_TIMEOUT_S = 3.0
+"""Longest the start-up scan for our own retained discovery waits."""
+HA_BIRTH_DELAY_S = (0.5, 2.5)
+"""Discovery and state are re-sent this long (uniformly jittered) after Home Assistant comes online."""
+COMMAND_QUEUE = 16
+"""Commands waiting to run; more are dropped with a warning."""
+RENDER_COALESCE_S = 0.05
+"""Store changes closer together than this are rendered once (engine stats can change per token)."""
+
+
+class MqttBridge:
+    """Publishes the supervisor to Home Assistant over MQTT and takes its commands."""
+
+    def __init__(self, config: MqttConfig, node_id: str, store: StateStore, *,
+                 gate_metrics: Callable[[], dict[str, Any]], commands: MqttCommands,
+                 clock: Callable[[], float] = time.monotonic, device_name: str | None = None,
+                 min_publish_interval_s: float = 1.0) -> None:
+        self._config = config
+        self._store = store
+        self._gate_metrics = gate_metrics
+        self._commands = commands
+        self._clock = clock
+        self.topics = Topics.make(config.base_topic, config.discovery_prefix, node_id)
+        """Every topic of this node."""
+        self.device = DeviceInfo(node_id, device_name or f"Genie {node_id}", sw_version=__version__)
+        """The Home Assistant device."""
+        self.connected = False
+        """A connection is up (and past the handshake)."""
+        self.connections = 0
+        """Connections that got online since start."""
+        self.last_error: str | None = None
+        """Why the last connection ended or failed, None before the first failure."""
+        self._publisher = StatePublisher(min_interval_s=min_publish_interval_s, clock=clock)
+        self._online = anyio.Event()
+        self._wake = anyio.Event()
+        self._published: dict[str, str] = {}
+        self._removed: dict[str, str] = {}
+        self._signature: str | None = None
+        self._birth_at: float | None = None
+        self._random = random.Random()
+
+    # -- the task -----------------------------------------------------------------------------
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Connect and keep connected until cancelled; ready once online or after ``startup_wait_s``."""
+        if self._config.url is None:
+            log.info("mqtt_disabled")
+            task_status.started()
+            return
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._reconnect_loop)
+            with anyio.move_on_after(self._config.startup_wait_s):
+                await self._online.wait()
+            if not self._online.is_set():
+                log.warning("mqtt_not_online_at_start", broker=self.broker,
+                            waited_s=self._config.startup_wait_s, error=self.last_error)
+            task_status.started()
+
+    @property
+    def broker(self) -> str:
+        """The broker URL without credentials (for logs and /status)."""
+        parts = urlsplit(self._config.url or "")
+        host = parts.hostname or ""
+        return f"{parts.scheme}://{host}:{parts.port}" if parts.port else f"{parts.scheme}://{host}"
+
+    def status(self) -> dict[str, Any]:
+        """Connection state for /status."""
+        return {"broker": self.broker if self._config.url else None, "connected": self.connected,
+                "connections": self.connections, "last_error": self.last_error,
+                "availability_topic": self.topics.availability}
+
+    async def _reconnect_loop(self) -> None:
+        delay = BACKOFF_START_S
+        while True:
+            got_online = self.connections
+            try:
+                await self._connection()
+            except Exception as exc:  # cancellation is not an Exception: it always propagates
+                self.last_error = _describe(exc)
+                if self.connections > got_online:
+                    delay = BACKOFF_START_S
+                unexpected = [e for e in _leaves(exc) if not isinstance(e, aiomqtt.MqttError)]
+                log.warning("mqtt_connection_lost" if self.connections > got_online else "mqtt_connect_failed",
+                            broker=self.broker, error=self.last_error, retry_in_s=delay,
+                            exc_info=unexpected[0] if unexpected else None)
+            wait = delay * self._random.uniform(0.8, 1.0)
+            delay = min(delay * 2, self._config.reconnect_max_s)
+            await anyio.sleep(wait)
+
+    def _client(self) -> aiomqtt.Client:
+        cfg = self._config
+        parts = urlsplit(cfg.url or "")
+        tls = cfg.tls or parts.scheme == "mqtts"
+        tls_params = aiomqtt.TLSParameters(ca_certs=cfg.ca_file, certfile=cfg.cert_file,
+                                           keyfile=cfg.key_file) if tls else None
+        username = cfg.username if cfg.username is not None else (unquote(parts.username) if parts.username else None)
+        password = cfg.password if cfg.password is not None else (unquote(parts.password) if parts.password else None)
+        return aiomqtt.Client(
+            parts.hostname or "localhost", parts.port or (8883 if tls else 1883),
+            username=username, password=password,
+            identifier=cfg.client_id or f"genie-{self.topics.node_id}",
+            protocol=aiomqtt.ProtocolVersion.V5 if cfg.protocol == "5" else aiomqtt.ProtocolVersion.V311,
+            will=aiomqtt.Will(self.topics.availability, "offline", qos=1, retain=True),
+            keepalive=cfg.keepalive, tls_params=tls_params,
+            logger=logging.getLogger("genie_supervisor.mqtt.paho"),
+        )
+
+    async def _connection(self) -> None:
+        client = self._client()
+        await client.__aenter__()  # connect; the exit below is shielded so it runs on cancellation
+        self.connected = True
+        try:
+            await self._session(client)
+        except BaseException:
+            if anyio.current_effective_deadline() == -math.inf:  # being cancelled: clean shutdown
+                with anyio.CancelScope(shield=True), anyio.move_on_after(SHUTDOWN_TIMEOUT_S):
+                    await client.publish(self.topics.availability, "offline", qos=1, retain=True)
+                    log.info("mqtt_offline", broker=self.broker)
+            raise
+        finally:
+            self.connected = False
+            with anyio.CancelScope(shield=True), anyio.move_on_after(SHUTDOWN_TIMEOUT_S):
+                try:
+                    await client.__aexit__(None, None, None)
+                except aiomqtt.MqttError:
+                    pass
+
+    # -- one connection -------------------------------------------------------------------------
+    async def _session(self, client: aiomqtt.Client) -> None:
+        t = self.topics
+        self._publisher.reset()
+        self._signature = None
+        retained = await self._scan_retained(client)
+        await client.subscribe([(t.state(path), 1) for path in COMMAND_PATHS]
+                               + [(topic, 1) for topic in sorted({t.ha_status, "homeassistant/status"})])
+        inputs = self._inputs()
+        ents = entities(inputs)
+        cleanup = plan_cleanup(retained, t, ents, per_entity=self._config.per_entity_discovery)
+        for topic in cleanup.clear_topics:
+            await client.publish(topic, b"", qos=1, retain=True)
+        self._removed.update(cleanup.removed)
+        if cleanup.clear_topics or cleanup.removed:
+            log.info("mqtt_stale_discovery_removed", topics=list(cleanup.clear_topics),
+                     components=sorted(cleanup.removed))
+        await self._publish_discovery(client, ents)
+        await self._send(client, self._publisher.refresh(render(ents, inputs, t)))
+        await client.publish(t.availability, "online", qos=1, retain=True)
+        self.connections += 1
+        self._online.set()
+        log.info("mqtt_online", broker=self.broker, entities=len(ents), connections=self.connections,
+                 discovery="per_entity" if self._config.per_entity_discovery else "device")
+        send, receive = anyio.create_memory_object_stream[Command](COMMAND_QUEUE)
+        async with send, receive, anyio.create_task_group() as tg:  # tasks end before the streams close
+            tg.start_soon(self._watch_store)
+            tg.start_soon(self._run_commands, receive)
+            tg.start_soon(self._publish_loop, client)
+            await self._receive(client, send)
+            tg.cancel_scope.cancel()  # the message stream ended: the connection is gone
+        raise aiomqtt.MqttError("message stream ended")
+
+    async def _scan_retained(self, client: aiomqtt.Client) -> dict[str, bytes]:
+        """Our retained discovery messages, collected until our own marker message comes back."""
+        t = self.topics
+        marker_topic = t.state("_sync")
+        filters = [t.device_config, t.entity_config_filter, marker_topic]
+        await client.subscribe([(f, 1) for f in filters])
+        marker = secrets.token_hex(8).encode()
+        await client.publish(marker_topic, marker, qos=1)
+        found: dict[str, bytes] = {}
+        with anyio.move_on_after(SCAN_TIMEOUT_S) as scope:
+            async for msg in client.messages:
+                body = _bytes(msg.payload)
+                if msg.topic.value == marker_topic and body == marker:
+                    break
+                if msg.retain and msg.topic.value != marker_topic:
+                    found[msg.topic.value] = body
+        if scope.cancelled_caught:
+            log.warning("mqtt_discovery_scan_incomplete", waited_s=SCAN_TIMEOUT_S)
+        await client.unsubscribe(filters)
+        return found
+
+    def _inputs(self) -> Inputs:
+        c = self._commands
+        return Inputs(snapshot=self._store.snapshot(), gate=self._gate_metrics(),
+                      policy_options=tuple(c.policy_options()), active_policy=c.active_policy(),
+                      llm_enabled=c.llm_enabled(), thermal_soft_limit=c.thermal_soft_limit(),
+                      thermal_limit_range=c.thermal_limit_range)
+
+    def notify(self) -> None:
+        """Something outside the store changed (e.g. the arbiter applied a decision): publish changes now."""
+        self._wake.set()
+
+    async def _watch_store(self) -> None:
+        while True:
+            await self._store.wait_changed(self._store.version)
+            self.notify()
+
+    async def _publish_loop(self, client: aiomqtt.Client) -> None:
+        interval = self._config.publish_interval_s
+        next_refresh = self._clock() + interval
+        due: float | None = None
+        last_render = -math.inf
+        while True:
+            deadline = min(next_refresh, math.inf if due is None else due,
+                           math.inf if self._birth_at is None else self._birth_at)
+            with anyio.move_on_after(max(0.0, deadline - self._clock())):
+                await self._wake.wait()
+            await anyio.sleep(max(0.0, last_render + RENDER_COALESCE_S - self._clock()))
+            self._wake = anyio.Event()
+            now = last_render = self._clock()
+            inputs = self._inputs()
+            ents = entities(inputs)
+            messages = render(ents, inputs, self.topics)
+            if self._birth_at is not None and now >= self._birth_at:
+                self._birth_at = None
+                log.info("mqtt_republish", why="homeassistant_online")
+                await self._publish_discovery(client, ents, force=True)
+                await self._send(client, self._publisher.refresh(messages))
+                await client.publish(self.topics.availability, "online", qos=1, retain=True)
+                next_refresh, due = now + interval, None
+                continue
+            if signature(ents) != self._signature:
+                await self._publish_discovery(client, ents)
+            if now >= next_refresh:
+                await self._send(client, self._publisher.refresh(messages))
+                next_refresh, due = now + interval, None
+            else:
+                out, due = self._publisher.changes(messages)
+                await self._send(client, out)
+
+    async def _send(self, client: aiomqtt.Client, messages: list[Message]) -> None:
+        for m in messages:
+            await client.publish(m.topic, m.payload, qos=0, retain=True)
+
+    async def _publish_discovery(self, client: aiomqtt.Client, ents: list[Entity], *,
+                                 force: bool = False) -> None:
+        sig = signature(ents)
+        if not force and sig == self._signature:
+            return
+        t = self.topics
+        current = {e.key: e.platform for e in ents}
+        gone = {k: p for k, p in self._published.items() if k not in current}
+        expire_s = expire_after(self._config.publish_interval_s)
+        if self._config.per_entity_discovery:
+            for key, platform in gone.items():
+                await client.publish(t.entity_config(platform, key), b"", qos=1, retain=True)
+            for topic, cfg in entity_configs(ents, t, self.device, expire_s=expire_s).items():
+                await client.publish(topic, json.dumps(cfg), qos=1, retain=True)
+        else:
+            self._removed.update(gone)
+            for key in current:
+                self._removed.pop(key, None)
+            cfg = device_config(ents, t, self.device, expire_s=expire_s, removed=self._removed)
+            await client.publish(t.device_config, json.dumps(cfg), qos=1, retain=True)
+        if gone:
+            log.info("mqtt_entities_removed", entities=sorted(gone))
+        self._published, self._signature = current, sig
+
+    async def _receive(self, client: aiomqtt.Client, commands: Any) -> None:
+        t = self.topics
+        prefix = t.base + "/"
+        async for msg in client.messages:
+            topic, body = msg.topic.value, _bytes(msg.payload)
+            if topic in (t.ha_status, "homeassistant/status"):
+                if body.strip().lower() == b"online":
+                    self._birth_at = self._clock() + self._random.uniform(*HA_BIRTH_DELAY_S)
+                    self.notify()
+                continue
+            path = topic[len(prefix):] if topic.startswith(prefix) else ""
+            if path not in COMMAND_PATHS:
+                continue
+            if msg.retain:
+                log.warning("mqtt_command_ignored", topic=topic, why="retained command messages are not acted on")
+                continue
+            try:
+                cmd = parse_command(path, topic, body, self._inputs())
+            except CommandError as exc:
+                log.warning("mqtt_command_rejected", topic=topic, payload=body[:200].decode("utf-8", "replace"),
+                            error=exc.message)
+                continue
+            if cmd.action == "voice_hint":  # the voice path never waits behind a slow command
+                await self._call(cmd)
+                continue
+            try:
+                commands.send_nowait(cmd)
+            except anyio.WouldBlock:
+                log.warning("mqtt_command_dropped", topic=topic, why="too many commands waiting")
+
+    async def _run_commands(self, receive: Any) -> None:
+        async for cmd in receive:
+            await self._call(cmd)
+
+    async def _call(self, cmd: Command) -> None:
+        try:
+            await cmd.run(self._commands)
+        except ValueError as exc:
+            log.warning("mqtt_command_failed", action=cmd.action, arg=cmd.arg, error=str(exc))
+        except Exception:
+            log.exception("mqtt_command_crashed", action=cmd.action, arg=cmd.arg)
+        else:
+            log.info("mqtt_command", action=cmd.action, arg=cmd.arg)
+        self.notify()
+
+
+def _bytes(payload: Any) -> bytes:
+    if payload is None:
+        return b""
+    if isinstance(payload, (bytes, bytearray)):
+        return bytes(payload)
+    return str(payload).encode()
+
+
+def _leaves(exc: BaseException) -> Iterator[BaseException]:
+    subs = getattr(exc, "exceptions", None)
+    if isinstance(subs, tuple) and subs:
+        for sub in subs:
+            yield from _leaves(sub)
+    else:
+        yield exc
+
+
+def _describe(exc: BaseException) -> str:
+    return "; ".join(f"{type(e).__name__}: {e}" for e in _leaves(exc))

@@ -56,6 +56,16 @@ def _build_parser() -> argparse.ArgumentParser:
 
     doctor = sub.add_parser("doctor", help="audit this box: platform, CUDA, services, broker, memory")
     doctor.add_argument("--config", help="daemon config YAML")
+    doctor.add_argument("--model", help="GGUF model path (overrides the config)")
+    doctor.add_argument("--policy", help="policy YAML (overrides the config)")
+    doctor.add_argument("--mqtt", help="broker URL mqtt://HOST:PORT (overrides the config)")
+    doctor.add_argument("--listen", help="HTTP listen address HOST:PORT (overrides the config)")
+    doctor.add_argument(
+        "--platform", choices=["auto", "jetson", "nvml", "linux", "simulated"], help="telemetry source"
+    )
+    doctor.add_argument("--json", action="store_true", help="print the checks as JSON")
+    doctor.add_argument("--strict", action="store_true", help="exit 1 on warnings too")
+    doctor.add_argument("--root", default="/", help="filesystem root for /sys, /proc, /etc (tests)")
 
     bench = sub.add_parser("bench", help="engine speed on a model")
     bench.add_argument("-m", "--model", required=True)

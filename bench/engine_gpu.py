@@ -22,7 +22,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import load_model  # noqa: E402
+import anyio  # noqa: E402
+
+from engine import SamplingParams, load_model  # noqa: E402
+from engine.sampler import Sampler  # noqa: E402
 from engine.synth import preset_config, write_config  # noqa: E402
 
 LLAMA_CPP = {  # tok/s, issue 7
@@ -46,6 +49,17 @@ def copy_bandwidth(cp) -> float:  # type: ignore[no-untyped-def]
     sec = cp.cuda.get_elapsed_time(start, stop) / 1e3 / 10
     del a, b
     return 2 * (1 << 30) / sec
+
+
+def _generate_stats(m, prompt: list[int], n: int):  # type: ignore[no-untyped-def]
+    async def run():  # type: ignore[no-untyped-def]
+        g = m.generate(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        async for _ in g:
+            pass
+        return g.stats
+
+    m.transformer.kv.tokens = []
+    return anyio.run(run)
 
 
 def bench_model(key: str, path: str, prompt_len: int, n_decode: int, bw: float, cp) -> dict:  # type: ignore[no-untyped-def]
@@ -76,14 +90,35 @@ def bench_model(key: str, path: str, prompt_len: int, n_decode: int, bw: float, 
     ops.argmax(tf.forward(prompt, 0, last_n=1))
     cp.cuda.Device().synchronize()
     prefill16_s = time.perf_counter() - t0
-    # decode (greedy on the device: only the id comes back)
-    t0 = time.perf_counter()
+    # decode through Model.step_sample (what Model.generate calls each step): the CUDA-graph
+    # decoder when the backend has one, greedy on the device (only the id comes back)
+    sampler = Sampler(SamplingParams(temperature=0))
+    tf.kv.tokens = list(prompt)
+    hist = list(prompt)
     pos = prompt_len
+    for _ in range(3):  # warm-up steps (positions rewritten below)
+        m.step_sample(tok, pos, sampler, hist)
+    del tf.kv.tokens[prompt_len:]
+    t0 = time.perf_counter()
     for _ in range(n_decode):
-        tok = ops.argmax(tf.forward([tok], pos, last_n=1))
+        tok = m.step_sample(tok, pos, sampler, hist)
         pos += 1
     cp.cuda.Device().synchronize()
     decode_s = time.perf_counter() - t0
+    # the step replayed back to back without waiting for each id (GPU time per step; one
+    # position, as the host rewrites the pinned id buffer while earlier copies may be queued)
+    gpu_tps = None
+    dec = m.decoder
+    if dec is not None:
+        start, stop = cp.cuda.Event(), cp.cuda.Event()
+        start.record(dec.stream)
+        for _ in range(n_decode):
+            dec._launch(tok, pos)
+        stop.record(dec.stream)
+        stop.synchronize()
+        gpu_tps = n_decode / (cp.cuda.get_elapsed_time(start, stop) / 1e3)
+    # end to end: Model.generate (prefill in 64-token chunks, then decode; worker-thread hops)
+    gen_stats = _generate_stats(m, prompt, n_decode)
     weights = tf.weights_bytes
     held = pool.total_bytes()
     ref = LLAMA_CPP[key]
@@ -94,7 +129,11 @@ def bench_model(key: str, path: str, prompt_len: int, n_decode: int, bw: float, 
         "model": key,
         "preset": ref["preset"],
         "load_s": round(load_s, 2),
+        "decoder": dec.describe() if dec is not None else None,
         "decode_tok_s": round(decode_tps, 1),
+        "decode_gpu_replay_tok_s": round(gpu_tps, 1) if gpu_tps else None,
+        "generate_decode_tok_s": round(gen_stats.decode_tps, 1),
+        "generate_prefill_tok_s": round(gen_stats.prefill_tps, 1),
         "prefill_tok_s": round(prefill_tps, 1),
         "prefill_f16_tok_s": round(prompt_len / prefill16_s, 1),
         "decode_vs_llama_cpp": round(decode_tps / ref["decode"], 3),
@@ -139,6 +178,9 @@ def main() -> int:
             print(json.dumps(row), flush=True)
             os.remove(path)
     print()
+    for r in rows:
+        print(f"{r['model']}: decode via Model.generate {r['generate_decode_tok_s']} tok/s, "
+              f"GPU replay {r['decode_gpu_replay_tok_s']} tok/s, decoder {r['decoder']}")
     print(f"{'model':10} {'decode tok/s':>12} {'llama.cpp':>9} {'ratio':>6} {'of limit':>8} "
           f"{'prefill tok/s':>13} {'llama.cpp':>9} {'ratio':>6} {'GPU MiB':>8}")
     for r in rows:
@@ -149,7 +191,7 @@ def main() -> int:
     Path(a.out).mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     result = {"device": name, "copy_bandwidth_Bps": bw, "prompt": a.prompt, "decode": a.decode,
-              "version": "cupy-v1 (no CUDA graphs)", "rows": rows}
+              "version": "cupy-v2 (decode: fused kernels, CUDA graph)", "rows": rows}
     out = Path(a.out) / f"engine_gpu-{stamp}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")

@@ -8,6 +8,7 @@ into one preallocated scratch buffer and multiply with cuBLAS. Kernels: `engine.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 import cupy as cp
@@ -63,6 +64,10 @@ class CupyOps:
 
     name = "cupy"
     xp = cp
+
+    decoder_mode = os.environ.get("GENIE_CUPY_DECODER", "graph")
+    """One-token steps: "graph" (fused kernels replayed from a CUDA graph), "eager" (the same
+    kernels launched one by one) or "off" (the generic forward pass); env GENIE_CUPY_DECODER."""
 
     def __init__(self, prefill_dtype: str = "float32") -> None:
         if prefill_dtype not in ("float32", "float16"):
@@ -266,6 +271,15 @@ class CupyOps:
         if kind == "silu":
             return _silu(gate, up)
         return _gelu(gate, up, np.float32(_GELU_C))
+
+    def make_decoder(self, transformer: object) -> object | None:
+        """The one-token decode step as fused kernels replayed from a CUDA graph
+        (`engine.backends.cupy_decoder`); `engine.Model` uses it for every single-token step."""
+        if self.decoder_mode == "off":
+            return None
+        from .cupy_decoder import CupyDecoder
+
+        return CupyDecoder(transformer, use_graph=self.decoder_mode == "graph")
 
     @staticmethod
     def argmax(logits: cp.ndarray) -> int:

@@ -1,0 +1,492 @@
+"""CUDA C of the one-token decode step (`engine.backends.cupy_decoder`), built per model shape.
+
+Every kernel reads the token id and the position from a small device buffer (`ids`: token,
+position, next token), so one captured CUDA graph serves every step. Shapes (heads, head sizes,
+GQA group, RoPE) are compile-time constants of the module built for a model, which keeps the
+attention accumulators in registers.
+
+- `dgemv_<T>`: fused GEMV over a weight of type T (the `unit_<T>` decoders of `quant_units`),
+  8 warps a block, one warp a row, rows strided over a capped grid. The block first loads the
+  input vector into shared memory, optionally RMS-normalises it and rounds it the way llama.cpp
+  does (q8_0 / q8_k, `NumpyOps.act_quant`'s twin), so norm + rounding + GEMV are one launch.
+  Epilogues: store (+ bias), add into the output (residual), SwiGLU / GeGLU of rows r and
+  r + up_off (gate and up in one pass).
+- `qkv_post`: Q/K RMSNorm per head, RoPE (neox / interleaved, partial) at the device position,
+  Q into its buffer, K and V written into the KV cache at that position.
+- `attn_decode`: split-K decode attention (flash-decoding): each block takes a slice (>= 32
+  positions) of one KV head for its whole GQA group (online softmax); the last block of the head
+  merges the slices. Sliding window as in the generic path.
+- `embed_<T>`, `add_rmsnorm` (gemma3's post norms), `glu` (unfused gate/up), `argmax_ids`.
+"""
+
+from __future__ import annotations
+
+from .quant_units import UNITS
+
+COMMON = r"""
+#define NEG_INF __int_as_float(0xff800000)
+__device__ __forceinline__ float warp_sum(float v) {
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+__device__ __forceinline__ float glu_silu(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+__device__ __forceinline__ float glu_gelu(float g, float u) {
+    return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g))) * u;
+}
+// Load x[cols] into xs (shared), RMS-normalise by nw (if given), round like llama.cpp (aq:
+// 0 none, 1 q8_0, 2 q8_k). Ends with a barrier. blockDim.x == 256.
+__device__ __forceinline__ void prep_input(const float* __restrict__ x, const float* __restrict__ nw,
+                                           float eps, int aq, int cols, float* xs, float* red) {
+    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    float ss = 0.f;
+    for (int i = tid; i < cols; i += 256) { float v = x[i]; xs[i] = v; ss += v * v; }
+    if (nw) {
+        ss = warp_sum(ss);
+        if (lane == 0) red[warp] = ss;
+        __syncthreads();
+        float tot = 0.f;
+        #pragma unroll
+        for (int w = 0; w < 8; w++) tot += red[w];
+        float r = sqrtf(tot / (float)cols + eps);
+        for (int i = tid; i < cols; i += 256) xs[i] = xs[i] / r * nw[i];
+    }
+    __syncthreads();
+    if (aq == 1) {
+        for (int g = warp; g < (cols >> 5); g += 8) {
+            float v = xs[g * 32 + lane];
+            float a = warp_max(fabsf(v));
+            float d = a / 127.0f;
+            float inv = d != 0.f ? 1.0f / d : 0.f;
+            xs[g * 32 + lane] = rintf(v * inv) * d;
+        }
+        __syncthreads();
+    } else if (aq == 2) {
+        for (int g = warp; g < (cols >> 8); g += 8) {
+            float* xg = xs + g * 256;
+            float v[8]; float best = -1.f; int bi = 0;
+            #pragma unroll
+            for (int k = 0; k < 8; k++) {
+                v[k] = xg[lane + 32 * k];
+                float a = fabsf(v[k]); int i = lane + 32 * k;
+                if (a > best) { best = a; bi = i; }
+            }
+            #pragma unroll
+            for (int o = 16; o > 0; o >>= 1) {
+                float ob = __shfl_xor_sync(0xffffffffu, best, o);
+                int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+                if (ob > best || (ob == best && oi < bi)) { best = ob; bi = oi; }
+            }
+            float mx = xg[bi];
+            __syncwarp();
+            float iscale = mx != 0.f ? -128.0f / mx : 0.f;
+            float d = iscale != 0.f ? 1.0f / iscale : 0.f;
+            #pragma unroll
+            for (int k = 0; k < 8; k++) xg[lane + 32 * k] = fminf(rintf(v[k] * iscale), 127.f) * d;
+        }
+        __syncthreads();
+    }
+}
+"""
+
+GEMV = r"""
+// R rows per warp (R independent loads in flight per lane), 8 warps a block.
+template <int R>
+__device__ __forceinline__ void dgemv_body_{T}(
+        const unsigned char* __restrict__ W, long long row_bytes, int rows, int cols,
+        const float* __restrict__ x, const float* __restrict__ nw, float eps, int aq,
+        float* y, const float* __restrict__ bias, int epi, int up_off) {
+    extern __shared__ float xs[];
+    __shared__ float red[8];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    {   // the first rows' bytes towards L2 while the input is prepared (weights don't wait for x)
+        int row = (blockIdx.x * 8 + warp) * R;
+        for (int r = 0; r < (epi < 2 ? R : 2); r++) {
+            int rr = epi < 2 ? row + r : row + r * up_off;
+            if (rr >= (epi < 2 ? rows : rows + up_off)) break;
+            const unsigned char* rp = W + (long long)rr * row_bytes;
+            for (long long o = lane * 128; o < row_bytes; o += 32 * 128)
+                asm volatile("prefetch.global.L2 [%0];" :: "l"(rp + o));
+        }
+    }
+    prep_input(x, nw, eps, aq, cols, xs, red);
+    int nu = cols >> 5;
+    int step = gridDim.x * 8 * R;
+    for (int row = (blockIdx.x * 8 + warp) * R; row < rows; row += step) {
+        if (epi < 2) {
+            float a[R];
+            const unsigned char* rp[R];
+            #pragma unroll
+            for (int r = 0; r < R; r++) {
+                a[r] = 0.f;
+                rp[r] = W + (long long)min(row + r, rows - 1) * row_bytes;
+            }
+            #pragma unroll 2
+            for (int u = lane; u < nu; u += 32) {
+                const float4* xp = (const float4*)(xs + u * 32);
+                #pragma unroll
+                for (int r = 0; r < R; r++) {
+                    float v[32];
+                    unit_{T}(rp[r], u, v);
+                    #pragma unroll
+                    for (int i = 0; i < 8; i++) {
+                        float4 b = xp[i];
+                        a[r] += v[4*i] * b.x + v[4*i+1] * b.y + v[4*i+2] * b.z + v[4*i+3] * b.w;
+                    }
+                }
+            }
+            #pragma unroll
+            for (int r = 0; r < R; r++) {
+                float s = warp_sum(a[r]);
+                if (lane == 0 && row + r < rows) {
+                    if (epi == 0) y[row + r] = s + (bias ? bias[row + r] : 0.f);
+                    else y[row + r] += s;
+                }
+            }
+        } else {
+            #pragma unroll
+            for (int r = 0; r < R; r++) {
+                if (row + r >= rows) break;
+                const unsigned char* r0 = W + (long long)(row + r) * row_bytes;
+                const unsigned char* r1 = W + (long long)(row + r + up_off) * row_bytes;
+                float a0 = 0.f, a1 = 0.f;
+                for (int u = lane; u < nu; u += 32) {
+                    float v[32], w[32];
+                    unit_{T}(r0, u, v);
+                    unit_{T}(r1, u, w);
+                    const float4* xp = (const float4*)(xs + u * 32);
+                    #pragma unroll
+                    for (int i = 0; i < 8; i++) {
+                        float4 b = xp[i];
+                        a0 += v[4*i] * b.x + v[4*i+1] * b.y + v[4*i+2] * b.z + v[4*i+3] * b.w;
+                        a1 += w[4*i] * b.x + w[4*i+1] * b.y + w[4*i+2] * b.z + w[4*i+3] * b.w;
+                    }
+                }
+                a0 = warp_sum(a0);
+                a1 = warp_sum(a1);
+                if (lane == 0) y[row + r] = epi == 2 ? glu_silu(a0, a1) : glu_gelu(a0, a1);
+            }
+        }
+    }
+}
+extern "C" __global__ void __launch_bounds__(256) dgemv_{T}(
+        const unsigned char* __restrict__ W, long long row_bytes, int rows, int cols,
+        const float* __restrict__ x, const float* __restrict__ nw, float eps, int aq,
+        float* y, const float* __restrict__ bias, int epi, int up_off) {
+    dgemv_body_{T}<1>(W, row_bytes, rows, cols, x, nw, eps, aq, y, bias, epi, up_off);
+}
+extern "C" __global__ void __launch_bounds__(256) dgemv2_{T}(
+        const unsigned char* __restrict__ W, long long row_bytes, int rows, int cols,
+        const float* __restrict__ x, const float* __restrict__ nw, float eps, int aq,
+        float* y, const float* __restrict__ bias, int epi, int up_off) {
+    dgemv_body_{T}<2>(W, row_bytes, rows, cols, x, nw, eps, aq, y, bias, epi, up_off);
+}
+// Embedding row of the token in ids[0], times scale (gemma: sqrt(n_embd)).
+extern "C" __global__ void embed_{T}(const unsigned char* W, long long row_bytes, const int* ids,
+                                     float* x, int cols, float scale) {
+    int u = blockIdx.x * blockDim.x + threadIdx.x;
+    if (u >= (cols >> 5)) return;
+    float v[32];
+    unit_{T}(W + (long long)ids[0] * row_bytes, u, v);
+    #pragma unroll
+    for (int k = 0; k < 32; k++) x[u * 32 + k] = scale != 1.0f ? v[k] * scale : v[k];
+}
+"""
+
+MISC = r"""
+// x += rms_norm(t) * w (gemma3's post-attention / post-FFN norms before the residual add).
+extern "C" __global__ void add_rmsnorm(float* x, const float* t, const float* w, int n, float eps) {
+    __shared__ float red[32];
+    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, nw = blockDim.x >> 5;
+    float ss = 0.f;
+    for (int i = tid; i < n; i += blockDim.x) ss += t[i] * t[i];
+    ss = warp_sum(ss);
+    if (lane == 0) red[warp] = ss;
+    __syncthreads();
+    float tot = 0.f;
+    for (int k = 0; k < nw; k++) tot += red[k];
+    float r = sqrtf(tot / (float)n + eps);
+    for (int i = tid; i < n; i += blockDim.x) x[i] = x[i] + t[i] / r * w[i];
+}
+// Gated activation of an unfused gate/up pair: y[i] = act(g[i]) * g[i + n].
+extern "C" __global__ void glu(const float* gu, float* y, int n, int gelu) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    y[i] = gelu ? glu_gelu(gu[i], gu[i + n]) : glu_silu(gu[i], gu[i + n]);
+}
+// Greedy: ids[2] = index of the largest logit (first on ties). Each block reduces a slice into
+// (bv, bi); the last block to finish (atomic counter, reset by it) reduces those.
+__device__ __forceinline__ void argmax_block(float& best, int& idx, float* sv, int* si) {
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, best, o);
+        int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+        if (ov > best || (ov == best && oi < idx)) { best = ov; idx = oi; }
+    }
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    if (lane == 0) { sv[warp] = best; si[warp] = idx; }
+    __syncthreads();
+    best = lane < nw ? sv[lane] : NEG_INF; idx = lane < nw ? si[lane] : 0x7fffffff;
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, best, o);
+        int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+        if (ov > best || (ov == best && oi < idx)) { best = ov; idx = oi; }
+    }
+}
+extern "C" __global__ void argmax_ids(const float* x, int n, float* bv, int* bi, int* counter, int* ids) {
+    __shared__ float sv[32]; __shared__ int si[32]; __shared__ int last;
+    float best = NEG_INF; int idx = 0x7fffffff;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        float v = x[i];
+        if (v > best) { best = v; idx = i; }
+    }
+    argmax_block(best, idx, sv, si);
+    if (threadIdx.x == 0) { bv[blockIdx.x] = best; bi[blockIdx.x] = idx; }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(counter, 1) == (int)gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    best = NEG_INF; idx = 0x7fffffff;
+    for (int i = threadIdx.x; i < gridDim.x; i += blockDim.x) {
+        float v = __ldcg(bv + i); int j = __ldcg(bi + i);
+        if (v > best || (v == best && j < idx)) { best = v; idx = j; }
+    }
+    __syncthreads();
+    argmax_block(best, idx, sv, si);
+    if (threadIdx.x == 0) { ids[2] = idx; *counter = 0; }
+}
+"""
+
+# Shape-specialised kernels. Constants: H heads, KVH KV heads, G = H / KVH, D (Q/K head size),
+# DV (V head size), HALF (RoPE pairs), NEOX, KT (cache element type), LDKV/STKV.
+SHAPED = r"""
+#define H {H}
+#define KVH {KVH}
+#define G {G}
+#define D {D}
+#define DV {DV}
+#define HALF {HALF}
+#define NEOX {NEOX}
+#define NSPLIT {NSPLIT}
+typedef {KT} kv_t;
+__device__ __forceinline__ float ldkv(const float* p) { return *p; }
+__device__ __forceinline__ float ldkv(const unsigned short* p) { return h2f(*p); }
+__device__ __forceinline__ void stkv(float* p, float v) { *p = v; }
+__device__ __forceinline__ void stkv(unsigned short* p, float v) { *p = f2h(v); }
+
+// Block b < H: query head b; b < H + KVH: key head; else value head. blockDim.x == 128.
+// qkv: [H*D | KVH*D | KVH*DV]; K cache [KVH, n_ctx, D], V cache [KVH, n_ctx, DV].
+extern "C" __global__ void __launch_bounds__(128) qkv_post(
+        const float* __restrict__ qkv, float* q_out, kv_t* Kc, kv_t* Vc, const int* ids,
+        const float* __restrict__ cs, const float* __restrict__ sn,
+        const float* __restrict__ qn, const float* __restrict__ kn, int n_ctx, float eps) {
+    __shared__ float xs[(D > DV ? D : DV)];
+    __shared__ float red[4];
+    int b = blockIdx.x, tid = threadIdx.x;
+    int pos = ids[1];
+    if (b >= H + KVH) {
+        int h = b - H - KVH;
+        const float* src = qkv + H * D + KVH * D + h * DV;
+        kv_t* dst = Vc + ((long long)h * n_ctx + pos) * DV;
+        for (int i = tid; i < DV; i += 128) stkv(dst + i, src[i]);
+        return;
+    }
+    bool is_q = b < H;
+    const float* src = is_q ? qkv + b * D : qkv + H * D + (b - H) * D;
+    const float* nw = is_q ? qn : kn;
+    float ss = 0.f;
+    for (int i = tid; i < D; i += 128) { float v = src[i]; xs[i] = v; ss += v * v; }
+    if (nw) {
+        ss = warp_sum(ss);
+        if ((tid & 31) == 0) red[tid >> 5] = ss;
+        __syncthreads();
+        float r = sqrtf((red[0] + red[1] + red[2] + red[3]) / (float)D + eps);
+        for (int i = tid; i < D; i += 128) xs[i] = xs[i] / r * nw[i];
+    }
+    __syncthreads();
+    const float* c = cs + (long long)pos * HALF;
+    const float* s = sn + (long long)pos * HALF;
+    float out[(D + 127) / 128];
+    #pragma unroll
+    for (int k = 0; k < (D + 127) / 128; k++) {
+        int d = tid + 128 * k;
+        if (d >= D) break;
+        float v = xs[d];
+        if (d < 2 * HALF) {
+            if (NEOX) {
+                if (d < HALF) v = xs[d] * c[d] - xs[d + HALF] * s[d];
+                else { int j = d - HALF; v = xs[j] * s[j] + xs[d] * c[j]; }
+            } else {
+                int j = d >> 1;
+                if ((d & 1) == 0) v = xs[d] * c[j] - xs[d + 1] * s[j];
+                else v = xs[d - 1] * s[j] + xs[d] * c[j];
+            }
+        }
+        out[k] = v;
+    }
+    #pragma unroll
+    for (int k = 0; k < (D + 127) / 128; k++) {
+        int d = tid + 128 * k;
+        if (d >= D) break;
+        if (is_q) q_out[b * D + d] = out[k];
+        else stkv(Kc + ((long long)(b - H) * n_ctx + pos) * D + d, out[k]);
+    }
+}
+
+// Split-K decode attention. grid (KVH, NSPLIT), 4 warps. Positions lo..pos (lo from the sliding
+// window) are cut into slices of at least MINCHUNK positions (at most NSPLIT slices); each block
+// writes, per query head of its group, the slice's max score pm, sum of exp pl and unnormalised
+// output pacc [H, NSPLIT, DV]; the last block of a KV head to finish (atomic counter, reset by it)
+// merges the slices into out [H, DV].
+#define DL ((D + 31) / 32)
+#define VL ((DV + 31) / 32)
+#define MINCHUNK 32
+extern "C" __global__ void __launch_bounds__(128) attn_decode(
+        const float* __restrict__ q, const kv_t* __restrict__ Kc, const kv_t* __restrict__ Vc,
+        const int* ids, float* pm, float* pl, float* pacc, int* counter, float* out,
+        int n_ctx, int window, float scale) {
+    __shared__ float qs[G][D];
+    __shared__ float wm[4][G], wl[4][G];
+    __shared__ float wacc[4][G][DV];
+    __shared__ float sw[G][NSPLIT];
+    __shared__ float sL[G];
+    __shared__ int last;
+    int kvh = blockIdx.x, split = blockIdx.y;
+    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    int pos = ids[1], end = pos + 1;
+    int lo = window > 0 ? max(0, pos - window + 1) : 0;
+    int len = end - lo;
+    int chunk = max(MINCHUNK, (len + NSPLIT - 1) / NSPLIT);
+    int active = (len + chunk - 1) / chunk;
+    if (split >= active) return;
+    int s0 = lo + split * chunk, s1 = min(end, s0 + chunk);
+    for (int i = tid; i < G * D; i += 128) qs[i / D][i % D] = q[(kvh * G) * D + i];
+    __syncthreads();
+    float m[G], l[G], acc[G][VL];
+    #pragma unroll
+    for (int g = 0; g < G; g++) {
+        m[g] = NEG_INF; l[g] = 0.f;
+        #pragma unroll
+        for (int i = 0; i < VL; i++) acc[g][i] = 0.f;
+    }
+    const kv_t* Kh = Kc + (long long)kvh * n_ctx * D;
+    const kv_t* Vh = Vc + (long long)kvh * n_ctx * DV;
+    // K/V rows of the next position are loaded before the current one is used (one ahead)
+    float kn[DL], vn[VL];
+    #pragma unroll
+    for (int i = 0; i < DL; i++) kn[i] = 0.f;
+    #pragma unroll
+    for (int i = 0; i < VL; i++) vn[i] = 0.f;
+    int s = s0 + warp;
+    if (s < s1) {
+        #pragma unroll
+        for (int i = 0; i < DL; i++) if (lane + 32 * i < D) kn[i] = ldkv(Kh + (long long)s * D + lane + 32 * i);
+        #pragma unroll
+        for (int i = 0; i < VL; i++) if (lane + 32 * i < DV) vn[i] = ldkv(Vh + (long long)s * DV + lane + 32 * i);
+    }
+    for (; s < s1; s += 4) {
+        float k[DL], v[VL];
+        #pragma unroll
+        for (int i = 0; i < DL; i++) k[i] = kn[i];
+        #pragma unroll
+        for (int i = 0; i < VL; i++) v[i] = vn[i];
+        if (s + 4 < s1) {
+            #pragma unroll
+            for (int i = 0; i < DL; i++) if (lane + 32 * i < D) kn[i] = ldkv(Kh + (long long)(s + 4) * D + lane + 32 * i);
+            #pragma unroll
+            for (int i = 0; i < VL; i++) if (lane + 32 * i < DV) vn[i] = ldkv(Vh + (long long)(s + 4) * DV + lane + 32 * i);
+        }
+        #pragma unroll
+        for (int g = 0; g < G; g++) {
+            float a = 0.f;
+            #pragma unroll
+            for (int i = 0; i < DL; i++) if (lane + 32 * i < D) a += qs[g][lane + 32 * i] * k[i];
+            a = warp_sum(a) * scale;
+            float mn = fmaxf(m[g], a);
+            float corr = expf(m[g] - mn);  // m = -inf: 0
+            float p = expf(a - mn);
+            l[g] = l[g] * corr + p;
+            #pragma unroll
+            for (int i = 0; i < VL; i++) acc[g][i] = acc[g][i] * corr + p * v[i];
+            m[g] = mn;
+        }
+    }
+    #pragma unroll
+    for (int g = 0; g < G; g++) {
+        if (lane == 0) { wm[warp][g] = m[g]; wl[warp][g] = l[g]; }
+        #pragma unroll
+        for (int i = 0; i < VL; i++) if (lane + 32 * i < DV) wacc[warp][g][lane + 32 * i] = acc[g][i];
+    }
+    __syncthreads();
+    for (int i = tid; i < G * DV; i += 128) {
+        int g = i / DV, d = i % DV;
+        float M = fmaxf(fmaxf(wm[0][g], wm[1][g]), fmaxf(wm[2][g], wm[3][g]));
+        float o = 0.f, L = 0.f;
+        #pragma unroll
+        for (int w = 0; w < 4; w++) {
+            float e = wm[w][g] == NEG_INF ? 0.f : expf(wm[w][g] - M);
+            o += wacc[w][g][d] * e;
+            L += wl[w][g] * e;
+        }
+        int h = kvh * G + g;
+        pacc[((long long)h * NSPLIT + split) * DV + d] = o;
+        if (d == 0) { pm[h * NSPLIT + split] = M; pl[h * NSPLIT + split] = L; }
+    }
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) last = atomicAdd(counter + kvh, 1) == active - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    if (tid == 0) counter[kvh] = 0;
+    // merge: slice maxima and sums into shared memory in parallel, then weights per slice
+    __shared__ float sm_[G][NSPLIT], sl_[G][NSPLIT];
+    for (int i = tid; i < G * active; i += 128) {
+        int g = i / active, sp = i % active, h = kvh * G + g;
+        sm_[g][sp] = __ldcg(pm + h * NSPLIT + sp);
+        sl_[g][sp] = __ldcg(pl + h * NSPLIT + sp);
+    }
+    __syncthreads();
+    if (tid < G) {
+        float M = NEG_INF;
+        for (int sp = 0; sp < active; sp++) M = fmaxf(M, sm_[tid][sp]);
+        float L = 0.f;
+        for (int sp = 0; sp < active; sp++) {
+            float e = sm_[tid][sp] == NEG_INF ? 0.f : expf(sm_[tid][sp] - M);
+            sw[tid][sp] = e;
+            L += sl_[tid][sp] * e;
+        }
+        sL[tid] = L;
+    }
+    __syncthreads();
+    for (int i = tid; i < G * DV; i += 128) {
+        int g = i / DV, d = i % DV, h = kvh * G + g;
+        float o = 0.f;
+        #pragma unroll 8
+        for (int sp = 0; sp < active; sp++) o += __ldcg(pacc + ((long long)h * NSPLIT + sp) * DV + d) * sw[g][sp];
+        out[h * DV + d] = o / sL[g];
+    }
+}
+"""
+
+
+def source(types: list[str] | tuple[str, ...], *, n_heads: int, n_kv_heads: int, head_dim: int,
+           v_head_dim: int, rope_half: int, neox: bool, kv_half: bool, n_split: int) -> str:
+    """The decode module for one model shape and the given weight types."""
+    shaped = SHAPED
+    for k, v in {
+        "{H}": n_heads, "{KVH}": n_kv_heads, "{G}": n_heads // n_kv_heads, "{D}": head_dim,
+        "{DV}": v_head_dim, "{HALF}": rope_half, "{NEOX}": int(neox), "{NSPLIT}": n_split,
+        "{KT}": "unsigned short" if kv_half else "float",
+    }.items():
+        shaped = shaped.replace(k, str(v))
+    gemv = "".join(GEMV.replace("{T}", t) for t in sorted(set(types)))
+    return UNITS + COMMON + gemv + MISC + shaped

@@ -28,12 +28,14 @@ import structlog
 from anyio.abc import TaskGroup, TaskStatus
 
 from . import __version__
+from .admission import Admission
 from .api.ops import jsonable
 from .api.server import HttpServer, bind_socket, create_app
 from .arbiter import Arbiter, DecodeGate
+from .backends import BackendContext
 from .config import Config, parse_hostport
-from .engine_host import EngineHost
 from .errors import ConfigErrors, PolicyErrors, SupervisorError
+from .models import ModelManager
 from .policy import Policy, PolicyWatcher
 from .policy.schema import builtin_policy
 from .state import StateStore
@@ -46,6 +48,21 @@ if sys.version_info < (3, 11):  # pragma: no cover - Python 3.10 (JetPack 6)
     from exceptiongroup import BaseExceptionGroup
 
 log = structlog.get_logger(__name__)
+
+
+class _CountedVoiceHints(VoiceHints):
+    """Voice hints, counted per (service, event, source) for /metrics."""
+
+    def __init__(self, store: StateStore) -> None:
+        super().__init__(store)
+        self.counts: dict[tuple[str, str, str], int] = {}
+        """(service, start|stop, http|mqtt) -> hints handled."""
+
+    def handle(self, payload: Any, source: str) -> Any:
+        activity = super().handle(payload, source)
+        key = (activity.service, "start" if activity.active else "stop", source)
+        self.counts[key] = self.counts.get(key, 0) + 1
+        return activity
 
 
 class Supervisor:
@@ -80,21 +97,25 @@ class Supervisor:
         """The decode gate the engine awaits."""
         self.arbiter = Arbiter(self.gate, on_unload=self._on_unload)
         """Applies decisions."""
-        self.voice = VoiceHints(self.store)
-        """Voice hint handler (HTTP route and MQTT topic)."""
+        self.voice = _CountedVoiceHints(self.store)
+        """Voice hint handler (HTTP route and MQTT topic); counts events for /metrics."""
         self.policy_watcher = (PolicyWatcher(cfg.policy.path, poll_interval_s=cfg.policy.poll_interval_s)
                                if cfg.policy.path else None)
         """Loads and reloads the policy file; None when the built-in policy is used."""
         self._builtin = builtin_policy() if self.policy_watcher is None else None
         if self.policy_watcher is not None:
             self.policy_watcher.add_listener(self._on_policy)
-        loader = {} if model_loader is None else {"loader": model_loader}
-        self.engine = EngineHost(
-            cfg.engine.model, gate=self.gate, arbiter=self.arbiter, publish=self.store.publish,
-            backend=cfg.engine.backend, n_ctx=cfg.engine.n_ctx, kv_dtype=cfg.engine.kv_dtype,
-            budget_mb=lambda: self.policy.memory.llm_budget_mb, **loader,
+        self.admission = Admission(lambda: self.policy.priorities, max_running=cfg.api.max_running,
+                                   max_queue=cfg.api.max_queue, on_change=self._on_queue_change)
+        """The API's priority queue and slots."""
+        self.models = ModelManager(
+            cfg, BackendContext(cfg, self.gate, self.arbiter, self.store.publish, model_loader),
+            budget_mb=lambda: self.policy.memory.llm_budget_mb, publish=self.store.publish,
+            queued=lambda: self.admission.queued, on_banner=self._banner,
         )
-        """The LLM engine facade."""
+        """Model roles, groups, loading and swapping within the memory budget."""
+        self.engine = self.models
+        """The LLM side as one engine view (state, backend, describe, direct generate)."""
         self.http: HttpServer | None = None
         """The HTTP server once started."""
         self.mqtt: Any = None
@@ -141,6 +162,11 @@ class Supervisor:
             "services": jsonable(snap.services),
             "voice": jsonable(snap.voice),
             "engine": {**self.engine.describe(), "stats": jsonable(snap.engine)},
+            "backend": {"configured": self.cfg.backend, "fallback": self.cfg.fallback,
+                        "default": self.engine.describe()["backend_identity"]},
+            "models": [m.describe() for m in self.models.models.values()],
+            "admission": self.admission.describe(),
+            "first_reply_ms": dict(self.models.first_reply_ms),
             "gate": self.gate.metrics(),
             "policy": {
                 "name": snap.policy_name,
@@ -160,9 +186,19 @@ class Supervisor:
         self.store.set_hint_timeout(policy.voice.hint_timeout_s or self.cfg.voice.hint_timeout_s)
 
     def _on_unload(self) -> None:
-        # The model manager (roles, swapping, unloading) comes with the OpenAI routes; until then
-        # the decision is logged and new requests are refused (unload_llm implies refuse_new).
-        log.warning("unload_llm_requested", action="refusing new requests; unloading not implemented yet")
+        # The policy says unload_llm (which implies refuse_new): drain and unload every model.
+        log.warning("unload_llm_requested", action="draining and unloading every model")
+        if self._tg is not None:
+            self._tg.start_soon(self.models.unload)
+
+    def _banner(self, text: str) -> None:
+        self.notifier.status(text)  # `systemctl status` shows it
+        if sys.stderr.isatty():
+            print(text, file=sys.stderr)
+
+    def _on_queue_change(self) -> None:
+        if self.models is not None:
+            self.models.publish_stats()
 
     # -- lifecycle --------------------------------------------------------------------------
     async def reload_policy(self) -> bool:
@@ -192,7 +228,7 @@ class Supervisor:
         self._stopped = anyio.Event()
         self.notifier.status("starting")
         log.info("supervisor_starting", version=self.version, node_id=self.cfg.node_id,
-                 model=self.cfg.engine.model, policy=self.cfg.policy.path or "builtin",
+                 models=list(self.models.models), backend=self.cfg.backend, fallback=self.cfg.fallback, policy=self.cfg.policy.path or "builtin",
                  platform=self.cfg.telemetry.platform, listen=self.cfg.http.listen)
         source: TelemetrySource | None = None
         sock: socket.socket | None = self._http_socket
@@ -214,6 +250,7 @@ class Supervisor:
                                     f"policy {self.policy.name}; engine {self.engine.state}")
                 log.info("supervisor_ready", listen=self.http.address if self.http else None,
                          engine=self.engine.state, backend=self.engine.backend,
+                         backend_identity=self.engine.describe()["backend_identity"],
                          policy=self.policy.name, platform=source.name)
                 task_status.started(self)
                 await self._stop.wait()
@@ -246,15 +283,15 @@ class Supervisor:
         self.http = HttpServer(create_app(self), sock)
         await tg.start(self.http.run)
         log.info("http_listening", address=self.http.address)
-        await tg.start(self.engine.run)
+        await tg.start(self.models.run)
         await self._start_mqtt(tg)
         await tg.start(self.notifier.run_watchdog)
 
     async def _start_mqtt(self, tg: TaskGroup) -> None:
         # --- MQTT hook (lead: finish the wiring) ------------------------------------------------
-        # Wired: the bridge, voice hints and policy reload. Not wired yet (they answer with an
-        # error): policy select, LLM enable/disable, unload, thermal soft limit; they need the
-        # model manager and a policy-override API that do not exist yet.
+        # Wired: the bridge, voice hints, policy reload, LLM enable/disable and unload (the model
+        # manager). Not wired yet (they answer with an error): policy select and the thermal soft
+        # limit; they need a policy-override API that does not exist yet.
         if not self.cfg.mqtt.url:
             return
         try:
@@ -274,11 +311,14 @@ class Supervisor:
                 raise SupervisorError(f"{what} is not supported yet")
             return command
 
+        async def unload_model() -> None:
+            await self.models.unload()
+
         commands = MqttCommands(
-            select_policy=unsupported("selecting a policy"), set_llm_enabled=unsupported("enabling/disabling the LLM"),
-            reload_policy=reload_policy, unload_model=unsupported("unloading the model"),
+            select_policy=unsupported("selecting a policy"), set_llm_enabled=self.models.set_enabled,
+            reload_policy=reload_policy, unload_model=unload_model,
             set_thermal_soft_limit=unsupported("a thermal soft limit"), voice_hint=voice_hint,
-            policy_options=lambda: [self.policy.name],
+            policy_options=lambda: [self.policy.name], llm_enabled=lambda: self.models.enabled,
         )
         self.mqtt = MqttBridge(self.cfg.mqtt, self.cfg.node_id, self.store,
                                gate_metrics=self.gate.metrics, commands=commands)
@@ -306,7 +346,7 @@ class Supervisor:
         log.info("supervisor_stopping", reason=self._stop_reason)
         budget = max(0.5, self.shutdown_timeout_s - 1.0)
         with anyio.move_on_after(budget):
-            await self.engine.shutdown(timeout=budget * 0.4)
+            await self.models.shutdown(timeout=budget * 0.4)
             if self.http is not None:
                 await self.http.stop(timeout=budget * 0.5)
         log.info("supervisor_drained", seconds=round(time.monotonic() - t0, 3))

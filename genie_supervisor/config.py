@@ -100,6 +100,64 @@ class EngineConfig(_Section):
     threads: int | None = Field(None, ge=1, le=1024, description="CPU threads for the numpy backend (default: all cores)")
 
 
+BackendName = Literal["builtin", "llama_cpp"]
+
+
+class ModelEntry(_Section):
+    """One model clients can ask for by its id (the key under `models`) or one of its roles."""
+
+    path: str | None = Field(None, description="GGUF file (relative to this file); may be null only for a llama_cpp model attached by URL")
+    roles: list[str] = Field(default_factory=list, description="other names clients may put in `model` (e.g. voice, brain)")
+    resident: bool = Field(False, description="load at startup and never evict")
+    group: str | None = Field(None, description="swap group: at most one member of a group is loaded at a time")
+    n_ctx: int | None = Field(None, ge=128, le=1_048_576, description="context length (default engine.n_ctx); never shrunk to fit")
+    kv_dtype: Literal["f16", "int8"] | None = Field(None, description="KV cache element type (default engine.kv_dtype)")
+    backend: BackendName | None = Field(None, description="backend serving this model (default: the top-level `backend`)")
+    priority: int = Field(0, ge=-1000, le=1000, description="eviction order: lower is evicted first")
+    ttl_s: float | None = Field(None, gt=0, le=86400 * 7, description="unload after this long idle (non-resident only); null keeps it")
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelEntry:
+        if self.resident and self.group is not None:
+            raise KeyedValueError("group", "a resident model cannot be in a swap group (it is never unloaded)")
+        if self.resident and self.ttl_s is not None:
+            raise KeyedValueError("ttl_s", "a resident model is never unloaded, so it takes no ttl_s")
+        return self
+
+
+class LlamaCppConfig(_Section):
+    """An external llama.cpp `llama-server`: started by us from `binary`, or attached at `url`."""
+
+    binary: str | None = Field(None, description="llama-server executable we start (one process per loaded model)")
+    url: str | None = Field(None, description="attach to a running llama-server at this base URL instead of starting one")
+    host: str = Field("127.0.0.1", description="address the llama-server we start listens on")
+    args: list[str] = Field(default_factory=list, description="extra llama-server arguments (e.g. [-ngl, '99', -t, '4'])")
+    startup_timeout_s: float = Field(120, gt=0, le=3600, description="how long a started llama-server may take to answer /health with 200")
+    health_interval_s: float = Field(5, gt=0, le=3600, description="seconds between health checks of a loaded llama-server")
+    request_timeout_s: float = Field(600, gt=0, le=86400, description="deadline of one request to llama-server")
+    pause_with_signals: bool = Field(False, description="SIGSTOP the llama-server we started while the decode gate is paused, SIGCONT after")
+
+    @model_validator(mode="after")
+    def _check(self) -> LlamaCppConfig:
+        if self.url is not None:
+            parts = urlsplit(self.url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise KeyedValueError("url", f"expected http://HOST:PORT, got {self.url!r}")
+        return self
+
+
+class ApiConfig(_Section):
+    """Limits of the OpenAI-compatible API."""
+
+    max_running: int = Field(2, ge=1, le=256, description="requests generating at once (the engine runs one per model at a time)")
+    max_queue: int = Field(16, ge=0, le=10000, description="requests waiting for a slot, all classes together; more get 429")
+    max_body_bytes: int = Field(1_048_576, ge=1024, le=256 * 1_048_576, description="request bodies larger than this get 413")
+    load_wait_s: float = Field(120, gt=0, le=3600, description="how long a request waits for its model to load or swap in")
+    drain_timeout_s: float = Field(120, gt=0, le=3600, description="how long a swap waits for running requests of the model it evicts")
+    default_max_tokens: int = Field(256, ge=1, le=1_048_576, description="max_tokens of requests that name none")
+    warmup: bool = Field(True, description="after start, time a one-token request per resident model (the first-reply banner)")
+
+
 class PolicyConfig(_Section):
     """Which policy is in force."""
 
@@ -227,6 +285,11 @@ class Config(_Section):
     http: HttpConfig = Field(default_factory=HttpConfig, description="HTTP API")
     mqtt: MqttConfig = Field(default_factory=MqttConfig, description="MQTT")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="built-in LLM engine")
+    backend: BackendName = Field("builtin", description="what serves the models: builtin (this process) or llama_cpp (llama-server)")
+    fallback: BackendName | None = Field(None, description="backend used when `backend` cannot start a model (missing binary, model refused by the memory plan)")
+    llama_cpp: LlamaCppConfig = Field(default_factory=LlamaCppConfig, description="the llama_cpp backend")
+    models: dict[str, ModelEntry] = Field(default_factory=dict, description="models by id; empty: engine.model is the one model")
+    api: ApiConfig = Field(default_factory=ApiConfig, description="OpenAI-compatible API limits")
     policy: PolicyConfig = Field(default_factory=PolicyConfig, description="policy")
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig, description="platform telemetry")
     services: dict[str, ServiceConfig] = Field(default_factory=dict, description="watched services by name")
@@ -240,6 +303,33 @@ class Config(_Section):
             if not re.fullmatch(r"[a-z0-9_-]{1,64}", name):
                 raise KeyedValueError(name, f"service name {name!r} must be 1-64 of a-z, 0-9, _ and -")
         return services
+
+    @model_validator(mode="after")
+    def _models(self) -> Config:
+        seen: dict[str, str] = {}
+        for mid, entry in self.models.items():
+            for name in (mid, *entry.roles):
+                if name in seen and seen[name] != mid:
+                    raise KeyedValueError(("models", mid), f"name {name!r} is already used by model {seen[name]!r}")
+                seen[name] = mid
+            backend = entry.backend or self.backend
+            if entry.path is None and not (backend == "llama_cpp" and self.llama_cpp.url):
+                raise KeyedValueError(("models", mid, "path"), "a model needs a path (only a llama_cpp model attached by llama_cpp.url may omit it)")
+        uses_llama = self.backend == "llama_cpp" or self.fallback == "llama_cpp" or any(
+            e.backend == "llama_cpp" for e in self.models.values())
+        if uses_llama and not (self.llama_cpp.binary or self.llama_cpp.url):
+            raise KeyedValueError("llama_cpp", "the llama_cpp backend needs llama_cpp.binary or llama_cpp.url")
+        return self
+
+    def model_entries(self) -> dict[str, ModelEntry]:
+        """The models to serve: `models`, or `engine.model` as one resident model (id: the file's stem)."""
+        if self.models:
+            return dict(self.models)
+        if self.engine.model is None and not (self.backend == "llama_cpp" and self.llama_cpp.url):
+            return {}
+        path = self.engine.model
+        mid = Path(path).stem if path else "default"
+        return {mid: ModelEntry(path=path, roles=["default"], resident=True)}
 
     def stt_services(self) -> list[str]:
         """Names of the services of kind wyoming_stt (the policy's failsafe.stt_unknown watches them)."""
@@ -288,10 +378,16 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: dict[str,
 
 
 def _resolve_paths(data: dict[str, Any], base: Path) -> None:
-    for section, key in (("engine", "model"), ("policy", "path")):
+    for section, key in (("engine", "model"), ("policy", "path"), ("llama_cpp", "binary")):
         sec = data.get(section)
         if isinstance(sec, dict) and isinstance(sec.get(key), str) and not os.path.isabs(sec[key]):
-            sec[key] = str(base / sec[key])
+            if section != "llama_cpp" or "/" in sec[key]:  # a bare binary name is looked up on PATH
+                sec[key] = str(base / sec[key])
+    models = data.get("models")
+    if isinstance(models, dict):
+        for entry in models.values():
+            if isinstance(entry, dict) and isinstance(entry.get("path"), str) and not os.path.isabs(entry["path"]):
+                entry["path"] = str(base / entry["path"])
     sim = (data.get("telemetry") or {}).get("simulated") if isinstance(data.get("telemetry"), dict) else None
     if isinstance(sim, dict) and isinstance(sim.get("script"), str) and not os.path.isabs(sim["script"]):
         sim["script"] = str(base / sim["script"])

@@ -87,10 +87,20 @@ class _HostGate:
         self._host = host
 
     async def wait(self, phase: Any) -> None:
-        if self._host.closing:
+        host = self._host
+        if host.closing:
             raise _Shutdown
-        await self._host.gate.wait(phase)
-        if self._host.closing:
+        if host.gate.mode == "paused":  # parked: an unload must still be able to stop it
+            async with anyio.create_task_group() as tg:
+                async def step() -> None:
+                    await host.gate.wait(phase)
+                    tg.cancel_scope.cancel()
+                tg.start_soon(step)
+                await host.closed_event().wait()
+                tg.cancel_scope.cancel()
+        else:
+            await host.gate.wait(phase)
+        if host.closing:
             raise _Shutdown
 
 
@@ -198,6 +208,7 @@ class EngineHost:
         budget_mb: Callable[[], float | None] = lambda: None,
         loader: Callable[..., Model] = load_model,
         stats_interval_s: float = 1.0,
+        autoload: bool = True,
     ) -> None:
         self.model_path = os.fspath(model_path) if model_path is not None else None
         """GGUF file to load, None runs without an LLM."""
@@ -215,23 +226,26 @@ class EngineHost:
         """Set at shutdown: running generations stop at their next step, new ones are refused."""
         self.stats_interval_s = stats_interval_s
         """How often stats are published while generating."""
+        self.load_seconds: float | None = None
+        """How long the last load took."""
         self._publish_fn = publish
         self._backend, self._n_ctx, self._kv_dtype = backend, n_ctx, kv_dtype
         self._budget_mb = budget_mb
         self._loader = loader
-        self._load_state = "disabled" if self.model_path is None else "loading"
+        self._load_state = "disabled" if self.model_path is None else ("loading" if autoload else "unloaded")
         self._live: list[HostedGeneration] = []
         self._tokens_done = 0
         self._last: HostedGeneration | None = None
         self._activity: anyio.Event | None = None  # events are made on the loop, not here
         self._idle: anyio.Event | None = None
+        self._closed: anyio.Event | None = None
         self._proc = psutil.Process()
         arbiter.add_listener(lambda _decision: self._changed())
 
     # -- state ------------------------------------------------------------------------------
     @property
     def state(self) -> str:
-        """``disabled``, ``loading``, ``error``, ``idle``, ``prefill``, ``decoding``, ``paused``, ``throttled``."""
+        """``disabled``, ``unloaded``, ``loading``, ``error``, ``idle``, ``prefill``, ``decoding``, ``paused``, ``throttled``."""
         if self._load_state != "ready":
             return self._load_state
         if not self._live:
@@ -280,6 +294,10 @@ class EngineHost:
             rss_mb=round(rss, 1) if rss is not None else None,
         )
 
+    def publish_stats(self) -> None:
+        """Publish the current EngineStats now."""
+        self._publish_fn(self.stats())
+
     def _changed(self) -> None:
         self._publish_fn(self.stats())
 
@@ -318,6 +336,47 @@ class EngineHost:
                 self._activity = anyio.Event()
                 await self._activity.wait()
 
+    async def plan(self) -> MemoryPlan:
+        """The memory plan of the configured model, read from its GGUF header (no weights loaded)."""
+        if self.model_path is None:
+            raise EngineUnavailable("no model is configured")
+        if self.memory_plan is None:
+            self.memory_plan = await anyio.to_thread.run_sync(self._plan, self.model_path)
+        return self.memory_plan
+
+    async def load(self) -> None:
+        """Load the configured model now (the model manager calls this; `run` does it at start)."""
+        if self.model_path is None:
+            raise EngineUnavailable("no model is configured")
+        self.closing = False
+        self._load_state, self.error = "loading", None
+        await self._load(self.model_path)
+
+    def closed_event(self) -> anyio.Event:
+        """Set when running generations must stop (an unload or shutdown)."""
+        if self._closed is None:
+            self._closed = anyio.Event()
+            if self.closing:
+                self._closed.set()
+        return self._closed
+
+    async def unload(self, timeout: float = 2.0) -> None:  # noqa: ASYNC109 - a bounded drain
+        """Stop running generations at their next step (bounded wait), drop the weights and the KV cache."""
+        self.closing = True
+        self.closed_event().set()
+        with anyio.move_on_after(timeout):
+            while self._live:
+                self._idle = anyio.Event()
+                await self._idle.wait()
+        self._closed = None
+        model, self.model = self.model, None
+        close = getattr(model, "close", None)
+        if close is not None:
+            close()
+        self._load_state = "unloaded"
+        self.closing = False
+        self._changed()
+
     async def _load(self, path: str) -> None:
         t0 = time.monotonic()
         log.info("model_loading", path=path, backend=self._backend, n_ctx=self._n_ctx, kv_dtype=self._kv_dtype)
@@ -336,6 +395,7 @@ class EngineHost:
             self._changed()
             raise
         self.model, self._load_state = model, "ready"
+        self.load_seconds = time.monotonic() - t0
         log.info("model_loaded", name=model.info.name, arch=model.info.arch, backend=model.backend,
                  n_ctx=model.info.n_ctx, weights_mb=round(model.info.weights_bytes / MiB, 1),
                  kv_mb=round(model.info.kv_bytes / MiB, 1), load_s=round(time.monotonic() - t0, 2))
@@ -354,6 +414,7 @@ class EngineHost:
     async def shutdown(self, timeout: float = 2.0) -> None:  # noqa: ASYNC109 - a bounded drain
         """Refuse new requests, stop running generations at their next step, wait (bounded)."""
         self.closing = True
+        self.closed_event().set()
         if self._live and self.gate.mode == "paused":
             self.gate.open()  # wake parked generations; the host gate then stops them
         with anyio.move_on_after(timeout):

@@ -36,12 +36,14 @@ def write_policy(path: Path, name: str = "test-policy", *, holdoff_ms: int = 300
     return path
 
 
-def write_config(path: Path, policy: Path | None, *, model: Path | None = None, extra: str = "") -> Path:
-    """A daemon config for tests: simulated platform sampled every 50 ms, policy not polled."""
+def write_config(path: Path, policy: Path | None, *, model: Path | None = None, extra: str = "",
+                 warmup: bool = False) -> Path:
+    """A daemon config for tests: simulated platform sampled every 50 ms, policy not polled, no warm-up."""
     lines = [
         "telemetry: {platform: simulated, interval_s: 0.05}",
         f"policy: {{path: {str(policy) if policy else 'null'}, watch: false}}",
         f"engine: {{model: {str(model) if model else 'null'}, backend: numpy}}",
+        "" if warmup or "api:" in extra else "api: {warmup: false}",
         extra,
     ]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")

@@ -1,7 +1,9 @@
 """The HTTP API: an app factory (`server.create_app`) and routers, one module per concern.
 
-`ops` holds the operations routes (/health, /status, /v1/voice/events); the OpenAI-compatible
-routes live in their own modules and are added with ``app.include_router`` in `create_app`.
+`ops` (/health, /status, /v1/voice/events), `openai_routes` (/v1/chat/completions,
+/v1/completions, /v1/models), `llama_routes` (/completion), `manage` (/running, /unload,
+/metrics). `schemas` validates request bodies, `generation` runs a request through admission,
+the model manager and a backend while watching the client, `metrics` is the Prometheus collector.
 """
 
 from .server import HttpServer, create_app, error_response

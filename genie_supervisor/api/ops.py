@@ -41,6 +41,11 @@ async def health(request: Request) -> JSONResponse:
     body = {
         "status": status,
         "backend": engine["backend"],
+        "backend_kind": engine.get("backend_kind"),
+        "backend_identity": engine.get("backend_identity"),
+        "fallback": engine.get("fallback"),
+        "fell_back": engine.get("fell_back", False),
+        "models": {m.id: m.state for m in sup.models.models.values()},
         "model": engine["model"],
         "engine": state,
         "gate": sup.gate.mode,

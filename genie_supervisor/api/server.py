@@ -31,10 +31,73 @@ if TYPE_CHECKING:
     from ..app import Supervisor
 
 
-def error_response(status: int, message: str, type_: str = "invalid_request_error",
-                   code: str | None = None) -> JSONResponse:
+def error_body(status: int, message: str, type_: str | None = None, code: str | None = None,
+               param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}``."""
+    if type_ is None:
+        type_ = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, type_: str | None = None,
+                   code: str | None = None, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
     """An OpenAI-shaped error response."""
-    return JSONResponse({"error": {"message": message, "type": type_, "code": code}}, status_code=status)
+    return JSONResponse(error_body(status, message, type_, code, param), status_code=status, headers=headers)
+
+
+def admission_response(exc: AdmissionError) -> JSONResponse:
+    """The HTTP answer to an AdmissionError (429 carries Retry-After)."""
+    retry = getattr(exc, "retry_after", None)
+    headers = {"Retry-After": str(retry)} if retry is not None else None
+    return error_response(exc.status, str(exc), None, exc.code, getattr(exc, "param", None), headers)
+
+
+class BodyLimit:
+    """ASGI middleware: bodies over `limit` bytes get 413 before any route sees them."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            await self._too_large(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                chunks = []
+                break
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                await self._too_large(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay() -> Any:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, scope: Any, receive: Any, send: Any) -> None:
+        response = error_response(413, f"the request body is larger than {self.limit} bytes (api.max_body_bytes)",
+                                  code="request_too_large")
+        await response(scope, receive, send)
 
 
 def get_supervisor(request: Request) -> Supervisor:
@@ -42,9 +105,9 @@ def get_supervisor(request: Request) -> Supervisor:
     return request.app.state.supervisor
 
 
-def create_app(supervisor: Supervisor) -> FastAPI:
-    """The app with the ops routes; further routers are added here with ``include_router``."""
-    from . import ops
+def create_app(supervisor: Supervisor) -> Any:
+    """The app with the ops, OpenAI-compatible, llama-server and management routes."""
+    from . import llama_routes, manage, openai_routes, ops
 
     app = FastAPI(title="genie-supervisor", version=__version__, docs_url=None, redoc_url=None,
                   openapi_url=None)
@@ -55,7 +118,7 @@ def create_app(supervisor: Supervisor) -> FastAPI:
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         message = f"{where}: {first.get('msg', 'invalid request')}" if where else str(first.get("msg", exc))
-        return error_response(400, message)
+        return error_response(400, message, param=where or None)
 
     async def http_error(_request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
@@ -64,14 +127,17 @@ def create_app(supervisor: Supervisor) -> FastAPI:
 
     async def admission_error(_request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, AdmissionError)
-        kind = "invalid_request_error" if exc.status < 500 else "server_error"
-        return error_response(exc.status, str(exc), kind, exc.code)
+        return admission_response(exc)
 
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(AdmissionError, admission_error)
     app.include_router(ops.router)
-    return app
+    app.include_router(openai_routes.router)
+    app.include_router(llama_routes.router)
+    app.include_router(manage.router)
+    limit = getattr(getattr(supervisor, "cfg", None), "api", None)
+    return BodyLimit(app, limit.max_body_bytes if limit is not None else 1_048_576)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

@@ -1,0 +1,197 @@
+"""Running one generation request: admission, model lease, engine, and the client's connection.
+
+A route parses its body into a `Job` and returns ``GenerationResponse(sup, job)``, an ASGI
+response that does the rest while it watches the client:
+
+    admission slot (priority queue; 429 / 503)  ->  model lease (load / swap; 404 / 503)
+      ->  backend.generate (context checked: 400)  ->  SSE chunks or one JSON body
+
+Errors before the first byte become a JSON error with the right status; once streaming has
+begun they become one SSE ``data: {"error": ...}`` event. A client that goes away (the ASGI
+``http.disconnect`` message) cancels all of it: a queued request leaves the queue, a running
+generation stops at its next step, and the slot and the lease are given back.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import anyio
+import structlog
+from starlette.responses import Response
+
+from engine import SamplingParams
+from engine.errors import EngineError
+
+from ..engine_host import AdmissionError
+from .server import admission_response, error_body, error_response
+
+if TYPE_CHECKING:
+    from ..app import Supervisor
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class Result:
+    """What a finished generation produced."""
+
+    model: str
+    """Model id that answered."""
+    text: str = ""
+    """The whole text."""
+    finish_reason: str = "stop"
+    """``stop``, ``length`` or ``cancelled``."""
+    prompt_tokens: int = 0
+    """Tokens in the prompt."""
+    completion_tokens: int = 0
+    """Tokens generated."""
+    timings: dict[str, float] = field(default_factory=dict)
+    """llama-server style timings."""
+
+
+class Formatter(Protocol):
+    """Turns a generation into one route's wire format."""
+
+    def start(self, model: str) -> list[dict[str, Any]]: ...
+
+    def piece(self, model: str, text: str) -> dict[str, Any]: ...
+
+    def end(self, result: Result) -> list[dict[str, Any] | str]: ...
+
+    def whole(self, result: Result) -> dict[str, Any]: ...
+
+
+@dataclass
+class Job:
+    """One parsed generation request."""
+
+    model: str | None
+    """Model id or role asked for (None: the default)."""
+    priority: str | None
+    """Request class asked for (None: the policy's default)."""
+    prompt: Any
+    """Chat messages, text, or token ids."""
+    sampling: SamplingParams
+    """Sampling and stop rules."""
+    stream: bool
+    """Answer with server-sent events."""
+    fmt: Formatter
+    """The route's wire format."""
+
+
+def new_id(prefix: str) -> str:
+    """An id like OpenAI's (``chatcmpl-...``)."""
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def _sse(event: dict[str, Any] | str) -> bytes:
+    data = event if isinstance(event, str) else json.dumps(event, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+class GenerationResponse(Response):
+    """An ASGI response running `job` to the end, or until its client disconnects."""
+
+    def __init__(self, sup: Supervisor, job: Job) -> None:
+        super().__init__()  # status, headers and body are decided while it runs
+        self.sup = sup
+        self.job = job
+        self.started = False
+        self.disconnected = False
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        async with anyio.create_task_group() as tg:
+            async def watch() -> None:
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        self.disconnected = True
+                        tg.cancel_scope.cancel()
+                        return
+
+            tg.start_soon(watch)
+            try:
+                await self._serve(scope, receive, send)
+            finally:
+                tg.cancel_scope.cancel()
+
+    async def _serve(self, scope: Any, receive: Any, send: Any) -> None:
+        sup, job = self.sup, self.job
+        try:
+            cls = sup.admission.resolve(job.priority)
+            model = sup.models.resolve(job.model)
+            async with sup.admission.slot(cls), sup.models.lease(model) as lease:
+                stream = await lease.backend.generate(job.prompt, job.sampling, cls)
+                result = Result(model.id, prompt_tokens=stream.prompt_tokens)
+                try:
+                    if job.stream:
+                        await self._start_stream(send)
+                        for first in job.fmt.start(model.id):
+                            await self._send_event(send, first)
+                    async for piece in stream:
+                        result.text += piece
+                        if job.stream:
+                            await self._send_event(send, job.fmt.piece(model.id, piece))
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        await stream.aclose()
+                        result.finish_reason = stream.finish_reason or "cancelled"
+                        result.prompt_tokens = stream.prompt_tokens
+                        result.completion_tokens = stream.completion_tokens
+                        result.timings = stream.timings()
+                        sup.models.record(model.id, result.prompt_tokens, result.completion_tokens, result.timings)
+            if job.stream:
+                for event in job.fmt.end(result):
+                    await self._send_event(send, event)
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            else:
+                body = json.dumps(job.fmt.whole(result), ensure_ascii=False).encode()
+                await send({"type": "http.response.start", "status": 200,
+                            "headers": [(b"content-type", b"application/json"),
+                                        (b"content-length", str(len(body)).encode())]})
+                await send({"type": "http.response.body", "body": body})
+        except AdmissionError as exc:
+            await self._fail(scope, receive, send, exc.status, admission_response(exc), exc)
+        except (ValueError, EngineError) as exc:  # an empty prompt, a template that cannot render it
+            err = error_response(400, str(exc), code="invalid_request")
+            await self._fail(scope, receive, send, 400, err, exc)
+        except OSError:  # the client's socket went away while we wrote to it
+            self.disconnected = True
+        except Exception as exc:
+            log.exception("request_failed", error=f"{type(exc).__name__}: {exc}")
+            await self._fail(scope, receive, send, 500,
+                             error_response(500, f"internal error: {type(exc).__name__}: {exc}"), exc)
+
+    async def _start_stream(self, send: Any) -> None:
+        self.started = True
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
+                                (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
+
+    async def _send_event(self, send: Any, event: dict[str, Any] | str) -> None:
+        await send({"type": "http.response.body", "body": _sse(event), "more_body": True})
+
+    async def _fail(self, scope: Any, receive: Any, send: Any, status: int, response: Any,
+                    exc: BaseException) -> None:
+        if self.disconnected:
+            return
+        log.info("request_error", status=status, error=str(exc))
+        try:
+            if self.started:
+                code = getattr(exc, "code", None)
+                await self._send_event(send, error_body(status, str(exc), code=code))
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            else:
+                await response(scope, receive, send)
+        except OSError:
+            self.disconnected = True
+
+
+def now_s() -> int:
+    """Unix seconds (the ``created`` field)."""
+    return int(time.time())

@@ -1,0 +1,51 @@
+"""Model management routes: ``GET /running``, ``POST /unload``, ``GET /metrics``."""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from .metrics import registry_for
+from .schemas import BadRequest
+from .server import get_supervisor
+
+router = APIRouter()
+
+
+@router.get("/running")
+async def running(request: Request) -> JSONResponse:
+    """Models loaded or loading now, with their requests, and the admission queue."""
+    sup = get_supervisor(request)
+    models = [m.describe() for m in sup.models.models.values() if m.state in ("ready", "loading")]
+    return JSONResponse({"running": models, "admission": sup.admission.describe()})
+
+
+@router.post("/unload")
+async def unload(request: Request) -> JSONResponse:
+    """Unload one model (``{"model": id-or-role}``) or all; drains running requests unless ``"force": true``."""
+    sup = get_supervisor(request)
+    raw = await request.body()
+    body: object = {}
+    if raw.strip():
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise BadRequest(f"the body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object like {\"model\": \"brain\", \"force\": false}")
+    model, force = body.get("model"), body.get("force", False)
+    if model is not None and not isinstance(model, str):
+        raise BadRequest("model must be a string (an id or a role)", "model")
+    if not isinstance(force, bool):
+        raise BadRequest("force must be true or false", "force")
+    done = await sup.models.unload(model, force=force)
+    return JSONResponse({"unloaded": done, "force": force})
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    """Prometheus text format: models, admission, tokens, speeds, gate, voice events."""
+    return Response(generate_latest(registry_for(get_supervisor(request))), media_type=CONTENT_TYPE_LATEST)

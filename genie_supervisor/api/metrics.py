@@ -1,0 +1,106 @@
+"""Prometheus metrics: one registry per Supervisor, read from the components at scrape time."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from ..app import Supervisor
+
+STATES = ("unloaded", "loading", "ready", "error")
+
+
+class SupervisorCollector(Collector):
+    """Every genie_* metric, computed from the supervisor's counters when scraped."""
+
+    def __init__(self, sup: Supervisor) -> None:
+        self.sup = sup
+
+    def collect(self) -> Iterator[Metric]:
+        sup = self.sup
+        yield from self._models(sup)
+        yield from self._admission(sup)
+        yield from self._gate(sup.gate.metrics())
+        voice = CounterMetricFamily("genie_voice_events", "Voice hints handled", labels=["service", "event", "source"])
+        for (service, event, source), n in sorted(getattr(sup.voice, "counts", {}).items()):
+            voice.add_metric([service, event, source], n)
+        yield voice
+
+    def _models(self, sup: Supervisor) -> Iterator[Metric]:
+        state = GaugeMetricFamily("genie_model_state", "1 for the state each model is in", labels=["model", "backend", "state"])
+        mem = GaugeMetricFamily("genie_model_memory_bytes", "Planned memory of each model (weights+KV+scratch)", labels=["model"])
+        load = GaugeMetricFamily("genie_model_load_seconds", "Duration of the last load", labels=["model"])
+        evict = CounterMetricFamily("genie_model_evictions", "Times a model was evicted to make room", labels=["model"])
+        flight = GaugeMetricFamily("genie_requests_in_flight", "Requests generating now", labels=["model"])
+        reqs = CounterMetricFamily("genie_requests", "Requests finished", labels=["model"])
+        tokens = CounterMetricFamily("genie_tokens", "Tokens processed", labels=["model", "kind"])
+        prefill = GaugeMetricFamily("genie_prefill_tokens_per_second", "Prefill speed of the last request", labels=["model"])
+        decode = GaugeMetricFamily("genie_decode_tokens_per_second", "Decode speed of the last request", labels=["model"])
+        for m in sup.models.models.values():
+            for s in STATES:
+                state.add_metric([m.id, m.kind, s], 1.0 if m.state == s else 0.0)
+            if m.plan is not None:
+                mem.add_metric([m.id], float(m.plan.total))
+            if m.load_seconds is not None:
+                load.add_metric([m.id], m.load_seconds)
+            evict.add_metric([m.id], m.evictions)
+            flight.add_metric([m.id], m.in_flight)
+            reqs.add_metric([m.id], m.usage.requests)
+            tokens.add_metric([m.id, "prompt"], m.usage.prompt_tokens)
+            tokens.add_metric([m.id, "completion"], m.usage.completion_tokens)
+            prefill.add_metric([m.id], m.usage.prefill_tps)
+            decode.add_metric([m.id], m.usage.decode_tps)
+        budget = GaugeMetricFamily("genie_llm_budget_bytes", "The policy's LLM memory budget")
+        budget.add_metric([], sup.policy.memory.llm_budget_mb * 1024 * 1024)
+        yield from (state, mem, load, evict, flight, reqs, tokens, prefill, decode, budget)
+
+    def _admission(self, sup: Supervisor) -> Iterator[Metric]:
+        adm = sup.admission
+        depth = GaugeMetricFamily("genie_queue_depth", "Requests waiting for a slot", labels=["priority"])
+        for cls, n in adm.queued_by_class().items():
+            depth.add_metric([cls], n)
+        slots = GaugeMetricFamily("genie_slots_in_use", "Admission slots held")
+        slots.add_metric([], adm.running)
+        admitted = CounterMetricFamily("genie_admitted", "Requests that got a slot", labels=["priority"])
+        wait = CounterMetricFamily("genie_queue_wait_seconds", "Seconds waited in the queue by admitted requests", labels=["priority"])
+        for cls, n in adm.admitted.items():
+            admitted.add_metric([cls], n)
+            wait.add_metric([cls], adm.wait_sum_s[cls])
+        rejected = CounterMetricFamily("genie_rejections", "Requests refused by admission", labels=["priority", "reason"])
+        for (cls, reason), n in sorted(adm.rejected.items()):
+            rejected.add_metric([cls, reason], n)
+        yield from (depth, slots, admitted, wait, rejected)
+
+    def _gate(self, g: dict[str, Any]) -> Iterator[Metric]:
+        mode = GaugeMetricFamily("genie_gate_mode", "1 for the decode gate's mode", labels=["mode"])
+        for m in ("open", "throttled", "paused"):
+            mode.add_metric([m], 1.0 if g["mode"] == m else 0.0)
+        pauses = CounterMetricFamily("genie_gate_pauses", "Decode pauses per reason", labels=["reason"])
+        for r, n in sorted(g["pauses_total"].items()):
+            pauses.add_metric([r], n)
+        paused = CounterMetricFamily("genie_gate_paused_seconds", "Seconds decode was paused per reason", labels=["reason"])
+        for r, s in sorted(g["paused_seconds"].items()):
+            paused.add_metric([r], s)
+        steps = CounterMetricFamily("genie_gate_steps", "Steps let through the gate", labels=["phase"])
+        for phase, n in sorted(g["steps_total"].items()):
+            steps.add_metric([phase], n)
+        reaction = GaugeMetricFamily("genie_gate_reaction_ms", "Pause reaction time (observation to parked)", labels=["quantile"])
+        for q, key in (("0.5", "reaction_ms_p50"), ("0.99", "reaction_ms_p99")):
+            if g.get(key) is not None:
+                reaction.add_metric([q], g[key])
+        yield from (mode, pauses, paused, steps, reaction)
+
+
+def registry_for(sup: Supervisor) -> CollectorRegistry:
+    """The supervisor's own registry (made on first use)."""
+    reg = getattr(sup, "_metrics_registry", None)
+    if reg is None:
+        reg = CollectorRegistry(auto_describe=False)
+        reg.register(SupervisorCollector(sup))
+        sup._metrics_registry = reg  # type: ignore[attr-defined]
+    return reg

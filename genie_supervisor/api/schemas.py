@@ -1,0 +1,203 @@
+"""Request bodies of the generation routes (OpenAI and llama-server shapes), validated strictly.
+
+Unknown fields are ignored (clients send many we do not use); a known field of the wrong type is
+a 400 in OpenAI's error shape naming the field (``param``). ``parse_body`` turns raw bytes into
+one of these models or raises ``BadRequest``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from engine import SamplingParams
+
+from ..engine_host import AdmissionError
+
+T = TypeVar("T", bound=BaseModel)
+
+_TYPE_WORDS = {"str", "int", "float", "bool", "list", "dict", "none", "literal", "tagged-union"}
+
+
+class BadRequest(AdmissionError):
+    """A request body that is not what the route takes (400, naming the field)."""
+
+    code = "invalid_request"
+    status = 400
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        self.param = param
+        """The offending field (dotted), if one is to blame."""
+        super().__init__(message)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class ContentPart(_Body):
+    """One part of a message's content (only ``text`` parts are supported)."""
+
+    type: str = Field(..., description="part type; only text")
+    text: str | None = Field(None, description="the text")
+
+
+class Message(_Body):
+    """One chat message."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"] = Field(..., description="who speaks")
+    content: str | list[ContentPart] | None = Field(None, description="text, or a list of text parts")
+    name: str | None = Field(None, description="speaker name (passed to the template)")
+
+    def text(self) -> str:
+        """The content as one string."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        out = []
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise BadRequest(f"message content part of type {part.type!r} is not supported (only text)",
+                                 "messages.content")
+            out.append(part.text)
+        return "".join(out)
+
+
+class StreamOptions(_Body):
+    """Options of a streamed answer."""
+
+    include_usage: bool = Field(False, description="send a last chunk with usage")
+
+
+class _Sampling(_Body):
+    model: str | None = Field(None, description="model id or role (default: the first resident model)")
+    temperature: float | None = Field(None, ge=0, le=2, description="0 = greedy")
+    top_p: float | None = Field(None, ge=0, le=1, description="nucleus sampling")
+    top_k: int | None = Field(None, ge=0, le=100_000, description="keep the k most likely tokens (0 = all)")
+    min_p: float | None = Field(None, ge=0, le=1, description="drop tokens below min_p x the best one")
+    seed: int | None = Field(None, description="random seed")
+    stop: str | list[str] | None = Field(None, description="stop strings (not included in the output)")
+    stream: bool = Field(False, description="stream the answer as server-sent events")
+    stream_options: StreamOptions | None = Field(None, description="streaming options")
+    n: int | None = Field(None, description="choices to generate: only 1")
+    priority: str | None = Field(None, description="request class (voice, tool, background); or header X-Genie-Priority")
+
+    def check_n(self) -> None:
+        if self.n is not None and self.n != 1:
+            raise BadRequest(f"n must be 1 (got {self.n}): one choice per request", "n")
+
+    def stops(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if len(stops) > 16:
+            raise BadRequest("at most 16 stop strings", "stop")
+        return tuple(s for s in stops if s)
+
+    def sampling(self, max_tokens: int) -> SamplingParams:
+        """The engine's sampling parameters (defaults: llama-server's)."""
+        top_p = self.top_p if self.top_p is not None else 0.95
+        top_k = self.top_k if self.top_k is not None else 40
+        if top_p == 0:
+            top_p, top_k = 1.0, 1
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=self.temperature if self.temperature is not None else 0.8,
+            top_k=top_k, top_p=top_p, min_p=self.min_p if self.min_p is not None else 0.05,
+            seed=self.seed, stop=self.stops())
+
+
+class ChatRequest(_Sampling):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[Message] = Field(..., min_length=1, description="the conversation")
+    max_tokens: int | None = Field(None, ge=1, le=1_048_576, description="most tokens to generate")
+    max_completion_tokens: int | None = Field(None, ge=1, le=1_048_576, description="same as max_tokens (wins)")
+
+    def prompt(self) -> list[dict[str, Any]]:
+        """Messages as the engine's chat template takes them."""
+        out = []
+        for m in self.messages:
+            d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            if m.name:
+                d["name"] = m.name
+            out.append(d)
+        return out
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[str] | list[int] = Field(..., description="text, one text in a list, or token ids")
+    max_tokens: int | None = Field(None, ge=1, le=1_048_576, description="most tokens to generate (default 16)")
+
+    def text_prompt(self) -> str | list[int]:
+        p = self.prompt
+        if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+            if len(p) != 1:
+                raise BadRequest("one prompt per request (a list of exactly one string)", "prompt")
+            return str(p[0])
+        if isinstance(p, list) and not p:
+            raise BadRequest("the prompt is empty", "prompt")
+        if isinstance(p, str) and not p:
+            raise BadRequest("the prompt is empty", "prompt")
+        return p  # type: ignore[return-value]
+
+
+class LlamaCompletionRequest(_Body):
+    """``POST /completion`` (llama-server's native shape)."""
+
+    prompt: str | list[int] = Field(..., description="text or token ids")
+    n_predict: int = Field(-1, ge=-1, le=1_048_576, description="most tokens to generate (-1: api.default_max_tokens)")
+    temperature: float = Field(0.8, ge=0, le=2)
+    top_k: int = Field(40, ge=0, le=100_000)
+    top_p: float = Field(0.95, ge=0, le=1)
+    min_p: float = Field(0.05, ge=0, le=1)
+    seed: int = Field(-1, description="-1: random")
+    stop: list[str] = Field(default_factory=list)
+    stream: bool = False
+    repeat_penalty: float = Field(1.0, gt=0, le=10)
+    repeat_last_n: int = Field(64, ge=0, le=1_048_576)
+    ignore_eos: bool = False
+    model: str | None = Field(None, description="model id or role (an extension)")
+    priority: str | None = Field(None, description="request class (an extension)")
+
+    def sampling(self, default_max: int) -> SamplingParams:
+        top_p, top_k = self.top_p, self.top_k
+        if top_p == 0:
+            top_p, top_k = 1.0, 1
+        return SamplingParams(
+            max_tokens=default_max if self.n_predict < 0 else self.n_predict, temperature=self.temperature,
+            top_k=top_k, top_p=top_p, min_p=self.min_p, repeat_penalty=self.repeat_penalty,
+            repeat_last_n=self.repeat_last_n, seed=None if self.seed < 0 else self.seed,
+            stop=tuple(s for s in self.stop if s), ignore_eos=self.ignore_eos)
+
+
+def _param(loc: tuple[Any, ...]) -> str:
+    parts: list[str] = []
+    for p in loc:
+        if isinstance(p, str) and (p.split("[")[0] in _TYPE_WORDS or "[" in p or "-" in p):
+            continue  # a union member's label, not a field
+        parts.append(str(p))
+    return ".".join(parts)
+
+
+def parse_body(raw: bytes, model: type[T]) -> T:
+    """Bytes -> a request model; BadRequest (malformed JSON, not an object, wrong types)."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"the body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise BadRequest(f"the body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = _param(tuple(first.get("loc", ())))
+        got = first.get("input")
+        shown = json.dumps(got)[:60] if isinstance(got, (str, int, float, bool)) or got is None else type(got).__name__
+        more = f" (and {exc.error_count() - 1} more problems)" if exc.error_count() > 1 else ""
+        raise BadRequest(f"{param}: {first.get('msg', 'invalid')}, got {shown}{more}", param or None) from None

@@ -1,0 +1,144 @@
+"""Backends behind one facade: what serves a model, chosen by config alone.
+
+    backend = create_backend("builtin", model_id, entry, ctx)    # or "llama_cpp"
+    plan = await backend.plan()          # bytes it will need (from the GGUF header)
+    await backend.load()                 # BackendUnavailable when it cannot start
+    stream = await backend.generate(messages_or_text, SamplingParams(...), priority="voice")
+    async with stream:
+        async for piece in stream: ...   # text pieces
+    stream.finish_reason, stream.prompt_tokens, stream.completion_tokens, stream.timings()
+    await backend.unload()
+
+``builtin`` runs the engine in this process behind the DecodeGate; ``llama_cpp`` talks to an
+external llama-server (started by us, or attached by URL), gated at admission.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ..engine_host import AdmissionError
+
+if TYPE_CHECKING:
+    from engine import Model
+
+    from ..arbiter import Arbiter, DecodeGate
+    from ..config import Config, ModelEntry
+    from ..events import Observation
+
+
+class BackendUnavailable(AdmissionError):
+    """A backend cannot serve (binary missing, server not answering, load failed)."""
+
+    code = "backend_unavailable"
+
+
+class UpstreamError(AdmissionError):
+    """llama-server answered a request with an error; its status and message are passed on."""
+
+    code = "upstream_error"
+
+    def __init__(self, status: int, message: str) -> None:
+        self.status = status if 400 <= status < 600 else 502
+        super().__init__(message)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Memory a model will hold once loaded (bytes), from its GGUF header."""
+
+    weights: int
+    """Weights as the backend stores them."""
+    kv: int
+    """KV cache at the configured context."""
+    scratch: int
+    """Activations (estimate)."""
+    n_ctx: int
+    """Context the KV cache is sized for."""
+
+    @property
+    def total(self) -> int:
+        """Everything together."""
+        return self.weights + self.kv + self.scratch
+
+
+@dataclass(frozen=True)
+class BackendContext:
+    """What every backend may use from the daemon."""
+
+    cfg: Config
+    """The daemon config (engine defaults, llama_cpp section)."""
+    gate: DecodeGate
+    """The decode gate."""
+    arbiter: Arbiter
+    """Admission flags and the prefill chunk."""
+    publish: Callable[[Observation], None]
+    """Where engine stats go (the model manager aggregates them)."""
+    loader: Callable[..., Model] | None = None
+    """Model loader of the builtin backend (tests pass a fake)."""
+
+
+class TextStream(Protocol):
+    """One running generation: text pieces, then counts."""
+
+    @property
+    def finish_reason(self) -> str | None:
+        """``stop``, ``length`` or ``cancelled`` once finished."""
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Tokens in the prompt."""
+
+    @property
+    def completion_tokens(self) -> int:
+        """Tokens generated so far."""
+
+    def __aiter__(self) -> AsyncIterator[str]: ...
+
+    async def aclose(self) -> None: ...
+
+    def timings(self) -> dict[str, float]: ...
+
+
+class Backend(Protocol):
+    """What the model manager needs from a backend serving one model."""
+
+    kind: str
+    """``builtin`` or ``llama_cpp``."""
+    n_ctx: int
+    """Context length."""
+
+    def identity(self) -> str: ...
+
+    async def plan(self) -> Plan: ...
+
+    async def load(self) -> None: ...
+
+    async def unload(self, timeout: float = 2.0) -> None: ...  # noqa: ASYNC109
+
+    async def shutdown(self, timeout: float = 2.0) -> None: ...  # noqa: ASYNC109
+
+    async def generate(self, prompt: Any, sampling: Any, priority: str | None) -> TextStream: ...
+
+    async def check(self) -> str | None: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+
+def create_backend(kind: str, model_id: str, entry: ModelEntry, ctx: BackendContext) -> Backend:
+    """A backend of `kind` for one configured model (nothing started yet)."""
+    if kind == "builtin":
+        from .builtin import BuiltinBackend
+
+        return BuiltinBackend(model_id, entry, ctx)
+    if kind == "llama_cpp":
+        from .llama_cpp import LlamaCppBackend
+
+        return LlamaCppBackend(model_id, entry, ctx)
+    raise ValueError(f"unknown backend {kind!r} (known: builtin, llama_cpp)")
+
+
+__all__ = ["Backend", "BackendContext", "BackendUnavailable", "Plan", "TextStream", "UpstreamError",
+           "create_backend"]

@@ -1,0 +1,125 @@
+"""The builtin backend: the engine in this process, through `EngineHost`, fully gated."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+from engine import SamplingParams, load_model
+
+from ..config import ModelEntry
+from ..engine_host import EngineHost, EngineUnavailable, HostedGeneration, Prompt
+from . import BackendContext, BackendUnavailable, Plan
+
+MiB = 1024 * 1024
+
+
+class BuiltinStream:
+    """A HostedGeneration seen as text pieces with counts."""
+
+    def __init__(self, gen: HostedGeneration) -> None:
+        self.gen = gen
+        """The engine's generation."""
+        self.prompt_tokens = len(gen.prompt_ids)
+        """Tokens in the prompt."""
+
+    @property
+    def finish_reason(self) -> str | None:
+        """``stop``, ``length`` or ``cancelled`` once finished."""
+        return self.gen.finish_reason
+
+    @property
+    def completion_tokens(self) -> int:
+        """Tokens generated so far."""
+        return self.gen.stats.completion_tokens
+
+    async def __aiter__(self) -> AsyncIterator[str]:
+        async for tok in self.gen:
+            if tok.text:
+                yield tok.text
+
+    async def aclose(self) -> None:
+        """Stop the generation (within one step) and free the model."""
+        await self.gen.aclose()
+
+    def timings(self) -> dict[str, float]:
+        """llama-server style timings in ms."""
+        st = self.gen.stats
+        n_prompt = st.prompt_tokens - st.cached_tokens
+        return {
+            "prompt_n": n_prompt, "prompt_ms": st.prefill_s * 1000.0,
+            "prompt_per_second": st.prefill_tps, "cache_n": st.cached_tokens,
+            "predicted_n": st.completion_tokens, "predicted_ms": st.decode_s * 1000.0,
+            "predicted_per_second": st.decode_tps,
+        }
+
+
+class BuiltinBackend:
+    """One model served by the in-process engine (loaded and unloaded on the manager's word)."""
+
+    kind = "builtin"
+
+    def __init__(self, model_id: str, entry: ModelEntry, ctx: BackendContext) -> None:
+        cfg = ctx.cfg
+        if entry.path is None:
+            raise BackendUnavailable(f"model {model_id!r}: the builtin backend needs a GGUF path")
+        self.model_id = model_id
+        """The model's id."""
+        self.n_ctx = entry.n_ctx or cfg.engine.n_ctx
+        """Context length the KV cache is sized for."""
+        kv = entry.kv_dtype or cfg.engine.kv_dtype
+        self.host = EngineHost(
+            entry.path, gate=ctx.gate, arbiter=ctx.arbiter, publish=ctx.publish,
+            backend=cfg.engine.backend, n_ctx=self.n_ctx, kv_dtype=kv,
+            loader=ctx.loader or load_model, autoload=False,
+        )
+        """The engine facade of this model."""
+
+    def identity(self) -> str:
+        """``builtin/numpy`` or ``builtin/cupy`` (what was asked for until loaded)."""
+        return f"builtin/{self.host.backend}"
+
+    async def plan(self) -> Plan:
+        """Weights (as the engine stores them) + KV + scratch, from the GGUF header."""
+        try:
+            p = await self.host.plan()
+        except (OSError, ValueError) as exc:
+            raise BackendUnavailable(f"model {self.model_id!r}: {exc}") from exc
+        return Plan(p.weights, p.kv, p.scratch, p.n_ctx)
+
+    async def load(self) -> None:
+        """Load the weights in a worker thread."""
+        await self.host.load()
+
+    async def unload(self, timeout: float = 2.0) -> None:  # noqa: ASYNC109 - a bounded drain
+        """Stop what runs (next step), drop weights and KV."""
+        await self.host.unload(timeout)
+
+    async def shutdown(self, timeout: float = 2.0) -> None:  # noqa: ASYNC109 - a bounded drain
+        """Process exit: stop what runs (next step); the weights go with the process."""
+        await self.host.shutdown(timeout)
+
+    async def generate(self, prompt: Prompt, sampling: SamplingParams, priority: str | None) -> BuiltinStream:
+        """Admit the request on the engine (context checked) and return its stream."""
+        gen = await self.host.generate(prompt, sampling, priority=priority)
+        return BuiltinStream(gen)
+
+    async def check(self) -> str | None:
+        """Health: None when fine, else why not."""
+        if self.host.model is None and self.host.state == "error":
+            return self.host.error
+        return None
+
+    def tokenizer(self) -> Any:
+        """The loaded model's tokenizer (None when not loaded)."""
+        return self.host.model.tokenizer if self.host.model is not None else None
+
+    def describe(self) -> dict[str, Any]:
+        """Engine state, compute backend and memory plan."""
+        d = self.host.describe()
+        return {"engine": d["state"], "compute": self.host.backend, "arch": d["arch"],
+                "name": d["model"], "path": os.path.basename(self.host.model_path or "")}
+
+
+__all__ = ["BuiltinBackend", "BuiltinStream", "EngineUnavailable"]

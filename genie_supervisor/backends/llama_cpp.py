@@ -1,0 +1,320 @@
+"""The llama_cpp backend: an external llama.cpp ``llama-server``, started by us or attached by URL.
+
+Started: ``<binary> -m <path> --host H --port P -c <n_ctx> --alias <id> <args...>``, one process
+per loaded model (loading starts it, unloading stops it), ready once ``GET /health`` answers 200.
+Attached (``llama_cpp.url``): loading only checks ``/health``; unloading leaves the server alone.
+Gated at admission: a request waits while the decode gate is paused, and forwarding waits between
+chunks. With ``pause_with_signals`` the process we started is SIGSTOPped while the policy pauses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import anyio
+import anyio.abc
+import anyio.to_thread
+import httpx
+import structlog
+
+from engine import SamplingParams, open_model_file
+from engine.kv_cache import kv_bytes
+from engine.spec import read_spec
+
+from ..config import ModelEntry
+from . import BackendContext, BackendUnavailable, Plan, UpstreamError
+
+log = structlog.get_logger(__name__)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _tail(path: str, n: int = 8) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return " | ".join(line.strip() for line in f.readlines()[-n:] if line.strip())
+    except OSError:
+        return ""
+
+
+class LlamaStream:
+    """A streamed llama-server answer (SSE) as text pieces with counts."""
+
+    def __init__(self, backend: LlamaCppBackend, response: httpx.Response, chat: bool, max_tokens: int) -> None:
+        self._backend = backend
+        self._response = response
+        self._chat = chat
+        self._max_tokens = max_tokens
+        self.finish_reason: str | None = None
+        """``stop``, ``length`` or ``cancelled`` once finished."""
+        self.prompt_tokens = 0
+        """Tokens in the prompt (llama-server's count, known at the end)."""
+        self.completion_tokens = 0
+        """Tokens generated (llama-server's count at the end; chunks until then)."""
+        self._timings: dict[str, float] = {}
+        self._t0 = time.monotonic()
+
+    async def __aiter__(self) -> AsyncIterator[str]:
+        gate = self._backend.gate
+        try:
+            async for line in self._response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                try:
+                    obj = json.loads(data)
+                except ValueError:
+                    continue
+                if "error" in obj:
+                    err = obj["error"]
+                    raise UpstreamError(502, f"llama-server: {err.get('message', err) if isinstance(err, dict) else err}")
+                piece = self._take(obj)
+                if piece:
+                    await gate.wait("decode")
+                    yield piece
+        finally:
+            if self.finish_reason is None:
+                self.finish_reason = "cancelled"
+            await self._response.aclose()
+
+    def _take(self, obj: Mapping[str, Any]) -> str:
+        timings = obj.get("timings")
+        if isinstance(timings, dict):
+            self._timings = {k: v for k, v in timings.items() if isinstance(v, (int, float))}
+        if self._chat:
+            usage = obj.get("usage")
+            if isinstance(usage, dict):
+                self.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                self.completion_tokens = int(usage.get("completion_tokens") or 0)
+            piece = ""
+            for choice in obj.get("choices") or []:
+                piece += (choice.get("delta") or {}).get("content") or ""
+                if choice.get("finish_reason"):
+                    self.finish_reason = str(choice["finish_reason"])
+            if piece and not isinstance(usage, dict):
+                self.completion_tokens += 1
+            return piece
+        piece = str(obj.get("content") or "")
+        if obj.get("stop"):
+            self.prompt_tokens = int(obj.get("tokens_evaluated") or 0)
+            self.completion_tokens = int(obj.get("tokens_predicted") or self.completion_tokens)
+            self.finish_reason = "length" if obj.get("stop_type") == "limit" else "stop"
+        elif piece:
+            self.completion_tokens += 1
+        return piece
+
+    async def aclose(self) -> None:
+        """Stop reading (llama-server notices the closed connection and stops)."""
+        await self._response.aclose()
+
+    def timings(self) -> dict[str, float]:
+        """llama-server's own timings (ms)."""
+        return dict(self._timings)
+
+
+class LlamaCppBackend:
+    """One model served by llama-server."""
+
+    kind = "llama_cpp"
+
+    def __init__(self, model_id: str, entry: ModelEntry, ctx: BackendContext) -> None:
+        self.model_id = model_id
+        """The model's id (the llama-server alias)."""
+        self.cfg = ctx.cfg.llama_cpp
+        """The llama_cpp section."""
+        self.path = entry.path
+        """GGUF file passed with -m (None when attached without one)."""
+        self.n_ctx = entry.n_ctx or ctx.cfg.engine.n_ctx
+        """Context passed with -c."""
+        self.gate = ctx.gate
+        """The decode gate (admission and forwarding wait on it)."""
+        self.base_url: str | None = self.cfg.url.rstrip("/") if self.cfg.url else None
+        """Where llama-server answers (set once started)."""
+        self.process: anyio.abc.Process | None = None
+        """The llama-server we started."""
+        self.stopped = False
+        """True while the process is SIGSTOPped."""
+        self._log_path: str | None = None
+        self._client: httpx.AsyncClient | None = None
+        ctx.arbiter.add_listener(self._on_decision)
+
+    def identity(self) -> str:
+        """``llama_cpp`` plus how it is reached."""
+        return "llama_cpp/attached" if self.cfg.url else "llama_cpp/started"
+
+    async def plan(self) -> Plan:
+        """Weights as stored in the file (llama.cpp keeps them quantized) + f16 KV + a small scratch."""
+        if self.path is None:
+            return Plan(0, 0, 0, self.n_ctx)
+
+        def read() -> Plan:
+            gf = open_model_file(self.path)  # type: ignore[arg-type]
+            spec = read_spec(gf)
+            weights = sum(t.nbytes for t in gf.tensors.values())
+            scratch = 512 * (spec.n_vocab * 4 + spec.n_embd * 16)
+            return Plan(weights, kv_bytes(spec, self.n_ctx, "f16"), scratch, self.n_ctx)
+
+        try:
+            return await anyio.to_thread.run_sync(read)
+        except (OSError, ValueError) as exc:
+            raise BackendUnavailable(f"model {self.model_id!r}: {exc}") from exc
+
+    # -- lifecycle --------------------------------------------------------------------------
+    async def load(self) -> None:
+        """Start llama-server (or check the attached one) and wait until /health says ok."""
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.cfg.request_timeout_s, connect=5.0))
+        if self.cfg.url:
+            await self._wait_healthy(None)
+            return
+        binary = self.cfg.binary and (shutil.which(self.cfg.binary) or
+                                      (self.cfg.binary if os.access(self.cfg.binary, os.X_OK) else None))
+        if not binary:
+            raise BackendUnavailable(f"llama_cpp.binary {self.cfg.binary!r} is not an executable file")
+        if self.path is None:
+            raise BackendUnavailable(f"model {self.model_id!r}: starting llama-server needs a model path")
+        port = _free_port(self.cfg.host)
+        host = f"[{self.cfg.host}]" if ":" in self.cfg.host else self.cfg.host
+        self.base_url = f"http://{host}:{port}"
+        cmd = [binary, "-m", self.path, "--host", self.cfg.host, "--port", str(port), "-c", str(self.n_ctx),
+               "--alias", self.model_id, *self.cfg.args]
+        fd, self._log_path = tempfile.mkstemp(prefix=f"llama-server-{self.model_id}-", suffix=".log")
+        log.info("llama_server_starting", model=self.model_id, cmd=cmd, log=self._log_path)
+        try:
+            self.process = await anyio.open_process(cmd, stdin=subprocess.DEVNULL, stdout=fd, stderr=subprocess.STDOUT)
+        finally:
+            os.close(fd)
+        try:
+            await self._wait_healthy(self.process)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._stop_process()
+            raise
+        log.info("llama_server_ready", model=self.model_id, url=self.base_url, pid=self.process.pid)
+
+    async def _wait_healthy(self, proc: anyio.abc.Process | None) -> None:
+        assert self._client is not None
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        last = "no answer"
+        delay = 0.05
+        while True:
+            if proc is not None and proc.returncode is not None:
+                raise BackendUnavailable(f"llama-server exited with status {proc.returncode} while starting: "
+                                         f"{_tail(self._log_path or '')}")
+            try:
+                r = await self._client.get(f"{self.base_url}/health", timeout=2.0)
+                if r.status_code == 200:
+                    return
+                last = f"/health answered {r.status_code}"
+            except httpx.HTTPError as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            if time.monotonic() > deadline:
+                raise BackendUnavailable(f"llama-server at {self.base_url} not healthy after "
+                                         f"{self.cfg.startup_timeout_s:g} s ({last})")
+            await anyio.sleep(delay)  # polling a process we do not control: back off, capped
+            delay = min(delay * 2, 0.5)
+
+    async def unload(self, timeout: float = 2.0) -> None:  # noqa: ASYNC109 - a bounded stop
+        """Stop the llama-server we started (an attached one is left running)."""
+        await self._stop_process(timeout)
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    async def shutdown(self, timeout: float = 2.0) -> None:  # noqa: ASYNC109 - a bounded stop
+        """Process exit: stop the llama-server we started."""
+        await self.unload(timeout)
+
+    async def _stop_process(self, timeout: float = 5.0) -> None:  # noqa: ASYNC109
+        proc, self.process = self.process, None
+        if proc is None or proc.returncode is not None:
+            return
+        if self.stopped:
+            proc.send_signal(signal.SIGCONT)
+            self.stopped = False
+        proc.terminate()
+        with anyio.move_on_after(timeout):
+            await proc.wait()
+            return
+        proc.kill()
+        await proc.wait()
+
+    def _on_decision(self, decision: Any) -> None:
+        if not self.cfg.pause_with_signals or self.process is None or self.process.returncode is not None:
+            return
+        want_stop = decision.gate == "paused"
+        if want_stop != self.stopped:
+            self.process.send_signal(signal.SIGSTOP if want_stop else signal.SIGCONT)
+            self.stopped = want_stop
+            log.info("llama_server_signalled", model=self.model_id, signal="SIGSTOP" if want_stop else "SIGCONT")
+
+    async def check(self) -> str | None:
+        """None when /health answers 200, else why not."""
+        if self.process is not None and self.process.returncode is not None:
+            return f"llama-server exited with status {self.process.returncode}: {_tail(self._log_path or '')}"
+        if self.stopped or self._client is None:
+            return None
+        try:
+            r = await self._client.get(f"{self.base_url}/health", timeout=2.0)
+        except httpx.HTTPError as exc:
+            return f"llama-server /health: {type(exc).__name__}: {exc}"
+        return None if r.status_code == 200 else f"llama-server /health answered {r.status_code}"
+
+    # -- requests ---------------------------------------------------------------------------
+    async def generate(self, prompt: Any, sampling: SamplingParams, priority: str | None) -> LlamaStream:
+        """Wait for the gate, send the request upstream (streaming) and return its stream."""
+        if self._client is None:
+            raise BackendUnavailable(f"model {self.model_id!r} is not loaded")
+        await self.gate.wait("prefill")
+        common: dict[str, Any] = {"temperature": sampling.temperature, "top_k": sampling.top_k,
+                                  "top_p": sampling.top_p, "min_p": sampling.min_p, "stream": True}
+        if sampling.seed is not None:
+            common["seed"] = sampling.seed
+        if sampling.stop:
+            common["stop"] = list(sampling.stop)
+        chat = isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], Mapping)
+        if chat:
+            body = {**common, "model": self.model_id, "messages": [dict(m) for m in prompt],
+                    "max_tokens": sampling.max_tokens, "stream_options": {"include_usage": True}}
+            url = f"{self.base_url}/v1/chat/completions"
+        else:
+            body = {**common, "prompt": prompt, "n_predict": sampling.max_tokens}
+            url = f"{self.base_url}/completion"
+        request = self._client.build_request("POST", url, json=body)
+        try:
+            response = await self._client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise BackendUnavailable(f"llama-server at {self.base_url}: {type(exc).__name__}: {exc}") from exc
+        if response.status_code != 200:
+            raw = await response.aread()
+            await response.aclose()
+            raise UpstreamError(response.status_code, f"llama-server: {_error_message(raw)}")
+        return LlamaStream(self, response, chat, sampling.max_tokens)
+
+    def describe(self) -> dict[str, Any]:
+        """How llama-server is reached."""
+        return {"url": self.base_url, "pid": self.process.pid if self.process else None,
+                "stopped": self.stopped, "path": os.path.basename(self.path or "")}
+
+
+def _error_message(raw: bytes) -> str:
+    try:
+        obj = json.loads(raw)
+        err = obj.get("error", obj)
+        return str(err.get("message", err)) if isinstance(err, dict) else str(err)
+    except (ValueError, AttributeError):
+        return raw.decode("utf-8", "replace")[:500]

@@ -1,0 +1,600 @@
+"""Model roles and groups: memory-budgeted loading, swapping and unloading (llama-swap's job).
+
+    manager = ModelManager(cfg, ctx, budget_mb=lambda: policy.memory.llm_budget_mb, publish=...)
+    await tg.start(manager.run)                    # resident models loaded (READY waits for them)
+    async with manager.lease("brain") as lease:     # by id or role; loads / swaps in as needed
+        stream = await lease.backend.generate(messages, sampling, "tool")
+
+Rules: resident models are loaded at start and never evicted; members of a swap group are loaded
+one at a time; before a load, the model's memory plan must fit ``memory.llm_budget_mb`` next to
+what is loaded, else models are evicted in order (idle before busy, non-resident only, lowest
+priority, least recently used) or the load is refused with the numbers (the context is never
+shrunk). A model is evicted only once its running requests have finished (drain). One load runs
+at a time, in the manager's own task, shared by every request that waits for it (bounded by
+``api.load_wait_s``); while it runs the model reports ``loading``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import structlog
+from anyio.abc import TaskGroup, TaskStatus
+
+from .backends import Backend, BackendContext, BackendUnavailable, Plan, create_backend
+from .config import Config, ModelEntry
+from .engine_host import AdmissionError, EngineUnavailable
+from .errors import BudgetError
+from .events import EngineStats, Observation
+
+log = structlog.get_logger(__name__)
+
+MiB = 1024 * 1024
+
+
+class UnknownModel(AdmissionError):
+    """No model has this id or role."""
+
+    code = "model_not_found"
+    status = 404
+
+
+class ModelTooLarge(AdmissionError):
+    """A model does not fit the LLM memory budget (even after every allowed eviction)."""
+
+    code = "insufficient_memory"
+    status = 503
+
+    def __init__(self, needed_mb: float, budget_mb: float, message: str) -> None:
+        self.needed_mb = needed_mb
+        """What the model needs (MiB)."""
+        self.budget_mb = budget_mb
+        """The budget (MiB)."""
+        super().__init__(message)
+
+
+class LlmDisabled(AdmissionError):
+    """The LLM is switched off (MQTT switch or API); requests get 503 until it is switched on."""
+
+    code = "llm_disabled"
+
+
+@dataclass
+class Usage:
+    """Counters of one model (for /metrics)."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    prefill_tps: float = 0.0
+    decode_tps: float = 0.0
+
+
+class ManagedModel:
+    """One configured model: its backend, state, plan and use."""
+
+    def __init__(self, model_id: str, entry: ModelEntry, kind: str, backend: Backend) -> None:
+        self.id = model_id
+        """Id clients use (the key under ``models``)."""
+        self.entry = entry
+        """Its config."""
+        self.kind = kind
+        """Backend serving it now: ``builtin`` or ``llama_cpp`` (the fallback once used)."""
+        self.backend = backend
+        """That backend."""
+        self.fell_back = False
+        """True when the fallback backend serves it."""
+        self.state = "unloaded"
+        """``unloaded``, ``loading``, ``ready`` or ``error``."""
+        self.error: str | None = None
+        """Why the last load failed."""
+        self.exc: BaseException | None = None
+        self.plan: Plan | None = None
+        """Memory plan of the backend in use (known after the first load attempt)."""
+        self.in_flight = 0
+        """Requests holding a lease."""
+        self.waiting = 0
+        """Requests waiting for it to become ready."""
+        self.draining = False
+        """Being emptied for an eviction or unload: new requests wait."""
+        self.last_used = 0.0
+        """Monotonic time its last request ended (or began)."""
+        self.loaded_at: float | None = None
+        """When it became ready."""
+        self.load_seconds: float | None = None
+        """How long the last load took."""
+        self.loads = 0
+        """Completed loads."""
+        self.evictions = 0
+        """Times it was evicted to make room."""
+        self.usage = Usage()
+        """Token counters."""
+
+    @property
+    def names(self) -> list[str]:
+        """Id and roles."""
+        return [self.id, *self.entry.roles]
+
+    @property
+    def plan_mb(self) -> float | None:
+        """Planned memory in MiB."""
+        return self.plan.total / MiB if self.plan else None
+
+    def describe(self) -> dict[str, Any]:
+        """For /v1/models, /running, /status."""
+        plan = self.plan
+        return {
+            "id": self.id, "roles": list(self.entry.roles), "role": self.entry.roles[0] if self.entry.roles else None,
+            "backend": self.kind, "backend_identity": self.backend.identity(), "fallback": self.fell_back,
+            "state": self.state, "error": self.error, "resident": self.entry.resident, "group": self.entry.group,
+            "priority": self.entry.priority, "in_flight": self.in_flight, "draining": self.draining,
+            "n_ctx": self.backend.n_ctx,
+            "memory": None if plan is None else {
+                "weights_mb": round(plan.weights / MiB, 3), "kv_mb": round(plan.kv / MiB, 3),
+                "scratch_mb": round(plan.scratch / MiB, 3), "total_mb": round(plan.total / MiB, 3)},
+            "load_seconds": None if self.load_seconds is None else round(self.load_seconds, 3),
+            "evictions": self.evictions,
+            **self.backend.describe(),
+        }
+
+
+class Lease:
+    """A request's hold on a ready model: it is not evicted until the lease ends."""
+
+    def __init__(self, model: ManagedModel) -> None:
+        self.model = model
+        """The model."""
+        self.backend = model.backend
+        """Its backend."""
+
+
+class ModelManager:
+    """Loads, swaps and unloads the configured models within the LLM memory budget."""
+
+    def __init__(self, cfg: Config, ctx: BackendContext, *, budget_mb: Callable[[], float | None],
+                 publish: Callable[[Observation], None], queued: Callable[[], int] = lambda: 0,
+                 on_banner: Callable[[str], None] = lambda _text: None) -> None:
+        self.cfg = cfg
+        """The daemon config."""
+        self.ctx = ctx
+        """What backends are built with."""
+        self.enabled = True
+        """False while the LLM is switched off."""
+        self.closing = False
+        """Set at shutdown."""
+        self.models: dict[str, ManagedModel] = {}
+        """Models by id, in config order."""
+        self._budget_mb = budget_mb
+        self._publish = publish
+        self._queued = queued
+        self._on_banner = on_banner
+        self._host_stats: dict[str, EngineStats] = {}
+        self._changed: anyio.Event | None = None
+        self._load_lock: anyio.Lock | None = None
+        self._tg: TaskGroup | None = None
+        self.first_reply_ms: dict[str, float | None] = {}
+        """Warm-up time to first token per resident model (the startup banner)."""
+        self.unloads: Counter[str] = Counter()
+        """model id -> unloads (any cause)."""
+        for mid, entry in cfg.model_entries().items():
+            kind = entry.backend or cfg.backend
+            bctx = BackendContext(cfg, ctx.gate, ctx.arbiter, self._stats_from(mid), ctx.loader)
+            self.models[mid] = ManagedModel(mid, entry, kind, create_backend(kind, mid, entry, bctx))
+        self._names = {name: m for m in self.models.values() for name in m.names}
+
+    # -- lookup -----------------------------------------------------------------------------
+    @property
+    def default(self) -> ManagedModel | None:
+        """The model used when a request names none: the first resident model, else the first."""
+        return next((m for m in self.models.values() if m.entry.resident), next(iter(self.models.values()), None))
+
+    def resolve(self, name: str | None) -> ManagedModel:
+        """The model a request names (id or role; None or "" = the default); UnknownModel if none."""
+        if not name:
+            m = self.default
+            if m is None:
+                raise EngineUnavailable("no model is configured (engine.model or models)")
+            return m
+        m = self._names.get(name)
+        if m is None:
+            known = ", ".join(sorted(self._names)) or "none"
+            raise UnknownModel(f"model {name!r} does not exist (known ids and roles: {known})")
+        return m
+
+    # -- change notification ----------------------------------------------------------------
+    def _notify(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+        self.publish_stats()
+
+    async def _wait_change(self) -> None:
+        if self._changed is None:
+            self._changed = anyio.Event()
+        await self._changed.wait()
+
+    # -- leases -----------------------------------------------------------------------------
+    @asynccontextmanager
+    async def lease(self, name: str | ManagedModel | None) -> AsyncIterator[Lease]:
+        """Hold a ready model for the block (loading or swapping it in first, bounded)."""
+        m = name if isinstance(name, ManagedModel) else self.resolve(name)
+        await self._ready(m)
+        m.in_flight += 1
+        m.last_used = time.monotonic()
+        self._notify()
+        try:
+            yield Lease(m)
+        finally:
+            m.in_flight -= 1
+            m.last_used = time.monotonic()
+            self._notify()
+
+    async def _ready(self, m: ManagedModel) -> None:
+        wait_s = self.cfg.api.load_wait_s
+        seen_loading = False
+        m.waiting += 1
+        try:
+            with anyio.fail_after(wait_s):
+                while True:
+                    if self.closing:
+                        raise EngineUnavailable("the supervisor is shutting down")
+                    if not self.enabled:
+                        raise LlmDisabled("the LLM is switched off (MQTT llm/enabled); requests are refused until it is on")
+                    if self.ctx.arbiter.refuse_new:
+                        raise EngineUnavailable("new requests are refused while memory is low (policy memory.thresholds)")
+                    if m.state == "ready" and not m.draining:
+                        return
+                    if m.state == "loading":
+                        seen_loading = True
+                    elif m.state == "error" and seen_loading and m.exc is not None:
+                        raise _as_admission(m)
+                    elif m.state in ("unloaded", "error") and not m.draining:
+                        self._start_load(m)
+                        seen_loading = True
+                        continue
+                    await self._wait_change()
+        except TimeoutError:
+            raise EngineUnavailable(f"model {m.id!r} was not ready within {wait_s:g} s "
+                                    f"(state {m.state}; api.load_wait_s)") from None
+        finally:
+            m.waiting -= 1
+            self._notify()
+
+    def _start_load(self, m: ManagedModel) -> None:
+        if self._tg is None:
+            raise EngineUnavailable("the model manager is not running")
+        m.state, m.error, m.exc = "loading", None, None
+        self._notify()
+        self._tg.start_soon(self._load, m)
+
+    # -- loading and eviction ---------------------------------------------------------------
+    async def _load(self, m: ManagedModel) -> None:
+        assert self._load_lock is not None
+        t0 = time.monotonic()
+        try:
+            async with self._load_lock:
+                try:
+                    await self._load_with(m)
+                except (BackendUnavailable, ModelTooLarge, BudgetError, OSError) as exc:
+                    fallback = self.cfg.fallback
+                    if not fallback or fallback == m.kind:
+                        raise
+                    log.warning("backend_fallback", model=m.id, backend=m.kind, fallback=fallback,
+                                reason=f"{type(exc).__name__}: {exc}")
+                    bctx = BackendContext(self.cfg, self.ctx.gate, self.ctx.arbiter, self._stats_from(m.id),
+                                          self.ctx.loader)
+                    m.backend = create_backend(fallback, m.id, m.entry, bctx)
+                    m.kind, m.fell_back = fallback, True
+                    await self._load_with(m)
+        except Exception as exc:
+            m.state, m.error, m.exc = "error", f"{type(exc).__name__}: {exc}", exc
+            log.error("model_load_failed", model=m.id, backend=m.kind, error=m.error)
+        else:
+            m.state, m.loaded_at = "ready", time.monotonic()
+            m.load_seconds = m.loaded_at - t0
+            m.loads += 1
+            log.info("model_ready", model=m.id, roles=m.entry.roles, backend=m.backend.identity(),
+                     memory_mb=round(m.plan_mb or 0, 1), load_s=round(m.load_seconds, 3))
+        finally:
+            self._notify()
+
+    async def _load_with(self, m: ManagedModel) -> None:
+        m.plan = await m.backend.plan()
+        await self._make_room(m, m.plan)
+        self._notify()
+        await m.backend.load()
+
+    def _used_mb(self, exclude: ManagedModel) -> float:
+        return sum(o.plan_mb or 0 for o in self.models.values()
+                   if o is not exclude and o.state in ("ready", "loading"))
+
+    async def _make_room(self, m: ManagedModel, plan: Plan) -> None:
+        budget = self._budget_mb()
+        need = plan.total / MiB
+        detail = (f"weights {plan.weights / MiB:.1f} + KV {plan.kv / MiB:.1f} + scratch "
+                  f"{plan.scratch / MiB:.1f} MiB at n_ctx {plan.n_ctx}")
+        if budget is not None and need > budget:
+            raise ModelTooLarge(need, budget, f"model {m.id!r} needs {need:.1f} MiB ({detail}) but the LLM "
+                                f"budget (policy memory.llm_budget_mb) is {budget:.1f} MiB")
+        while True:
+            mates = [o for o in self.models.values() if o is not m and m.entry.group is not None
+                     and o.entry.group == m.entry.group and o.state == "ready"]
+            used = self._used_mb(m)
+            if not mates and (budget is None or used + need <= budget):
+                return
+            if mates:
+                victim = mates[0]
+            else:
+                candidates = [o for o in self.models.values() if o is not m and o.state == "ready"
+                              and not o.entry.resident]
+                if not candidates:
+                    resident = sum(o.plan_mb or 0 for o in self.models.values()
+                                   if o is not m and o.entry.resident and o.state in ("ready", "loading"))
+                    assert budget is not None
+                    raise ModelTooLarge(need, budget, f"model {m.id!r} needs {need:.1f} MiB ({detail}); "
+                                        f"{used:.1f} MiB of the {budget:.1f} MiB budget are in use "
+                                        f"({resident:.1f} MiB by resident models, which are never evicted)")
+                victim = min(candidates, key=lambda o: (o.in_flight > 0, o.entry.priority, o.last_used))
+            await self._evict(victim, reason=f"make room for {m.id}")
+
+    async def _evict(self, victim: ManagedModel, *, reason: str, force: bool = False) -> None:
+        """Drain (or, with `force`, stop) the victim's requests, then unload it."""
+        if not force:  # requests that waited for it while it loaded get their turn first
+            with anyio.move_on_after(self.cfg.api.drain_timeout_s):
+                while victim.waiting and victim.state == "ready":
+                    await self._wait_change()
+        victim.draining = True
+        self._notify()
+        try:
+            if not force:
+                try:
+                    with anyio.fail_after(self.cfg.api.drain_timeout_s):
+                        while victim.in_flight:
+                            await self._wait_change()
+                except TimeoutError:
+                    raise EngineUnavailable(f"model {victim.id!r} still runs {victim.in_flight} request(s) after "
+                                            f"{self.cfg.api.drain_timeout_s:g} s (api.drain_timeout_s); "
+                                            "it is not cut off") from None
+            await victim.backend.unload(timeout=self.cfg.api.drain_timeout_s if force else 2.0)
+            victim.state, victim.loaded_at = "unloaded", None
+            if reason.startswith("make room"):
+                victim.evictions += 1
+            self.unloads[victim.id] += 1
+            log.info("model_unloaded", model=victim.id, reason=reason, forced=force)
+        finally:
+            victim.draining = False
+            self._notify()
+
+    async def unload(self, name: str | None = None, *, force: bool = False) -> list[str]:
+        """Unload one model (or every loaded one): drain first unless `force`; returns the ids unloaded."""
+        targets = [self.resolve(name)] if name else [m for m in self.models.values() if m.state == "ready"]
+        done = []
+        for m in targets:
+            if m.state != "ready" or m.draining:
+                continue
+            await self._evict(m, reason="unload requested", force=force)
+            done.append(m.id)
+        return done
+
+    async def set_enabled(self, enabled: bool) -> None:
+        """Switch the LLM on (residents reload) or off (requests get 503; models unload after draining)."""
+        self.enabled = enabled
+        log.info("llm_enabled" if enabled else "llm_disabled")
+        self._notify()
+        if enabled:
+            for m in self.models.values():
+                if m.entry.resident and m.state in ("unloaded", "error"):
+                    self._start_load(m)
+        else:
+            await self.unload()
+
+    # -- lifecycle --------------------------------------------------------------------------
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Load the resident models (their failure stops the start), then keep watch (TTL, health)."""
+        self._changed = anyio.Event()
+        self._load_lock = anyio.Lock()
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            self.publish_stats()
+            residents = [m for m in self.models.values() if m.entry.resident]
+            for m in residents:
+                self._start_load(m)
+            while any(m.state == "loading" for m in residents):
+                await self._wait_change()
+            for m in residents:
+                if m.state == "error" and m.exc is not None:
+                    raise m.exc
+            task_status.started()
+            tg.start_soon(self._publish_while_busy)
+            if self.cfg.api.warmup and residents:
+                tg.start_soon(self._warmup, residents)
+            await self._watch()
+
+    async def _publish_while_busy(self) -> None:
+        """Refresh the engine stats every second while something generates (decode speed moves)."""
+        while True:
+            if any(m.in_flight for m in self.models.values()):
+                await anyio.sleep(1.0)
+                for m in self.models.values():
+                    host = getattr(m.backend, "host", None)
+                    if m.in_flight and host is not None:
+                        host.publish_stats()
+                self.publish_stats()
+            else:
+                await self._wait_change()
+
+    async def _watch(self) -> None:
+        interval = min([self.cfg.llama_cpp.health_interval_s] +
+                       [m.entry.ttl_s / 2 for m in self.models.values() if m.entry.ttl_s] + [5.0])
+        while True:
+            await anyio.sleep(max(0.05, interval))  # periodic upkeep: TTLs and backend health
+            now = time.monotonic()
+            for m in list(self.models.values()):
+                if m.state != "ready" or m.draining:
+                    continue
+                ttl = m.entry.ttl_s
+                if ttl and not m.entry.resident and m.in_flight == 0 and now - m.last_used > ttl:
+                    await self._evict(m, reason=f"idle for {ttl:g} s (ttl_s)")
+                    continue
+                problem = await m.backend.check()
+                if problem is not None and m.in_flight == 0:
+                    log.error("backend_unhealthy", model=m.id, backend=m.backend.identity(), problem=problem)
+                    await m.backend.unload()
+                    m.state, m.error, m.exc = "error", problem, BackendUnavailable(problem)
+                    self._notify()
+
+    async def _warmup(self, residents: list[ManagedModel]) -> None:
+        from engine import SamplingParams
+
+        for m in residents:
+            t0 = time.monotonic()
+            try:
+                async with self.lease(m) as lease:
+                    stream = await lease.backend.generate(
+                        [{"role": "user", "content": "Hi"}],
+                        SamplingParams(max_tokens=1, temperature=0.0), "background")
+                    try:
+                        async for _ in stream:
+                            break
+                    finally:
+                        with anyio.CancelScope(shield=True):
+                            await stream.aclose()
+                self.first_reply_ms[m.id] = round((time.monotonic() - t0) * 1000.0, 1)
+            except Exception as exc:  # a banner, not a start condition
+                self.first_reply_ms[m.id] = None
+                log.warning("warmup_failed", model=m.id, error=f"{type(exc).__name__}: {exc}")
+        banner = ", ".join(f"{mid} {ms:.0f} ms" if ms is not None else f"{mid} failed"
+                           for mid, ms in self.first_reply_ms.items())
+        text = f"first reply latency: {banner}"
+        log.info("first_reply_latency", models=self.first_reply_ms, banner=text)
+        self._on_banner(text)
+
+    async def shutdown(self, timeout: float = 2.0) -> None:  # noqa: ASYNC109 - a bounded drain
+        """Refuse new requests, stop running generations at their next step, unload (bounded)."""
+        self.closing = True
+        self._notify()
+        with anyio.move_on_after(timeout):
+            for m in self.models.values():
+                if m.state == "ready":
+                    await m.backend.shutdown(timeout=timeout)
+        self.enabled = False
+        self.publish_stats()
+
+    # -- the single-model engine view (sup.engine) ------------------------------------------
+    @property
+    def host(self) -> Any:
+        """The default model's EngineHost when the builtin backend serves it, else None."""
+        m = self.default
+        return getattr(m.backend, "host", None) if m is not None else None
+
+    async def generate(self, prompt: Any, sampling: Any = None, *, priority: str | None = None) -> Any:
+        """Generate on the default model's engine directly (no queue): the in-process API of tests and bench."""
+        host = self.host
+        if host is None:
+            raise EngineUnavailable("the default model is not served by the builtin engine")
+        return await host.generate(prompt, sampling, priority=priority)
+
+    @property
+    def state(self) -> str:
+        """One word for the whole LLM side (EngineStats.state)."""
+        return self.stats().state
+
+    @property
+    def backend(self) -> str | None:
+        """Compute backend of the default model (``numpy``/``cupy``) or ``llama_cpp``."""
+        m = self.default
+        if m is None:
+            return None
+        host = getattr(m.backend, "host", None)
+        return host.backend if host is not None else m.kind
+
+    def describe(self) -> dict[str, Any]:
+        """The default model's engine view (state, model, backend, memory plan) plus every model."""
+        host = self.host
+        base: dict[str, Any] = host.describe() if host is not None else {
+            "state": self.state, "model": self.default.id if self.default else None, "path": None, "arch": None,
+            "backend": self.backend, "n_ctx": None, "kv_dtype": None, "error": None, "memory_plan": None}
+        base["state"] = self.state
+        m = self.default
+        base["backend_kind"] = m.kind if m else None
+        base["backend_identity"] = m.backend.identity() if m else None
+        base["fallback"] = self.cfg.fallback
+        base["fell_back"] = any(x.fell_back for x in self.models.values())
+        base["enabled"] = self.enabled
+        if base.get("memory_plan") is not None:
+            base["memory_plan"]["budget_mb"] = self._budget_mb()
+        return base
+
+    # -- stats ------------------------------------------------------------------------------
+    def _stats_from(self, mid: str) -> Callable[[Observation], None]:
+        def take(obs: Observation) -> None:
+            if isinstance(obs, EngineStats):
+                self._host_stats[mid] = obs
+                self.publish_stats()
+        return take
+
+    def record(self, mid: str, prompt_tokens: int, completion_tokens: int, timings: dict[str, float]) -> None:
+        """Count one finished request."""
+        u = self.models[mid].usage
+        u.requests += 1
+        u.prompt_tokens += prompt_tokens
+        u.completion_tokens += completion_tokens
+        if timings.get("prompt_per_second"):
+            u.prefill_tps = float(timings["prompt_per_second"])
+        if timings.get("predicted_per_second"):
+            u.decode_tps = float(timings["predicted_per_second"])
+
+    def stats(self) -> EngineStats:
+        """The aggregate EngineStats: the busiest model's state, totals over all models."""
+        ms = list(self.models.values())
+        if not ms or (not self.enabled and not any(m.in_flight for m in ms)):
+            return EngineStats(state="disabled", requests_queued=self._queued())
+        host_stats = [self._host_stats.get(m.id) for m in ms]
+        busy = [(m, s) for m, s in zip(ms, host_stats, strict=True) if m.in_flight or (s and s.requests_in_flight)]
+        default = self.default
+        assert default is not None
+        ref_m, ref_s = busy[0] if busy else (default, self._host_stats.get(default.id))
+        if busy:
+            state = ref_s.state if ref_s and ref_s.state not in ("idle", "unloaded") else "decoding"
+            if ref_m.kind == "llama_cpp":
+                state = "paused" if self.ctx.gate.mode == "paused" else "decoding"
+        elif any(m.state == "loading" for m in ms):
+            state = "loading"
+        elif default.state == "error":
+            state = "error"
+        elif any(m.state == "ready" for m in ms):
+            state = "idle"
+        else:
+            state = "unloaded"
+        loaded = [s for m, s in zip(ms, host_stats, strict=True) if m.state == "ready" and s is not None]
+        weights = sum(s.weights_mb or 0 for s in loaded) or None
+        kv = sum(s.kv_mb or 0 for s in loaded) or None
+        backend = (ref_s.backend if ref_s and ref_m.kind == "builtin" else ref_m.kind)
+        return EngineStats(
+            state=state, model=(ref_s.model if ref_s and ref_s.model else ref_m.id), backend=backend,
+            decode_tps=ref_s.decode_tps if ref_s else None, first_token_ms=ref_s.first_token_ms if ref_s else None,
+            tokens_total=sum(s.tokens_total for s in host_stats if s) + sum(
+                m.usage.completion_tokens for m in ms if m.kind == "llama_cpp"),
+            requests_in_flight=sum(m.in_flight for m in ms), requests_queued=self._queued(),
+            weights_mb=round(weights, 3) if weights else None, kv_mb=round(kv, 3) if kv else None,
+            rss_mb=ref_s.rss_mb if ref_s else None,
+        )
+
+    def publish_stats(self) -> None:
+        """Publish the aggregate EngineStats to the state store."""
+        self._publish(self.stats())
+
+
+def _as_admission(m: ManagedModel) -> AdmissionError:
+    exc = m.exc
+    if isinstance(exc, AdmissionError):
+        return exc
+    if isinstance(exc, BudgetError):
+        return ModelTooLarge(exc.needed_mb, exc.available_mb, str(exc))
+    return EngineUnavailable(f"model {m.id!r} failed to load: {m.error}")

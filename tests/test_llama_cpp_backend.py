@@ -1,0 +1,149 @@
+"""The llama_cpp backend against a real process speaking llama-server's API (tests/fake_llama_server.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import openai
+import pytest
+
+from genie_supervisor.api.server import bind_socket
+from tests.apitools import http, make_api_supervisor, oai, synth
+from tests.daemon import wait_for
+from tests.fake_llama_server import REPLY
+
+pytestmark = pytest.mark.timeout(90)
+
+FAKE = Path(__file__).with_name("fake_llama_server.py")
+HI: list[Any] = [{"role": "user", "content": "hi"}]
+
+
+def _wrapper(tmp_path: Path) -> Path:
+    """An executable that starts the fake server with whatever llama-server arguments it gets."""
+    script = tmp_path / "llama-server"
+    script.write_text(f"#!/bin/sh\nexec {sys.executable} {FAKE} \"$@\"\n", encoding="utf-8")
+    script.chmod(0o755)
+    return script
+
+
+def _proc_state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+async def _until(predicate: Any, timeout: float = 5.0) -> None:  # noqa: ASYNC109
+    """Another process's state has no event to wait on: poll it, bounded."""
+    for _ in range(int(timeout / 0.01)):
+        if predicate():
+            return
+        await anyio.sleep(0.01)
+    raise AssertionError(f"not within {timeout} s")
+
+
+async def test_started_llama_server_serves_openai_client_and_is_sigstopped_on_pause(tmp_path: Path) -> None:
+    """backend llama_cpp starts llama-server, serves chat/completions/completion through it, SIGSTOPs it while STT runs."""
+    body = f"""\
+backend: llama_cpp
+llama_cpp: {{binary: {_wrapper(tmp_path)}, pause_with_signals: true, startup_timeout_s: 60}}
+models:
+  brain: {{path: {synth(tmp_path, 'brain')}, roles: [default], resident: true, n_ctx: 128}}
+api: {{warmup: false}}
+"""
+    sup = make_api_supervisor(tmp_path, body)
+    with anyio.fail_after(80):
+        async with sup, oai(sup) as oa, http(sup) as client:
+            health = (await client.get("/health")).json()
+            assert health["backend_kind"] == "llama_cpp" and health["backend_identity"] == "llama_cpp/started"
+            listed = (await client.get("/v1/models")).json()["data"]
+            assert listed[0]["backend"] == "llama_cpp" and listed[0]["state"] == "ready"
+
+            whole = await oa.chat.completions.create(model="brain", messages=HI, max_tokens=16)
+            assert whole.choices[0].message.content == "".join(REPLY)
+            assert whole.choices[0].finish_reason == "stop" and whole.usage is not None
+            assert whole.usage.completion_tokens == len(REPLY)
+            text, usage = "", None
+            async for chunk in await oa.chat.completions.create(model="default", messages=HI, max_tokens=16,
+                                                                stream=True, stream_options={"include_usage": True}):
+                text += "".join(c.delta.content or "" for c in chunk.choices)
+                usage = chunk.usage or usage
+            assert text == "".join(REPLY) and usage is not None and usage.prompt_tokens == whole.usage.prompt_tokens
+
+            comp = await oa.completions.create(model="brain", prompt="one two", max_tokens=3)
+            assert comp.choices[0].text == "".join(REPLY[:3]) and comp.choices[0].finish_reason == "length"
+            assert comp.usage is not None and comp.usage.prompt_tokens == 2
+            r = (await client.post("/completion", json={"prompt": "one two", "n_predict": 3})).json()
+            assert r["content"] == "".join(REPLY[:3]) and r["tokens_predicted"] == 3 and r["stop_type"] == "limit"
+
+            with pytest.raises(openai.BadRequestError) as info:
+                await oa.chat.completions.create(model="brain", max_tokens=8,
+                                                 messages=[{"role": "user", "content": "w " * 200}])
+            assert "context size" in str(info.value)
+
+            proc = sup.models.models["brain"].backend.process  # type: ignore[attr-defined]
+            await client.post("/v1/voice/events", json={"service": "stt", "event": "start"})
+            await wait_for(sup, lambda: sup.gate.mode == "paused")
+            await _until(lambda: _proc_state(proc.pid) == "T")
+            await client.post("/v1/voice/events", json={"service": "stt", "event": "stop"})
+            await wait_for(sup, lambda: sup.gate.mode == "open")
+            await _until(lambda: _proc_state(proc.pid) != "T")
+            again = await oa.chat.completions.create(model="brain", messages=HI, max_tokens=2)
+            assert again.choices[0].message.content == "".join(REPLY[:2])
+    assert proc.returncode is not None  # stopped with the daemon
+
+
+async def test_missing_llama_server_falls_back_to_builtin(tmp_path: Path) -> None:
+    """With the llama-server binary missing, `fallback: builtin` serves the model and /health says so."""
+    body = f"""\
+backend: llama_cpp
+fallback: builtin
+llama_cpp: {{binary: {tmp_path / 'no-such-llama-server'}}}
+models:
+  brain: {{path: {synth(tmp_path, 'brain')}, resident: true}}
+api: {{warmup: false}}
+"""
+    sup = make_api_supervisor(tmp_path, body)
+    with anyio.fail_after(60):
+        async with sup, oai(sup) as oa, http(sup) as client:
+            health = (await client.get("/health")).json()
+            assert health["fell_back"] is True and health["backend_kind"] == "builtin"
+            r = await oa.chat.completions.create(model="brain", messages=HI, max_tokens=2, temperature=0)
+            assert r.usage is not None and r.usage.completion_tokens == 2
+
+
+async def test_attached_llama_server_by_url(tmp_path: Path) -> None:
+    """`llama_cpp.url` attaches to a running llama-server: requests go there, unloading leaves it running."""
+    with bind_socket("127.0.0.1", 0) as s:
+        port = s.getsockname()[1]
+    body = f"""\
+backend: llama_cpp
+llama_cpp: {{url: "http://127.0.0.1:{port}"}}
+models:
+  remote: {{roles: [default], resident: true, n_ctx: 512}}
+api: {{warmup: false}}
+"""
+    async with await anyio.open_process([sys.executable, str(FAKE), "--port", str(port), "--alias", "remote"],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as proc:
+        try:
+            with anyio.fail_after(60):
+                async with httpx.AsyncClient() as probe:
+                    while True:  # waiting for another process to listen: polled, bounded
+                        try:
+                            if (await probe.get(f"http://127.0.0.1:{port}/health")).status_code == 200:
+                                break
+                        except httpx.HTTPError:
+                            await anyio.sleep(0.1)
+                sup = make_api_supervisor(tmp_path, body)
+                async with sup, oai(sup) as oa, http(sup) as client:
+                    r = await oa.chat.completions.create(messages=HI, model="remote", max_tokens=4)
+                    assert r.choices[0].message.content == "".join(REPLY[:4])
+                    assert (await client.post("/unload", json={})).json()["unloaded"] == ["remote"]
+                    assert proc.returncode is None
+                    r = await oa.chat.completions.create(messages=HI, model="default", max_tokens=1)
+                    assert r.choices[0].message.content == REPLY[0]
+        finally:
+            proc.terminate()

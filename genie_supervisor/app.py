@@ -20,6 +20,7 @@ import socket
 import sys
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -37,7 +38,7 @@ from .config import Config, parse_hostport
 from .errors import ConfigErrors, PolicyErrors, SupervisorError
 from .models import ModelManager
 from .policy import Policy, PolicyWatcher
-from .policy.schema import builtin_policy
+from .policy.schema import builtin_policy, with_thermal_soft_limit
 from .state import StateStore
 from .systemd import Notifier
 from .telemetry import TelemetrySource, create_source, run_sampler
@@ -116,6 +117,9 @@ class Supervisor:
         """Model roles, groups, loading and swapping within the memory budget."""
         self.engine = self.models
         """The LLM side as one engine view (state, backend, describe, direct generate)."""
+        self.thermal_soft_limit: float | None = None
+        """Override of the first thermal level's enter_c (MQTT number), None = the policy's own."""
+        self._limited: tuple[tuple[int, float], Policy] | None = None
         self.http: HttpServer | None = None
         """The HTTP server once started."""
         self.mqtt: Any = None
@@ -138,10 +142,55 @@ class Supervisor:
     # -- state ------------------------------------------------------------------------------
     @property
     def policy(self) -> Policy:
-        """The policy in force."""
+        """The policy in force (with the thermal soft limit set over MQTT, if any)."""
         if self.policy_watcher is not None and self.policy_watcher.policy is not None:
-            return self.policy_watcher.policy
-        return self._builtin or builtin_policy()
+            base = self.policy_watcher.policy
+        else:
+            base = self._builtin or builtin_policy()
+        if self.thermal_soft_limit is None:
+            return base
+        key = (id(base), self.thermal_soft_limit)
+        if self._limited is None or self._limited[0] != key:
+            try:
+                self._limited = (key, with_thermal_soft_limit(base, self.thermal_soft_limit))
+            except ValueError as exc:  # a new policy file the limit no longer fits: drop the limit
+                log.warning("thermal_soft_limit_dropped", limit_c=self.thermal_soft_limit, reason=str(exc))
+                self.thermal_soft_limit = None
+                return base
+        return self._limited[1]
+
+    def policy_options(self) -> list[str]:
+        """Policy files selectable at run time: the *.yaml next to the policy in force."""
+        if self.policy_watcher is None:
+            return [self.policy.name]
+        folder = Path(self.policy_watcher.path).parent
+        return sorted(p.stem for p in folder.glob("*.yaml"))
+
+    async def select_policy(self, name: str) -> None:
+        """Put the policy file `name` (from `policy_options`) in force; a bad file changes nothing."""
+        if self.policy_watcher is None or name not in self.policy_options():
+            raise ValueError(f"unknown policy {name!r} (options: {', '.join(self.policy_options())})")
+        path = Path(self.policy_watcher.path).parent / f"{name}.yaml"
+        if not await self.policy_watcher.switch(path):
+            raise ValueError(f"policy {name!r} was rejected; {self.policy.name!r} stays in force")
+
+    def active_policy_option(self) -> str | None:
+        """The selected policy file's name (the select entity's state)."""
+        return Path(self.policy_watcher.path).stem if self.policy_watcher is not None else None
+
+    async def set_thermal_soft_limit(self, celsius: float) -> None:
+        """Enter the first thermal level at `celsius` (keeps its hysteresis); re-evaluates now."""
+        with_thermal_soft_limit(self.policy_watcher.policy if self.policy_watcher and self.policy_watcher.policy
+                                else (self._builtin or builtin_policy()), celsius)  # validate first
+        self.thermal_soft_limit = celsius
+        log.info("thermal_soft_limit_set", limit_c=celsius)
+        snap = self.store.snapshot()
+        self.store.set_policy(self.policy.name, snap.policy_error)  # wakes the arbiter
+
+    def current_thermal_soft_limit(self) -> float | None:
+        """The first thermal level's enter temperature in force (the number entity's state)."""
+        levels = self.policy.thermal.levels
+        return levels[0].enter_c if levels else None
 
     @property
     def uptime_s(self) -> float:
@@ -306,19 +355,15 @@ class Supervisor:
         async def reload_policy() -> None:
             await self.reload_policy()
 
-        def unsupported(what: str) -> Any:
-            async def command(*_args: Any) -> None:
-                raise SupervisorError(f"{what} is not supported yet")
-            return command
-
         async def unload_model() -> None:
             await self.models.unload()
 
         commands = MqttCommands(
-            select_policy=unsupported("selecting a policy"), set_llm_enabled=self.models.set_enabled,
+            select_policy=self.select_policy, set_llm_enabled=self.models.set_enabled,
             reload_policy=reload_policy, unload_model=unload_model,
-            set_thermal_soft_limit=unsupported("a thermal soft limit"), voice_hint=voice_hint,
-            policy_options=lambda: [self.policy.name], llm_enabled=lambda: self.models.enabled,
+            set_thermal_soft_limit=self.set_thermal_soft_limit, voice_hint=voice_hint,
+            policy_options=self.policy_options, active_policy=self.active_policy_option,
+            thermal_soft_limit=self.current_thermal_soft_limit, llm_enabled=lambda: self.models.enabled,
         )
         self.mqtt = MqttBridge(self.cfg.mqtt, self.cfg.node_id, self.store,
                                gate_metrics=self.gate.metrics, commands=commands)

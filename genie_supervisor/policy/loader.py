@@ -100,6 +100,26 @@ class PolicyWatcher:
         self._notify()
         return True
 
+    async def switch(self, path: str | os.PathLike[str]) -> bool:
+        """Put another policy file in force; on a bad file keep the current one (and its path)."""
+        new = os.fspath(path)
+        try:
+            policy = await anyio.to_thread.run_sync(load_policy, new)
+        except PolicyErrors as exc:
+            self.last_error = exc
+            log.error("policy_rejected", path=new, errors=[i.format() for i in exc.issues],
+                      kept=self.policy.name if self.policy else None)
+            self._notify()
+            return False
+        old = self.policy.name if self.policy else None
+        self.path = new
+        self._stamp = await self._stat()
+        self.policy, self.last_error = policy, None
+        self.generation += 1
+        log.info("policy_switched", path=new, name=policy.name, previous=old)
+        self._notify()
+        return True
+
     def _notify(self) -> None:
         if self.policy is None:
             return

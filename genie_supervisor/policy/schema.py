@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..yamlsrc import KeyedValueError
 
@@ -110,6 +110,26 @@ class ThermalPolicy(_Strict):
             if lo.action == lv.action == "throttle" and (lv.throttle_tps or 0) > (lo.throttle_tps or 0):
                 raise KeyedValueError((i, "throttle_tps"), f"throttle_tps ({lv.throttle_tps:g}) must not rise above the cooler level's ({lo.throttle_tps:g})")
         return levels
+
+
+def with_thermal_soft_limit(policy: Policy, limit_c: float) -> Policy:
+    """The policy with its first (coolest) thermal level entered at `limit_c`.
+
+    The level keeps its hysteresis width; raises ValueError when the result would break the
+    level ordering (e.g. the limit at or above the next level's `enter_c`) or there is no level.
+    """
+    levels = policy.thermal.levels
+    if not levels:
+        raise ValueError("the policy has no thermal levels to move")
+    first = levels[0]
+    width = first.enter_c - first.leave_c
+    moved = first.model_copy(update={"enter_c": limit_c, "leave_c": limit_c - width})
+    try:
+        thermal = ThermalPolicy(sensor=policy.thermal.sensor, levels=[moved, *levels[1:]])
+    except ValidationError as exc:
+        why = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
+        raise ValueError(f"soft limit {limit_c:g} °C does not fit the policy's thermal levels: {why}") from None
+    return policy.model_copy(update={"thermal": thermal})
 
 
 class MemoryThreshold(_Strict):

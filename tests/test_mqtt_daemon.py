@@ -1,0 +1,94 @@
+"""The daemon's Home Assistant controls over a real Mosquitto: policy select, LLM switch, soft limit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import pytest
+
+from genie_supervisor.api.server import bind_socket
+from genie_supervisor.app import Supervisor
+from genie_supervisor.config import load_config
+from genie_supervisor.telemetry import SimulatedSource
+from tests.apitools import synth
+from tests.daemon import write_policy
+from tests.test_mqtt import Mosquitto, is_, needs_broker, subscriber
+
+pytestmark = [needs_broker, pytest.mark.timeout(90)]
+BASE = "genie/genie"
+
+
+def _supervisor(tmp_path: Path, broker_url: str, source: SimulatedSource) -> Supervisor:
+    policies = tmp_path / "policies"
+    policies.mkdir()
+    write_policy(policies / "alpha.yaml", "alpha")
+    write_policy(policies / "beta.yaml", "beta")
+    (policies / "broken.yaml").write_text("version: 1\nname: broken\nvoice: {stt: {action: explode}}\n")
+    model = synth(tmp_path, "tiny")
+    cfg = tmp_path / "supervisor.yaml"
+    cfg.write_text("\n".join([
+        "telemetry: {platform: simulated, interval_s: 0.05}",
+        f"policy: {{path: {policies / 'alpha.yaml'}, watch: false}}",
+        f"engine: {{model: {model}, backend: numpy, n_ctx: 256}}",
+        "api: {warmup: false}",
+        f"mqtt: {{url: '{broker_url}', publish_interval_s: 5}}",
+    ]) + "\n")
+    return Supervisor(load_config(cfg), telemetry_source=source, http_socket=bind_socket("127.0.0.1", 0),
+                      environ={})
+
+
+async def test_select_switch_and_soft_limit_act_on_the_daemon(tmp_path: Path) -> None:
+    """The select switches policy, the switch gives 503 while off, the number moves the thermal level,
+    and malformed or rejected commands change nothing."""
+    broker = Mosquitto(tmp_path)
+    await broker.start()
+    source = SimulatedSource(temps_c={"cpu": 50.0})
+    try:
+        async with subscriber(broker.port, f"{BASE}/#") as (rec, client):
+            async with _supervisor(tmp_path, broker.url, source) as sup:
+                import httpx
+
+                assert sup.http is not None
+                api = httpx.AsyncClient(base_url=f"http://127.0.0.1:{sup.http.port}", timeout=30)
+                await rec.wait_for(f"{BASE}/availability", is_("online"), within_s=10)
+                await rec.wait_for(f"{BASE}/policy/selected", is_("alpha"))
+
+                # a bad option and a file that fails validation change nothing
+                for bad in ("nope", "broken"):
+                    await client.publish(f"{BASE}/policy/set", bad, qos=1)
+                await client.publish(f"{BASE}/policy/set", "beta", qos=1)
+                await rec.wait_for(f"{BASE}/policy/name", is_("beta"))
+                assert sup.policy.name == "beta"
+                assert (await api.get("/status")).json()["policy"]["name"] == "beta"
+
+                body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+                await client.publish(f"{BASE}/llm/enabled/set", "OFF", qos=1)
+                await rec.wait_for(f"{BASE}/llm/enabled", is_("OFF"))
+                r = await api.post("/v1/chat/completions", json=body)
+                assert r.status_code == 503 and "disabled" in r.text
+                await client.publish(f"{BASE}/llm/enabled/set", "ON", qos=1)
+                await rec.wait_for(f"{BASE}/llm/enabled", is_("ON"))
+                with anyio.fail_after(30):
+                    while (r := await api.post("/v1/chat/completions", json=body)).status_code == 503:
+                        await sup.store.wait_changed(sup.store.version)
+                assert r.status_code == 200
+
+                # soft limit 60 °C: the first level (warm: 80/70) now enters at 60 and leaves at 50
+                await client.publish(f"{BASE}/thermal/soft_limit/set", "60", qos=1)
+                await rec.wait_for(f"{BASE}/thermal/soft_limit", lambda p: float(p) == 60.0)
+                assert [lv.enter_c for lv in sup.policy.thermal.levels] == [60.0, 95.0]
+                source.set(temps_c={"cpu": 65.0})
+                with anyio.fail_after(10):
+                    while sup.store.snapshot().decision is None or \
+                            sup.store.snapshot().decision.thermal_level != "warm":
+                        await sup.store.wait_changed(sup.store.version)
+                # a limit at the hot level's enter temperature would break the ordering: refused
+                mark = rec.mark()
+                await client.publish(f"{BASE}/thermal/soft_limit/set", "95", qos=1)
+                await client.publish(f"{BASE}/llm/enabled/set", "OFF", qos=1)  # runs after the refused one
+                await rec.wait_for(f"{BASE}/llm/enabled", is_("OFF"), start=mark)
+                assert sup.policy.thermal.levels[0].enter_c == 60.0
+                await api.aclose()
+    finally:
+        await broker.stop()

@@ -16,6 +16,8 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import load_model  # noqa: E402
@@ -43,9 +45,17 @@ def _time(cp, stream, fn, reps: int = 20) -> float:  # type: ignore[no-untyped-d
 
 
 def profile(key: str, path: str, pos: int) -> None:
+    m = load_model(path, backend="cupy", n_ctx=4096, kv_dtype="f16")
+    profile_model(m, key, pos)
+    m.close()
+
+
+def profile_model(m, key: str, pos: int, out=print) -> None:  # type: ignore[no-untyped-def]
+    """Per-launch times of a loaded model's decode step at position `pos`, then GEMV variants."""
     import cupy as cp
 
-    m = load_model(path, backend="cupy", n_ctx=4096, kv_dtype="f16")
+    from engine.backends import cupy_decoder as cd
+
     dec = m.decoder
     dec.ids_host[:] = (1, pos, 0, 0)
     dec._upload_ids()
@@ -56,13 +66,13 @@ def profile(key: str, path: str, pos: int) -> None:
         g = ln.name.split("[")[0]
         groups[g][0] += us
         groups[g][1] += 1
-        if ln.name.startswith("gemv"):
+        if "gemv" in ln.name:
             groups[g][2] += int(ln.args[0].nbytes)
     total = sum(v[0] for v in groups.values())
-    print(f"\n== {key}: {len(dec.plan)} launches, sum of single launches {total:.0f} us/token")
+    out(f"\n== {key}: {len(dec.plan)} launches, sum of single launches {total:.0f} us/token")
     for g, (us, n, nbytes) in sorted(groups.items(), key=lambda kv: -kv[1][0]):
         bw = f"{nbytes / us / 1e3:7.0f} GB/s" if nbytes else ""
-        print(f"  {g:14} {n:4d} launches {us:8.1f} us ({us / n:6.2f} each) {bw}")
+        out(f"  {g:14} {n:4d} launches {us:8.1f} us ({us / n:6.2f} each) {bw}")
     if dec.graph is not None:
         a, b = cp.cuda.Event(), cp.cuda.Event()
         a.record(dec.stream)
@@ -71,32 +81,25 @@ def profile(key: str, path: str, pos: int) -> None:
         b.record(dec.stream)
         b.synchronize()
         us = cp.cuda.get_elapsed_time(a, b) * 1e3 / 50
-        print(f"  graph replay: {us:.0f} us/token = {1e6 / us:.0f} tok/s")
-    # grid-size variants for layer 0's GEMVs and the head
+        out(f"  graph replay: {us:.0f} us/token = {1e6 / us:.0f} tok/s")
+    # integer GEMVs of layer 0 and the head: threads per row x grid cap variants
     seen = set()
     for ln in dec.plan:
-        if not ln.name.startswith("gemv") or ln.name in seen:
+        if not ln.name.startswith("qgemv") or ln.name in seen:
             continue
         seen.add(ln.name)
+        rows = int(ln.args[2])
         row = []
-        t = ln.name.split("_", 1)[1].split("[")[0]
-        for r in (1, 2):
-            if r == 2 and int(ln.args[10]) >= 2:
-                continue  # GLU epilogue: R=1 only
-            fn = dec._fn(f"dgemv{'2' if r == 2 else ''}_{t}")
-            last = None
-            for mult in (2, 4, 8, 10**6):
-                rows = int(ln.args[2])
-                blocks = max(1, min(-(-rows // (8 * r)), mult * dec.n_sm))
-                if blocks == last:
-                    continue
-                last = blocks
-                v = type(ln)(fn, (blocks,), ln.block, ln.args, ln.smem, ln.name)
-                row.append((r, blocks, _time(cp, dec.stream, v)))
+        for tpr in (8, 16, 32, 64):
+            for cap in (4, 8):
+                blocks = max(1, min(-(-rows // (256 // tpr)), cap * dec.n_sm))
+                v = cd._Launch(ln.fn, (blocks,), ln.block, ln.args[:-1] + (np.int32(tpr),), ln.smem, ln.name)
+                row.append((tpr, blocks, _time(cp, dec.stream, v)))
         nb = int(ln.args[0].nbytes)
-        print(f"  {ln.name:24} (plan {ln.fn is dec._fn('dgemv2_' + t) and 2 or 1}x{ln.grid[0]}) "
-              + " ".join(f"R{r}x{b}:{u:.1f}us/{nb / u / 1e3:.0f}" for r, b, u in row))
-    m.close()
+        best = min(row, key=lambda r: r[2])
+        out(f"  {ln.name:26} plan tpr{int(ln.args[-1])}x{ln.grid[0]} {_time(cp, dec.stream, ln):.1f}us; "
+            f"best tpr{best[0]}x{best[1]} {best[2]:.1f}us = {nb / best[2] / 1e3:.0f} GB/s; "
+            + " ".join(f"{t}x{b}:{u:.1f}" for t, b, u in row))
 
 
 def main() -> int:

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import anyio  # noqa: E402
 
@@ -62,7 +63,8 @@ def _generate_stats(m, prompt: list[int], n: int):  # type: ignore[no-untyped-de
     return anyio.run(run)
 
 
-def bench_model(key: str, path: str, prompt_len: int, n_decode: int, bw: float, cp) -> dict:  # type: ignore[no-untyped-def]
+def bench_model(key: str, path: str, prompt_len: int, n_decode: int, bw: float, cp,  # type: ignore[no-untyped-def]
+                profile_out: list[str] | None = None) -> dict:
     pool = cp.get_default_memory_pool()
     pool.free_all_blocks()
     base_used = pool.used_bytes()
@@ -121,6 +123,10 @@ def bench_model(key: str, path: str, prompt_len: int, n_decode: int, bw: float, 
     gen_stats = _generate_stats(m, prompt, n_decode)
     weights = tf.weights_bytes
     held = pool.total_bytes()
+    if profile_out is not None and dec is not None:  # per-launch times (bench/decode_profile.py)
+        from decode_profile import profile_model
+
+        profile_model(m, key, prompt_len + n_decode, out=lambda s: (print(s, flush=True), profile_out.append(s)))
     ref = LLAMA_CPP[key]
     decode_tps = n_decode / decode_s
     prefill_tps = prompt_len / prefill_s
@@ -159,6 +165,8 @@ def main() -> int:
     ap.add_argument("--decode", type=int, default=128)
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--workdir", default=None, help="where the generated models go (temp dir)")
+    ap.add_argument("--profile", action="store_true", help="also time each decode launch")
+    ap.add_argument("--tag", default="", help="suffix of the result file names")
     a = ap.parse_args()
     import cupy as cp
 
@@ -167,13 +175,14 @@ def main() -> int:
     bw = copy_bandwidth(cp)
     print(f"device {name}: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     rows = []
+    prof: list[str] = []
     with tempfile.TemporaryDirectory(dir=a.workdir) as tmp:
         for key in a.models.split(","):
             path = os.path.join(tmp, key + ".gguf")
             t0 = time.perf_counter()
             write_config(path, preset_config(LLAMA_CPP[key]["preset"], fast=True))
             print(f"{key}: generated {os.path.getsize(path) / 1e9:.2f} GB in {time.perf_counter() - t0:.1f} s", flush=True)
-            row = bench_model(key, path, a.prompt, a.decode, bw, cp)
+            row = bench_model(key, path, a.prompt, a.decode, bw, cp, prof if a.profile else None)
             rows.append(row)
             print(json.dumps(row), flush=True)
             os.remove(path)
@@ -191,8 +200,11 @@ def main() -> int:
     Path(a.out).mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     result = {"device": name, "copy_bandwidth_Bps": bw, "prompt": a.prompt, "decode": a.decode,
-              "version": "cupy-v2 (decode: fused kernels, CUDA graph)", "rows": rows}
-    out = Path(a.out) / f"engine_gpu-{stamp}.json"
+              "version": "cupy-v3 (decode: int8 dp4a GEMV, 8-lane attention, CUDA graph)", "rows": rows}
+    tag = f"-{a.tag}" if a.tag else ""
+    if prof:
+        (Path(a.out) / f"decode_profile-{stamp}{tag}.txt").write_text("\n".join(prof) + "\n")
+    out = Path(a.out) / f"engine_gpu-{stamp}{tag}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
     return 0

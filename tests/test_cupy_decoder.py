@@ -170,3 +170,66 @@ def test_steady_state_decode_allocates_nothing(tmp_path: Path) -> None:
     cp.cuda.Device().synchronize()
     assert (hook.mallocs, hook.allocs) == (0, 0)
     assert (pool.used_bytes(), pool.total_bytes()) == (used, total)
+
+
+# --- the integer-dot GEMV (qgemv_<T>: int8 activations, __dp4a) ---------------------------------
+QCASES = [("Q4_K", 77, 2560), ("Q4_K", 1000, 9728), ("Q6_K", 333, 2560), ("Q6_K", 40, 9728),
+          ("Q4_1", 577, 576), ("Q4_1", 64, 1536), ("Q8_0", 301, 576), ("Q8_0", 50, 1536)]
+
+
+@pytest.mark.parametrize("epi", [0, 1, 2])
+@pytest.mark.parametrize("t,rows,cols", QCASES)
+def test_qgemv_matches_numpy_and_float_path(t: str, rows: int, cols: int, epi: int) -> None:
+    """norm + llama.cpp rounding + integer dot products == NumPy (rms_norm, act_quant, W @ x),
+    and == the float kernel with the same rounding up to float summation order."""
+    from engine.backends import cupy_decoder as cd
+    from engine.backends.numpy_backend import NumpyOps
+    from engine.gguf_file import TensorInfo
+    from engine.kernels import decode_src, qdot_src
+    from engine.quants import dequantize
+    from engine.quants_encode import quantize
+
+    rng = np.random.default_rng()
+    aq = {1: "q8_0", 2: "q8_k"}[qdot_src.QTYPES[t]]
+    wrows = 2 * rows if epi == 2 else rows
+    raw = quantize(rng.standard_normal((wrows, cols), dtype=np.float32), t)
+    w = dequantize(raw, t, (wrows, cols))
+    qw = CupyOps().weight(TensorInfo("w", t, (wrows, cols), raw))
+    x = rng.standard_normal(cols, dtype=np.float32) * 2
+    nw = (rng.random(cols, dtype=np.float32) + 0.5).astype(np.float32)
+    bias = rng.standard_normal(rows, dtype=np.float32)
+    y0 = rng.standard_normal(rows, dtype=np.float32)
+    eps = np.float32(1e-6)
+    xn = x / np.sqrt(np.mean(x.astype(np.float64) ** 2) + eps) * nw
+    xr = NumpyOps.act_quant(xn.astype(np.float32)[None], aq)[0].astype(np.float64)
+    acc = w.astype(np.float64) @ xr
+    if epi == 0:
+        ref = acc + bias
+    elif epi == 1:
+        ref = acc + y0
+    else:
+        g, u = acc[:rows], acc[rows:]
+        ref = g / (1 + np.exp(-g)) * u
+    mod = cd._module(decode_src.source([t], n_heads=4, n_kv_heads=2, head_dim=64, v_head_dim=64,
+                                       rope_half=32, neox=True, kv_half=True, n_split=8))
+    n_sm = int(cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["multiProcessorCount"])
+    outs = {}
+    for use_q in (True, False):
+        cd.USE_QGEMV = use_q
+        try:
+            y = cp.asarray(y0 if epi == 1 else np.full(rows, np.nan, np.float32))
+            ls = cd.gemv_launches(mod.get_function, n_sm, qw, cp.asarray(x), cp.asarray(nw), eps, aq, y,
+                                  cp.asarray(bias) if epi == 0 else None, epi,
+                                  rows if epi == 2 else None)
+        finally:
+            cd.USE_QGEMV = True
+        assert ls[0].name.startswith("qgemv" if use_q else "gemv")
+        for ln in ls:
+            ln()
+        outs[use_q] = cp.asnumpy(y).astype(np.float64)
+    assert np.isfinite(outs[True]).all()
+    vs_float = _rel(outs[True], outs[False])
+    vs_numpy = _rel(outs[True], ref)
+    print(f"qgemv {t} {rows}x{cols} epi{epi}: rel vs float kernel {vs_float:.2e}, vs numpy {vs_numpy:.2e}")
+    assert vs_float < 1e-5, vs_float
+    assert vs_numpy < 1e-3, vs_numpy

@@ -33,7 +33,7 @@ import numpy as np
 
 from ..errors import ContextOverflowError
 from ..gguf_file import TensorInfo
-from ..kernels import decode_src
+from ..kernels import decode_src, qdot_src
 from ..quants import dequantize_rows
 
 log = logging.getLogger(__name__)
@@ -71,6 +71,55 @@ class _Launch:
 
     def __call__(self) -> None:
         self.fn(self.grid, self.block, self.args, shared_mem=self.smem)
+
+
+USE_QGEMV = True  # integer dot products where the activation rounding is on (False: float path)
+
+
+def qgemv_config(type_name: str, rows: int, n_sm: int) -> tuple[int, int]:
+    """(threads per row, grid cap in blocks per SM) of the integer GEMV. Measured on an H200
+    (bench/results/decode_profile-*-v3.txt): every block rounds the whole input again, so few
+    threads a row (more rows a block) and a grid of ~4 blocks an SM win: 16 threads a row from
+    4096 rows up, else 32; Q6_K (80 registers, 3 blocks an SM resident) likes a cap of 8."""
+    return (16 if rows >= 4096 else 32), (8 if type_name == "Q6_K" else 4)
+
+
+def gemv_launches(fn: Any, n_sm: int, w: Any, x: cp.ndarray, nw: cp.ndarray | None, eps: np.float32,
+                  aq: str | None, y: cp.ndarray, bias: cp.ndarray | None = None, epi: int = 0,
+                  out_rows: int | None = None) -> list[_Launch]:
+    """The launches of y = W @ prep(x) (norm by `nw`, llama.cpp rounding `aq`) with epilogue `epi`:
+    the integer-dot kernel (`qgemv_<T>`) where W's type has one and the rounding is on, else the
+    float kernel (`dgemv_<T>`). `fn(name)` gives a compiled kernel of the decode module."""
+    out: list[_Launch] = []
+    cols = w.shape[1]
+    r0 = 0
+    for p in w.pieces():
+        rows = p.shape[0] if out_rows is None else out_rows
+        b = None if bias is None else bias[r0 : r0 + rows]
+        args = (p.raw, np.int64(p.raw.shape[1]), np.int32(rows), np.int32(cols), x, _ptr(nw), eps,
+                np.int32(AQ_CODE[aq]), y[r0:], _ptr(b), np.int32(epi), np.int32(out_rows or 0))
+        if USE_QGEMV and qdot_src.QTYPES.get(p.type_name) == AQ_CODE[aq]:
+            glu = epi >= 2
+            tpr, cap = qgemv_config(p.type_name, rows, n_sm)
+            k = fn(f"qgemv{'_glu' if glu else ''}_{p.type_name}")
+            smem = cols * 5 + (cols // 32) * 4 + (cols // 16) * 4
+            if smem > 48 * 1024:
+                k.max_dynamic_shared_size_bytes = smem
+            blocks = max(1, min(-(-rows // (256 // tpr)), cap * n_sm))
+            out.append(_Launch(k, (blocks,), (256,), args + (np.int32(tpr),), smem,
+                               f"qgemv_{p.type_name}[{rows}x{cols}]"))
+        else:
+            # two rows a warp where that still fills the GPU (more loads in flight per lane)
+            r = 2 if epi < 2 and -(-rows // (2 * ROWS_PER_BLOCK)) >= n_sm else 1
+            k = fn(f"dgemv{'2' if r == 2 else ''}_{p.type_name}")
+            smem = cols * 4
+            if smem > 48 * 1024:
+                k.max_dynamic_shared_size_bytes = smem
+            blocks = max(1, min(-(-rows // (r * ROWS_PER_BLOCK)), GRID_CAP * n_sm))
+            out.append(_Launch(k, (blocks,), (GEMV_THREADS,), args, smem,
+                               f"gemv_{p.type_name}[{rows}x{cols}]"))
+        r0 += rows
+    return out
 
 
 class CupyDecoder:
@@ -155,26 +204,8 @@ class CupyDecoder:
     def _gemv(self, w: Any, x: cp.ndarray, nw: cp.ndarray | None, aq: str | None, y: cp.ndarray,
               bias: cp.ndarray | None = None, epi: int = 0, out_rows: int | None = None) -> None:
         """y = W @ prep(x) with epilogue `epi` (0 store+bias, 1 add, 2 SwiGLU, 3 GeGLU)."""
-        cols = w.shape[1]
-        smem = cols * 4
-        r0 = 0
-        for p in w.pieces():
-            rows = p.shape[0] if out_rows is None else out_rows
-            # two rows a warp where that still fills the GPU (more loads in flight per lane)
-            r = 2 if epi < 2 and -(-rows // (2 * ROWS_PER_BLOCK)) >= self.n_sm else 1
-            fn = self._fn(f"dgemv{'2' if r == 2 else ''}_{p.type_name}")
-            if smem > 48 * 1024:
-                fn.max_dynamic_shared_size_bytes = smem
-            blocks = max(1, min(-(-rows // (r * ROWS_PER_BLOCK)), GRID_CAP * self.n_sm))
-            b = None if bias is None else bias[r0 : r0 + rows]
-            self.plan.append(_Launch(
-                fn, (blocks,), (GEMV_THREADS,),
-                (p.raw, np.int64(p.raw.shape[1]), np.int32(rows), np.int32(cols), x, _ptr(nw),
-                 np.float32(self.spec.norm_eps), np.int32(AQ_CODE[aq]), y[r0:], _ptr(b),
-                 np.int32(epi), np.int32(out_rows or 0)),
-                smem, f"gemv_{p.type_name}[{rows}x{cols}]",
-            ))
-            r0 += rows
+        self.plan.extend(gemv_launches(self._fn, self.n_sm, w, x, nw, np.float32(self.spec.norm_eps),
+                                       aq, y, bias, epi, out_rows))
 
     def _build_plan(self) -> None:
         tf, s = self.tf, self.spec

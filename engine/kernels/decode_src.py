@@ -16,11 +16,15 @@ attention accumulators in registers.
 - `attn_decode`: split-K decode attention (flash-decoding): each block takes a slice (>= 32
   positions) of one KV head for its whole GQA group (online softmax); the last block of the head
   merges the slices. Sliding window as in the generic path.
+- `qgemv_<T>` / `qgemv_glu_<T>` (Q4_K, Q6_K, Q4_1, Q8_0 with llama.cpp's activation rounding on):
+  the same GEMV with the rounded input kept as int8 blocks and `__dp4a` integer dot products on
+  16-byte weight slices (`qdot_src`); used by the decoder wherever the rounding is on.
 - `embed_<T>`, `add_rmsnorm` (gemma3's post norms), `glu` (unfused gate/up), `argmax_ids`.
 """
 
 from __future__ import annotations
 
+from . import qdot_src
 from .quant_units import UNITS
 
 COMMON = r"""
@@ -349,6 +353,26 @@ extern "C" __global__ void __launch_bounds__(128) qkv_post(
 #define DL ((D + 31) / 32)
 #define VL ((DV + 31) / 32)
 #define MINCHUNK 32
+#define FASTATT {FASTATT}
+#define KPL (D / 8)
+#define VPL (DV / 8)
+// n floats from a 16-byte aligned run of the cache (n a multiple of 4 / 8)
+template <int N> __device__ __forceinline__ void ldrow(const float* p, float* o) {
+    #pragma unroll
+    for (int i = 0; i < N / 4; i++) {
+        float4 a = __ldg((const float4*)p + i);
+        o[4*i] = a.x; o[4*i+1] = a.y; o[4*i+2] = a.z; o[4*i+3] = a.w;
+    }
+}
+template <int N> __device__ __forceinline__ void ldrow(const unsigned short* p, float* o) {
+    #pragma unroll
+    for (int i = 0; i < N / 8; i++) {
+        uint4 a = *((const uint4*)p + i);
+        unsigned int w[4] = {a.x, a.y, a.z, a.w};
+        #pragma unroll
+        for (int k = 0; k < 4; k++) { o[8*i+2*k] = h2f(w[k] & 0xffff); o[8*i+2*k+1] = h2f(w[k] >> 16); }
+    }
+}
 extern "C" __global__ void __launch_bounds__(128) attn_decode(
         const float* __restrict__ q, const kv_t* __restrict__ Kc, const kv_t* __restrict__ Vc,
         const int* ids, float* pm, float* pl, float* pacc, int* counter, float* out,
@@ -370,6 +394,81 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(
     int s0 = lo + split * chunk, s1 = min(end, s0 + chunk);
     for (int i = tid; i < G * D; i += 128) qs[i / D][i % D] = q[(kvh * G) * D + i];
     __syncthreads();
+#if FASTATT
+    // 8 lanes a position (each a 16-byte-aligned run of D/8 key and DV/8 value dims), 4
+    // positions a warp step: 3 shuffles per score instead of 5, four scores in flight a warp.
+    // Each 8-lane group keeps its own online softmax; the four are merged at the end by shuffles.
+    int oct = lane >> 3, ol = lane & 7;
+    float qr[G][KPL];
+    #pragma unroll
+    for (int g = 0; g < G; g++) {
+        #pragma unroll
+        for (int i = 0; i < KPL; i++) qr[g][i] = qs[g][ol * KPL + i];
+    }
+    float m[G], l[G], acc[G][VPL];
+    #pragma unroll
+    for (int g = 0; g < G; g++) {
+        m[g] = NEG_INF; l[g] = 0.f;
+        #pragma unroll
+        for (int i = 0; i < VPL; i++) acc[g][i] = 0.f;
+    }
+    const kv_t* Kh = Kc + (long long)kvh * n_ctx * D;
+    const kv_t* Vh = Vc + (long long)kvh * n_ctx * DV;
+    for (int sb = s0 + warp * 4; sb < s1; sb += 16) {
+        int s = sb + oct;
+        bool valid = s < s1;
+        float k[KPL], v[VPL];
+        if (valid) {
+            ldrow<KPL>(Kh + (long long)s * D + ol * KPL, k);
+            ldrow<VPL>(Vh + (long long)s * DV + ol * VPL, v);
+        } else {
+            #pragma unroll
+            for (int i = 0; i < KPL; i++) k[i] = 0.f;
+            #pragma unroll
+            for (int i = 0; i < VPL; i++) v[i] = 0.f;
+        }
+        #pragma unroll
+        for (int g = 0; g < G; g++) {
+            float a = 0.f;
+            #pragma unroll
+            for (int i = 0; i < KPL; i++) a += qr[g][i] * k[i];
+            a += __shfl_xor_sync(0xffffffffu, a, 4);
+            a += __shfl_xor_sync(0xffffffffu, a, 2);
+            a += __shfl_xor_sync(0xffffffffu, a, 1);
+            a *= scale;
+            if (valid) {
+                float mn = fmaxf(m[g], a);
+                float corr = expf(m[g] - mn);  // m = -inf: 0
+                float p = expf(a - mn);
+                l[g] = l[g] * corr + p;
+                #pragma unroll
+                for (int i = 0; i < VPL; i++) acc[g][i] = acc[g][i] * corr + p * v[i];
+                m[g] = mn;
+            }
+        }
+    }
+    #pragma unroll
+    for (int g = 0; g < G; g++) {
+        float M = fmaxf(m[g], __shfl_xor_sync(0xffffffffu, m[g], 8));
+        M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, 16));
+        float e = m[g] == NEG_INF ? 0.f : expf(m[g] - M);
+        float L = l[g] * e;
+        L += __shfl_xor_sync(0xffffffffu, L, 8);
+        L += __shfl_xor_sync(0xffffffffu, L, 16);
+        #pragma unroll
+        for (int i = 0; i < VPL; i++) {
+            float o = acc[g][i] * e;
+            o += __shfl_xor_sync(0xffffffffu, o, 8);
+            o += __shfl_xor_sync(0xffffffffu, o, 16);
+            acc[g][i] = o;
+        }
+        if (lane == 0) { wm[warp][g] = M; wl[warp][g] = L; }
+        if (lane < 8) {
+            #pragma unroll
+            for (int i = 0; i < VPL; i++) wacc[warp][g][ol * VPL + i] = acc[g][i];
+        }
+    }
+#else
     float m[G], l[G], acc[G][VL];
     #pragma unroll
     for (int g = 0; g < G; g++) {
@@ -425,6 +524,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(
         #pragma unroll
         for (int i = 0; i < VL; i++) if (lane + 32 * i < DV) wacc[warp][g][lane + 32 * i] = acc[g][i];
     }
+#endif
     __syncthreads();
     for (int i = tid; i < G * DV; i += 128) {
         int g = i / DV, d = i % DV;
@@ -486,7 +586,8 @@ def source(types: list[str] | tuple[str, ...], *, n_heads: int, n_kv_heads: int,
         "{H}": n_heads, "{KVH}": n_kv_heads, "{G}": n_heads // n_kv_heads, "{D}": head_dim,
         "{DV}": v_head_dim, "{HALF}": rope_half, "{NEOX}": int(neox), "{NSPLIT}": n_split,
         "{KT}": "unsigned short" if kv_half else "float",
+        "{FASTATT}": int(head_dim % (64 if kv_half else 32) == 0 and v_head_dim % (64 if kv_half else 32) == 0),
     }.items():
         shaped = shaped.replace(k, str(v))
     gemv = "".join(GEMV.replace("{T}", t) for t in sorted(set(types)))
-    return UNITS + COMMON + gemv + MISC + shaped
+    return UNITS + COMMON + gemv + qdot_src.source(types) + MISC + shaped

@@ -1,0 +1,510 @@
+/*
+ * qgemv.c: quantized matrix x vector products over GGUF blocks, for the native CPU backend.
+ *
+ * The weights stay in their GGUF block layout (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K).
+ * The activation row is quantized once per call to the type llama.cpp's CPU backend pairs with
+ * the weight type (its "vec_dot_type"):
+ *   Q4_0, Q5_0, Q8_0 -> Q8_0   (blocks of 32, d = fp16(amax / 127), q = roundf(x / d))
+ *   Q4_1, Q5_1       -> Q8_1   (Q8_0's values plus s = fp16(d * sum(q)), d unrounded)
+ *   Q4_K, Q5_K, Q6_K -> Q8_K   (blocks of 256, d = 1 / (-127 / max) in fp32, bsums of 16)
+ * Every output is an integer block dot product followed by float scale accumulation in the
+ * order of ggml's generic (non-SIMD) ggml_vec_dot_* reference, so the integer part is exact and
+ * the float part is reproducible (build with -ffp-contract=off: no fused multiply-adds).
+ *
+ * Portable C99; the inner loops are written for the compiler's auto-vectorizer (-O3
+ * -march=native on x86, -mcpu=native on aarch64). Rows are split across threads with OpenMP when
+ * it is available.
+ *
+ * Activation buffer layout, per row of n values (see qg_act_row_bytes):
+ *   32-blocks (Q8_0/Q8_1): float d[nb]; float s[nb]; int8 q[n]          (nb = n / 32)
+ *   256-blocks (Q8_K):     float d[nb]; int16 bsums[16 * nb]; int8 q[n]   (nb = n / 256)
+ */
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* ggml type ids (GGMLQuantizationType) */
+enum {
+    QG_Q4_0 = 2, QG_Q4_1 = 3, QG_Q5_0 = 6, QG_Q5_1 = 7, QG_Q8_0 = 8,
+    QG_Q4_K = 12, QG_Q5_K = 13, QG_Q6_K = 14
+};
+
+/* activation kinds */
+enum { QG_ACT_32 = 0, QG_ACT_256 = 1 };
+
+/* ------------------------------------------------------------------------------------------ */
+/* fp16 <-> fp32                                                                              */
+
+static float g_f16[65536];
+static uint64_t g_hbits[256]; /* byte -> 8 bytes of 0x00 / 0x10 (bit i of the byte -> byte i) */
+static int g_ready = 0;
+
+static float f16_bits_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1f;
+    uint32_t mant = h & 0x3ff;
+    uint32_t bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else if (exp == 0) {
+        /* zero or subnormal: mant * 2^-24, exact in float */
+        float f = (float)mant * (1.0f / 16777216.0f);
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    } else {
+        bits = sign | ((exp + 112) << 23) | (mant << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* fp32 -> fp16 bits, round to nearest even (what F16C's vcvtps2ph and ggml's fallback do). */
+static uint16_t f32_to_f16_bits(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    uint32_t sign = (x >> 16) & 0x8000u;
+    uint32_t ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u) { /* inf or nan */
+        return (uint16_t)(sign | (ax > 0x7f800000u ? 0x7e00u : 0x7c00u));
+    }
+    if (ax >= 0x477ff000u) { /* rounds to >= 65520: overflow to inf */
+        return (uint16_t)(sign | 0x7c00u);
+    }
+    if (ax < 0x38800000u) { /* below 2^-14: half subnormal or zero */
+        float af;
+        memcpy(&af, &ax, 4);
+        af = af + 0.5f; /* the float adder rounds to the half-subnormal grid (ulp 2^-24) */
+        uint32_t r;
+        memcpy(&r, &af, 4);
+        return (uint16_t)(sign | (r - 0x3f000000u));
+    }
+    uint32_t odd = (ax >> 13) & 1u;
+    ax += 0xc8000fffu + odd; /* rebias exponent (-112 << 23) and round half to even */
+    return (uint16_t)(sign | (ax >> 13));
+}
+
+static float round_f16(float f) { return g_f16[f32_to_f16_bits(f)]; }
+
+int qg_init(void) {
+    if (g_ready) return 1;
+    for (uint32_t i = 0; i < 65536; ++i) g_f16[i] = f16_bits_to_f32((uint16_t)i);
+    for (uint32_t b = 0; b < 256; ++b) {
+        uint64_t v = 0;
+        for (int i = 0; i < 8; ++i) {
+            if (b & (1u << i)) v |= (uint64_t)0x10 << (8 * i);
+        }
+        g_hbits[b] = v; /* little-endian: byte i of v is element i */
+    }
+    g_ready = 1;
+#ifdef _OPENMP
+    return 2; /* 2 = with OpenMP */
+#else
+    return 1;
+#endif
+}
+
+/* test helpers */
+uint16_t qg_f32_to_f16(float f) { return f32_to_f16_bits(f); }
+float qg_f16_to_f32(uint16_t h) { return f16_bits_to_f32(h); }
+
+static inline float rdf16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return g_f16[v];
+}
+
+/* 32 bytes of 0 / 16: the fifth bit of each element of a Q5_0/Q5_1 block (bit j -> element j) */
+static inline void high_bits32(const uint8_t *qh, uint8_t *out) {
+    for (int i = 0; i < 4; ++i) memcpy(out + 8 * i, &g_hbits[qh[i]], 8);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* activation quantization (ggml's quantize_row_q8_0_ref / q8_1_ref / q8_K_ref)              */
+
+size_t qg_act_row_bytes(int kind, int n) {
+    if (kind == QG_ACT_32) return (size_t)(n / 32) * 8 + (size_t)n;
+    return (size_t)(n / 256) * 36 + (size_t)n;
+}
+
+static void quant_row_32(const float *x, uint8_t *out, int n) {
+    const int nb = n / 32;
+    float *d = (float *)out;
+    float *s = d + nb;
+    int8_t *q = (int8_t *)(s + nb);
+    for (int ib = 0; ib < nb; ++ib) {
+        const float *xb = x + 32 * ib;
+        float amax = 0.0f;
+        for (int j = 0; j < 32; ++j) {
+            const float v = fabsf(xb[j]);
+            amax = amax > v ? amax : v;
+        }
+        const float dd = amax / 127.0f;
+        const float id = dd != 0.0f ? 1.0f / dd : 0.0f;
+        int sum = 0;
+        for (int j = 0; j < 32; ++j) {
+            const int8_t v = (int8_t)roundf(xb[j] * id);
+            q[32 * ib + j] = v;
+            sum += v;
+        }
+        d[ib] = round_f16(dd);
+        s[ib] = round_f16((float)sum * dd);
+    }
+}
+
+static inline int nearest_int(float f) {
+    float v = f + 12582912.0f;
+    int32_t i;
+    memcpy(&i, &v, 4);
+    return (i & 0x007fffff) - 0x00400000;
+}
+
+static void quant_row_256(const float *x, uint8_t *out, int n) {
+    const int nb = n / 256;
+    float *d = (float *)out;
+    int16_t *bs = (int16_t *)(d + nb);
+    int8_t *q = (int8_t *)(bs + 16 * nb);
+    for (int ib = 0; ib < nb; ++ib) {
+        const float *xb = x + 256 * ib;
+        int8_t *qb = q + 256 * ib;
+        float mx = 0.0f, amax = 0.0f;
+        for (int j = 0; j < 256; ++j) {
+            const float ax = fabsf(xb[j]);
+            if (ax > amax) {
+                amax = ax;
+                mx = xb[j];
+            }
+        }
+        if (amax == 0.0f) {
+            d[ib] = 0.0f;
+            memset(qb, 0, 256);
+            memset(bs + 16 * ib, 0, 32);
+            continue;
+        }
+        const float iscale = -127.0f / mx;
+        for (int j = 0; j < 256; ++j) {
+            const int v = nearest_int(iscale * xb[j]);
+            qb[j] = (int8_t)(v < 127 ? v : 127);
+        }
+        for (int j = 0; j < 16; ++j) {
+            int sum = 0;
+            for (int i = 0; i < 16; ++i) sum += qb[16 * j + i];
+            bs[16 * ib + j] = (int16_t)sum;
+        }
+        d[ib] = 1.0f / iscale;
+    }
+}
+
+/* x: [T, n] float32 (rows ldx apart) -> out: T rows of qg_act_row_bytes(kind, n) */
+void qg_quantize(int kind, const float *x, long ldx, int T, int n, uint8_t *out, int nthreads) {
+    const size_t rb = qg_act_row_bytes(kind, n);
+    (void)nthreads;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (T > 1)
+#endif
+    for (int t = 0; t < T; ++t) {
+        if (kind == QG_ACT_32) quant_row_32(x + (long)t * ldx, out + rb * t, n);
+        else quant_row_256(x + (long)t * ldx, out + rb * t, n);
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* row dot products: one weight row (nb blocks) x one quantized activation row               */
+
+typedef float (*dot_fn)(const uint8_t *restrict w, const uint8_t *restrict a, int n);
+
+static float dot_q4_0(const uint8_t *restrict w, const uint8_t *restrict a, int n) {
+    const int nb = n / 32;
+    const float *d = (const float *)a;
+    const int8_t *q = (const int8_t *)(d + 2 * nb);
+    float sumf = 0.0f;
+    for (int ib = 0; ib < nb; ++ib, w += 18, q += 32) {
+        const uint8_t *qs = w + 2;
+        int s0 = 0, s1 = 0;
+        for (int j = 0; j < 16; ++j) {
+            s0 += ((qs[j] & 0x0F) - 8) * q[j];
+            s1 += ((qs[j] >> 4) - 8) * q[j + 16];
+        }
+        sumf += (float)(s0 + s1) * rdf16(w) * d[ib];
+    }
+    return sumf;
+}
+
+static float dot_q4_1(const uint8_t *restrict w, const uint8_t *restrict a, int n) {
+    const int nb = n / 32;
+    const float *d = (const float *)a;
+    const float *s = d + nb;
+    const int8_t *q = (const int8_t *)(d + 2 * nb);
+    float sumf = 0.0f;
+    for (int ib = 0; ib < nb; ++ib, w += 20, q += 32) {
+        const uint8_t *qs = w + 4;
+        int s0 = 0, s1 = 0;
+        for (int j = 0; j < 16; ++j) {
+            s0 += (qs[j] & 0x0F) * q[j];
+            s1 += (qs[j] >> 4) * q[j + 16];
+        }
+        sumf += (rdf16(w) * d[ib]) * (float)(s0 + s1) + rdf16(w + 2) * s[ib];
+    }
+    return sumf;
+}
+
+static float dot_q5_0(const uint8_t *restrict w, const uint8_t *restrict a, int n) {
+    const int nb = n / 32;
+    const float *d = (const float *)a;
+    const int8_t *q = (const int8_t *)(d + 2 * nb);
+    float sumf = 0.0f;
+    uint8_t hb[32];
+    for (int ib = 0; ib < nb; ++ib, w += 22, q += 32) {
+        high_bits32(w + 2, hb);
+        const uint8_t *qs = w + 6;
+        int s0 = 0, s1 = 0;
+        for (int j = 0; j < 16; ++j) {
+            s0 += (((qs[j] & 0x0F) | hb[j]) - 16) * q[j];
+            s1 += (((qs[j] >> 4) | hb[j + 16]) - 16) * q[j + 16];
+        }
+        sumf += (rdf16(w) * d[ib]) * (float)(s0 + s1);
+    }
+    return sumf;
+}
+
+static float dot_q5_1(const uint8_t *restrict w, const uint8_t *restrict a, int n) {
+    const int nb = n / 32;
+    const float *d = (const float *)a;
+    const float *s = d + nb;
+    const int8_t *q = (const int8_t *)(d + 2 * nb);
+    float sumf = 0.0f;
+    uint8_t hb[32];
+    for (int ib = 0; ib < nb; ++ib, w += 24, q += 32) {
+        high_bits32(w + 4, hb);
+        const uint8_t *qs = w + 8;
+        int s0 = 0, s1 = 0;
+        for (int j = 0; j < 16; ++j) {
+            s0 += ((qs[j] & 0x0F) | hb[j]) * q[j];
+            s1 += ((qs[j] >> 4) | hb[j + 16]) * q[j + 16];
+        }
+        sumf += (rdf16(w) * d[ib]) * (float)(s0 + s1) + rdf16(w + 2) * s[ib];
+    }
+    return sumf;
+}
+
+static float dot_q8_0(const uint8_t *restrict w, const uint8_t *restrict a, int n) {
+    const int nb = n / 32;
+    const float *d = (const float *)a;
+    const int8_t *q = (const int8_t *)(d + 2 * nb);
+    float sumf = 0.0f;
+    for (int ib = 0; ib < nb; ++ib, w += 34, q += 32) {
+        const int8_t *qs = (const int8_t *)(w + 2);
+        int sumi = 0;
+        for (int j = 0; j < 32; ++j) sumi += qs[j] * q[j];
+        sumf += (float)sumi * (rdf16(w) * d[ib]);
+    }
+    return sumf;
+}
+
+/* Q4_K / Q5_K scales: 12 bytes -> 8 six-bit scales and 8 six-bit mins (ggml's utmp shuffle) */
+static inline void k_scales(const uint8_t *s, uint8_t *sc, uint8_t *mn) {
+    for (int j = 0; j < 4; ++j) {
+        sc[j] = s[j] & 63;
+        mn[j] = s[j + 4] & 63;
+        sc[j + 4] = (uint8_t)((s[j + 8] & 0x0F) | ((s[j] >> 6) << 4));
+        mn[j + 4] = (uint8_t)((s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4));
+    }
+}
+
+/*
+ * The K-quant dot products keep ggml's eight lane accumulators: aux32[l] sums, over the
+ * super-block, scale * q8[i] * a[i] for every element i with i % 8 == l; the float part is
+ * sums[l] += d * aux32[l] per super-block, sumf -= dmin * (bsums . mins) per super-block, and
+ * finally sumf += sums[0..7] in lane order.
+ */
+static float dot_q4_k(const uint8_t *restrict w, const uint8_t *restrict a, int n) {
+    const int nb = n / 256;
+    const float *d = (const float *)a;
+    const int16_t *bs = (const int16_t *)(d + nb);
+    const int8_t *q = (const int8_t *)(bs + 16 * nb);
+    float sums[8] = {0};
+    float sumf = 0.0f;
+    for (int ib = 0; ib < nb; ++ib, w += 144, q += 256, bs += 16) {
+        uint8_t sc[8], mn[8];
+        k_scales(w + 4, sc, mn);
+        const uint8_t *qs = w + 16;
+        int32_t aux32[8] = {0};
+        for (int j = 0; j < 8; ++j) {
+            const uint8_t *q4 = qs + 32 * (j >> 1);
+            const int8_t *q8 = q + 32 * j;
+            const int shift = 4 * (j & 1);
+            int16_t v[8] = {0};
+            for (int k = 0; k < 4; ++k) {
+                for (int l = 0; l < 8; ++l) {
+                    v[l] = (int16_t)(v[l] + q8[8 * k + l] * ((q4[8 * k + l] >> shift) & 0x0F));
+                }
+            }
+            for (int l = 0; l < 8; ++l) aux32[l] += (int32_t)sc[j] * v[l];
+        }
+        int sumi = 0;
+        for (int j = 0; j < 16; ++j) sumi += bs[j] * mn[j / 2];
+        const float dd = rdf16(w) * d[ib];
+        for (int l = 0; l < 8; ++l) sums[l] += dd * (float)aux32[l];
+        const float dmin = rdf16(w + 2) * d[ib];
+        sumf -= dmin * (float)sumi;
+    }
+    for (int l = 0; l < 8; ++l) sumf += sums[l];
+    return sumf;
+}
+
+static float dot_q5_k(const uint8_t *restrict w, const uint8_t *restrict a, int n) {
+    const int nb = n / 256;
+    const float *d = (const float *)a;
+    const int16_t *bs = (const int16_t *)(d + nb);
+    const int8_t *q = (const int8_t *)(bs + 16 * nb);
+    float sums[8] = {0};
+    float sumf = 0.0f;
+    for (int ib = 0; ib < nb; ++ib, w += 176, q += 256, bs += 16) {
+        uint8_t sc[8], mn[8];
+        k_scales(w + 4, sc, mn);
+        const uint8_t *qh = w + 16;
+        const uint8_t *qs = w + 48;
+        int32_t aux32[8] = {0};
+        for (int j = 0; j < 8; ++j) {
+            const uint8_t *q4 = qs + 32 * (j >> 1);
+            const int8_t *q8 = q + 32 * j;
+            const int shift = 4 * (j & 1);
+            int16_t v[8] = {0};
+            for (int k = 0; k < 4; ++k) {
+                for (int l = 0; l < 8; ++l) {
+                    const int e = 8 * k + l;
+                    const int x = ((q4[e] >> shift) & 0x0F) | (((qh[e] >> j) & 1) << 4);
+                    v[l] = (int16_t)(v[l] + q8[e] * x);
+                }
+            }
+            for (int l = 0; l < 8; ++l) aux32[l] += (int32_t)sc[j] * v[l];
+        }
+        int sumi = 0;
+        for (int j = 0; j < 16; ++j) sumi += bs[j] * mn[j / 2];
+        const float dd = rdf16(w) * d[ib];
+        for (int l = 0; l < 8; ++l) sums[l] += dd * (float)aux32[l];
+        const float dmin = rdf16(w + 2) * d[ib];
+        sumf -= dmin * (float)sumi;
+    }
+    for (int l = 0; l < 8; ++l) sumf += sums[l];
+    return sumf;
+}
+
+static float dot_q6_k(const uint8_t *restrict w, const uint8_t *restrict a, int n) {
+    const int nb = n / 256;
+    const float *d = (const float *)a;
+    const int16_t *bs = (const int16_t *)(d + nb);
+    const int8_t *q = (const int8_t *)(bs + 16 * nb);
+    float sums[8] = {0};
+    for (int ib = 0; ib < nb; ++ib, w += 210, q += 256) {
+        const uint8_t *ql = w;
+        const uint8_t *qh = w + 128;
+        const int8_t *scales = (const int8_t *)(w + 192);
+        int32_t aux32[8] = {0};
+        /* 16 groups of 16 elements, one signed scale each; element order as ggml's aux8 */
+        for (int g = 0; g < 16; ++g) {
+            const int half = g >> 3;      /* which 128 */
+            const int quarter = (g >> 1) & 3; /* which 32 inside it */
+            const int off = 16 * (g & 1); /* which 16 inside that */
+            const uint8_t *lq = ql + 64 * half + (quarter & 1) * 32 + off;
+            const uint8_t *hq = qh + 32 * half + off;
+            const int lshift = 4 * (quarter >> 1);
+            const int hshift = 2 * quarter;
+            const int8_t *q8 = q + 16 * g;
+            int16_t v[8] = {0};
+            for (int k = 0; k < 2; ++k) {
+                for (int l = 0; l < 8; ++l) {
+                    const int e = 8 * k + l;
+                    const int x = (((lq[e] >> lshift) & 0x0F) | (((hq[e] >> hshift) & 3) << 4)) - 32;
+                    v[l] = (int16_t)(v[l] + q8[e] * x);
+                }
+            }
+            for (int l = 0; l < 8; ++l) aux32[l] += (int32_t)scales[g] * v[l];
+        }
+        const float dd = rdf16(w + 208) * d[ib];
+        for (int l = 0; l < 8; ++l) sums[l] += dd * (float)aux32[l];
+    }
+    float sumf = 0.0f;
+    for (int l = 0; l < 8; ++l) sumf += sums[l];
+    return sumf;
+}
+
+static dot_fn dot_for(int type, int *block, int *bytes, int *kind) {
+    switch (type) {
+    case QG_Q4_0: *block = 32; *bytes = 18; *kind = QG_ACT_32; return dot_q4_0;
+    case QG_Q4_1: *block = 32; *bytes = 20; *kind = QG_ACT_32; return dot_q4_1;
+    case QG_Q5_0: *block = 32; *bytes = 22; *kind = QG_ACT_32; return dot_q5_0;
+    case QG_Q5_1: *block = 32; *bytes = 24; *kind = QG_ACT_32; return dot_q5_1;
+    case QG_Q8_0: *block = 32; *bytes = 34; *kind = QG_ACT_32; return dot_q8_0;
+    case QG_Q4_K: *block = 256; *bytes = 144; *kind = QG_ACT_256; return dot_q4_k;
+    case QG_Q5_K: *block = 256; *bytes = 176; *kind = QG_ACT_256; return dot_q5_k;
+    case QG_Q6_K: *block = 256; *bytes = 210; *kind = QG_ACT_256; return dot_q6_k;
+    default: return 0;
+    }
+}
+
+/* activation kind of a weight type, -1 when unsupported */
+int qg_act_kind(int type) {
+    int b, s, k;
+    return dot_for(type, &b, &s, &k) ? k : -1;
+}
+
+/*
+ * y[t, r] = dot(w row r, xq row t) (+ bias[r]) for r < rows, t < T.
+ * w: rows x (n / block * bytes) bytes; xq: T rows of qg_act_row_bytes(kind, n);
+ * y: row t at y + t * ldy. Returns 0, or -1 for an unsupported type / size.
+ */
+int qg_gemm(int type, const uint8_t *w, int rows, int n, const uint8_t *xq, int T,
+            float *y, long ldy, const float *bias, int nthreads) {
+    int block, bytes, kind;
+    dot_fn dot = dot_for(type, &block, &bytes, &kind);
+    if (!dot || n % block) return -1;
+    const size_t wrb = (size_t)(n / block) * bytes;
+    const size_t arb = qg_act_row_bytes(kind, n);
+    (void)nthreads;
+    if (T == 1) {
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (rows >= 64)
+#endif
+        for (int r = 0; r < rows; ++r) {
+            float v = dot(w + wrb * r, xq, n);
+            y[r] = bias ? v + bias[r] : v;
+        }
+        return 0;
+    }
+    /* T > 1: tiles of rows x all T (the weight tile stays in L1 while the activations stream) */
+    const int RT = 8;
+    const int ntiles = (rows + RT - 1) / RT;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+#endif
+    for (int tile = 0; tile < ntiles; ++tile) {
+        const int r0 = tile * RT;
+        const int r1 = r0 + RT < rows ? r0 + RT : rows;
+        for (int t = 0; t < T; ++t) {
+            const uint8_t *a = xq + arb * t;
+            float *yt = y + ldy * t;
+            for (int r = r0; r < r1; ++r) {
+                float v = dot(w + wrb * r, a, n);
+                yt[r] = bias ? v + bias[r] : v;
+            }
+        }
+    }
+    return 0;
+}
+
+/* dequantization is left to NumPy (engine.quants): only rows of the embedding are needed */
+
+int qg_max_threads(void) {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}

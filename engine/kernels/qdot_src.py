@@ -1,0 +1,358 @@
+"""CUDA C: integer dot products of quantized weights with int8-quantized activations (MMVQ style).
+
+llama.cpp's CPU path rounds the activation vector to int8 blocks before a quantized dot product
+(q8_0: blocks of 32 for the legacy types; q8_k: blocks of 256 for the K-quants); the NumPy
+reference emulates that rounding (`NumpyOps.act_quant`). Here the rounded activations are kept as
+what they are (int8 values + one float scale per block, + the sum of each 16 values), so a weight
+block meets them with `__dp4a` (4 int8 products a cycle) and one float scaling per block instead
+of 32 float FMAs. Same rounding, same values: the result differs from the float path only by
+float summation order (measured in tests/test_cupy_decoder.py).
+
+A *chunk* is 32 weights of one row; chunk c of a row holds (per type):
+- Q4_K: a 16-byte slice of one pair of sub-blocks' nibbles: low nibbles = 16 values of sub-block
+  2j, high nibbles = 16 values of 2j+1 (j = (c & 7) >> 1); plus the 16-byte block header (d, dmin,
+  12 scale bytes). Two 16-byte loads.
+- Q6_K: 16 bytes of ql (low nibbles: quarter q, high: quarter q+2) + the 16 matching qh bytes;
+  210-byte blocks are only 2-byte aligned, so the 16-byte runs are read as 5 aligned words and
+  funnel-shifted.
+- Q4_1: one 20-byte block (d, m, 16 bytes of nibbles), 4-byte loads.
+- Q8_0: one 34-byte block (d + 32 int8), 2-byte aligned: aligned words + funnel shifts.
+
+`ld_<T>(row, c, raw)` loads a chunk's bytes into registers (no dependency on the activations, so
+a GEMV issues them before it prepares its input); `dot_<T>(raw, c, xq, xd, xs16)` is the chunk's
+contribution given the int8 activations `xq`, their per-block scales `xd` (per 32 for q8_0, per
+256 for q8_k) and per-16 sums `xs16`.
+"""
+
+QTYPES = {"Q4_K": 2, "Q6_K": 2, "Q4_1": 1, "Q8_0": 1}
+"""Types with an integer dot product, and the activation rounding (AQ code) each one needs."""
+
+QDOT = r"""
+__device__ __forceinline__ unsigned int byte_at3(unsigned int a, unsigned int b, unsigned int c, int i) {
+    unsigned int w = i < 4 ? a : (i < 8 ? b : c);
+    return (w >> (8 * (i & 3))) & 0xffu;
+}
+// 16 bytes at a 2-byte aligned address, as 4 words (5 aligned loads + funnel shifts).
+__device__ __forceinline__ void ld16_a2(const unsigned char* p, unsigned int* o) {
+    const unsigned int* a = (const unsigned int*)((unsigned long long)p & ~3ull);
+    unsigned int sh = ((unsigned int)(unsigned long long)p & 2u) * 8u;
+    unsigned int w0 = a[0], w1 = a[1], w2 = a[2], w3 = a[3], w4 = a[4];
+    o[0] = __funnelshift_r(w0, w1, sh); o[1] = __funnelshift_r(w1, w2, sh);
+    o[2] = __funnelshift_r(w2, w3, sh); o[3] = __funnelshift_r(w3, w4, sh);
+}
+
+#define QSUMS_Q4_K true
+#define QSUMS_Q6_K false
+#define QSUMS_Q4_1 true
+#define QSUMS_Q8_0 false
+struct raw_Q4_K { uint4 h; uint4 q; };
+__device__ __forceinline__ void ld_Q4_K(const unsigned char* row, int c, raw_Q4_K& r) {
+    const unsigned char* p = row + (long long)(c >> 3) * 144;
+    int k = c & 7;
+    r.h = __ldg((const uint4*)p);
+    r.q = __ldg((const uint4*)(p + 16 + 32 * (k >> 1) + 16 * (k & 1)));
+}
+__device__ __forceinline__ float dot_Q4_K(const raw_Q4_K& r, int c, const signed char* xq,
+                                          const float* xd, const int* xs16) {
+    int sb = c >> 3, k = c & 7, j = k >> 1;
+    int e = sb * 256 + 64 * j + 16 * (k & 1);
+    int4 xl = *(const int4*)(xq + e), xh = *(const int4*)(xq + e + 32);
+    unsigned int s0 = r.h.y, s1 = r.h.z, s2 = r.h.w;
+    int b0 = 2 * j, b1 = 2 * j + 1;
+    int sc0, m0, sc1, m1;
+    if (j < 2) {
+        sc0 = byte_at3(s0, s1, s2, b0) & 63; m0 = byte_at3(s0, s1, s2, b0 + 4) & 63;
+        sc1 = byte_at3(s0, s1, s2, b1) & 63; m1 = byte_at3(s0, s1, s2, b1 + 4) & 63;
+    } else {
+        unsigned int a0 = byte_at3(s0, s1, s2, b0 + 4), z0 = byte_at3(s0, s1, s2, b0 - 4), y0 = byte_at3(s0, s1, s2, b0);
+        unsigned int a1 = byte_at3(s0, s1, s2, b1 + 4), z1 = byte_at3(s0, s1, s2, b1 - 4), y1 = byte_at3(s0, s1, s2, b1);
+        sc0 = (a0 & 0xF) | ((z0 >> 6) << 4); m0 = (a0 >> 4) | ((y0 >> 6) << 4);
+        sc1 = (a1 & 0xF) | ((z1 >> 6) << 4); m1 = (a1 >> 4) | ((y1 >> 6) << 4);
+    }
+    int lo = 0, hi = 0;
+    lo = __dp4a((int)(r.q.x & 0x0F0F0F0Fu), xl.x, lo); hi = __dp4a((int)((r.q.x >> 4) & 0x0F0F0F0Fu), xh.x, hi);
+    lo = __dp4a((int)(r.q.y & 0x0F0F0F0Fu), xl.y, lo); hi = __dp4a((int)((r.q.y >> 4) & 0x0F0F0F0Fu), xh.y, hi);
+    lo = __dp4a((int)(r.q.z & 0x0F0F0F0Fu), xl.z, lo); hi = __dp4a((int)((r.q.z >> 4) & 0x0F0F0F0Fu), xh.z, hi);
+    lo = __dp4a((int)(r.q.w & 0x0F0F0F0Fu), xl.w, lo); hi = __dp4a((int)((r.q.w >> 4) & 0x0F0F0F0Fu), xh.w, hi);
+    float d = h2f(r.h.x & 0xffff), dm = h2f(r.h.x >> 16);
+    int isc = sc0 * lo + sc1 * hi;
+    int imn = m0 * xs16[e >> 4] + m1 * xs16[(e >> 4) + 2];
+    return xd[sb] * (d * (float)isc - dm * (float)imn);
+}
+
+struct raw_Q6_K { unsigned int l[4]; unsigned int h[4]; unsigned int sd; int sc; };
+__device__ __forceinline__ void ld_Q6_K(const unsigned char* row, int c, raw_Q6_K& r) {
+    const unsigned char* p = row + (long long)(c >> 3) * 210;
+    int k = c & 7, hf = k >> 2, pair = (k >> 1) & 1, n0 = (k & 1) * 16;
+    ld16_a2(p + hf * 64 + pair * 32 + n0, r.l);
+    ld16_a2(p + 128 + hf * 32 + n0, r.h);
+    const signed char* s = (const signed char*)(p + 192 + hf * 8 + pair * 2 + (n0 >> 4));
+    r.sc = ((int)s[0] & 0xff) | (((int)s[4] & 0xff) << 8);
+    r.sd = ld16(p + 208);
+}
+__device__ __forceinline__ float dot_Q6_K(const raw_Q6_K& r, int c, const signed char* xq,
+                                          const float* xd, const int* xs16) {
+    int sb = c >> 3, k = c & 7, hf = k >> 2, pair = (k >> 1) & 1, n0 = (k & 1) * 16;
+    int e = sb * 256 + hf * 128 + pair * 32 + n0;
+    int4 xa = *(const int4*)(xq + e), xb = *(const int4*)(xq + e + 64);
+    int xa_[4] = {xa.x, xa.y, xa.z, xa.w}, xb_[4] = {xb.x, xb.y, xb.z, xb.w};
+    int sa = 0, sb_ = 0;
+    int sh = 2 * pair;
+    #pragma unroll
+    for (int i = 0; i < 4; i++) {
+        unsigned int ql = r.l[i], qh = r.h[i];
+        unsigned int va = (ql & 0x0F0F0F0Fu) | (((qh >> sh) & 0x03030303u) << 4);
+        unsigned int vb = ((ql >> 4) & 0x0F0F0F0Fu) | (((qh >> (sh + 4)) & 0x03030303u) << 4);
+        sa = __dp4a((int)__vsubss4(va, 0x20202020u), xa_[i], sa);
+        sb_ = __dp4a((int)__vsubss4(vb, 0x20202020u), xb_[i], sb_);
+    }
+    int sca = (int)(signed char)(r.sc & 0xff), scb = (int)(signed char)((r.sc >> 8) & 0xff);
+    return xd[sb] * h2f(r.sd) * (float)(sca * sa + scb * sb_);
+}
+
+struct raw_Q4_1 { unsigned int dm; unsigned int q[4]; };
+__device__ __forceinline__ void ld_Q4_1(const unsigned char* row, int c, raw_Q4_1& r) {
+    const unsigned int* p = (const unsigned int*)(row + (long long)c * 20);
+    r.dm = __ldg(p);
+    #pragma unroll
+    for (int i = 0; i < 4; i++) r.q[i] = __ldg(p + 1 + i);
+}
+__device__ __forceinline__ float dot_Q4_1(const raw_Q4_1& r, int c, const signed char* xq,
+                                          const float* xd, const int* xs16) {
+    int e = c * 32;
+    int4 xl = *(const int4*)(xq + e), xh = *(const int4*)(xq + e + 16);
+    int xl_[4] = {xl.x, xl.y, xl.z, xl.w}, xh_[4] = {xh.x, xh.y, xh.z, xh.w};
+    int s = 0;
+    #pragma unroll
+    for (int i = 0; i < 4; i++) {
+        s = __dp4a((int)(r.q[i] & 0x0F0F0F0Fu), xl_[i], s);
+        s = __dp4a((int)((r.q[i] >> 4) & 0x0F0F0F0Fu), xh_[i], s);
+    }
+    float d = h2f(r.dm & 0xffff), m = h2f(r.dm >> 16);
+    return xd[c] * (d * (float)s + m * (float)(xs16[2 * c] + xs16[2 * c + 1]));
+}
+
+struct raw_Q8_0 { unsigned int d; unsigned int q[8]; };
+// The block's 32 quants are read as 9 aligned words when they start 2 bytes into one; the last
+// word then reaches 2 bytes past the block (inside CuPy's 512-byte allocation rounding).
+__device__ __forceinline__ void ld_Q8_0(const unsigned char* row, int c, raw_Q8_0& r) {
+    const unsigned char* p = row + (long long)c * 34;
+    r.d = ld16(p);
+    const unsigned char* qp = p + 2;
+    const unsigned int* a = (const unsigned int*)((unsigned long long)qp & ~3ull);
+    unsigned int sh = ((unsigned int)(unsigned long long)qp & 2u) * 8u;
+    unsigned int w[9];
+    #pragma unroll
+    for (int i = 0; i < 8; i++) w[i] = a[i];
+    w[8] = sh ? a[8] : 0u;
+    #pragma unroll
+    for (int i = 0; i < 8; i++) r.q[i] = __funnelshift_r(w[i], w[i + 1], sh);
+}
+__device__ __forceinline__ float dot_Q8_0(const raw_Q8_0& r, int c, const signed char* xq,
+                                          const float* xd, const int* xs16) {
+    const int4* xp = (const int4*)(xq + c * 32);
+    int4 x0 = xp[0], x1 = xp[1];
+    int s = 0;
+    s = __dp4a((int)r.q[0], x0.x, s); s = __dp4a((int)r.q[1], x0.y, s);
+    s = __dp4a((int)r.q[2], x0.z, s); s = __dp4a((int)r.q[3], x0.w, s);
+    s = __dp4a((int)r.q[4], x1.x, s); s = __dp4a((int)r.q[5], x1.y, s);
+    s = __dp4a((int)r.q[6], x1.z, s); s = __dp4a((int)r.q[7], x1.w, s);
+    return xd[c] * h2f(r.d) * (float)s;
+}
+"""
+
+# Input preparation of the integer GEMV: x into shared memory, RMS-normalised by nw (if given),
+# then rounded to int8 blocks exactly as `prep_input` / `NumpyOps.act_quant` round it (aq 1: q8_0,
+# blocks of 32; aq 2: q8_k, blocks of 256), kept as int8 + scales + per-16 sums. blockDim.x == 256.
+# Shared layout (dynamic): xf float[cols] | xq int8[cols] | xd float[cols/32] | xs16 int[cols/16].
+QPREP = r"""
+__device__ __forceinline__ int sum16(int v) {
+    #pragma unroll
+    for (int o = 8; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+template <bool SUMS>
+__device__ __forceinline__ void qprep(const float* __restrict__ x, const float* __restrict__ nw,
+                                      float eps, int aq, int cols, float* xf, signed char* xq,
+                                      float* xd, int* xs16, float* red) {
+    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    float ss = 0.f;
+    for (int i = tid; i < cols; i += 256) { float v = x[i]; xf[i] = v; ss += v * v; }
+    float r = 1.f;
+    if (nw) {
+        ss = warp_sum(ss);
+        if (lane == 0) red[warp] = ss;
+    }
+    __syncthreads();
+    if (nw) {
+        float tot = 0.f;
+        #pragma unroll
+        for (int w = 0; w < 8; w++) tot += red[w];
+        r = sqrtf(tot / (float)cols + eps);
+    }
+    // the normalised value (x / r * w, as prep_input computes it) is formed where it is rounded
+#define XN(i) (nw ? xf[i] / r * nw[i] : xf[i])
+    if (aq == 1) {
+        for (int g = warp; g < (cols >> 5); g += 8) {
+            float v = XN(g * 32 + lane);
+            float a = warp_max(fabsf(v));
+            float d = a / 127.0f;
+            float inv = d != 0.f ? 1.0f / d : 0.f;
+            int q = (int)rintf(v * inv);
+            xq[g * 32 + lane] = (signed char)q;
+            if (SUMS) {
+                int s = sum16(q);
+                if ((lane & 15) == 0) xs16[2 * g + (lane >> 4)] = s;
+            }
+            if (lane == 0) xd[g] = d;
+        }
+    } else {
+        for (int g = warp; g < (cols >> 8); g += 8) {
+            float v[8]; float best = -1.f; int bi = 0;
+            #pragma unroll
+            for (int k = 0; k < 8; k++) {
+                v[k] = XN(g * 256 + lane + 32 * k);
+                float a = fabsf(v[k]); int i = lane + 32 * k;
+                if (a > best) { best = a; bi = i; }
+            }
+            #pragma unroll
+            for (int o = 16; o > 0; o >>= 1) {
+                float ob = __shfl_xor_sync(0xffffffffu, best, o);
+                int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+                if (ob > best || (ob == best && oi < bi)) { best = ob; bi = oi; }
+            }
+            float mx = __shfl_sync(0xffffffffu, v[0], 0);
+            #pragma unroll
+            for (int k = 0; k < 8; k++) { float t = __shfl_sync(0xffffffffu, v[k], bi & 31); if ((bi >> 5) == k) mx = t; }
+            float iscale = mx != 0.f ? -128.0f / mx : 0.f;
+            float d = iscale != 0.f ? 1.0f / iscale : 0.f;
+            #pragma unroll
+            for (int k = 0; k < 8; k++) {
+                int q = (int)fminf(rintf(v[k] * iscale), 127.f);
+                xq[g * 256 + lane + 32 * k] = (signed char)q;
+                if (SUMS) {
+                    int s = sum16(q);
+                    if ((lane & 15) == 0) xs16[g * 16 + 2 * k + (lane >> 4)] = s;
+                }
+            }
+            if (lane == 0) xd[g] = d;
+        }
+    }
+#undef XN
+    __syncthreads();
+}
+"""
+
+# The integer GEMV of type T. `tpr` threads per output row (16..256, a power of two; 256 / tpr
+# rows a block; rows strided over the grid); each thread takes chunks t, t + tpr, ... (U at a
+# time, loads first). The first U chunks of a thread's first row are loaded before the input is
+# prepared, so the weights' latency overlaps the norm and rounding. NR = 2: GLU epilogue, rows r
+# and r + up_off of one output. Epilogues as dgemv_<T>: 0 store (+ bias), 1 add, 2 SwiGLU, 3 GeGLU.
+QGEMV = r"""
+template <int NR, int U>
+__device__ __forceinline__ void qload_{T}(raw_{T} (&buf)[NR][U], const unsigned char* W, long long row_bytes,
+                                          int row, int rows, int up_off, int c0, int tpr, int nc) {
+    if (row >= rows) return;
+    #pragma unroll
+    for (int r = 0; r < NR; r++) {
+        const unsigned char* rp = W + (long long)(row + r * up_off) * row_bytes;
+        #pragma unroll
+        for (int u = 0; u < U; u++) {
+            int c = c0 + u * tpr;
+            if (c < nc) ld_{T}(rp, c, buf[r][u]);
+        }
+    }
+}
+template <int NR, int U>
+__device__ __forceinline__ void qgemv_body_{T}(
+        const unsigned char* __restrict__ W, long long row_bytes, int rows, int cols,
+        const float* __restrict__ x, const float* __restrict__ nw, float eps, int aq,
+        float* y, const float* __restrict__ bias, int epi, int up_off, int tpr) {
+    extern __shared__ __align__(16) unsigned char qsm[];
+    float* xf = (float*)qsm;
+    signed char* xq = (signed char*)(qsm + (long long)cols * 4);
+    float* xd = (float*)(qsm + (long long)cols * 5);
+    int* xs16 = (int*)(qsm + (long long)cols * 5 + (cols >> 5) * 4);
+    __shared__ float red[8];
+    __shared__ float part[NR][8];
+    int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    int rpb = 256 / tpr, t = tid % tpr, rl = tid / tpr;
+    int nc = cols >> 5;
+    int ngroups = (rows + rpb - 1) / rpb;
+    raw_{T} buf[NR][U];
+    int g = blockIdx.x;
+    qload_{T}<NR, U>(buf, W, row_bytes, g * rpb + rl, rows, up_off, t, tpr, nc);
+    qprep<QSUMS_{T}>(x, nw, eps, aq, cols, xf, xq, xd, xs16, red);
+    bool pre = true;
+    int width = tpr < 32 ? tpr : 32;
+    for (; g < ngroups; g += gridDim.x) {
+        int row = g * rpb + rl;
+        float acc[NR];
+        #pragma unroll
+        for (int r = 0; r < NR; r++) acc[r] = 0.f;
+        for (int c0 = t; c0 - t < nc; c0 += U * tpr) {
+            if (!pre) qload_{T}<NR, U>(buf, W, row_bytes, row, rows, up_off, c0, tpr, nc);
+            pre = false;
+            if (row < rows) {
+                #pragma unroll
+                for (int r = 0; r < NR; r++) {
+                    #pragma unroll
+                    for (int u = 0; u < U; u++) {
+                        int c = c0 + u * tpr;
+                        if (c < nc) acc[r] += dot_{T}(buf[r][u], c, xq, xd, xs16);
+                    }
+                }
+            }
+        }
+        #pragma unroll
+        for (int r = 0; r < NR; r++) {
+            for (int o = width >> 1; o > 0; o >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);
+        }
+        if (tpr > 32) {
+            if (lane == 0) {
+                #pragma unroll
+                for (int r = 0; r < NR; r++) part[r][warp] = acc[r];
+            }
+            __syncthreads();
+            if (t == 0) {
+                int w0 = warp, nwr = tpr >> 5;
+                #pragma unroll
+                for (int r = 0; r < NR; r++) {
+                    float s = 0.f;
+                    for (int w = 0; w < nwr; w++) s += part[r][w0 + w];
+                    acc[r] = s;
+                }
+            }
+            __syncthreads();
+        }
+        if (t == 0 && row < rows) {
+            if (NR == 1) {
+                if (epi == 0) y[row] = acc[0] + (bias ? bias[row] : 0.f);
+                else y[row] += acc[0];
+            } else {
+                y[row] = epi == 2 ? glu_silu(acc[0], acc[NR - 1]) : glu_gelu(acc[0], acc[NR - 1]);
+            }
+        }
+    }
+}
+extern "C" __global__ void __launch_bounds__(256) qgemv_{T}(
+        const unsigned char* __restrict__ W, long long row_bytes, int rows, int cols,
+        const float* __restrict__ x, const float* __restrict__ nw, float eps, int aq,
+        float* y, const float* __restrict__ bias, int epi, int up_off, int tpr) {
+    qgemv_body_{T}<1, 4>(W, row_bytes, rows, cols, x, nw, eps, aq, y, bias, epi, up_off, tpr);
+}
+extern "C" __global__ void __launch_bounds__(256) qgemv_glu_{T}(
+        const unsigned char* __restrict__ W, long long row_bytes, int rows, int cols,
+        const float* __restrict__ x, const float* __restrict__ nw, float eps, int aq,
+        float* y, const float* __restrict__ bias, int epi, int up_off, int tpr) {
+    qgemv_body_{T}<2, 2>(W, row_bytes, rows, cols, x, nw, eps, aq, y, bias, epi, up_off, tpr);
+}
+"""
+
+
+def source(types: list[str] | tuple[str, ...]) -> str:
+    """The integer-dot GEMV kernels for those of `types` that have one (after UNITS + COMMON)."""
+    qt = sorted(t for t in set(types) if t in QTYPES)
+    if not qt:
+        return ""
+    return QDOT + QPREP + "".join(QGEMV.replace("{T}", t) for t in qt)

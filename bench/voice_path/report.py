@@ -1,0 +1,219 @@
+"""From raw runs to figures: the summary per scenario, the Markdown table, the timeline plot."""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import statistics
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from .utterances import wer
+
+SCENARIOS = ("idle", "contention", "arbitration")
+
+
+def pct(values: Sequence[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in 0..1); None for no values."""
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))] if s else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Pool the rounds of each scenario into one figure set."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in SCENARIOS:
+        mine = [r for r in runs if r["spec"]["name"] == name]
+        if not mine:
+            continue
+        turns = [t for r in mine for t in r["turns"]]
+        stt = [t["stt"]["latency_ms"] for t in turns if t["stt"]]
+        ttfa = [t["tts"]["ttfa_ms"] for t in turns if t["tts"] and t["tts"]["ttfa_ms"] is not None]
+        wall = sum(r["t1"] - r["t0"] for r in mine)
+        tokens = sum(len(r["load"]["token_times"]) for r in mine)
+        probe = [p for r in mine for p in r["probe"]]
+        rtt = [p[2] for p in probe if p[1] != "error"]
+        reactions = [float(e["reaction_ms"]) for r in mine for e in r.get("gate_log", [])
+                     if e["event"] == "decode_parked" and e.get("reaction_ms") is not None]
+        llm = [t["llm"] for t in turns if t["llm"]["status"] != "skipped"]
+        ttft = [(x["first_token"] - x["start"]) * 1000 for x in llm if x["first_token"]]
+        cpu_keys = sorted({k for r in mine for k in r["cpu_cores"]})
+        out[name] = {
+            "rounds": len(mine),
+            "turns": len(turns),
+            "stt_n": len(stt),
+            "stt_p50": pct(stt, 0.5), "stt_p95": pct(stt, 0.95), "stt_p99": pct(stt, 0.99),
+            "stt_mean": statistics.fmean(stt) if stt else None,
+            "stt_p50_per_round": [pct([t["stt"]["latency_ms"] for t in r["turns"] if t["stt"]], 0.5) for r in mine],
+            "tts_ttfa_p50": pct(ttfa, 0.5), "tts_ttfa_p95": pct(ttfa, 0.95),
+            "llm_turns": len(llm),
+            "llm_ok": sum(1 for x in llm if x["status"] == "ok"),
+            "llm_deadline": sum(1 for x in llm if x["status"] == "deadline"),
+            "llm_ttft_p50": pct(ttft, 0.5),
+            "decode_tokens": tokens,
+            "decode_tps": tokens / wall if wall > 0 else None,
+            "paused_fraction": (sum(1 for p in probe if p[1] == "paused") / len(probe)) if probe else None,
+            "pauses": len(reactions),
+            "reaction_p50": pct(reactions, 0.5), "reaction_p99": pct(reactions, 0.99),
+            "lag_p50": pct(rtt, 0.5), "lag_p99": pct(rtt, 0.99),
+            "cpu_cores": {k: statistics.fmean([r["cpu_cores"][k] for r in mine if k in r["cpu_cores"]]) for k in cpu_keys},
+            "wer": wer([(t["reference"], t["stt"]["text"]) for t in turns if t["stt"]]),
+            "hold_timeouts": sum(r.get("proxy", {}).get("hold_timeouts", 0) for r in mine),
+            "errors": [e for r in mine for e in r["errors"]][:10],
+            "load_errors": [e for r in mine for e in r["load"]["errors"]][:5],
+        }
+    idle = out.get("idle")
+    if idle:
+        for s in out.values():
+            s["ratios"] = {k: _ratio(s.get(k), idle.get(k)) for k in
+                           ("stt_p50", "stt_p95", "stt_p99", "tts_ttfa_p50", "lag_p50")}
+    return out
+
+
+def _f(v: Any, digits: int = 0, unit: str = "") -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}{unit}"
+    return f"{v}{unit}"
+
+
+def machine() -> str:
+    """One paragraph about the machine (for the report)."""
+    la = os.getloadavg()
+    freq = psutil.cpu_freq()
+    return (f"{platform.machine()}, {psutil.cpu_count(logical=True)} logical CPUs"
+            f" ({platform.processor() or 'cpu'}{f', {freq.current:.0f} MHz' if freq else ''}),"
+            f" {psutil.virtual_memory().total / 2**30:.1f} GiB RAM, {platform.system()} {platform.release()},"
+            f" Python {platform.python_version()}; load average at the end {la[0]:.2f} {la[1]:.2f} {la[2]:.2f}")
+
+
+def markdown(summary: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
+    """The summary table and the context needed to read it."""
+    names = [n for n in SCENARIOS if n in summary]
+    rows: list[tuple[str, Any]] = [
+        ("STT audio-stop → transcript p50 (ms)", lambda s: _f(s["stt_p50"])),
+        ("STT p95 (ms)", lambda s: _f(s["stt_p95"])),
+        ("STT p99 (ms)", lambda s: _f(s["stt_p99"])),
+        ("STT p50 per round (ms)", lambda s: " / ".join(_f(v) for v in s["stt_p50_per_round"])),
+        ("STT requests", lambda s: _f(s["stt_n"])),
+        ("word error rate", lambda s: _f(None if s["wer"] is None else s["wer"] * 100, 1, " %")),
+        ("TTS time to first audio p50 (ms)", lambda s: _f(s["tts_ttfa_p50"])),
+        ("TTS time to first audio p95 (ms)", lambda s: _f(s["tts_ttfa_p95"])),
+        ("voice LLM: first sentence in time / turns", lambda s: f"{s['llm_ok']}/{s['llm_turns']}" if s["llm_turns"] else "–"),
+        ("voice LLM time to first token p50 (ms)", lambda s: _f(s["llm_ttft_p50"])),
+        ("background decode tokens/s", lambda s: _f(s["decode_tps"], 2)),
+        ("background decode tokens (total)", lambda s: _f(s["decode_tokens"])),
+        ("decode paused (share of the run)", lambda s: _f(None if s["paused_fraction"] is None else s["paused_fraction"] * 100, 1, " %")),
+        ("pauses / reaction p50 (ms)", lambda s: f"{s['pauses']} / {_f(s['reaction_p50'], 1)}"),
+        ("pause reaction p99 (ms)", lambda s: _f(s["reaction_p99"], 1)),
+        ("audio-stop holds that timed out (engine not parked)", lambda s: _f(s["hold_timeouts"])),
+        ("loop lag probe: GET /health p50 (ms)", lambda s: _f(s["lag_p50"], 1)),
+        ("loop lag probe: GET /health p99 (ms)", lambda s: _f(s["lag_p99"], 1)),
+    ]
+    procs = sorted({k for n in names for k in summary[n]["cpu_cores"]})
+    for p in [*[q for q in procs if q != "other"], *[q for q in procs if q == "other"]]:
+        label = "CPU: everything else on the machine (cores)" if p == "other" else f"CPU {p} (cores)"
+        rows.append((label, lambda s, p=p: _f(s["cpu_cores"].get(p), 2)))
+    head = "| figure | " + " | ".join(names) + " |"
+    lines = [head, "|---|" + "---|" * len(names)]
+    lines += [f"| {label} | " + " | ".join(fn(summary[n]) for n in names) + " |" for label, fn in rows]
+    ratio_lines = ["| ratio to idle | " + " | ".join(n for n in names if n != "idle") + " |",
+                   "|---|" + "---|" * (len(names) - 1)]
+    for key, label in (("stt_p50", "STT p50"), ("stt_p95", "STT p95"), ("stt_p99", "STT p99"),
+                       ("tts_ttfa_p50", "TTS first audio p50"), ("lag_p50", "loop lag p50")):
+        ratio_lines.append(f"| {label} | " + " | ".join(
+            _f(summary[n].get("ratios", {}).get(key), 2, "x") for n in names if n != "idle") + " |")
+    errors = [f"- {n}: {e}" for n in names for e in summary[n]["errors"] + summary[n]["load_errors"]]
+    parts = [
+        f"# Voice path under LLM load — {meta['date']}",
+        "",
+        f"Machine: {meta['machine']}",
+        "",
+        f"Command: `{meta['command']}`",
+        "",
+        f"Stack: {meta['stack']}. LLM: {meta['model']} ({meta['backend']} engine, threads {meta['threads']}).",
+        f"Policies: contention `{meta['policies']['contention']}`, arbitration `{meta['policies']['arbitration']}`; "
+        f"whisper proxy hold_audio_stop_until_parked={meta['proxy']['hold_audio_stop_until_parked']}, "
+        f"hold_max_ms={meta['proxy']['hold_max_ms']}.",
+        f"Each run: {meta['turns']} voice turns, one every {meta['period_s']} s (audio streamed at "
+        f"{meta['realtime']}x real time); load runs: {meta['load_clients']} background clients x "
+        f"{meta['load_tokens']}-token stories. Rounds: {meta['rounds']} (order {' → '.join(meta['order'])}), "
+        f"pooled per scenario. Wall time {meta['wall_s']:.0f} s."
+        + (f" All bench processes ran at nice {meta['nice']}." if meta.get("nice") else ""),
+        "",
+        *lines,
+        "",
+        *ratio_lines,
+        "",
+        "Figures are explained in docs/benchmarks.md. Timeline: timeline.png; raw samples: results.json.",
+    ]
+    if errors:
+        parts += ["", "Errors:", *errors]
+    return "\n".join(parts) + "\n"
+
+
+def _bins(times: Iterable[float], t0: float, t1: float, width: float = 1.0) -> tuple[list[float], list[float]]:
+    n = max(1, int(math.ceil((t1 - t0) / width)))
+    counts = [0] * n
+    for t in times:
+        i = int((t - t0) / width)
+        if 0 <= i < n:
+            counts[i] += 1
+    return [(i + 0.5) * width for i in range(n)], [c / width for c in counts]
+
+
+def plot(runs: list[dict[str, Any]], path: Path, window_s: float = 40.0) -> None:
+    """Timeline PNG: per scenario (its first round) STT/TTS bars, gate state and decode tokens/s."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    firsts = [next(r for r in runs if r["spec"]["name"] == n) for n in SCENARIOS
+              if any(r["spec"]["name"] == n for r in runs)]
+    fig, axes = plt.subplots(len(firsts) * 2, 1, figsize=(12, 3.2 * len(firsts)), squeeze=False,
+                             gridspec_kw={"height_ratios": [1, 1.4] * len(firsts)})
+    for k, run in enumerate(firsts):
+        ax_act, ax_tps = axes[2 * k][0], axes[2 * k + 1][0]
+        t0 = run["t0"]
+        t1 = min(run["t1"], t0 + window_s)
+        # Activity rows: gate (y=0), TTS (y=1), STT (y=2).
+        gate_color = {"paused": "tab:red", "throttled": "tab:orange"}
+        probe = run["probe"]
+        for (ta, mode, _), (tb, _, _) in zip(probe, probe[1:], strict=False):
+            if mode in gate_color and ta < t1:
+                ax_act.broken_barh([(ta - t0, tb - ta)], (0.1, 0.8), color=gate_color[mode], linewidth=0)
+        for t in run["turns"]:
+            s = t["stt"]
+            if s:
+                ax_act.broken_barh([(s["start"] - t0, s["stop"] - s["start"])], (2.1, 0.8), color="tab:cyan")
+                ax_act.broken_barh([(s["stop"] - t0, s["end"] - s["stop"])], (2.1, 0.8), color="tab:blue")
+            if t["llm"]["start"]:
+                end = t["llm"]["sentence"] or (t["tts"]["start"] if t["tts"] else t["llm"]["start"])
+                ax_act.broken_barh([(t["llm"]["start"] - t0, end - t["llm"]["start"])], (1.1, 0.8), color="tab:gray")
+            v = t["tts"]
+            if v:
+                ax_act.broken_barh([(v["start"] - t0, v["end"] - v["start"])], (1.1, 0.8), color="tab:green")
+        ax_act.set_yticks([0.5, 1.5, 2.5], ["gate", "LLM/TTS", "STT"])
+        ax_act.set_xlim(0, t1 - t0)
+        ax_act.set_ylim(0, 3)
+        ax_act.set_title(f"{run['spec']['name']}: STT (cyan: audio streaming, blue: audio-stop → transcript), "
+                         f"voice LLM (gray), TTS (green), gate paused (red) / throttled (orange)", fontsize=9)
+        xs, ys = _bins(run["load"]["token_times"], t0, t1)
+        ax_tps.plot(xs, ys, drawstyle="steps-mid", color="tab:purple")
+        ax_tps.set_xlim(0, t1 - t0)
+        ax_tps.set_ylim(bottom=0)
+        ax_tps.set_ylabel("decode tok/s")
+        ax_tps.set_xlabel("seconds since the run started")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

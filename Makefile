@@ -6,7 +6,7 @@ GENIE  := $(VENV)/bin/genie-supervisor
 STAMP  := $(VENV)/.installed
 APT_GET := $(shell command -v apt-get 2>/dev/null)
 
-.PHONY: run test deps system-deps models lint bench bench-engine bench-gate clean
+.PHONY: run test deps system-deps models lint bench bench-engine bench-gate bench-voice clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || { \
@@ -43,6 +43,13 @@ bench-engine: $(STAMP) models
 
 bench-gate: $(STAMP) models
 	$(PY) bench/gate.py
+
+# Voice path under LLM load on a real voice stack (wyoming-faster-whisper + wyoming-piper from PyPI,
+# installed on first use into their own venv under ~/.cache/genie-supervisor/voice, outside the
+# repo). ~12 minutes on 2 cores; results in bench/results/voice_path-<date>/. See docs/benchmarks.md.
+# Extra arguments: make bench-voice VOICE_ARGS="--rounds 3"
+bench-voice: $(STAMP) models
+	$(PY) -m bench.voice_path $(VOICE_ARGS)
 
 bench: bench-engine bench-gate
 

@@ -16,6 +16,10 @@ class Gate(Protocol):
         ...
 
 
+# A gate may also offer `running() -> ContextManager`: the engine enters it while a generation
+# holds the model (not while it waits for it), so the gate knows which generations can step.
+
+
 class OpenGate:
     """A gate that never waits (the engine's default)."""
 

@@ -15,7 +15,7 @@ import anyio
 import anyio.to_thread
 
 from .errors import ContextOverflowError
-from .gate import Gate, OpenGate
+from .gate import Gate, OpenGate, Phase
 from .sampler import Sampler, SamplingParams
 from .tokenizer import StreamDecoder
 
@@ -104,8 +104,14 @@ class Generation:
         sampling: SamplingParams,
         gate: Gate | None,
         prefill_chunk: int | None,
+        priority: int = 0,
     ) -> None:
         self.model = model
+        self.priority = priority
+        """Higher runs first; a running generation yields to a more urgent one between steps."""
+        self.preemptions = 0
+        """Times this generation yielded the model to a more urgent one."""
+        self._running_cm: Any = None
         self.prompt_ids = [int(t) for t in prompt_ids]
         self.sampling = sampling
         self.gate: Gate = gate if gate is not None else OpenGate()
@@ -126,6 +132,42 @@ class Generation:
     async def aclose(self) -> None:
         await self._agen.aclose()
 
+    async def _hold(self) -> None:
+        """Take the model (by priority) and tell the gate a generation is running on it."""
+        await self.model.lock.acquire(self, self.priority)
+        running = getattr(self.gate, "running", None)
+        self._running_cm = running() if running is not None else None
+        if self._running_cm is not None:
+            self._running_cm.__enter__()
+
+    def _unhold(self) -> None:
+        if self._running_cm is not None:
+            self._running_cm.__exit__(None, None, None)
+            self._running_cm = None
+        self.model.lock.release(self)
+
+    async def _checkpoint(self, phase: Phase) -> None:
+        """Between two steps: yield the model to a more urgent generation, then pass the gate."""
+        if self.model.lock.should_yield(self):
+            self.preemptions += 1
+            self._unhold()
+            await self._hold()
+        await self.gate.wait(phase)
+
+    async def _prefill(self, seq: list[int]) -> Any:
+        """Make the KV cache hold `seq` (reusing its cached prefix); logits of the last token."""
+        model, tf = self.model, self.model.transformer
+        logits: Any = None
+        while True:
+            await self._checkpoint("prefill")
+            pos = min(tf.kv.common_prefix(seq), len(seq) - 1)  # re-read: a yield may have changed it
+            chunk = seq[pos : pos + self.prefill_chunk]
+            t0 = time.perf_counter()
+            logits = await anyio.to_thread.run_sync(model.step_logits, chunk, pos)
+            self.stats.prefill_s += time.perf_counter() - t0
+            if pos + len(chunk) >= len(seq):
+                return logits
+
     async def _run(self) -> AsyncGenerator[TokenEvent, None]:
         model, tf = self.model, self.model.transformer
         prompt, params = self.prompt_ids, self.sampling
@@ -138,58 +180,52 @@ class Generation:
         decoder = StreamDecoder(model.tokenizer)
         stopper = _StopMatcher(params.stop)
         eog = model.tokenizer.eog_ids
-        async with model.lock:
-            try:
-                cached = min(tf.kv.common_prefix(prompt), len(prompt) - 1)
-                tf.kv.tokens = prompt[:cached]
-                self.stats.cached_tokens = cached
-                if params.max_tokens == 0:
+        await self._hold()
+        try:
+            self.stats.cached_tokens = min(tf.kv.common_prefix(prompt), len(prompt) - 1)
+            if params.max_tokens == 0:
+                self.finish_reason = "length"
+                return
+            logits = await self._prefill(prompt)
+            history = list(prompt)
+            token = sampler(logits, history)
+            hit = False
+            while True:
+                if token in eog and not params.ignore_eos:
+                    self.finish_reason = "stop"
+                    break
+                self.completion_ids.append(token)
+                history.append(token)
+                self.stats.completion_tokens += 1
+                if self.stats.first_token_s is None:
+                    self.stats.first_token_s = time.perf_counter() - t_call
+                text, hit = stopper.push(decoder.feed(token))
+                self.text += text
+                if hit:
+                    self.finish_reason = "stop"
+                    if text:
+                        yield TokenEvent(token, text)
+                    break
+                yield TokenEvent(token, text)
+                pos = len(history) - 1
+                if self.stats.completion_tokens >= params.max_tokens or pos >= tf.n_ctx:
                     self.finish_reason = "length"
-                    return
-                pos = cached
-                logits: Any = None
-                while pos < len(prompt):
-                    await self.gate.wait("prefill")
-                    chunk = prompt[pos : pos + self.prefill_chunk]
-                    t0 = time.perf_counter()
-                    logits = await anyio.to_thread.run_sync(model.step_logits, chunk, pos)
-                    self.stats.prefill_s += time.perf_counter() - t0
-                    pos += len(chunk)
-                history = list(prompt)
-                token = sampler(logits, history)
-                hit = False
-                while True:
-                    if token in eog and not params.ignore_eos:
-                        self.finish_reason = "stop"
-                        break
-                    self.completion_ids.append(token)
-                    history.append(token)
-                    self.stats.completion_tokens += 1
-                    if self.stats.first_token_s is None:
-                        self.stats.first_token_s = time.perf_counter() - t_call
-                    text, hit = stopper.push(decoder.feed(token))
-                    self.text += text
-                    if hit:
-                        self.finish_reason = "stop"
-                        if text:
-                            yield TokenEvent(token, text)
-                        break
-                    yield TokenEvent(token, text)
-                    if self.stats.completion_tokens >= params.max_tokens or pos >= tf.n_ctx:
-                        self.finish_reason = "length"
-                        break
-                    await self.gate.wait("decode")
-                    t0 = time.perf_counter()
+                    break
+                await self._checkpoint("decode")
+                t0 = time.perf_counter()
+                if tf.kv.common_prefix(history) >= pos:
                     token = await anyio.to_thread.run_sync(model.step_sample, token, pos, sampler, history)
                     self.stats.decode_s += time.perf_counter() - t0
-                    pos += 1
-                if not hit:  # release what the UTF-8 decoder and the stop matcher still hold
-                    tail, hit = stopper.push(decoder.flush())
-                    if not hit:
-                        tail += stopper.flush()
-                    if tail:
-                        self.text += tail
-                        yield TokenEvent(self.completion_ids[-1] if self.completion_ids else -1, tail)
-            finally:
-                if self.finish_reason is None:
-                    self.finish_reason = "cancelled"
+                else:  # another generation used the cache meanwhile: rebuild our context first
+                    token = sampler(await self._prefill(history), history)
+            if not hit:  # release what the UTF-8 decoder and the stop matcher still hold
+                tail, hit = stopper.push(decoder.flush())
+                if not hit:
+                    tail += stopper.flush()
+                if tail:
+                    self.text += tail
+                    yield TokenEvent(self.completion_ids[-1] if self.completion_ids else -1, tail)
+        finally:
+            if self.finish_reason is None:
+                self.finish_reason = "cancelled"
+            self._unhold()

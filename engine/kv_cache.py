@@ -42,7 +42,7 @@ class KVCache:
     def common_prefix(self, ids: list[int]) -> int:
         """How many leading tokens of `ids` are already cached."""
         n = 0
-        for a, b in zip(self.tokens, ids):
+        for a, b in zip(self.tokens, ids, strict=False):
             if a != b:
                 break
             n += 1

@@ -5,7 +5,9 @@
 
 Classes and their limits come from the policy (``priorities.classes``: order, ``max_queue``,
 ``max_wait_s``); the total queue is bounded by the config (``api.max_queue``). Waiters are served
-highest class first, first come first served within a class. When the queue is full, a request
+highest class first, first come first served within a class. A request more urgent than every
+running one (a voice turn while background generations hold the slots) is admitted beyond
+`max_running`; the engine makes the running generation yield to it between two steps. When the queue is full, a request
 of a higher class takes the place of the newest waiter of the lowest class (which gets 429).
 A waiter whose task is cancelled (its client went away) leaves the queue; a slot is always given
 back, whatever happens inside the block.
@@ -102,6 +104,7 @@ class Admission:
         self._on_change = on_change
         self._seq = itertools.count()
         self._durations: deque[float] = deque(maxlen=32)
+        self._running_ranks: Counter[int] = Counter()
 
     # -- classes ----------------------------------------------------------------------------
     def classes(self) -> list[RequestClass]:
@@ -152,13 +155,15 @@ class Admission:
             yield ticket
         finally:
             self._durations.append(time.monotonic() - t0)
-            self._release()
+            self._release(ticket)
 
     async def _acquire(self, cls: str) -> Ticket:
         rank, rc = self._class(cls)
         ticket = Ticket(cls, rank=rank, seq=next(self._seq))
         if self.running < self.max_running and not self.waiters:
             return self._grant_now(ticket)
+        if self._outranks_everyone(rank):
+            return self._grant_now(ticket)  # the engine makes the lower-class generation yield
         mine = sum(1 for w in self.waiters if w.cls == cls)
         if mine >= rc.max_queue:
             self._reject(cls, "queue_full")
@@ -181,7 +186,7 @@ class Admission:
                                f"without a free slot; {self.running} running, {len(self.waiters)} queued") from None
         except BaseException:
             if ticket.granted_at is not None:
-                self._release()
+                self._release(ticket)
             else:
                 self._reject(cls, "disconnected")
             raise
@@ -192,6 +197,12 @@ class Admission:
         if ticket.bumped:
             raise QueueFull("a request of a higher class took this place in the queue", self.retry_after())
         return ticket
+
+    def _outranks_everyone(self, rank: int) -> bool:
+        """A request more urgent than every running and waiting one gets a slot beyond
+        `max_running` (at most one per class): the engine preempts the lower class between two steps."""
+        running = [r for r, n in self._running_ranks.items() if n > 0]
+        return bool(running) and rank < min(running) and all(w.rank > rank for w in self.waiters)
 
     def _bump_for(self, rank: int) -> bool:
         """Make room for a class of `rank` by refusing the newest waiter of a lower class."""
@@ -207,14 +218,16 @@ class Admission:
 
     def _grant_now(self, ticket: Ticket) -> Ticket:
         self.running += 1
+        self._running_ranks[ticket.rank] += 1
         ticket.granted_at = time.monotonic()
         self.admitted[ticket.cls] += 1
         self.wait_sum_s[ticket.cls] += ticket.wait_s
         self._on_change()
         return ticket
 
-    def _release(self) -> None:
+    def _release(self, ticket: Ticket) -> None:
         self.running -= 1
+        self._running_ranks[ticket.rank] -= 1
         while self.running < self.max_running and self.waiters:
             head = self.waiters.pop(0)
             self._grant_now(head)

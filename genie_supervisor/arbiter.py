@@ -108,13 +108,16 @@ class DecodeGate:
     # -- the engine's side ------------------------------------------------------------------
     @contextmanager
     def generation(self) -> Iterator[None]:
-        """Mark a generation as running (so the gate knows when everything is parked)."""
+        """Mark a generation as running: it holds the model and can take steps (the engine enters
+        this via `running()` once it has the model; waiting for the model is not running)."""
         self._generations += 1
         try:
             yield
         finally:
             self._generations -= 1
             self._wake()
+
+    running = generation  # the engine's optional Gate hook
 
     async def wait(self, phase: str) -> None:
         """Return when the next step may run: park while paused, pace decode while throttled."""

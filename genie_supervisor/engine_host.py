@@ -80,11 +80,19 @@ class _Shutdown(Exception):
     """Raised from the gate into a generation when the host shuts down."""
 
 
+PRIORITY_RANK = {"voice": 2, "tool": 1, "background": 0}
+"""Engine priority of each request class: a voice turn preempts a running background generation."""
+
+
 class _HostGate:
     """The DecodeGate, plus a way out: during shutdown every wait raises instead of parking."""
 
     def __init__(self, host: EngineHost) -> None:
         self._host = host
+
+    def running(self) -> Any:
+        """Entered by the engine while the generation holds the model (see DecodeGate.parked)."""
+        return self._host.gate.generation()
 
     async def wait(self, phase: Any) -> None:
         host = self._host
@@ -169,24 +177,24 @@ class HostedGeneration:
         if model is None:
             raise EngineUnavailable(f"the engine is {host.state}")
         gen = model.generate(self.prompt_ids, self.sampling, gate=_HostGate(host),
-                             prefill_chunk=host.arbiter.prefill_chunk_tokens)
+                             prefill_chunk=host.arbiter.prefill_chunk_tokens,
+                             priority=PRIORITY_RANK.get(self.priority or "", 0))
         self.stats = gen.stats
         host._started(self)
         try:
-            with host.gate.generation():
-                try:
-                    async for tok in gen:
-                        if self.first_token_at is None:
-                            self.first_token_at = time.monotonic()
-                            host._changed()
-                        self.tokens += 1
-                        self.text += tok.text
-                        yield tok
-                except _Shutdown:
-                    pass
-                finally:
-                    with anyio.CancelScope(shield=True):
-                        await gen.aclose()
+            try:
+                async for tok in gen:
+                    if self.first_token_at is None:
+                        self.first_token_at = time.monotonic()
+                        host._changed()
+                    self.tokens += 1
+                    self.text += tok.text
+                    yield tok
+            except _Shutdown:
+                pass
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await gen.aclose()
         finally:
             self.finish_reason = gen.finish_reason or "cancelled"
             host._finished(self)

@@ -153,3 +153,34 @@ async def test_bad_input_gets_4xx_in_openai_shape_never_500(tmp_path: Path) -> N
             assert sup.admission.admitted["voice"] == 1
             with pytest.raises(httpx.HTTPStatusError):
                 (await client.post("/unload", content=b"nope")).raise_for_status()
+
+
+async def test_voice_turn_preempts_a_background_generation(tmp_path: Path) -> None:
+    """With the only slot held by a background stream, a voice request is admitted and finishes first."""
+    sup = make_api_supervisor(tmp_path, _one_model(tmp_path))
+    order: list[str] = []
+    with anyio.fail_after(100):
+        async with sup, oai(sup) as oa:
+            first_token = anyio.Event()
+
+            async def background() -> None:
+                stream = await oa.chat.completions.create(
+                    model="tiny", messages=HI, max_tokens=200, temperature=0, stream=True,
+                    extra_headers={"X-Genie-Priority": "background"}, extra_body={"ignore_eos": True})
+                n = 0
+                async for chunk in stream:
+                    n += 1
+                    first_token.set()
+                order.append(f"background:{n > 1}")
+
+            async def voice() -> None:
+                await first_token.wait()
+                r = await oa.chat.completions.create(model="tiny", messages=HI, max_tokens=3, temperature=0,
+                                                     extra_headers={"X-Genie-Priority": "voice"})
+                assert r.choices[0].message.content is not None
+                order.append("voice")
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(background)
+                tg.start_soon(voice)
+    assert order == ["voice", "background:True"]

@@ -121,7 +121,7 @@ async def test_cancel_stops_within_one_step() -> None:
     await g.aclose()
     assert g.finish_reason == "cancelled" and g.stats.completion_tokens == 3
     with anyio.fail_after(5):
-        async with model.lock:
+        async with model.lock.hold():
             pass
 
 
@@ -132,3 +132,58 @@ async def test_streamed_text_handles_multibyte_characters() -> None:
     g = model.generate(ids, SamplingParams(temperature=0, max_tokens=24))
     text = "".join(t.text for t in await _collect(g))
     assert text == model.tokenizer.decode(g.completion_ids)
+
+
+async def test_urgent_generation_preempts_a_running_one() -> None:
+    """A higher-priority generation takes the model between two steps; the other resumes after it."""
+    model = _model()
+    bg_ids = model.tokenizer.encode("Tell me a long story about a lighthouse keeper.", add_special=True)
+    fg_ids = model.tokenizer.encode("Turn on the kitchen lights.", add_special=True)
+    order: list[str] = []
+    started = anyio.Event()
+
+    async def background() -> None:
+        g = model.generate(bg_ids, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), priority=0)
+        async for _ in g:
+            started.set()
+        order.append("background")
+        assert g.finish_reason == "length" and g.stats.completion_tokens == 12
+        assert g.preemptions >= 1
+
+    async def voice() -> None:
+        await started.wait()
+        g = model.generate(fg_ids, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), priority=2)
+        await _collect(g)
+        order.append("voice")
+
+    with anyio.fail_after(120):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(background)
+            tg.start_soon(voice)
+    assert order == ["voice", "background"]
+
+
+async def test_equal_priority_waits_its_turn() -> None:
+    """A generation of the same priority waits for the running one to finish (no preemption)."""
+    model = _model()
+    ids = model.tokenizer.encode("Count: one, two,", add_special=True)
+    order: list[str] = []
+    started = anyio.Event()
+
+    async def first() -> None:
+        g = model.generate(ids, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), priority=1)
+        async for _ in g:
+            started.set()
+        order.append("first")
+        assert g.preemptions == 0
+
+    async def second() -> None:
+        await started.wait()
+        await _collect(model.generate(ids, SamplingParams(temperature=0, max_tokens=2), priority=1))
+        order.append("second")
+
+    with anyio.fail_after(120):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(first)
+            tg.start_soon(second)
+    assert order == ["first", "second"]

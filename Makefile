@@ -17,12 +17,17 @@ $(STAMP): pyproject.toml
 
 deps: $(STAMP)
 
-# Mosquitto is a real part of the tests (MQTT); installed from Debian when missing.
+# Mosquitto is a real part of the tests (MQTT); gcc builds the native CPU kernels at first use
+# (engine/kernels/cpu/, cached under ~/.cache/genie-supervisor/kernels). Installed from Debian
+# when missing; without them the MQTT tests skip and the engine falls back to pure NumPy.
 system-deps:
-	@command -v mosquitto >/dev/null 2>&1 || test -x /usr/sbin/mosquitto || { \
-	  if [ -n "$(APT_GET)" ]; then echo "installing mosquitto"; \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mosquitto >/dev/null; \
-	  else echo "mosquitto not found and apt-get unavailable: MQTT tests will be skipped"; fi; }
+	@missing=""; \
+	command -v mosquitto >/dev/null 2>&1 || test -x /usr/sbin/mosquitto || missing="$$missing mosquitto"; \
+	command -v cc >/dev/null 2>&1 || missing="$$missing gcc libc6-dev"; \
+	if [ -n "$$missing" ]; then \
+	  if [ -n "$(APT_GET)" ]; then echo "installing$$missing"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	  else echo "not found and apt-get unavailable:$$missing"; fi; fi
 
 models: $(STAMP)
 	@$(GENIE) models fetch smollm2 >/dev/null

@@ -1,4 +1,5 @@
-"""The LLM engine: GGUF models on NumPy (CPU) or CuPy (CUDA). Usable without the supervisor.
+"""The LLM engine: GGUF models on NumPy or native C kernels (CPU) or CuPy (CUDA). Usable without
+the supervisor.
 
     from engine import load_model, SamplingParams
     model = load_model(path, backend="auto")
@@ -14,7 +15,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import anyio
 import numpy as np
 
 from .chat_template import render_chat as _render_chat
@@ -23,6 +23,7 @@ from .gate import Gate, OpenGate
 from .generate import Generation, GenerationStats, TokenEvent
 from .gguf_file import GGUFFile, read_gguf
 from .kv_cache import kv_bytes
+from .lock import PriorityLock
 from .model import MemoryPlan, Transformer, plan_memory
 from .sampler import Sampler, SamplingParams
 from .spec import ModelSpec, read_spec
@@ -60,11 +61,17 @@ class Model:
         self.spec: ModelSpec = read_spec(gf)
         self.tokenizer = Tokenizer.from_gguf(gf)
         self.chat_template: str | None = gf.get("tokenizer.chat_template")
-        self.memory_plan: MemoryPlan = plan_memory(gf, self.spec, n_ctx, kv_dtype)
+        self.memory_plan: MemoryPlan = plan_memory(
+            gf, self.spec, n_ctx, kv_dtype, quantized=backend == "native"
+        )
         if backend == "cupy":
             from .backends.cupy_backend import CupyOps  # type: ignore[import-not-found]
 
             ops: Any = CupyOps()
+        elif backend == "native":
+            from .backends.cpu_native import NativeOps
+
+            ops = NativeOps()
         else:
             from .backends.numpy_backend import NumpyOps
 
@@ -74,7 +81,7 @@ class Model:
         make_decoder = getattr(ops, "make_decoder", None)
         self.decoder: Any = make_decoder(self.transformer) if make_decoder is not None else None
         """Optional backend fast path for one-token steps (e.g. a replayed CUDA graph)."""
-        self.lock = anyio.Lock()
+        self.lock = PriorityLock()
         """Held by a generation for its whole length: the KV cache holds one sequence."""
         self._thread_lock = threading.Lock()
         self.info = ModelInfo(
@@ -160,9 +167,14 @@ class Model:
         sampling: SamplingParams | None = None,
         gate: Gate | None = None,
         prefill_chunk: int | None = None,
+        priority: int = 0,
     ) -> Generation:
-        """An async iterator of TokenEvent; awaits `gate` before every step and prefill chunk."""
-        return Generation(self, prompt_ids, sampling or SamplingParams(), gate, prefill_chunk)
+        """An async iterator of TokenEvent; awaits `gate` before every step and prefill chunk.
+
+        Generations share the model by `priority`: a running one yields to a more urgent one
+        between two steps and resumes afterwards (its context rebuilt from the prefix cache).
+        """
+        return Generation(self, prompt_ids, sampling or SamplingParams(), gate, prefill_chunk, priority)
 
     def close(self) -> None:
         """Drop the weights and the KV cache."""
@@ -182,7 +194,8 @@ def load_model(
     n_ctx: int | None = None,
     kv_dtype: str = "f32",
 ) -> Model:
-    """Load a GGUF model. `backend`: "auto" (CuPy when CUDA works, else NumPy), "numpy", "cupy"."""
+    """Load a GGUF model. `backend`: "auto" (CuPy when CUDA works, else the native CPU kernels
+    when a C compiler builds them, else NumPy), "numpy" (pure NumPy reference), "native", "cupy"."""
     from .backends import resolve_backend
 
     gf = read_gguf(path)

@@ -19,7 +19,6 @@ from .gguf_file import SUPPORTED_TYPES, GGUFFile, TensorInfo
 from .kv_cache import KVCache, kv_bytes
 from .spec import ModelSpec
 
-
 # How llama.cpp's CPU path rounds the activations that meet a weight of each type.
 ACT_QUANT = {
     "Q4_0": "q8_0", "Q5_0": "q8_0", "Q8_0": "q8_0", "Q4_1": "q8_0", "Q5_1": "q8_0",
@@ -87,11 +86,20 @@ def _tensor(gf: GGUFFile, name: str, shape: tuple[int, ...] | None = None) -> Te
     return t
 
 
-def plan_memory(gf: GGUFFile, spec: ModelSpec, n_ctx: int, kv_dtype: str, chunk: int = 64) -> MemoryPlan:
-    """Memory plan of the float32 CPU backend: weights dequantized, KV at n_ctx, one chunk of scratch."""
+def plan_memory(
+    gf: GGUFFile, spec: ModelSpec, n_ctx: int, kv_dtype: str, chunk: int = 64, quantized: bool = False
+) -> MemoryPlan:
+    """Memory plan of the float32 CPU backend: weights dequantized, KV at n_ctx, one chunk of scratch.
+
+    `quantized`: the backend keeps 2-D block-quantized matrices as stored (native CPU backend);
+    only the other tensors count as float32.
+    """
     weights = 0
     for t in gf.tensors.values():
-        weights += int(np.prod(t.shape)) * 4
+        if quantized and len(t.shape) == 2 and t.type_name in ACT_QUANT:
+            weights += t.nbytes
+        else:
+            weights += int(np.prod(t.shape)) * 4
     if "output.weight" not in gf.tensors:
         pass  # tied head: the embedding table is dequantized once and shared
     width = max(spec.n_embd, spec.n_heads * spec.head_dim * 3, 2 * spec.n_ff)

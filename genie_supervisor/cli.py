@@ -33,7 +33,7 @@ def _build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--max-tokens", type=int, default=256)
     chat.add_argument("--temperature", type=float, default=0.0)
     chat.add_argument("--seed", type=int, default=None)
-    chat.add_argument("--backend", choices=["auto", "numpy", "cupy"], default="auto")
+    chat.add_argument("--backend", choices=["auto", "numpy", "native", "cupy"], default="auto")
     chat.add_argument("--ctx", type=int, default=4096, help="context length (KV cache size)")
 
     models = sub.add_parser("models", help="demo models")
@@ -69,7 +69,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="engine speed on a model")
     bench.add_argument("-m", "--model", required=True)
-    bench.add_argument("--backend", choices=["auto", "numpy", "cupy"], default="auto")
+    bench.add_argument("--backend", choices=["auto", "numpy", "native", "cupy"], default="auto")
     bench.add_argument("--prompt-tokens", type=int, default=128)
     bench.add_argument("--gen-tokens", type=int, default=64)
     return p

@@ -42,7 +42,7 @@ def write_config(path: Path, policy: Path | None, *, model: Path | None = None, 
     lines = [
         "telemetry: {platform: simulated, interval_s: 0.05}",
         f"policy: {{path: {str(policy) if policy else 'null'}, watch: false}}",
-        f"engine: {{model: {str(model) if model else 'null'}, backend: numpy}}",
+        f"engine: {{model: {str(model) if model else 'null'}, backend: auto}}",
         "" if warmup or "api:" in extra else "api: {warmup: false}",
         extra,
     ]

@@ -24,14 +24,18 @@ def require(path: Path) -> Path:
     return path
 
 
-_LOADED: dict[str, object] = {}
+_LOADED: dict[tuple[str, str], object] = {}
 
 
-def shared_model(path: Path):  # type: ignore[no-untyped-def]
-    """Load a model once per test session (loading takes seconds)."""
+def shared_model(path: Path, backend: str = "auto"):  # type: ignore[no-untyped-def]
+    """Load a model once per test session and backend (loading takes seconds).
+
+    "auto" is the CPU default (the native kernels where a C compiler works, else NumPy); its
+    results do not depend on prefill chunking, which tests comparing two greedy runs rely on.
+    """
     from engine import load_model
 
     key = str(require(path))
-    if key not in _LOADED:
-        _LOADED[key] = load_model(key, backend="numpy")
-    return _LOADED[key]
+    if (key, backend) not in _LOADED:
+        _LOADED[(key, backend)] = load_model(key, backend=backend)
+    return _LOADED[(key, backend)]

@@ -168,7 +168,7 @@ async def test_voice_turn_preempts_a_background_generation(tmp_path: Path) -> No
                     model="tiny", messages=HI, max_tokens=200, temperature=0, stream=True,
                     extra_headers={"X-Genie-Priority": "background"}, extra_body={"ignore_eos": True})
                 n = 0
-                async for chunk in stream:
+                async for _chunk in stream:
                     n += 1
                     first_token.set()
                 order.append(f"background:{n > 1}")

@@ -223,7 +223,11 @@ def test_qgemv_matches_numpy_and_float_path(t: str, rows: int, cols: int, epi: i
                                   rows if epi == 2 else None)
         finally:
             cd.USE_QGEMV = True
-        assert ls[0].name.startswith("qgemv" if use_q else "gemv")
+        names = [ln.name for ln in ls]
+        if use_q:  # the input rounded once (qprep_x), then the integer GEMV
+            assert names[0].startswith("qprep") and names[1].startswith("qgemv"), names
+        else:
+            assert names[0].startswith("gemv"), names
         for ln in ls:
             ln()
         outs[use_q] = cp.asnumpy(y).astype(np.float64)

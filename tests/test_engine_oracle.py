@@ -19,12 +19,23 @@ def _cases(name: str) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _backend_or_skip(backend: str) -> str:
+    if backend == "native":
+        from engine.backends.cpu_native import native_available
+
+        ok, why = native_available()
+        if not ok:
+            pytest.skip(f"native CPU kernels unavailable: {why}")
+    return backend
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", ["numpy", "native"])
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_teacher_forced_argmax_matches_llama_cpp(name: str) -> None:
+def test_teacher_forced_argmax_matches_llama_cpp(name: str, backend: str) -> None:
     """Our argmax equals llama.cpp's greedy token at >= 99% of positions with a clear top-2 gap."""
-    model = shared_model(MODELS[name])
+    model = shared_model(MODELS[name], _backend_or_skip(backend))
     agree = total = 0
     for case in _cases(name):
         completion = case["completion_ids"]
@@ -38,6 +49,7 @@ def test_teacher_forced_argmax_matches_llama_cpp(name: str) -> None:
                 total += 1
                 agree += int(picks[j] == completion[j])
     assert total > 500
+    print(f"\n{name} [{backend}]: {agree}/{total} = {agree / total:.4f}")
     assert agree / total >= 0.99, f"{agree}/{total} = {agree / total:.4f}"
 
 

@@ -1,4 +1,5 @@
-"""Backends supply the ops of the forward pass: `numpy` (reference, CPU) and `cupy` (CUDA)."""
+"""Backends supply the ops of the forward pass: `numpy` (reference, CPU), `native` (compiled
+quantized GEMV on CPU, `cpu_native`) and `cupy` (CUDA)."""
 
 from __future__ import annotations
 
@@ -18,10 +19,18 @@ def cuda_available() -> tuple[bool, str]:
     return True, f"{n} CUDA device(s)"
 
 
+def native_available() -> tuple[bool, str]:
+    """Whether the native CPU kernels compile and load here (built once, cached on disk)."""
+    from .cpu_native import native_available as _available
+
+    return _available()
+
+
 def resolve_backend(name: str) -> str:
-    """Map `auto` to `cupy` when CUDA works, else `numpy`; validate explicit names."""
-    if name not in ("auto", "numpy", "cupy"):
-        raise ValueError(f"unknown backend {name!r} (auto, numpy or cupy)")
+    """Map `auto` to `cupy` when CUDA works, else `native` when the C kernels build, else
+    `numpy`; validate explicit names."""
+    if name not in ("auto", "numpy", "native", "cupy"):
+        raise ValueError(f"unknown backend {name!r} (auto, numpy, native or cupy)")
     if name != "auto":
         return name
     ok, _ = cuda_available()
@@ -29,4 +38,6 @@ def resolve_backend(name: str) -> str:
         import engine.backends.cupy_backend  # noqa: F401
     except ImportError:
         ok = False
-    return "cupy" if ok else "numpy"
+    if ok:
+        return "cupy"
+    return "native" if native_available()[0] else "numpy"

@@ -1,24 +1,36 @@
 """CuPy backend: the ops of the forward pass on a CUDA GPU, weights kept quantized on the device.
 
 Weights stay in their GGUF block layout in GPU memory (`QWeight`). One token (decode) runs fused
-dequantize+GEMV kernels (one warp per row); several tokens (prefill) dequantize row tiles to fp16
-into one preallocated scratch buffer and multiply with cuBLAS. Kernels: `engine.kernels`.
+dequantize+GEMV kernels (one warp per row); several tokens (prefill) dequantize row tiles (fp32,
+or fp16 with `prefill_dtype="float16"`) into one preallocated scratch buffer and multiply them
+with one cuBLAS GemmEx per tile, fp32 accumulation, written straight into the output. Kernels: `engine.kernels`.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import dataclass, field
 
 import cupy as cp
 import numpy as np
+from cupy_backends.cuda.libs import cublas as _cublas
 
 from .. import kernels
 from ..gguf_file import TensorInfo
 from ..quants import dequantize, dequantize_rows
 
+log = logging.getLogger(__name__)
+
 _GELU_C = math.sqrt(2.0 / math.pi)
+# cuBLAS / CUDA enum values (cublas_api.h, library_types.h)
+_OP_N, _OP_T = 0, 1
+_CUDA_R_32F, _CUDA_R_16F = 0, 2
+_COMPUTE_32F = 68  # CUBLAS_COMPUTE_32F: fp32 accumulation (tensor cores for fp16 inputs, no TF32)
+_GEMM_DEFAULT = -1
+_ONE = np.ones(1, dtype=np.float32)
+_ZERO = np.zeros(1, dtype=np.float32)
 WARPS = 4  # rows per GEMV block
 SCRATCH_ELEMS = 16 * 1024 * 1024  # prefill tiles: 64 MiB as fp32, 32 MiB as fp16
 
@@ -69,12 +81,15 @@ class CupyOps:
     """One-token steps: "graph" (fused kernels replayed from a CUDA graph), "eager" (the same
     kernels launched one by one) or "off" (the generic forward pass); env GENIE_CUPY_DECODER."""
 
-    def __init__(self, prefill_dtype: str = "float32") -> None:
+    def __init__(self, prefill_dtype: str | None = None) -> None:
+        if prefill_dtype is None:  # fp16 tiles: faster, less exact (see docs/engine-gpu.md)
+            prefill_dtype = os.environ.get("GENIE_CUPY_PREFILL", "float32")
         if prefill_dtype not in ("float32", "float16"):
             raise ValueError(f"prefill_dtype {prefill_dtype!r}: expected float32 or float16")
         kernels.module()  # compile now (NVRTC), not in the middle of the first forward pass
         self.prefill_dtype = np.dtype(prefill_dtype)
         self._scratch: cp.ndarray | None = None
+        self._gemm_ok: dict[bool, bool] = {}  # per fp16/fp32: GemmEx checked against cp.matmul
 
     # --- weights -------------------------------------------------------------------------
     def weight(self, t: TensorInfo) -> QWeight | cp.ndarray:
@@ -157,22 +172,35 @@ class CupyOps:
         )
 
     def dequant_f32(self, p: QWeight, r0: int, r1: int, out: cp.ndarray) -> None:
-        """Rows r0..r1 of one piece as fp32 into `out` [r1 - r0, cols] (the gather kernel)."""
+        """Rows r0..r1 of one piece as fp32 into `out` [r1 - r0, cols]."""
         cols = p.shape[1]
-        ids = cp.arange(r0, r1, dtype=cp.int64)
         units = (r1 - r0) * (cols // 32)
-        kernels.kernel(f"gather_{p.type_name}")(
+        kernels.kernel(f"dequant_f_{p.type_name}")(
             ((units + 127) // 128,), (128,),
-            (p.raw, np.int64(p.raw.shape[1]), ids, out, np.int32(r1 - r0), np.int32(cols)),
+            (p.raw[r0:r1], np.int64(p.raw.shape[1]), out, np.int32(r1 - r0), np.int32(cols)),
         )
 
+    def _gemm(self, wt: cp.ndarray, xs: cp.ndarray, y: cp.ndarray, col0: int) -> None:
+        """y[:, col0 : col0 + m] = xs @ wt.T by one cuBLAS GemmEx (fp32 compute and output),
+        written in place: no temporary, no copy. wt [m, k] and xs [t, k] fp16 or fp32, C-order."""
+        m, k = wt.shape
+        t = xs.shape[0]
+        dt = _CUDA_R_16F if wt.dtype == cp.float16 else _CUDA_R_32F
+        handle = cp.cuda.device.get_cublas_handle()
+        _cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
+        # column-major view: C[m, t] (ldc = y's row length) = op(A = wt as [k, m])^T [m, k] x B [k, t]
+        _cublas.gemmEx(handle, _OP_T, _OP_N, m, t, k, _ONE.ctypes.data, wt.data.ptr, dt, k,
+                       xs.data.ptr, dt, k, _ZERO.ctypes.data, y.data.ptr + col0 * 4, _CUDA_R_32F,
+                       y.shape[1], _COMPUTE_32F, _GEMM_DEFAULT)
+
     def matmul(self, w: QWeight, x: cp.ndarray, bias: cp.ndarray | None) -> cp.ndarray:
-        """[T, in] x W.T for T > 1: tiles of W decoded into the scratch buffer, cuBLAS, fp32 out."""
+        """[T, in] x W.T for T > 1: tiles of W decoded into the scratch buffer, one cuBLAS GemmEx
+        per tile straight into the fp32 output (fp32 accumulation for fp16 tiles too)."""
         t = x.shape[0]
         rows, cols = w.shape
         y = cp.empty((t, rows), dtype=cp.float32)
         half = self.prefill_dtype == np.float16
-        xs = x.astype(cp.float16) if half else x
+        xs = cp.ascontiguousarray(x.astype(cp.float16) if half else x)
         if self._scratch is None:
             self._scratch = cp.empty(SCRATCH_ELEMS, dtype=self.prefill_dtype)
         tile = max(1, SCRATCH_ELEMS // cols)
@@ -182,7 +210,18 @@ class CupyOps:
                 r1 = min(p.shape[0], r0 + tile)
                 wt = self._scratch[: (r1 - r0) * cols].reshape(r1 - r0, cols)
                 (self.dequant_f16 if half else self.dequant_f32)(p, r0, r1, wt)
-                y[:, base + r0 : base + r1] = cp.matmul(xs, wt.T)
+                if self._gemm_ok.get(half) is not False:
+                    self._gemm(wt, xs, y, base + r0)
+                    if self._gemm_ok.get(half) is None:  # first use: check against cp.matmul once
+                        ref = cp.matmul(xs, wt.T).astype(cp.float32)
+                        got = y[:, base + r0 : base + r1]
+                        err = float(cp.abs(got - ref).max()) / max(float(cp.abs(ref).max()), 1e-30)
+                        self._gemm_ok[half] = err < (1e-2 if half else 1e-4)
+                        if not self._gemm_ok[half]:
+                            log.warning("prefill GemmEx disagrees with cp.matmul (%.2e); using matmul", err)
+                            y[:, base + r0 : base + r1] = ref
+                else:
+                    y[:, base + r0 : base + r1] = cp.matmul(xs, wt.T)
             base += p.shape[0]
         if bias is not None:
             y += bias
@@ -302,18 +341,13 @@ def _attention_xp(
     k = k_cache[:, lo:end, :].astype(cp.float32)
     v = v_cache[:, lo:end, :].astype(cp.float32)
     qg = q.reshape(t, kv, g, d).transpose(1, 0, 2, 3).reshape(kv, t * g, d)
-    scores = cp.matmul(qg, k.transpose(0, 2, 1)) * np.float32(scale)
-    scores = scores.reshape(kv, t, g, end - lo)
-    if t > 1 or window:
-        qpos = cp.arange(start, end)[:, None]
-        kpos = cp.arange(lo, end)[None, :]
-        masked = kpos > qpos
-        if window:
-            masked |= (qpos - kpos) >= window
-        scores += cp.where(masked, np.float32(-np.inf), np.float32(0))[None, :, None, :]
-    scores -= scores.max(axis=-1, keepdims=True)
-    cp.exp(scores, out=scores)
-    scores /= scores.sum(axis=-1, keepdims=True)
+    scores = cp.ascontiguousarray(cp.matmul(qg, k.transpose(0, 2, 1)))  # [kv, t*g, L]
+    # scale, causal / sliding-window mask and softmax in one kernel (row r: query (r // g) % t)
+    kernels.kernel("causal_softmax")(
+        (kv * t * g,), (256,),
+        (scores, np.int32(end - lo), np.int32(t), np.int32(g), np.int32(start), np.int32(lo),
+         np.int32(window), np.float32(scale)),
+    )
     out = cp.matmul(scores.reshape(kv, t * g, end - lo), v)
     dv = v.shape[-1]
     return out.reshape(kv, t, g, dv).transpose(1, 0, 2, 3).reshape(t, h * dv)

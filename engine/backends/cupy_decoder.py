@@ -76,39 +76,71 @@ class _Launch:
 USE_QGEMV = True  # integer dot products where the activation rounding is on (False: float path)
 
 
-def qgemv_config(type_name: str, rows: int, n_sm: int) -> tuple[int, int]:
+def qgemv_config(type_name: str, rows: int, n_sm: int, cols: int = 0) -> tuple[int, int]:
     """(threads per row, grid cap in blocks per SM) of the integer GEMV. Measured on an H200
-    (bench/results/decode_profile-*-v3.txt): every block rounds the whole input again, so few
-    threads a row (more rows a block) and a grid of ~4 blocks an SM win: 16 threads a row from
-    4096 rows up, else 32; Q6_K (80 registers, 3 blocks an SM resident) likes a cap of 8."""
-    return (16 if rows >= 4096 else 32), (8 if type_name == "Q6_K" else 4)
+    (bench/results/decode_profile-*-v3b.txt): 16 threads a row from 4096 rows up, else 32; the
+    output heads (>= 32768 rows) 8 (SmolLM2 head 9.8 vs 12.4 us, Qwen3-4B Q6_K head 167 vs 175);
+    Q6_K (80 registers, 3 blocks an SM resident) likes a cap of 8. With the input rounded once
+    (v4), <= 1024 rows of >= 1536 inputs like 64 threads a row."""
+    if rows >= 32768:
+        tpr = 8
+    elif rows >= 4096:
+        tpr = 16
+    else:  # few rows of long inputs: more threads a row (v4 profile: 1024x2560 3.2 vs 3.6 us)
+        tpr = 64 if rows <= 1024 and cols >= 1536 else 32
+    return tpr, (8 if type_name == "Q6_K" else 4)
+
+
+class QInput:
+    """A matrix input rounded to int8 blocks (`qprep_x`): values, per-block scales, per-16 sums.
+    Sized for the widest input; one serves every GEMV of a step (they run one after another)."""
+
+    def __init__(self, cols: int) -> None:
+        self.cols = cols
+        self.xq = cp.zeros(cols, dtype=cp.int8)
+        self.xd = cp.zeros(max(1, cols // 32), dtype=cp.float32)
+        self.xs16 = cp.zeros(max(1, cols // 16), dtype=cp.int32)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.xq.nbytes + self.xd.nbytes + self.xs16.nbytes)
 
 
 def gemv_launches(fn: Any, n_sm: int, w: Any, x: cp.ndarray, nw: cp.ndarray | None, eps: np.float32,
                   aq: str | None, y: cp.ndarray, bias: cp.ndarray | None = None, epi: int = 0,
-                  out_rows: int | None = None) -> list[_Launch]:
+                  out_rows: int | None = None, qin: QInput | None = None) -> list[_Launch]:
     """The launches of y = W @ prep(x) (norm by `nw`, llama.cpp rounding `aq`) with epilogue `epi`:
-    the integer-dot kernel (`qgemv_<T>`) where W's type has one and the rounding is on, else the
-    float kernel (`dgemv_<T>`). `fn(name)` gives a compiled kernel of the decode module."""
+    where W's type has an integer dot product and the rounding is on, one `qprep_x` launch rounds
+    the input into `qin` (allocated here when not given), then the integer-dot kernel
+    (`qgemv_<T>`) reads it; other pieces use the float kernel (`dgemv_<T>`, which prepares its
+    input itself). `fn(name)` gives a compiled kernel of the decode module."""
     out: list[_Launch] = []
     cols = w.shape[1]
+    code = AQ_CODE[aq]
+    prepped = False
     r0 = 0
     for p in w.pieces():
         rows = p.shape[0] if out_rows is None else out_rows
         b = None if bias is None else bias[r0 : r0 + rows]
-        args = (p.raw, np.int64(p.raw.shape[1]), np.int32(rows), np.int32(cols), x, _ptr(nw), eps,
-                np.int32(AQ_CODE[aq]), y[r0:], _ptr(b), np.int32(epi), np.int32(out_rows or 0))
-        if USE_QGEMV and qdot_src.QTYPES.get(p.type_name) == AQ_CODE[aq]:
+        if USE_QGEMV and qdot_src.QTYPES.get(p.type_name) == code:
+            if not prepped:
+                if qin is None or qin.cols < cols:
+                    qin = QInput(cols)
+                groups = cols // (32 if code == 1 else 256)
+                out.append(_Launch(fn("qprep_x"), (max(1, -(-groups // 8)),), (256,),
+                                   (x, _ptr(nw), eps, np.int32(code), np.int32(cols), qin.xq, qin.xd,
+                                    qin.xs16), 0, f"qprep[{cols}]"))
+                prepped = True
             glu = epi >= 2
-            tpr, cap = qgemv_config(p.type_name, rows, n_sm)
+            tpr, cap = qgemv_config(p.type_name, rows, n_sm, cols)
             k = fn(f"qgemv{'_glu' if glu else ''}_{p.type_name}")
-            smem = cols * 5 + (cols // 32) * 4 + (cols // 16) * 4
-            if smem > 48 * 1024:
-                k.max_dynamic_shared_size_bytes = smem
             blocks = max(1, min(-(-rows // (256 // tpr)), cap * n_sm))
-            out.append(_Launch(k, (blocks,), (256,), args + (np.int32(tpr),), smem,
-                               f"qgemv_{p.type_name}[{rows}x{cols}]"))
+            args = (p.raw, np.int64(p.raw.shape[1]), np.int32(rows), np.int32(cols), qin.xq, qin.xd,
+                    qin.xs16, y[r0:], _ptr(b), np.int32(epi), np.int32(out_rows or 0), np.int32(tpr))
+            out.append(_Launch(k, (blocks,), (256,), args, 0, f"qgemv_{p.type_name}[{rows}x{cols}]"))
         else:
+            args = (p.raw, np.int64(p.raw.shape[1]), np.int32(rows), np.int32(cols), x, _ptr(nw), eps,
+                    np.int32(code), y[r0:], _ptr(b), np.int32(epi), np.int32(out_rows or 0))
             # two rows a warp where that still fills the GPU (more loads in flight per lane)
             r = 2 if epi < 2 and -(-rows // (2 * ROWS_PER_BLOCK)) >= n_sm else 1
             k = fn(f"dgemv{'2' if r == 2 else ''}_{p.type_name}")
@@ -162,6 +194,7 @@ class CupyDecoder:
         self.pacc = cp.zeros(nh * self.n_split * vd, dtype=f32)
         self.gu = cp.zeros(2 * s.n_ff, dtype=f32)
         self.act = cp.zeros(s.n_ff, dtype=f32)
+        self.qin = QInput(max(e, s.n_ff, nh * vd))  # the rounded input of every integer GEMV
         self.out_logits = cp.zeros(tf.output.shape[0], dtype=f32)
         self._ids_mem = cp.cuda.alloc_pinned_memory(16)
         self.ids_host = np.frombuffer(self._ids_mem, np.int32, 4)
@@ -178,7 +211,7 @@ class CupyDecoder:
             a.nbytes for a in (self.ids, self.x, self.tmp, self.qkv, self.q, self.attn, self.pm,
                                self.pl, self.pacc, self.gu, self.act, self.out_logits,
                                self.counters, self.best_v, self.best_i)
-        ))
+        ) + self.qin.nbytes)
         # --- the step as a list of launches, then one graph ---------------------------------
         self.plan: list[_Launch] = []
         self._build_plan()
@@ -205,7 +238,7 @@ class CupyDecoder:
               bias: cp.ndarray | None = None, epi: int = 0, out_rows: int | None = None) -> None:
         """y = W @ prep(x) with epilogue `epi` (0 store+bias, 1 add, 2 SwiGLU, 3 GeGLU)."""
         self.plan.extend(gemv_launches(self._fn, self.n_sm, w, x, nw, np.float32(self.spec.norm_eps),
-                                       aq, y, bias, epi, out_rows))
+                                       aq, y, bias, epi, out_rows, self.qin))
 
     def _build_plan(self) -> None:
         tf, s = self.tf, self.spec

@@ -45,7 +45,7 @@ class NumpyOps:
         """Round activations the way llama.cpp's CPU path does before a quantized dot product.
 
         ``q8_0``: blocks of 32, scale amax/127 (also Q8_1's values); ``q8_k``: blocks of 256,
-        scale = (signed value of largest magnitude) / -128. None leaves x unchanged.
+        scale = (signed value of largest magnitude) / -127 (ggml). None leaves x unchanged.
         """
         if kind is None:
             return x
@@ -59,7 +59,7 @@ class NumpyOps:
         else:
             idx = np.abs(xb).argmax(axis=-1)[..., None]
             mx = np.take_along_axis(xb, idx, axis=-1)
-            iscale = np.divide(np.float32(-128), mx, out=np.zeros_like(mx), where=mx != 0)
+            iscale = np.divide(np.float32(-127), mx, out=np.zeros_like(mx), where=mx != 0)
             q = np.minimum(np.round(xb * iscale), 127)
             d = np.divide(1.0, iscale, out=np.zeros_like(iscale), where=iscale != 0)
         return (q * d).astype(np.float32).reshape(t, n)
@@ -127,10 +127,11 @@ class NumpyOps:
         lo = max(0, start - window + 1) if window else 0
         k = k_cache[:, lo:end, :]
         v = v_cache[:, lo:end, :]
-        half = k.dtype == np.float16
-        if half:
-            k, v = k.astype(np.float32), v.astype(np.float32)
-        qg = q.reshape(t, kv, g, d).transpose(1, 0, 2, 3).reshape(kv, t * g, d)
+        # float64 here makes each query row's result independent of how many rows are computed
+        # together (BLAS blocking, masked zeros): prefill chunking, the prefix cache and
+        # preemption then cannot change a greedy answer through llama.cpp-style rounding flips.
+        k, v = k.astype(np.float64), v.astype(np.float64)
+        qg = q.astype(np.float64).reshape(t, kv, g, d).transpose(1, 0, 2, 3).reshape(kv, t * g, d)
         scores = (qg @ k.transpose(0, 2, 1)) * scale  # [KV, T*G, S]
         scores = scores.reshape(kv, t, g, end - lo)
         if t > 1 or window:
@@ -139,11 +140,11 @@ class NumpyOps:
             masked = kpos > qpos
             if window:
                 masked |= (qpos - kpos) >= window
-            scores += np.where(masked, np.float32(-np.inf), np.float32(0))[None, :, None, :]
+            scores += np.where(masked, -np.inf, 0.0)[None, :, None, :]
         scores -= scores.max(axis=-1, keepdims=True)
         np.exp(scores, out=scores)
         scores /= scores.sum(axis=-1, keepdims=True)
-        out = scores.reshape(kv, t * g, end - lo) @ v  # [KV, T*G, Dv]
+        out = (scores.reshape(kv, t * g, end - lo) @ v).astype(np.float32)  # [KV, T*G, Dv]
         dv = v.shape[-1]
         return out.reshape(kv, t, g, dv).transpose(1, 0, 2, 3).reshape(t, h * dv)
 

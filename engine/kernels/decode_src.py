@@ -88,7 +88,7 @@ __device__ __forceinline__ void prep_input(const float* __restrict__ x, const fl
             }
             float mx = xg[bi];
             __syncwarp();
-            float iscale = mx != 0.f ? -128.0f / mx : 0.f;
+            float iscale = mx != 0.f ? -127.0f / mx : 0.f;
             float d = iscale != 0.f ? 1.0f / iscale : 0.f;
             #pragma unroll
             for (int k = 0; k < 8; k++) xg[lane + 32 * k] = fminf(rintf(v[k] * iscale), 127.f) * d;

@@ -31,7 +31,7 @@ extern "C" __global__ void act_q8_k(const float* x, float* y, int n_groups) {
         if (ob > best || (ob == best && oi < bi)) { best = ob; bi = oi; }
     }
     float mx = xg[bi];
-    float iscale = mx != 0.f ? -128.0f / mx : 0.f;
+    float iscale = mx != 0.f ? -127.0f / mx : 0.f;
     float d = iscale != 0.f ? 1.0f / iscale : 0.f;
     #pragma unroll
     for (int k = 0; k < 8; k++) y[(long long)g * 256 + lane + 32*k] = fminf(rintf(v[k] * iscale), 127.f) * d;
@@ -56,6 +56,42 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, float* y, in
     __syncthreads();
     float r = sqrtf(part[0] / (float)n + eps);
     for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = xr[i] / r * w[i];
+}
+// Prefill attention's softmax, in place on scores [KV, T, G, L] (L = end - lo key positions from
+// lo): scale, causal + sliding-window mask (query t sits at start + t), max, exp, normalise; one
+// block per row. Same float operations as the CuPy expression it replaces (x * scale, masked to
+// -inf, x - max, exp, x / sum), one launch instead of ~10.
+extern "C" __global__ void causal_softmax(float* s, int L, int T, int G, int start, int lo,
+                                          int window, float scale) {
+    __shared__ float red[32];
+    long long r = blockIdx.x;
+    int qpos = start + (int)((r / G) % T);
+    float* row = s + r * (long long)L;
+    int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
+    float mx = __int_as_float(0xff800000);
+    for (int j = tid; j < L; j += blockDim.x) {
+        int kp = lo + j;
+        float v = row[j] * scale;
+        if (kp > qpos || (window && qpos - kp >= window)) v = __int_as_float(0xff800000);
+        row[j] = v;
+        mx = fmaxf(mx, v);
+    }
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    if (lane == 0) red[warp] = mx;
+    __syncthreads();
+    mx = red[0];
+    for (int w = 1; w < nw; w++) mx = fmaxf(mx, red[w]);
+    __syncthreads();
+    float sum = 0.f;
+    for (int j = tid; j < L; j += blockDim.x) { float e = expf(row[j] - mx); row[j] = e; sum += e; }
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (lane == 0) red[warp] = sum;
+    __syncthreads();
+    float tot = 0.f;
+    for (int w = 0; w < nw; w++) tot += red[w];
+    for (int j = tid; j < L; j += blockDim.x) row[j] = row[j] / tot;
 }
 // RoPE in place on x [T, H, D]; cos/sin [T, half]; neox rotates (i, i+half), else (2i, 2i+1).
 extern "C" __global__ void rope(float* x, const float* cs, const float* sn, int T, int H, int D,

@@ -161,93 +161,89 @@ __device__ __forceinline__ float dot_Q8_0(const raw_Q8_0& r, int c, const signed
 }
 """
 
-# Input preparation of the integer GEMV: x into shared memory, RMS-normalised by nw (if given),
-# then rounded to int8 blocks exactly as `prep_input` / `NumpyOps.act_quant` round it (aq 1: q8_0,
-# blocks of 32; aq 2: q8_k, blocks of 256), kept as int8 + scales + per-16 sums. blockDim.x == 256.
-# Shared layout (dynamic): xf float[cols] | xq int8[cols] | xd float[cols/32] | xs16 int[cols/16].
+# Input preparation of the integer GEMV, once per matrix input (`qprep_x`, its own small launch):
+# x RMS-normalised by nw (if given), then rounded to int8 blocks exactly as `prep_input` /
+# `NumpyOps.act_quant` round it (aq 1: q8_0, blocks of 32; aq 2: q8_k, blocks of 256), written to a
+# preallocated global buffer as int8 values `xq[cols]`, one float scale per block `xd` and the sum
+# of each 16 values `xs16`. One warp per rounding block, 8 a thread block; every thread block
+# forms the sum of squares over the whole input itself (same order as before: the values are
+# bit-identical to the per-block preparation the GEMV used to do).
 QPREP = r"""
 __device__ __forceinline__ int sum16(int v) {
     #pragma unroll
     for (int o = 8; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
-template <bool SUMS>
-__device__ __forceinline__ void qprep(const float* __restrict__ x, const float* __restrict__ nw,
-                                      float eps, int aq, int cols, float* xf, signed char* xq,
-                                      float* xd, int* xs16, float* red) {
+extern "C" __global__ void __launch_bounds__(256) qprep_x(
+        const float* __restrict__ x, const float* __restrict__ nw, float eps, int aq, int cols,
+        signed char* __restrict__ xq, float* __restrict__ xd, int* __restrict__ xs16) {
+    __shared__ float red[8];
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    float ss = 0.f;
-    for (int i = tid; i < cols; i += 256) { float v = x[i]; xf[i] = v; ss += v * v; }
     float r = 1.f;
     if (nw) {
+        float ss = 0.f;
+        for (int i = tid; i < cols; i += 256) { float v = x[i]; ss += v * v; }
         ss = warp_sum(ss);
         if (lane == 0) red[warp] = ss;
-    }
-    __syncthreads();
-    if (nw) {
+        __syncthreads();
         float tot = 0.f;
         #pragma unroll
         for (int w = 0; w < 8; w++) tot += red[w];
         r = sqrtf(tot / (float)cols + eps);
     }
+    int g = blockIdx.x * 8 + warp;
     // the normalised value (x / r * w, as prep_input computes it) is formed where it is rounded
-#define XN(i) (nw ? xf[i] / r * nw[i] : xf[i])
+#define XN(i) (nw ? x[i] / r * nw[i] : x[i])
     if (aq == 1) {
-        for (int g = warp; g < (cols >> 5); g += 8) {
-            float v = XN(g * 32 + lane);
-            float a = warp_max(fabsf(v));
-            float d = a / 127.0f;
-            float inv = d != 0.f ? 1.0f / d : 0.f;
-            int q = (int)rintf(v * inv);
-            xq[g * 32 + lane] = (signed char)q;
-            if (SUMS) {
-                int s = sum16(q);
-                if ((lane & 15) == 0) xs16[2 * g + (lane >> 4)] = s;
-            }
-            if (lane == 0) xd[g] = d;
-        }
+        if (g >= (cols >> 5)) return;
+        float v = XN(g * 32 + lane);
+        float a = warp_max(fabsf(v));
+        float d = a / 127.0f;
+        float inv = d != 0.f ? 1.0f / d : 0.f;
+        int q = (int)rintf(v * inv);
+        xq[g * 32 + lane] = (signed char)q;
+        int s = sum16(q);
+        if ((lane & 15) == 0) xs16[2 * g + (lane >> 4)] = s;
+        if (lane == 0) xd[g] = d;
     } else {
-        for (int g = warp; g < (cols >> 8); g += 8) {
-            float v[8]; float best = -1.f; int bi = 0;
-            #pragma unroll
-            for (int k = 0; k < 8; k++) {
-                v[k] = XN(g * 256 + lane + 32 * k);
-                float a = fabsf(v[k]); int i = lane + 32 * k;
-                if (a > best) { best = a; bi = i; }
-            }
-            #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) {
-                float ob = __shfl_xor_sync(0xffffffffu, best, o);
-                int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-                if (ob > best || (ob == best && oi < bi)) { best = ob; bi = oi; }
-            }
-            float mx = __shfl_sync(0xffffffffu, v[0], 0);
-            #pragma unroll
-            for (int k = 0; k < 8; k++) { float t = __shfl_sync(0xffffffffu, v[k], bi & 31); if ((bi >> 5) == k) mx = t; }
-            float iscale = mx != 0.f ? -128.0f / mx : 0.f;
-            float d = iscale != 0.f ? 1.0f / iscale : 0.f;
-            #pragma unroll
-            for (int k = 0; k < 8; k++) {
-                int q = (int)fminf(rintf(v[k] * iscale), 127.f);
-                xq[g * 256 + lane + 32 * k] = (signed char)q;
-                if (SUMS) {
-                    int s = sum16(q);
-                    if ((lane & 15) == 0) xs16[g * 16 + 2 * k + (lane >> 4)] = s;
-                }
-            }
-            if (lane == 0) xd[g] = d;
+        if (g >= (cols >> 8)) return;
+        float v[8]; float best = -1.f; int bi = 0;
+        #pragma unroll
+        for (int k = 0; k < 8; k++) {
+            v[k] = XN(g * 256 + lane + 32 * k);
+            float a = fabsf(v[k]); int i = lane + 32 * k;
+            if (a > best) { best = a; bi = i; }
         }
+        #pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            float ob = __shfl_xor_sync(0xffffffffu, best, o);
+            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (ob > best || (ob == best && oi < bi)) { best = ob; bi = oi; }
+        }
+        float mx = __shfl_sync(0xffffffffu, v[0], 0);
+        #pragma unroll
+        for (int k = 0; k < 8; k++) { float t = __shfl_sync(0xffffffffu, v[k], bi & 31); if ((bi >> 5) == k) mx = t; }
+        float iscale = mx != 0.f ? -127.0f / mx : 0.f;
+        float d = iscale != 0.f ? 1.0f / iscale : 0.f;
+        #pragma unroll
+        for (int k = 0; k < 8; k++) {
+            int q = (int)fminf(rintf(v[k] * iscale), 127.f);
+            xq[g * 256 + lane + 32 * k] = (signed char)q;
+            int s = sum16(q);
+            if ((lane & 15) == 0) xs16[g * 16 + 2 * k + (lane >> 4)] = s;
+        }
+        if (lane == 0) xd[g] = d;
     }
 #undef XN
-    __syncthreads();
 }
 """
 
-# The integer GEMV of type T. `tpr` threads per output row (16..256, a power of two; 256 / tpr
-# rows a block; rows strided over the grid); each thread takes chunks t, t + tpr, ... (U at a
-# time, loads first). The first U chunks of a thread's first row are loaded before the input is
-# prepared, so the weights' latency overlaps the norm and rounding. NR = 2: GLU epilogue, rows r
-# and r + up_off of one output. Epilogues as dgemv_<T>: 0 store (+ bias), 1 add, 2 SwiGLU, 3 GeGLU.
+# The integer GEMV of type T over an input already rounded by `qprep_x` (xq, xd, xs16 in global
+# memory, read through L1: every row of a block reads the same 2.5-10 KB). `tpr` threads per
+# output row (8..256, a power of two; 256 / tpr rows a block; rows strided over the grid); each
+# thread takes chunks t, t + tpr, ... (U at a time, loads first). No barrier before the first dot
+# product. NR = 2: GLU epilogue, rows r and r + up_off of one output. Epilogues as dgemv_<T>:
+# 0 store (+ bias), 1 add, 2 SwiGLU, 3 GeGLU.
 QGEMV = r"""
 template <int NR, int U>
 __device__ __forceinline__ void qload_{T}(raw_{T} (&buf)[NR][U], const unsigned char* W, long long row_bytes,
@@ -266,33 +262,22 @@ __device__ __forceinline__ void qload_{T}(raw_{T} (&buf)[NR][U], const unsigned 
 template <int NR, int U>
 __device__ __forceinline__ void qgemv_body_{T}(
         const unsigned char* __restrict__ W, long long row_bytes, int rows, int cols,
-        const float* __restrict__ x, const float* __restrict__ nw, float eps, int aq,
+        const signed char* __restrict__ xq, const float* __restrict__ xd, const int* __restrict__ xs16,
         float* y, const float* __restrict__ bias, int epi, int up_off, int tpr) {
-    extern __shared__ __align__(16) unsigned char qsm[];
-    float* xf = (float*)qsm;
-    signed char* xq = (signed char*)(qsm + (long long)cols * 4);
-    float* xd = (float*)(qsm + (long long)cols * 5);
-    int* xs16 = (int*)(qsm + (long long)cols * 5 + (cols >> 5) * 4);
-    __shared__ float red[8];
     __shared__ float part[NR][8];
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     int rpb = 256 / tpr, t = tid % tpr, rl = tid / tpr;
     int nc = cols >> 5;
     int ngroups = (rows + rpb - 1) / rpb;
-    raw_{T} buf[NR][U];
-    int g = blockIdx.x;
-    qload_{T}<NR, U>(buf, W, row_bytes, g * rpb + rl, rows, up_off, t, tpr, nc);
-    qprep<QSUMS_{T}>(x, nw, eps, aq, cols, xf, xq, xd, xs16, red);
-    bool pre = true;
     int width = tpr < 32 ? tpr : 32;
-    for (; g < ngroups; g += gridDim.x) {
+    raw_{T} buf[NR][U];
+    for (int g = blockIdx.x; g < ngroups; g += gridDim.x) {
         int row = g * rpb + rl;
         float acc[NR];
         #pragma unroll
         for (int r = 0; r < NR; r++) acc[r] = 0.f;
         for (int c0 = t; c0 - t < nc; c0 += U * tpr) {
-            if (!pre) qload_{T}<NR, U>(buf, W, row_bytes, row, rows, up_off, c0, tpr, nc);
-            pre = false;
+            qload_{T}<NR, U>(buf, W, row_bytes, row, rows, up_off, c0, tpr, nc);
             if (row < rows) {
                 #pragma unroll
                 for (int r = 0; r < NR; r++) {
@@ -337,15 +322,15 @@ __device__ __forceinline__ void qgemv_body_{T}(
 }
 extern "C" __global__ void __launch_bounds__(256) qgemv_{T}(
         const unsigned char* __restrict__ W, long long row_bytes, int rows, int cols,
-        const float* __restrict__ x, const float* __restrict__ nw, float eps, int aq,
+        const signed char* __restrict__ xq, const float* __restrict__ xd, const int* __restrict__ xs16,
         float* y, const float* __restrict__ bias, int epi, int up_off, int tpr) {
-    qgemv_body_{T}<1, 4>(W, row_bytes, rows, cols, x, nw, eps, aq, y, bias, epi, up_off, tpr);
+    qgemv_body_{T}<1, 4>(W, row_bytes, rows, cols, xq, xd, xs16, y, bias, epi, up_off, tpr);
 }
 extern "C" __global__ void __launch_bounds__(256) qgemv_glu_{T}(
         const unsigned char* __restrict__ W, long long row_bytes, int rows, int cols,
-        const float* __restrict__ x, const float* __restrict__ nw, float eps, int aq,
+        const signed char* __restrict__ xq, const float* __restrict__ xd, const int* __restrict__ xs16,
         float* y, const float* __restrict__ bias, int epi, int up_off, int tpr) {
-    qgemv_body_{T}<2, 2>(W, row_bytes, rows, cols, x, nw, eps, aq, y, bias, epi, up_off, tpr);
+    qgemv_body_{T}<2, 2>(W, row_bytes, rows, cols, xq, xd, xs16, y, bias, epi, up_off, tpr);
 }
 """
 

@@ -203,9 +203,29 @@ extern "C" __global__ void dequant_h_{T}(const unsigned char* W, long long row_b
     int row = (int)(i / nu), u = (int)(i % nu);
     float v[32];
     unit_{T}(W + (long long)row * row_bytes, u, v);
-    unsigned short* o = out + (long long)row * cols + u * 32;
+    // 4 x 16-byte stores (rows of cols % 32 == 0 values keep each unit 64-byte aligned)
+    uint4* o = (uint4*)(out + (long long)row * cols + u * 32);
     #pragma unroll
-    for (int k = 0; k < 32; k++) o[k] = f2h(v[k]);
+    for (int k = 0; k < 4; k++) {
+        const float* w = v + 8 * k;
+        o[k] = make_uint4((unsigned int)f2h(w[0]) | ((unsigned int)f2h(w[1]) << 16),
+                          (unsigned int)f2h(w[2]) | ((unsigned int)f2h(w[3]) << 16),
+                          (unsigned int)f2h(w[4]) | ((unsigned int)f2h(w[5]) << 16),
+                          (unsigned int)f2h(w[6]) | ((unsigned int)f2h(w[7]) << 16));
+    }
+}
+// Rows 0..rows-1 of W as fp32 (prefill tiles), 8 x 16-byte stores a unit.
+extern "C" __global__ void dequant_f_{T}(const unsigned char* W, long long row_bytes,
+                                         float* out, int rows, int cols) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    int nu = cols >> 5;
+    if (i >= (long long)rows * nu) return;
+    int row = (int)(i / nu), u = (int)(i % nu);
+    float v[32];
+    unit_{T}(W + (long long)row * row_bytes, u, v);
+    float4* o = (float4*)(out + (long long)row * cols + u * 32);
+    #pragma unroll
+    for (int k = 0; k < 8; k++) o[k] = make_float4(v[4 * k], v[4 * k + 1], v[4 * k + 2], v[4 * k + 3]);
 }
 extern "C" __global__ void gather_{T}(const unsigned char* W, long long row_bytes,
                                       const long long* ids, float* out, int n, int cols) {

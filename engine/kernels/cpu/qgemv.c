@@ -219,19 +219,119 @@ void qg_quantize(int kind, const float *x, long ldx, int T, int n, uint8_t *out,
 
 typedef float (*dot_fn)(const uint8_t *restrict w, const uint8_t *restrict a, int n);
 
+/*
+ * Block primitives. The integer results are exact whichever path computes them, so the SIMD
+ * paths (x86 AVX2, guarded by the compiler's own target macros) and the portable C loops give
+ * bit-identical outputs; only their speed differs.
+ *
+ * sdot32(w, y): sum of 32 products of signed int8 weights and signed int8 activations.
+ * udot32(w, y): same with unsigned weights 0..31 (Q4_1 / Q5_1 before the min term).
+ */
+#if defined(__AVX2__)
+#include <immintrin.h>
+
+static inline int hsum8_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm_cvtsi128_si32(s);
+}
+
+/* u8 (0..31 or |signed| <= 128) x s8 -> 8 int32 partial sums; no int16 saturation for our ranges */
+static inline __m256i madd_us8(__m256i u, __m256i s) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+static inline __m256i load_q4(const uint8_t *qs) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)qs);
+    const __m128i m = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(b, m);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+}
+
+static inline __m256i load_hb(const uint8_t *qh) {
+    return _mm256_set_epi64x((long long)g_hbits[qh[3]], (long long)g_hbits[qh[2]],
+                             (long long)g_hbits[qh[1]], (long long)g_hbits[qh[0]]);
+}
+
+static inline int sdot_v(__m256i w, const int8_t *y) {
+    const __m256i yv = _mm256_loadu_si256((const __m256i *)y);
+    return hsum8_i32(madd_us8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(yv, w)));
+}
+
+static inline int udot_v(__m256i w, const int8_t *y) {
+    return hsum8_i32(madd_us8(w, _mm256_loadu_si256((const __m256i *)y)));
+}
+
+static inline int blk_q4_0(const uint8_t *qs, const int8_t *y) {
+    return sdot_v(_mm256_sub_epi8(load_q4(qs), _mm256_set1_epi8(8)), y);
+}
+static inline int blk_q4_1(const uint8_t *qs, const int8_t *y) { return udot_v(load_q4(qs), y); }
+static inline int blk_q5_0(const uint8_t *qh, const uint8_t *qs, const int8_t *y) {
+    const __m256i w = _mm256_or_si256(load_q4(qs), load_hb(qh));
+    return sdot_v(_mm256_sub_epi8(w, _mm256_set1_epi8(16)), y);
+}
+static inline int blk_q5_1(const uint8_t *qh, const uint8_t *qs, const int8_t *y) {
+    return udot_v(_mm256_or_si256(load_q4(qs), load_hb(qh)), y);
+}
+static inline int blk_q8_0(const int8_t *qs, const int8_t *y) {
+    return sdot_v(_mm256_loadu_si256((const __m256i *)qs), y);
+}
+
+#else /* portable C */
+
+static inline int dot32(const int8_t *restrict x, const int8_t *restrict y) {
+    int s = 0;
+    for (int j = 0; j < 32; ++j) s += x[j] * y[j];
+    return s;
+}
+
+static inline void unpack_q4(const uint8_t *restrict qs, int8_t *restrict w8, int off) {
+    for (int j = 0; j < 16; ++j) w8[j] = (int8_t)((qs[j] & 0x0F) - off);
+    for (int j = 0; j < 16; ++j) w8[j + 16] = (int8_t)((qs[j] >> 4) - off);
+}
+
+static inline void unpack_q5(const uint8_t *restrict qh, const uint8_t *restrict qs,
+                             int8_t *restrict w8, int off) {
+    uint8_t hb[32];
+    high_bits32(qh, hb);
+    for (int j = 0; j < 16; ++j) w8[j] = (int8_t)(((qs[j] & 0x0F) | hb[j]) - off);
+    for (int j = 0; j < 16; ++j) w8[j + 16] = (int8_t)(((qs[j] >> 4) | hb[j + 16]) - off);
+}
+
+static inline int blk_q4_0(const uint8_t *qs, const int8_t *y) {
+    int8_t w8[32];
+    unpack_q4(qs, w8, 8);
+    return dot32(w8, y);
+}
+static inline int blk_q4_1(const uint8_t *qs, const int8_t *y) {
+    int8_t w8[32];
+    unpack_q4(qs, w8, 0);
+    return dot32(w8, y);
+}
+static inline int blk_q5_0(const uint8_t *qh, const uint8_t *qs, const int8_t *y) {
+    int8_t w8[32];
+    unpack_q5(qh, qs, w8, 16);
+    return dot32(w8, y);
+}
+static inline int blk_q5_1(const uint8_t *qh, const uint8_t *qs, const int8_t *y) {
+    int8_t w8[32];
+    unpack_q5(qh, qs, w8, 0);
+    return dot32(w8, y);
+}
+static inline int blk_q8_0(const int8_t *qs, const int8_t *y) { return dot32(qs, y); }
+
+#endif
+
 static float dot_q4_0(const uint8_t *restrict w, const uint8_t *restrict a, int n) {
     const int nb = n / 32;
     const float *d = (const float *)a;
     const int8_t *q = (const int8_t *)(d + 2 * nb);
     float sumf = 0.0f;
     for (int ib = 0; ib < nb; ++ib, w += 18, q += 32) {
-        const uint8_t *qs = w + 2;
-        int s0 = 0, s1 = 0;
-        for (int j = 0; j < 16; ++j) {
-            s0 += ((qs[j] & 0x0F) - 8) * q[j];
-            s1 += ((qs[j] >> 4) - 8) * q[j + 16];
-        }
-        sumf += (float)(s0 + s1) * rdf16(w) * d[ib];
+        const int sumi = blk_q4_0(w + 2, q);
+        sumf += (float)sumi * rdf16(w) * d[ib];
     }
     return sumf;
 }
@@ -243,13 +343,8 @@ static float dot_q4_1(const uint8_t *restrict w, const uint8_t *restrict a, int 
     const int8_t *q = (const int8_t *)(d + 2 * nb);
     float sumf = 0.0f;
     for (int ib = 0; ib < nb; ++ib, w += 20, q += 32) {
-        const uint8_t *qs = w + 4;
-        int s0 = 0, s1 = 0;
-        for (int j = 0; j < 16; ++j) {
-            s0 += (qs[j] & 0x0F) * q[j];
-            s1 += (qs[j] >> 4) * q[j + 16];
-        }
-        sumf += (rdf16(w) * d[ib]) * (float)(s0 + s1) + rdf16(w + 2) * s[ib];
+        const int sumi = blk_q4_1(w + 4, q);
+        sumf += (rdf16(w) * d[ib]) * (float)sumi + rdf16(w + 2) * s[ib];
     }
     return sumf;
 }
@@ -259,16 +354,9 @@ static float dot_q5_0(const uint8_t *restrict w, const uint8_t *restrict a, int 
     const float *d = (const float *)a;
     const int8_t *q = (const int8_t *)(d + 2 * nb);
     float sumf = 0.0f;
-    uint8_t hb[32];
     for (int ib = 0; ib < nb; ++ib, w += 22, q += 32) {
-        high_bits32(w + 2, hb);
-        const uint8_t *qs = w + 6;
-        int s0 = 0, s1 = 0;
-        for (int j = 0; j < 16; ++j) {
-            s0 += (((qs[j] & 0x0F) | hb[j]) - 16) * q[j];
-            s1 += (((qs[j] >> 4) | hb[j + 16]) - 16) * q[j + 16];
-        }
-        sumf += (rdf16(w) * d[ib]) * (float)(s0 + s1);
+        const int sumi = blk_q5_0(w + 2, w + 6, q);
+        sumf += (rdf16(w) * d[ib]) * (float)sumi;
     }
     return sumf;
 }
@@ -279,16 +367,9 @@ static float dot_q5_1(const uint8_t *restrict w, const uint8_t *restrict a, int 
     const float *s = d + nb;
     const int8_t *q = (const int8_t *)(d + 2 * nb);
     float sumf = 0.0f;
-    uint8_t hb[32];
     for (int ib = 0; ib < nb; ++ib, w += 24, q += 32) {
-        high_bits32(w + 4, hb);
-        const uint8_t *qs = w + 8;
-        int s0 = 0, s1 = 0;
-        for (int j = 0; j < 16; ++j) {
-            s0 += ((qs[j] & 0x0F) | hb[j]) * q[j];
-            s1 += ((qs[j] >> 4) | hb[j + 16]) * q[j + 16];
-        }
-        sumf += (rdf16(w) * d[ib]) * (float)(s0 + s1) + rdf16(w + 2) * s[ib];
+        const int sumi = blk_q5_1(w + 4, w + 8, q);
+        sumf += (rdf16(w) * d[ib]) * (float)sumi + rdf16(w + 2) * s[ib];
     }
     return sumf;
 }
@@ -299,9 +380,7 @@ static float dot_q8_0(const uint8_t *restrict w, const uint8_t *restrict a, int 
     const int8_t *q = (const int8_t *)(d + 2 * nb);
     float sumf = 0.0f;
     for (int ib = 0; ib < nb; ++ib, w += 34, q += 32) {
-        const int8_t *qs = (const int8_t *)(w + 2);
-        int sumi = 0;
-        for (int j = 0; j < 32; ++j) sumi += qs[j] * q[j];
+        const int sumi = blk_q8_0((const int8_t *)(w + 2), q);
         sumf += (float)sumi * (rdf16(w) * d[ib]);
     }
     return sumf;
@@ -321,8 +400,28 @@ static inline void k_scales(const uint8_t *s, uint8_t *sc, uint8_t *mn) {
  * The K-quant dot products keep ggml's eight lane accumulators: aux32[l] sums, over the
  * super-block, scale * q8[i] * a[i] for every element i with i % 8 == l; the float part is
  * sums[l] += d * aux32[l] per super-block, sumf -= dmin * (bsums . mins) per super-block, and
- * finally sumf += sums[0..7] in lane order.
+ * finally sumf += sums[0..7] in lane order. `len` elements (a multiple of 8) share one scale;
+ * their products fit int16 (|q8 * a| <= 128 * 32, at most four per lane).
  */
+static inline void lane_acc(const int8_t *restrict q8, const int8_t *restrict a, int len,
+                            int32_t scale, int32_t *restrict aux32) {
+    int16_t v[8] = {0};
+    for (int k = 0; k < len; k += 8) {
+        for (int l = 0; l < 8; ++l) v[l] = (int16_t)(v[l] + q8[k + l] * a[k + l]);
+    }
+    for (int l = 0; l < 8; ++l) aux32[l] += scale * (int32_t)v[l];
+}
+
+/* the 256 values of a Q4_K / Q5_K super-block in element order (ggml's aux8) */
+static inline void unpack_k4(const uint8_t *restrict qs, int8_t *restrict a) {
+    for (int c = 0; c < 4; ++c) {
+        for (int l = 0; l < 32; ++l) {
+            a[64 * c + l] = (int8_t)(qs[32 * c + l] & 0x0F);
+            a[64 * c + 32 + l] = (int8_t)(qs[32 * c + l] >> 4);
+        }
+    }
+}
+
 static float dot_q4_k(const uint8_t *restrict w, const uint8_t *restrict a, int n) {
     const int nb = n / 256;
     const float *d = (const float *)a;
@@ -330,23 +429,13 @@ static float dot_q4_k(const uint8_t *restrict w, const uint8_t *restrict a, int 
     const int8_t *q = (const int8_t *)(bs + 16 * nb);
     float sums[8] = {0};
     float sumf = 0.0f;
+    int8_t aux8[256];
     for (int ib = 0; ib < nb; ++ib, w += 144, q += 256, bs += 16) {
         uint8_t sc[8], mn[8];
         k_scales(w + 4, sc, mn);
-        const uint8_t *qs = w + 16;
+        unpack_k4(w + 16, aux8);
         int32_t aux32[8] = {0};
-        for (int j = 0; j < 8; ++j) {
-            const uint8_t *q4 = qs + 32 * (j >> 1);
-            const int8_t *q8 = q + 32 * j;
-            const int shift = 4 * (j & 1);
-            int16_t v[8] = {0};
-            for (int k = 0; k < 4; ++k) {
-                for (int l = 0; l < 8; ++l) {
-                    v[l] = (int16_t)(v[l] + q8[8 * k + l] * ((q4[8 * k + l] >> shift) & 0x0F));
-                }
-            }
-            for (int l = 0; l < 8; ++l) aux32[l] += (int32_t)sc[j] * v[l];
-        }
+        for (int j = 0; j < 8; ++j) lane_acc(q + 32 * j, aux8 + 32 * j, 32, sc[j], aux32);
         int sumi = 0;
         for (int j = 0; j < 16; ++j) sumi += bs[j] * mn[j / 2];
         const float dd = rdf16(w) * d[ib];
@@ -365,26 +454,17 @@ static float dot_q5_k(const uint8_t *restrict w, const uint8_t *restrict a, int 
     const int8_t *q = (const int8_t *)(bs + 16 * nb);
     float sums[8] = {0};
     float sumf = 0.0f;
+    int8_t aux8[256];
     for (int ib = 0; ib < nb; ++ib, w += 176, q += 256, bs += 16) {
         uint8_t sc[8], mn[8];
         k_scales(w + 4, sc, mn);
         const uint8_t *qh = w + 16;
-        const uint8_t *qs = w + 48;
-        int32_t aux32[8] = {0};
+        unpack_k4(w + 48, aux8);
         for (int j = 0; j < 8; ++j) {
-            const uint8_t *q4 = qs + 32 * (j >> 1);
-            const int8_t *q8 = q + 32 * j;
-            const int shift = 4 * (j & 1);
-            int16_t v[8] = {0};
-            for (int k = 0; k < 4; ++k) {
-                for (int l = 0; l < 8; ++l) {
-                    const int e = 8 * k + l;
-                    const int x = ((q4[e] >> shift) & 0x0F) | (((qh[e] >> j) & 1) << 4);
-                    v[l] = (int16_t)(v[l] + q8[e] * x);
-                }
-            }
-            for (int l = 0; l < 8; ++l) aux32[l] += (int32_t)sc[j] * v[l];
+            for (int l = 0; l < 32; ++l) aux8[32 * j + l] = (int8_t)(aux8[32 * j + l] | (((qh[l] >> j) & 1) << 4));
         }
+        int32_t aux32[8] = {0};
+        for (int j = 0; j < 8; ++j) lane_acc(q + 32 * j, aux8 + 32 * j, 32, sc[j], aux32);
         int sumi = 0;
         for (int j = 0; j < 16; ++j) sumi += bs[j] * mn[j / 2];
         const float dd = rdf16(w) * d[ib];
@@ -402,31 +482,22 @@ static float dot_q6_k(const uint8_t *restrict w, const uint8_t *restrict a, int 
     const int16_t *bs = (const int16_t *)(d + nb);
     const int8_t *q = (const int8_t *)(bs + 16 * nb);
     float sums[8] = {0};
+    int8_t aux8[256];
     for (int ib = 0; ib < nb; ++ib, w += 210, q += 256) {
-        const uint8_t *ql = w;
-        const uint8_t *qh = w + 128;
         const int8_t *scales = (const int8_t *)(w + 192);
-        int32_t aux32[8] = {0};
-        /* 16 groups of 16 elements, one signed scale each; element order as ggml's aux8 */
-        for (int g = 0; g < 16; ++g) {
-            const int half = g >> 3;      /* which 128 */
-            const int quarter = (g >> 1) & 3; /* which 32 inside it */
-            const int off = 16 * (g & 1); /* which 16 inside that */
-            const uint8_t *lq = ql + 64 * half + (quarter & 1) * 32 + off;
-            const uint8_t *hq = qh + 32 * half + off;
-            const int lshift = 4 * (quarter >> 1);
-            const int hshift = 2 * quarter;
-            const int8_t *q8 = q + 16 * g;
-            int16_t v[8] = {0};
-            for (int k = 0; k < 2; ++k) {
-                for (int l = 0; l < 8; ++l) {
-                    const int e = 8 * k + l;
-                    const int x = (((lq[e] >> lshift) & 0x0F) | (((hq[e] >> hshift) & 3) << 4)) - 32;
-                    v[l] = (int16_t)(v[l] + q8[e] * x);
-                }
+        for (int h = 0; h < 2; ++h) {
+            const uint8_t *ql = w + 64 * h;
+            const uint8_t *qh = w + 128 + 32 * h;
+            int8_t *o = aux8 + 128 * h;
+            for (int l = 0; l < 32; ++l) {
+                o[l] = (int8_t)(((ql[l] & 0x0F) | (((qh[l] >> 0) & 3) << 4)) - 32);
+                o[l + 32] = (int8_t)(((ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4)) - 32);
+                o[l + 64] = (int8_t)(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+                o[l + 96] = (int8_t)(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
             }
-            for (int l = 0; l < 8; ++l) aux32[l] += (int32_t)scales[g] * v[l];
         }
+        int32_t aux32[8] = {0};
+        for (int g = 0; g < 16; ++g) lane_acc(q + 16 * g, aux8 + 16 * g, 16, scales[g], aux32);
         const float dd = rdf16(w + 208) * d[ib];
         for (int l = 0; l < 8; ++l) sums[l] += dd * (float)aux32[l];
     }

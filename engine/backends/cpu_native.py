@@ -1,0 +1,330 @@
+"""Native CPU backend: quantized GEMV in C over the GGUF blocks (`engine/kernels/cpu/qgemv.c`).
+
+The C source is compiled at first use with the system C compiler into a cache directory outside
+the repository (``~/.cache/genie-supervisor/kernels/<hash>.so``; the hash covers the source, the
+compiler, the flags and the machine) and loaded with ctypes. Weight matrices stay in their GGUF
+block layout (no float32 copy); every projection quantizes its activation row once, the way
+llama.cpp's CPU backend does (Q8_0 / Q8_1 / Q8_K), and computes integer block dot products with
+float scale accumulation in the order of ggml's generic reference. Norms, RoPE, attention and the
+rest are NumPy (inherited from `NumpyOps`).
+
+Without a working compiler `native_available()` returns ``(False, reason)`` and `auto` falls
+back to the NumPy backend.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..gguf_file import TensorInfo
+from ..quants import dequantize_rows
+from .numpy_backend import NumpyOps
+
+SOURCE = Path(__file__).resolve().parents[1] / "kernels" / "cpu" / "qgemv.c"
+
+# ggml type ids (GGMLQuantizationType) of the block types the kernel handles
+GGML_TYPE = {
+    "Q4_0": 2,
+    "Q4_1": 3,
+    "Q5_0": 6,
+    "Q5_1": 7,
+    "Q8_0": 8,
+    "Q4_K": 12,
+    "Q5_K": 13,
+    "Q6_K": 14,
+}
+ACT_KIND = {"Q4_0": 0, "Q5_0": 0, "Q8_0": 0, "Q4_1": 0, "Q5_1": 0, "Q4_K": 1, "Q5_K": 1, "Q6_K": 1}
+"""Activation blocks per weight type: 0 = 32 (Q8_0, with Q8_1's sum term), 1 = 256 (Q8_K)."""
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {}
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "genie-supervisor" / "kernels"
+
+
+def _compiler() -> str | None:
+    for cand in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cand and shutil.which(cand):
+            return shutil.which(cand)
+    return None
+
+
+def _flag_sets() -> list[list[str]]:
+    arch = (
+        ["-mcpu=native"]
+        if platform.machine().lower() in ("aarch64", "arm64")
+        else ["-march=native"]
+    )
+    base = ["-O3", "-std=gnu99", "-ffp-contract=off", "-shared", "-fPIC"]
+    base += os.environ.get("GENIE_NATIVE_CFLAGS", "").split()  # extra flags (experiments)
+    return [base + arch + ["-fopenmp"], base + arch, base + ["-fopenmp"], base]
+
+
+def build_library(flags: list[str]) -> tuple[ctypes.CDLL | None, str]:
+    """Compile (or reuse from the cache) and load the kernels with exactly these flags."""
+    cc = _compiler()
+    if cc is None:
+        return None, "no C compiler on PATH (cc, gcc, clang or $CC)"
+    try:
+        src = SOURCE.read_bytes()
+    except OSError as exc:
+        return None, f"kernel source missing: {exc}"
+    try:
+        ver = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        return None, f"{cc} does not run: {exc}"
+    key = hashlib.sha256(
+        b"\0".join(
+            [
+                src,
+                cc.encode(),
+                ver.encode(),
+                " ".join(flags).encode(),
+                platform.machine().encode(),
+                platform.system().encode(),
+            ]
+        )
+    ).hexdigest()[:20]
+    out = cache_dir() / f"qgemv-{key}.so"
+    if not out.exists():
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+            os.close(fd)
+            r = subprocess.run(
+                [cc, *flags, "-o", tmp, str(SOURCE), "-lm"],
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            if r.returncode != 0:
+                os.unlink(tmp)
+                last = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
+                return None, f"{' '.join(flags)}: {last}"
+            os.replace(tmp, out)  # atomic: concurrent builders never load a partial file
+        except (OSError, subprocess.SubprocessError) as exc:
+            return None, f"{' '.join(flags)}: {exc}"
+    try:
+        lib = ctypes.CDLL(str(out))
+    except OSError as exc:
+        return None, f"load {out}: {exc}"
+    _declare(lib)
+    mode = lib.qg_init()
+    return lib, f"{out.name} ({' '.join(flags)}; {'OpenMP' if mode == 2 else 'one thread'})"
+
+
+def _build() -> tuple[ctypes.CDLL | None, str]:
+    errors = []
+    for flags in _flag_sets():
+        lib, why = build_library(flags)
+        if lib is not None:
+            return lib, why
+        errors.append(why)
+        if why.startswith(("no C compiler", "kernel source missing")):
+            break
+    return None, "kernel build failed: " + "; ".join(errors)
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    vp, i, lg, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_size_t
+    lib.qg_init.restype = i
+    lib.qg_init.argtypes = []
+    lib.qg_act_row_bytes.restype = sz
+    lib.qg_act_row_bytes.argtypes = [i, i]
+    lib.qg_act_kind.restype = i
+    lib.qg_act_kind.argtypes = [i]
+    lib.qg_quantize.restype = None
+    lib.qg_quantize.argtypes = [i, vp, lg, i, i, vp, i]
+    lib.qg_gemm.restype = i
+    lib.qg_gemm.argtypes = [i, vp, i, i, vp, i, vp, lg, vp, i]
+    lib.qg_max_threads.restype = i
+    lib.qg_max_threads.argtypes = []
+    lib.qg_f32_to_f16.restype = ctypes.c_uint16
+    lib.qg_f32_to_f16.argtypes = [ctypes.c_float]
+
+
+def load_library() -> tuple[ctypes.CDLL | None, str]:
+    """The compiled kernel library (built once per process, cached on disk), or None and why."""
+    with _lock:
+        if "lib" not in _state:
+            _state["lib"], _state["why"] = _build()
+        return _state["lib"], _state["why"]
+
+
+def native_available() -> tuple[bool, str]:
+    """Whether the native CPU kernels build and load here, and why not when they don't."""
+    lib, why = load_library()
+    return lib is not None, why
+
+
+def default_threads() -> int:
+    env = os.environ.get("GENIE_THREADS") or os.environ.get("OMP_NUM_THREADS")
+    if env and env.strip().isdigit() and int(env) > 0:
+        return int(env)
+    return os.cpu_count() or 1
+
+
+def limit_blas_threads(n: int) -> bool:
+    """Set the OpenBLAS thread count of NumPy's BLAS (process-wide); False when not found.
+
+    The kernels' OpenMP threads and OpenBLAS's own pool would otherwise spin against each other
+    on a small machine (measured on 2 cores: decode 39 -> 85 tok/s with BLAS at one thread).
+    """
+    try:
+        with open("/proc/self/maps") as fh:
+            libs = {line.split()[-1] for line in fh if "openblas" in line.lower() and "/" in line}
+    except OSError:
+        return False
+    done = False
+    for path in libs:
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for sym in (
+            "scipy_openblas_set_num_threads64_",
+            "scipy_openblas_set_num_threads",
+            "openblas_set_num_threads64_",
+            "openblas_set_num_threads",
+        ):
+            fn = getattr(lib, sym, None)
+            if fn is not None:
+                fn.argtypes = [ctypes.c_int]
+                fn.restype = None
+                fn(int(n))
+                done = True
+                break
+    return done
+
+
+class QWeight:
+    """A 2-D weight kept in its GGUF block layout: ``raw`` is uint8 [rows, bytes per row]."""
+
+    __slots__ = ("raw", "type_name", "ggml_type", "shape", "nbytes", "ptr", "kind")
+
+    def __init__(self, raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> None:
+        self.raw = np.ascontiguousarray(raw)
+        self.type_name = type_name
+        self.ggml_type = GGML_TYPE[type_name]
+        self.kind = ACT_KIND[type_name]
+        self.shape = (int(shape[0]), int(shape[1]))
+        self.nbytes = int(self.raw.nbytes)
+        self.ptr = int(self.raw.ctypes.data)
+
+    def __repr__(self) -> str:
+        return f"QWeight({self.type_name}, {self.shape})"
+
+
+class QParts:
+    """Weights fused along the output dimension whose parts have different types."""
+
+    __slots__ = ("parts", "shape", "nbytes")
+
+    def __init__(self, parts: list[Any]) -> None:
+        self.parts = parts
+        self.shape = (sum(int(p.shape[0]) for p in parts), int(parts[0].shape[1]))
+        self.nbytes = int(sum(p.nbytes for p in parts))
+
+
+class NativeOps(NumpyOps):
+    """`NumpyOps` with quantized matrices and a compiled GEMV; everything else is NumPy."""
+
+    name = "native"
+
+    def __init__(self, threads: int | None = None) -> None:
+        lib, why = load_library()
+        if lib is None:
+            raise RuntimeError(f"native CPU kernels unavailable: {why}")
+        self.lib = lib
+        self.build_info = why
+        self.threads = int(threads or default_threads())
+        self.blas_limited = limit_blas_threads(1) if self.threads > 1 else False
+        self._row_bytes: dict[tuple[int, int], int] = {}
+
+    # --- weights -------------------------------------------------------------------------
+    def weight(self, t: TensorInfo) -> Any:
+        if t.type_name in GGML_TYPE and len(t.shape) == 2:
+            return QWeight(t.raw, t.type_name, (t.shape[0], t.shape[1]))
+        return super().weight(t)
+
+    def concat_rows(self, parts: list[Any]) -> Any:
+        if all(isinstance(p, np.ndarray) for p in parts):
+            return super().concat_rows(parts)
+        if all(isinstance(p, QWeight) for p in parts) and len({p.type_name for p in parts}) == 1:
+            raw = np.concatenate([p.raw for p in parts], axis=0)
+            return QWeight(raw, parts[0].type_name, (raw.shape[0], parts[0].shape[1]))
+        return QParts(parts)
+
+    def embed_rows(self, table: Any, ids: np.ndarray, cols: int) -> np.ndarray:
+        if isinstance(table, QWeight):
+            return dequantize_rows(table.raw, table.type_name, ids, cols)
+        return super().embed_rows(table, ids, cols)
+
+    # --- math ----------------------------------------------------------------------------
+    def _act_bytes(self, kind: int, n: int) -> int:
+        key = (kind, n)
+        rb = self._row_bytes.get(key)
+        if rb is None:
+            rb = self._row_bytes[key] = int(self.lib.qg_act_row_bytes(kind, n))
+        return rb
+
+    def quantize_act(self, x: np.ndarray, kind: int) -> np.ndarray:
+        """[T, n] float32 -> the kernel's activation blocks (T rows of bytes)."""
+        t, n = x.shape
+        buf = np.empty((t, self._act_bytes(kind, n)), dtype=np.uint8)
+        self.lib.qg_quantize(kind, x.ctypes.data, n, t, n, buf.ctypes.data, self.threads)
+        return buf
+
+    def linear(  # type: ignore[override]
+        self, x: np.ndarray, w: Any, b: np.ndarray | None = None, aq: str | None = None
+    ) -> np.ndarray:
+        """[T, in] x [out, in] -> [T, out] (+ bias). Quantized weights go through the C kernel
+        (the activation rounding follows from the weight type; `aq` is for float weights)."""
+        if isinstance(w, np.ndarray):
+            return NumpyOps.linear(x, w, b, aq)
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        t, n = x.shape
+        parts = w.parts if isinstance(w, QParts) else [w]
+        y = np.empty((t, w.shape[0]), dtype=np.float32)
+        acts: dict[int, np.ndarray] = {}
+        col = 0
+        for p in parts:
+            rows = p.shape[0]
+            if isinstance(p, QWeight):
+                a = acts.get(p.kind)
+                if a is None:
+                    a = acts[p.kind] = self.quantize_act(x, p.kind)
+                rc = self.lib.qg_gemm(
+                    p.ggml_type,
+                    p.ptr,
+                    rows,
+                    n,
+                    a.ctypes.data,
+                    t,
+                    y.ctypes.data + 4 * col,
+                    w.shape[0],
+                    None,
+                    self.threads,
+                )
+                if rc != 0:
+                    raise ValueError(f"qg_gemm failed for {p!r} with input width {n}")
+            else:
+                y[:, col : col + rows] = x @ p.T
+            col += rows
+        if b is not None:
+            y += b
+        return y

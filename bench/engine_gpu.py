@@ -63,6 +63,52 @@ def _generate_stats(m, prompt: list[int], n: int):  # type: ignore[no-untyped-de
     return anyio.run(run)
 
 
+PREFILL_OPS = ("embed_rows", "rms_norm", "act_quant", "matmul", "dequant_f16", "dequant_f32", "_gemm",
+               "rope", "kv_store", "attention", "gated_act")
+
+
+def prefill_profile(tf, ops, prompt: list[int], cp, label: str) -> list[str]:  # type: ignore[no-untyped-def]
+    """Where one prefill call's time goes: GPU time of each backend op (CUDA events around every
+    call; matmul includes its dequantize and GEMM parts), the GPU span of the whole call and the
+    host wall time (both inflated a little by the event records)."""
+    marks: dict[str, list] = {n: [] for n in PREFILL_OPS}
+    orig = {n: getattr(ops, n) for n in PREFILL_OPS if hasattr(ops, n)}
+
+    def wrap(name, fn):  # type: ignore[no-untyped-def]
+        def run(*a, **k):  # type: ignore[no-untyped-def]
+            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+            e0.record()
+            r = fn(*a, **k)
+            e1.record()
+            marks[name].append((e0, e1))
+            return r
+        return run
+
+    for n, fn in orig.items():
+        setattr(ops, n, wrap(n, fn))
+    try:
+        cp.cuda.Device().synchronize()
+        s0, s1 = cp.cuda.Event(), cp.cuda.Event()
+        t0 = time.perf_counter()
+        s0.record()
+        tf.forward(prompt, 0, last_n=1)
+        s1.record()
+        host_ms = (time.perf_counter() - t0) * 1e3
+        s1.synchronize()
+        wall_ms = (time.perf_counter() - t0) * 1e3
+    finally:
+        for n in orig:
+            delattr(ops, n)
+    span = cp.cuda.get_elapsed_time(s0, s1)
+    lines = [f"  prefill {label} ({len(prompt)} tokens): GPU span {span:.1f} ms, host returns after "
+             f"{host_ms:.1f} ms, wall {wall_ms:.1f} ms"]
+    for n in PREFILL_OPS:
+        if marks[n]:
+            ms = sum(cp.cuda.get_elapsed_time(a, b) for a, b in marks[n])
+            lines.append(f"    {n:12} {len(marks[n]):5d} calls {ms:8.2f} ms ({ms / max(span, 1e-9):5.1%} of span)")
+    return lines
+
+
 def bench_model(key: str, path: str, prompt_len: int, n_decode: int, bw: float, cp,  # type: ignore[no-untyped-def]
                 profile_out: list[str] | None = None) -> dict:
     pool = cp.get_default_memory_pool()
@@ -123,6 +169,15 @@ def bench_model(key: str, path: str, prompt_len: int, n_decode: int, bw: float, 
     gen_stats = _generate_stats(m, prompt, n_decode)
     weights = tf.weights_bytes
     held = pool.total_bytes()
+    if profile_out is not None:  # prefill phases (fp32 and fp16 tiles)
+        profile_out.append(f"\n== {key}: prefill phases")
+        for dt in ("float32", "float16"):
+            ops._scratch, ops.prefill_dtype = None, np.dtype(dt)
+            tf.forward(prompt[:64], 0, last_n=1)
+            for ln in prefill_profile(tf, ops, prompt, cp, dt):
+                print(ln, flush=True)
+                profile_out.append(ln)
+        ops._scratch, ops.prefill_dtype = None, np.dtype("float32")
     if profile_out is not None and dec is not None:  # per-launch times (bench/decode_profile.py)
         from decode_profile import profile_model
 
@@ -200,7 +255,7 @@ def main() -> int:
     Path(a.out).mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     result = {"device": name, "copy_bandwidth_Bps": bw, "prompt": a.prompt, "decode": a.decode,
-              "version": "cupy-v3 (decode: int8 dp4a GEMV, 8-lane attention, CUDA graph)", "rows": rows}
+              "version": "cupy-v4 (decode: input rounded once per matrix (qprep_x) + int8 dp4a GEMV, 8 threads a row for heads; prefill: GemmEx per tile into the output, vector-store dequant)", "rows": rows}
     tag = f"-{a.tag}" if a.tag else ""
     if prof:
         (Path(a.out) / f"decode_profile-{stamp}{tag}.txt").write_text("\n".join(prof) + "\n")

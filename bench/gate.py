@@ -47,20 +47,15 @@ async def decode_tps(model: Model, ids: list[int], n: int, gate: DecodeGate | No
     model.transformer.kv.tokens = []  # no prefix cache between the compared runs
     params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
     gen = model.generate(ids, params, gate=gate)
-    if gate is None:
-        async for _ in gen:
-            pass
-    else:
-        with gate.generation():
-            async for _ in gen:
-                pass
+    async for _ in gen:  # the engine enters gate.running() itself while it holds the model
+        pass
     return gen.stats.decode_tps
 
 
 async def main(args: argparse.Namespace) -> None:
     configure_logging("warning", "console", sys.stderr)
     print(f"loading {args.model} ...", file=sys.stderr)
-    model = await anyio.to_thread.run_sync(lambda: load_model(args.model, backend="numpy", n_ctx=1024))
+    model = await anyio.to_thread.run_sync(lambda: load_model(args.model, backend=args.backend, n_ctx=1024))
     ids = model.encode_chat(PROMPT)
 
     # 1. the gate's cost: no gate vs open gate (alternated, best of 2 each)
@@ -95,9 +90,8 @@ async def main(args: argparse.Namespace) -> None:
     first = anyio.Event()
 
     async def consume() -> None:
-        with gate.generation():
-            async for _ in gen:
-                first.set()
+        async for _ in gen:
+            first.set()
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(consume)
@@ -129,6 +123,7 @@ if __name__ == "__main__":
     parser.add_argument("--model", default=str(DEFAULT_MODEL))
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--cycles", type=int, default=30)
+    parser.add_argument("--backend", default="auto", choices=["auto", "numpy", "native", "cupy"])
     ns = parser.parse_args()
     if not Path(ns.model).exists():
         raise SystemExit(f"{ns.model} missing: run `genie-supervisor models fetch smollm2`")

@@ -7,7 +7,7 @@
         async for tok in gen: ...                             # engine.TokenEvent
     gen.finish_reason, gen.stats                              # "stop" | "length" | "cancelled"
 
-Every generation runs inside ``gate.generation()`` with the DecodeGate and the policy's prefill
+Every generation runs with the DecodeGate (the engine enters ``gate.running()`` while it holds the model) and the policy's prefill
 chunk, so a pause parks it before its next step. Admission follows the arbiter: ``refuse_new``
 refuses new requests, ``max_context`` bounds prompt + max_tokens; both raise an AdmissionError
 that says why. The host publishes ``EngineStats`` on every state change and every

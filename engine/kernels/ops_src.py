@@ -17,21 +17,12 @@ extern "C" __global__ void act_q8_k(const float* x, float* y, int n_groups) {
     int g = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (g >= n_groups) return;
     const float* xg = x + (long long)g * 256;
-    float v[8]; float best = -1.f; int bi = 0;
+    float v[8];
     #pragma unroll
-    for (int k = 0; k < 8; k++) {
-        v[k] = xg[lane + 32*k];
-        float a = fabsf(v[k]); int i = lane + 32*k;
-        if (a > best) { best = a; bi = i; }
-    }
-    #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        float ob = __shfl_xor_sync(0xffffffffu, best, o);
-        int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-        if (ob > best || (ob == best && oi < bi)) { best = ob; bi = oi; }
-    }
+    for (int k = 0; k < 8; k++) v[k] = xg[lane + 32*k];
+    int bi = q8k_argmax_abs(v, lane);
     float mx = xg[bi];
-    float iscale = mx != 0.f ? -127.0f / mx : 0.f;
+    float iscale = q8k_iscale(mx);
     float d = iscale != 0.f ? 1.0f / iscale : 0.f;
     #pragma unroll
     for (int k = 0; k < 8; k++) y[(long long)g * 256 + lane + 32*k] = fminf(rintf(v[k] * iscale), 127.f) * d;

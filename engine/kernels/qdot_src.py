@@ -207,23 +207,14 @@ extern "C" __global__ void __launch_bounds__(256) qprep_x(
         if (lane == 0) xd[g] = d;
     } else {
         if (g >= (cols >> 8)) return;
-        float v[8]; float best = -1.f; int bi = 0;
+        float v[8];
         #pragma unroll
-        for (int k = 0; k < 8; k++) {
-            v[k] = XN(g * 256 + lane + 32 * k);
-            float a = fabsf(v[k]); int i = lane + 32 * k;
-            if (a > best) { best = a; bi = i; }
-        }
-        #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            float ob = __shfl_xor_sync(0xffffffffu, best, o);
-            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (ob > best || (ob == best && oi < bi)) { best = ob; bi = oi; }
-        }
+        for (int k = 0; k < 8; k++) v[k] = XN(g * 256 + lane + 32 * k);
+        int bi = q8k_argmax_abs(v, lane);
         float mx = __shfl_sync(0xffffffffu, v[0], 0);
         #pragma unroll
         for (int k = 0; k < 8; k++) { float t = __shfl_sync(0xffffffffu, v[k], bi & 31); if ((bi >> 5) == k) mx = t; }
-        float iscale = mx != 0.f ? -127.0f / mx : 0.f;
+        float iscale = q8k_iscale(mx);
         float d = iscale != 0.f ? 1.0f / iscale : 0.f;
         #pragma unroll
         for (int k = 0; k < 8; k++) {

@@ -7,6 +7,25 @@ the 2-byte-aligned 18/22/34/210-byte blocks: 2 bytes). Layouts: `engine/quants.p
 """
 
 UNITS = r"""
+// llama.cpp's Q8_K activation rounding (quantize_row_q8_K_ref), shared by every kernel that
+// rounds: in a group of 256 held as v[k] = x[lane + 32 k] by one warp, the first value of largest
+// magnitude `mx` sets iscale = -127 / mx, and q = min(rint(x * iscale), 127), x' = q / iscale.
+__device__ __forceinline__ int q8k_argmax_abs(const float v[8], int lane) {
+    float best = -1.f; int bi = 0;
+    #pragma unroll
+    for (int k = 0; k < 8; k++) {
+        float a = fabsf(v[k]); int i = lane + 32 * k;
+        if (a > best) { best = a; bi = i; }
+    }
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        float ob = __shfl_xor_sync(0xffffffffu, best, o);
+        int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (ob > best || (ob == best && oi < bi)) { best = ob; bi = oi; }
+    }
+    return bi;
+}
+__device__ __forceinline__ float q8k_iscale(float mx) { return mx != 0.f ? -127.0f / mx : 0.f; }
 __device__ __forceinline__ float h2f(unsigned short h) {
     float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f;
 }

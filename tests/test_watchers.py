@@ -7,9 +7,7 @@ import re
 import subprocess
 import sys
 import uuid
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import anyio
 import pytest
@@ -30,30 +28,9 @@ from genie_supervisor.watchers.cgroup import CgroupProbe, find_container_cgroup,
 from genie_supervisor.watchers.dfn import COUNTER, UnderrunCounter
 from genie_supervisor.watchers.http_health import HttpHealthProbe
 from genie_supervisor.watchers.process import ProcessProbe, ProcessSelector, find_pids
+from tests.awaitlog import Log
 
 MIB = 1024 * 1024
-
-
-class Log:
-    """An append-only list that tests can await a matching entry in."""
-
-    def __init__(self) -> None:
-        self.items: list[Any] = []
-        self._changed = anyio.Event()
-
-    def __call__(self, item: Any) -> None:
-        self.items.append(item)
-        self._changed.set()
-        self._changed = anyio.Event()
-
-    async def wait_for(self, pred: Callable[[Any], Any], start: int = 0,
-                       within_s: float = 5.0) -> Any:
-        with anyio.fail_after(within_s):
-            while True:
-                for item in self.items[start:]:
-                    if pred(item):
-                        return item
-                await self._changed.wait()
 
 
 async def start_fake_piper(marker: str) -> anyio.abc.Process:

@@ -32,6 +32,7 @@ from wyoming.tts import (
 
 from genie_supervisor.events import ServiceObservation, VoiceActivity
 from genie_supervisor.watchers.wyoming_proxy import EventScanner, WyomingProxy, probe_wyoming
+from tests.awaitlog import Log as BaseLog
 
 HOST = "127.0.0.1"
 RATE, WIDTH, CHANNELS = 16000, 2, 1
@@ -45,26 +46,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class Log:
-    """An append-only list that tests can await a matching entry in."""
-
-    def __init__(self) -> None:
-        self.items: list[Any] = []
-        self._changed = anyio.Event()
-
-    def __call__(self, item: Any) -> None:
-        self.items.append(item)
-        self._changed.set()
-        self._changed = anyio.Event()
-
-    async def wait_for(self, pred: Callable[[Any], Any], start: int = 0,
-                       within_s: float = 5.0) -> Any:
-        with anyio.fail_after(within_s):
-            while True:
-                for item in self.items[start:]:
-                    if pred(item):
-                        return item
-                await self._changed.wait()
+class Log(BaseLog):
+    """The published observations, with a view of the voice events."""
 
     def voice(self) -> list[tuple[bool, str]]:
         return [(o.active, o.event) for o in self.items if isinstance(o, VoiceActivity)]

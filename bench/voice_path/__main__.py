@@ -66,7 +66,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-hold", action="store_true", help="whisper proxy: do not hold audio-stop until the engine is parked")
     p.add_argument("--hold-max-ms", type=int, default=250)
     p.add_argument("--model", type=Path, default=None, help="GGUF (default: the demo SmolLM2)")
-    p.add_argument("--backend", default="numpy", choices=["numpy", "cupy", "auto"], help="the daemon's engine backend")
+    p.add_argument("--backend", default="auto", choices=["auto", "numpy", "native", "cupy"], help="the daemon's engine backend")
     p.add_argument("--threads", type=int, default=None, help="engine CPU threads (default: all cores)")
     p.add_argument("--whisper-device", default="cpu", help="cpu or cuda")
     p.add_argument("--compute-type", default="int8", help="faster-whisper compute type (cuda: float16)")

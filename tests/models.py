@@ -10,9 +10,19 @@ import pytest
 CACHE = Path(os.environ.get("GENIE_MODELS_DIR") or Path.home() / ".cache" / "genie-supervisor" / "models")
 SMOLLM2 = CACHE / "SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA3 = CACHE / "gemma-3-270m-q4_k_m.gguf"
-FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures"
-if not FIXTURES.exists():
-    FIXTURES = Path(os.environ.get("GENIE_FIXTURES", "/work/shared/fixtures"))
+def _fixtures() -> Path:
+    """llama.cpp's oracle files: $GENIE_FIXTURES_DIR, else ../shared/fixtures next to the checkout."""
+    env = os.environ.get("GENIE_FIXTURES_DIR")
+    if env:
+        return Path(env)
+    for base in (Path(__file__).resolve().parents[1], Path.cwd()):
+        candidate = base.parent / "shared" / "fixtures"
+        if candidate.exists():
+            return candidate
+    return Path("/work/shared/fixtures")
+
+
+FIXTURES = _fixtures()
 
 MODELS = {"smollm2-135m-q4_1": SMOLLM2, "gemma3-270m-q4_k_m": GEMMA3}
 

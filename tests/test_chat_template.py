@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,15 +10,10 @@ import pytest
 from engine.chat_template import render_chat
 from engine.errors import TemplateError
 from engine.gguf_file import read_gguf
+from tests.models import CACHE, FIXTURES
 
-MODELS_DIR = Path(
-    os.environ.get("GENIE_MODELS_DIR", Path.home() / ".cache" / "genie-supervisor" / "models")
-)
-FIXTURES_DIR = Path(
-    os.environ.get(
-        "GENIE_FIXTURES_DIR", Path(__file__).resolve().parents[2] / "shared" / "fixtures"
-    )
-)
+MODELS_DIR = CACHE
+FIXTURES_DIR = FIXTURES
 
 
 def _chat_cases(fixture: str) -> list[dict[str, Any]]:

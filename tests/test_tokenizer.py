@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -14,15 +13,10 @@ from engine.errors import ModelFormatError
 from engine.gguf_file import GGUFFile, read_gguf
 from engine.tokenizer import StreamDecoder, Tokenizer, build_tokenizer
 from engine.tokenizer_bpe import PRE_TOKENIZERS, BPEModel, byte_encode
+from tests.models import CACHE, FIXTURES
 
-MODELS_DIR = Path(
-    os.environ.get("GENIE_MODELS_DIR", Path.home() / ".cache" / "genie-supervisor" / "models")
-)
-FIXTURES_DIR = Path(
-    os.environ.get(
-        "GENIE_FIXTURES_DIR", Path(__file__).resolve().parents[2] / "shared" / "fixtures"
-    )
-)
+MODELS_DIR = CACHE
+FIXTURES_DIR = FIXTURES
 MODELS = {
     "smollm2": ("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-q4_1"),
     "gemma3": ("gemma-3-270m-q4_k_m.gguf", "gemma3-270m-q4_k_m"),

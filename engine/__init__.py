@@ -56,7 +56,7 @@ class ModelInfo:
 class Model:
     """A loaded model: tokenizer, chat template, logits and async generation (one at a time)."""
 
-    def __init__(self, gf: GGUFFile, backend: str, n_ctx: int, kv_dtype: str) -> None:
+    def __init__(self, gf: GGUFFile, backend: str, n_ctx: int, kv_dtype: str, threads: int | None = None) -> None:
         self.path = gf.path
         self.spec: ModelSpec = read_spec(gf)
         self.tokenizer = Tokenizer.from_gguf(gf)
@@ -71,7 +71,7 @@ class Model:
         elif backend == "native":
             from .backends.cpu_native import NativeOps
 
-            ops = NativeOps()
+            ops = NativeOps(threads=threads)
         else:
             from .backends.numpy_backend import NumpyOps
 
@@ -193,9 +193,11 @@ def load_model(
     backend: str = "auto",
     n_ctx: int | None = None,
     kv_dtype: str = "f32",
+    threads: int | None = None,
 ) -> Model:
     """Load a GGUF model. `backend`: "auto" (CuPy when CUDA works, else the native CPU kernels
-    when a C compiler builds them, else NumPy), "numpy" (pure NumPy reference), "native", "cupy"."""
+    when a C compiler builds them, else NumPy), "numpy" (pure NumPy reference), "native", "cupy".
+    `threads`: CPU threads of the native kernels (default $GENIE_THREADS, else all cores)."""
     from .backends import resolve_backend
 
     gf = read_gguf(path)
@@ -205,7 +207,7 @@ def load_model(
         raise ValueError("n_ctx must be >= 1")
     if kv_dtype not in ("f32", "f16"):
         raise ValueError(f"kv_dtype {kv_dtype!r}: expected f32 or f16")
-    return Model(gf, resolve_backend(backend), ctx, kv_dtype)
+    return Model(gf, resolve_backend(backend), ctx, kv_dtype, threads)
 
 
 # re-exported helpers

@@ -98,7 +98,7 @@ class EngineConfig(_Section):
         "auto", description="compute backend (auto: cupy when CUDA works, else the native CPU kernels, else numpy)")
     n_ctx: int = Field(4096, ge=128, le=1_048_576, description="context length the KV cache is sized for (tokens)")
     kv_dtype: Literal["f16", "int8"] = Field("f16", description="KV cache element type")
-    threads: int | None = Field(None, ge=1, le=1024, description="CPU threads for the numpy backend (default: all cores)")
+    threads: int | None = Field(None, ge=1, le=1024, description="CPU threads of the native CPU kernels (default: $GENIE_THREADS, else all cores)")
 
 
 BackendName = Literal["builtin", "llama_cpp"]

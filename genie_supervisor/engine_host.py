@@ -29,6 +29,7 @@ import structlog
 from anyio.abc import TaskStatus
 
 from engine import GenerationStats, Model, SamplingParams, TokenEvent, load_model, open_model_file
+from engine.backends import resolve_backend
 from engine.model import MemoryPlan, plan_memory
 from engine.spec import read_spec
 
@@ -213,6 +214,7 @@ class EngineHost:
         backend: str = "auto",
         n_ctx: int = 4096,
         kv_dtype: str = "f16",
+        threads: int | None = None,
         budget_mb: Callable[[], float | None] = lambda: None,
         loader: Callable[..., Model] = load_model,
         stats_interval_s: float = 1.0,
@@ -238,6 +240,7 @@ class EngineHost:
         """How long the last load took."""
         self._publish_fn = publish
         self._backend, self._n_ctx, self._kv_dtype = backend, n_ctx, kv_dtype
+        self._threads = threads
         self._budget_mb = budget_mb
         self._loader = loader
         self._load_state = "disabled" if self.model_path is None else ("loading" if autoload else "unloaded")
@@ -414,10 +417,12 @@ class EngineHost:
             raise SupervisorError(f"engine.kv_dtype {self._kv_dtype!r} is not supported by the built-in "
                                   "engine yet; use f16 or f32")
         gf = open_model_file(path)
-        return plan_memory(gf, read_spec(gf), self._n_ctx, self._kv_dtype)
+        quantized = resolve_backend(self._backend) == "native"  # weights stay in their blocks
+        return plan_memory(gf, read_spec(gf), self._n_ctx, self._kv_dtype, quantized=quantized)
 
     def _load_blocking(self, path: str) -> Model:
-        return self._loader(path, backend=self._backend, n_ctx=self._n_ctx, kv_dtype=self._kv_dtype)
+        kwargs: dict[str, Any] = {"threads": self._threads} if self._threads else {}
+        return self._loader(path, backend=self._backend, n_ctx=self._n_ctx, kv_dtype=self._kv_dtype, **kwargs)
 
     async def shutdown(self, timeout: float = 2.0) -> None:  # noqa: ASYNC109 - a bounded drain
         """Refuse new requests, stop running generations at their next step, wait (bounded)."""

@@ -71,7 +71,7 @@ class BuiltinBackend:
         kv = entry.kv_dtype or cfg.engine.kv_dtype
         self.host = EngineHost(
             entry.path, gate=ctx.gate, arbiter=ctx.arbiter, publish=ctx.publish,
-            backend=cfg.engine.backend, n_ctx=self.n_ctx, kv_dtype=kv,
+            backend=cfg.engine.backend, n_ctx=self.n_ctx, kv_dtype=kv, threads=cfg.engine.threads,
             loader=ctx.loader or load_model, autoload=False,
         )
         """The engine facade of this model."""

@@ -224,15 +224,26 @@ OpenModel = Callable[[str], object]
 """Reads a GGUF header (engine.open_model_file)."""
 
 
-def _plan(gf: object, n_ctx: int, kv_dtype: str) -> MemoryPlan:
-    return plan_memory(gf, read_spec(gf), n_ctx, kv_dtype)  # type: ignore[arg-type]
+def _plan(gf: object, n_ctx: int, kv_dtype: str, quantized: bool = False) -> MemoryPlan:
+    return plan_memory(gf, read_spec(gf), n_ctx, kv_dtype, quantized=quantized)  # type: ignore[arg-type]
 
 
-def largest_ctx_within(gf: object, kv_dtype: str, budget_mb: float, start: int) -> int | None:
+def weights_stay_quantized(backend: str) -> bool:
+    """Whether the configured backend keeps weights in their GGUF blocks (the daemon's plan does the same)."""
+    from engine.backends import resolve_backend
+
+    try:
+        return resolve_backend(backend) == "native"
+    except ValueError:
+        return False
+
+
+def largest_ctx_within(gf: object, kv_dtype: str, budget_mb: float, start: int,
+                       quantized: bool = False) -> int | None:
     """The largest power-of-two context (>= 128, below `start`) whose plan fits, None if none does."""
     n = start // 2
     while n >= 128:
-        if _plan(gf, n, kv_dtype).total / MiB <= budget_mb:
+        if _plan(gf, n, kv_dtype, quantized).total / MiB <= budget_mb:
             return n
         n //= 2
     return None
@@ -265,8 +276,9 @@ def check_model(cfg: Config, policy: Policy, sample: TelemetrySample | None,
         checks.append(Check("memory", "fail", f"engine.kv_dtype {eng.kv_dtype} is not supported by the "
                             "built-in engine yet", "set engine.kv_dtype: f16"))
         return checks
-    checks.append(check_memory(_plan(gf, eng.n_ctx, eng.kv_dtype), policy, sample,
-                               fits_ctx=lambda budget: largest_ctx_within(gf, eng.kv_dtype, budget, eng.n_ctx)))
+    q = weights_stay_quantized(eng.backend)
+    checks.append(check_memory(_plan(gf, eng.n_ctx, eng.kv_dtype, q), policy, sample,
+                               fits_ctx=lambda budget: largest_ctx_within(gf, eng.kv_dtype, budget, eng.n_ctx, q)))
     return checks
 
 

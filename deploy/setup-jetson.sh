@@ -38,7 +38,7 @@ usage: $0 [options]
   --model NAME      demo model to fetch: gemma3 (default), smollm2 or none
   --upgrade         reinstall the package into the existing venv
   --start           (re)start the service at the end
-  --cpu-only        go on without CUDA (the engine runs on NumPy)
+  --cpu-only        go on without CUDA (the engine runs on the native CPU kernels)
   --any-platform    go on on a board that is not a JetPack 6 Jetson
   --voice-dropins   install the wyoming-faster-whisper / wyoming-piper drop-ins
 EOF
@@ -162,7 +162,7 @@ if [ -n "$CUDART" ]; then
                 "install JetPack 6's CUDA (apt install nvidia-jetpack), or pass --cpu-only"; fi ;;
   esac
 elif [ "$CPU_ONLY" = 1 ]; then
-  note "no CUDA runtime under $ROOT/usr/local/cuda: the engine runs on NumPy (--cpu-only)"
+  note "no CUDA runtime under $ROOT/usr/local/cuda: the engine runs on the native CPU kernels (--cpu-only)"
 else
   die "no CUDA: $ROOT/usr/local/cuda/lib64/libcudart.so* not found" \
       "apt install nvidia-jetpack (brings CUDA 12), or pass --cpu-only to run the engine on the CPU"
@@ -258,7 +258,7 @@ install_file() {
   return 0
 }
 if [ -n "$MODEL_FILE" ]; then MODEL_LINE="  model: /var/cache/genie-supervisor/models/$MODEL_FILE"; else MODEL_LINE="  model: null"; fi
-[ "$CPU_ONLY" = 1 ] && BACKEND_EXPR='s#^  backend: auto#  backend: numpy#' || BACKEND_EXPR=''
+[ "$CPU_ONLY" = 1 ] && BACKEND_EXPR='s#^  backend: auto#  backend: native#' || BACKEND_EXPR=''
 install_file "$SRC_DIR/deploy/config/orin-nano-8gb.yaml" "$ETC/supervisor.yaml" 0600 user \
   "s#^  model: .*#$MODEL_LINE#;$BACKEND_EXPR"
 install_file "$SRC_DIR/policies/orin-nano-8gb.yaml" "$ETC/policy.yaml" 0644 root

@@ -110,4 +110,4 @@ async def test_completions_models_and_llama_completion_shape(tmp_path: Path) -> 
             assert 'genie_model_state{backend="builtin",model="SmolLM2-135M-Instruct.Q4_1",state="ready"} 1.0' in metrics
             assert "genie_tokens_total" in metrics and "genie_gate_pauses" in metrics
             health = (await http.get("/health")).json()
-            assert health["backend_kind"] == "builtin" and health["backend_identity"] == "builtin/numpy"
+            assert health["backend_kind"] == "builtin" and health["backend_identity"] == f"builtin/{health['backend']}"

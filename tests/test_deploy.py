@@ -101,7 +101,7 @@ def test_example_configs_load() -> None:
     orin = load_config(DEPLOY / "config" / "orin-nano-8gb.yaml")
     assert orin.telemetry.platform == "jetson" and orin.policy.path == "/etc/genie-supervisor/policy.yaml"
     cpu = load_config(DEPLOY / "config" / "linux-cpu.yaml")
-    assert cpu.engine.backend == "numpy" and cpu.telemetry.platform == "linux"
+    assert cpu.engine.backend == "native" and cpu.telemetry.platform == "linux"
 
 
 def test_voice_units_listen_where_the_proxies_forward() -> None:

@@ -256,9 +256,9 @@ def test_no_cuda_is_refused_unless_cpu_only(tmp_path: Path) -> None:
     assert "no CUDA: " in result.stderr and "--cpu-only" in result.stderr
     result = setup(tmp_path, root, "--cpu-only")
     assert result.returncode == 0, result.stderr
-    assert "runs on NumPy" in result.stdout
+    assert "runs on the native CPU kernels" in result.stdout
     config = (root / "etc/genie-supervisor/supervisor.yaml").read_text()
-    assert "  backend: numpy" in config
+    assert "  backend: native" in config
     assert any(c.endswith("[jetson]") for c in calls(tmp_path) if c.startswith("pip"))
 
 
@@ -277,7 +277,7 @@ def test_installed_config_loads(tmp_path: Path) -> None:
     root = make_root(tmp_path)
     assert setup(tmp_path, root, "--cpu-only").returncode == 0
     cfg = load_config(root / "etc/genie-supervisor/supervisor.yaml")
-    assert cfg.engine.backend == "numpy" and cfg.engine.model is not None
+    assert cfg.engine.backend == "native" and cfg.engine.model is not None
 
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")

@@ -65,7 +65,7 @@ class Model:
             gf, self.spec, n_ctx, kv_dtype, quantized=backend == "native"
         )
         if backend == "cupy":
-            from .backends.cupy_backend import CupyOps  # type: ignore[import-not-found]
+            from .backends.cupy_backend import CupyOps
 
             ops: Any = CupyOps()
         elif backend == "native":

@@ -175,7 +175,7 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:
             )
         raw = buf[start : start + nbytes]
         if qtype == GGMLQuantizationType.F32:
-            arr = raw.view(np.float32).reshape(shape)
+            arr: np.ndarray = raw.view(np.float32).reshape(shape)
         elif qtype == GGMLQuantizationType.F16:
             arr = raw.view(np.float16).reshape(shape)
         elif qtype == GGMLQuantizationType.BF16:

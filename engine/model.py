@@ -236,7 +236,7 @@ class Transformer:
 
 
 def _arrays(layers: list[LayerWeights]) -> list[Any]:
-    out = []
+    out: list[Any] = []
     for lw in layers:
         out.extend(a for a in vars(lw).values() if a is not None and hasattr(a, "nbytes"))
     return out

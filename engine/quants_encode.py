@@ -186,7 +186,7 @@ def quantize(x: np.ndarray, type_name: str) -> np.ndarray:
     if type_name == "F16":
         return np.ascontiguousarray(x2.astype(np.float16)).view(np.uint8)
     if type_name == "BF16":
-        u = np.ascontiguousarray(x2).view(np.uint32)
+        u: np.ndarray = np.ascontiguousarray(x2).view(np.uint32)
         u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16  # round to nearest even
         return np.ascontiguousarray(u.astype(np.uint16)).view(np.uint8)
     fn = ENCODE.get(type_name)

@@ -7,7 +7,7 @@ from __future__ import annotations
 def cuda_available() -> tuple[bool, str]:
     """Whether a CUDA device is usable through CuPy, and why not when it isn't."""
     try:
-        import cupy  # type: ignore[import-not-found]
+        import cupy
     except Exception as exc:  # ImportError, or a CUDA library load failure
         return False, f"cupy not importable ({type(exc).__name__}: {exc})"
     try:

@@ -122,6 +122,7 @@ class CupyOps:
         out = cp.empty((n, cols), dtype=cp.float32)
         dev_ids = cp.asarray(np.asarray(ids, dtype=np.int64))
         units = n * (cols // 32)
+        assert w.raw is not None  # a single piece holds its bytes
         kernels.kernel(f"gather_{w.type_name}")(
             ((units + 127) // 128,), (128,),
             (w.raw, np.int64(w.raw.shape[1]), dev_ids, out, np.int32(n), np.int32(cols)),
@@ -155,6 +156,7 @@ class CupyOps:
         for p in w.pieces():
             rows, cols = p.shape
             b = _null() if bias is None else bias[r0 : r0 + rows]
+            assert p.raw is not None  # pieces() yields weights that hold their bytes
             kernels.kernel(f"gemv_{p.type_name}")(
                 ((rows + WARPS - 1) // WARPS,), (32 * WARPS,),
                 (p.raw, np.int64(p.raw.shape[1]), x, y[r0 : r0 + rows], b,
@@ -166,6 +168,7 @@ class CupyOps:
         """Rows r0..r1 of one piece as fp16 into `out` [r1 - r0, cols]."""
         cols = p.shape[1]
         units = (r1 - r0) * (cols // 32)
+        assert p.raw is not None  # a piece holds its bytes
         kernels.kernel(f"dequant_h_{p.type_name}")(
             ((units + 127) // 128,), (128,),
             (p.raw[r0:r1], np.int64(p.raw.shape[1]), out, np.int32(r1 - r0), np.int32(cols)),
@@ -175,6 +178,7 @@ class CupyOps:
         """Rows r0..r1 of one piece as fp32 into `out` [r1 - r0, cols]."""
         cols = p.shape[1]
         units = (r1 - r0) * (cols // 32)
+        assert p.raw is not None  # a piece holds its bytes
         kernels.kernel(f"dequant_f_{p.type_name}")(
             ((units + 127) // 128,), (128,),
             (p.raw[r0:r1], np.int64(p.raw.shape[1]), out, np.int32(r1 - r0), np.int32(cols)),

@@ -135,6 +135,7 @@ def gemv_launches(fn: Any, n_sm: int, w: Any, x: cp.ndarray, nw: cp.ndarray | No
             tpr, cap = qgemv_config(p.type_name, rows, n_sm, cols)
             k = fn(f"qgemv{'_glu' if glu else ''}_{p.type_name}")
             blocks = max(1, min(-(-rows // (256 // tpr)), cap * n_sm))
+            assert qin is not None  # set by the qprep launch above (prepped)
             args = (p.raw, np.int64(p.raw.shape[1]), np.int32(rows), np.int32(cols), qin.xq, qin.xd,
                     qin.xs16, y[r0:], _ptr(b), np.int32(epi), np.int32(out_rows or 0), np.int32(tpr))
             out.append(_Launch(k, (blocks,), (256,), args, 0, f"qgemv_{p.type_name}[{rows}x{cols}]"))

@@ -422,7 +422,10 @@ static inline void unpack_k4(const uint8_t *restrict qs, int8_t *restrict a) {
     }
 }
 
-static float dot_q4_k(const uint8_t *restrict w, const uint8_t *restrict a, int n) {
+/* Q4_K and Q5_K: 8 sub-blocks of 32 with 6-bit scales and mins, the 4-bit values at `qs_at`;
+ * Q5_K adds each value's fifth bit from the 32 bytes at `qh_at` (-1: none). */
+static float dot_k45(const uint8_t *restrict w, const uint8_t *restrict a, int n,
+                     int block_bytes, int qs_at, int qh_at) {
     const int nb = n / 256;
     const float *d = (const float *)a;
     const int16_t *bs = (const int16_t *)(d + nb);
@@ -430,10 +433,16 @@ static float dot_q4_k(const uint8_t *restrict w, const uint8_t *restrict a, int 
     float sums[8] = {0};
     float sumf = 0.0f;
     int8_t aux8[256];
-    for (int ib = 0; ib < nb; ++ib, w += 144, q += 256, bs += 16) {
+    for (int ib = 0; ib < nb; ++ib, w += block_bytes, q += 256, bs += 16) {
         uint8_t sc[8], mn[8];
         k_scales(w + 4, sc, mn);
-        unpack_k4(w + 16, aux8);
+        unpack_k4(w + qs_at, aux8);
+        if (qh_at >= 0) {
+            const uint8_t *qh = w + qh_at;
+            for (int j = 0; j < 8; ++j) {
+                for (int l = 0; l < 32; ++l) aux8[32 * j + l] = (int8_t)(aux8[32 * j + l] | (((qh[l] >> j) & 1) << 4));
+            }
+        }
         int32_t aux32[8] = {0};
         for (int j = 0; j < 8; ++j) lane_acc(q + 32 * j, aux8 + 32 * j, 32, sc[j], aux32);
         int sumi = 0;
@@ -447,33 +456,12 @@ static float dot_q4_k(const uint8_t *restrict w, const uint8_t *restrict a, int 
     return sumf;
 }
 
+static float dot_q4_k(const uint8_t *restrict w, const uint8_t *restrict a, int n) {
+    return dot_k45(w, a, n, 144, 16, -1);
+}
+
 static float dot_q5_k(const uint8_t *restrict w, const uint8_t *restrict a, int n) {
-    const int nb = n / 256;
-    const float *d = (const float *)a;
-    const int16_t *bs = (const int16_t *)(d + nb);
-    const int8_t *q = (const int8_t *)(bs + 16 * nb);
-    float sums[8] = {0};
-    float sumf = 0.0f;
-    int8_t aux8[256];
-    for (int ib = 0; ib < nb; ++ib, w += 176, q += 256, bs += 16) {
-        uint8_t sc[8], mn[8];
-        k_scales(w + 4, sc, mn);
-        const uint8_t *qh = w + 16;
-        unpack_k4(w + 48, aux8);
-        for (int j = 0; j < 8; ++j) {
-            for (int l = 0; l < 32; ++l) aux8[32 * j + l] = (int8_t)(aux8[32 * j + l] | (((qh[l] >> j) & 1) << 4));
-        }
-        int32_t aux32[8] = {0};
-        for (int j = 0; j < 8; ++j) lane_acc(q + 32 * j, aux8 + 32 * j, 32, sc[j], aux32);
-        int sumi = 0;
-        for (int j = 0; j < 16; ++j) sumi += bs[j] * mn[j / 2];
-        const float dd = rdf16(w) * d[ib];
-        for (int l = 0; l < 8; ++l) sums[l] += dd * (float)aux32[l];
-        const float dmin = rdf16(w + 2) * d[ib];
-        sumf -= dmin * (float)sumi;
-    }
-    for (int l = 0; l < 8; ++l) sumf += sums[l];
-    return sumf;
+    return dot_k45(w, a, n, 176, 48, 16);
 }
 
 static float dot_q6_k(const uint8_t *restrict w, const uint8_t *restrict a, int n) {

@@ -12,12 +12,13 @@ Python's ``re`` has no ``\\p{L}``; the letter, number and punctuation classes ar
 
 from __future__ import annotations
 
-import heapq
 import re
 import unicodedata
 from collections import OrderedDict
 from dataclasses import dataclass
 from functools import lru_cache
+
+from .tokenizer_merge import merge_pairs
 
 # llama.cpp's whitespace set (the Unicode White_Space property); Python's str.isspace() differs.
 _WHITESPACE = [
@@ -216,37 +217,8 @@ class BPEModel:
         if self.pre.ignore_merges and word in vocab:
             return [vocab[word]]
         syms = list(word)
-        n = len(syms)
-        prev = list(range(-1, n - 1))
-        nxt = list(range(1, n + 1))
-        nxt[-1] = -1
         ranks = self.ranks
-        heap: list[tuple[int, int, int, str]] = []
-        for i in range(n - 1):
-            r = ranks.get((syms[i], syms[i + 1]))
-            if r is not None:
-                heap.append((r, i, i + 1, syms[i] + syms[i + 1]))
-        heapq.heapify(heap)
-        while heap:
-            _, left, right, merged = heapq.heappop(heap)
-            a, b = syms[left], syms[right]
-            if not a or not b or a + b != merged:
-                continue  # outdated: one side has been merged since
-            syms[left] = merged
-            syms[right] = ""
-            after = nxt[right]
-            nxt[left] = after
-            if after >= 0:
-                prev[after] = left
-            before = prev[left]
-            if before >= 0:
-                r = ranks.get((syms[before], merged))
-                if r is not None:
-                    heapq.heappush(heap, (r, before, left, syms[before] + merged))
-            if after >= 0:
-                r = ranks.get((merged, syms[after]))
-                if r is not None:
-                    heapq.heappush(heap, (r, left, after, merged + syms[after]))
+        merge_pairs(syms, lambda a, b: ranks.get((a, b)))
         ids: list[int] = []
         for s in syms:
             if not s:

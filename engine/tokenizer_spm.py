@@ -8,7 +8,7 @@ with byte-fallback tokens ``<0xNN>``, one per UTF-8 byte.
 
 from __future__ import annotations
 
-import heapq
+from .tokenizer_merge import merge_pairs
 
 SPACE_MARK = "\u2581"
 
@@ -31,39 +31,12 @@ class SPMModel:
         vocab = self.token_to_id
         scores = self.scores
         syms = list(text.replace(" ", SPACE_MARK))
-        n = len(syms)
-        prev = list(range(-1, n - 1))
-        nxt = list(range(1, n + 1))
-        nxt[-1] = -1
-        heap: list[tuple[float, int, int, int]] = []
-        for i in range(n - 1):
-            tid = vocab.get(syms[i] + syms[i + 1])
-            if tid is not None:
-                heap.append((-scores[tid], i, i + 1, 2))
-        heapq.heapify(heap)
-        while heap:
-            _, left, right, size = heapq.heappop(heap)
-            a, b = syms[left], syms[right]
-            if not a or not b or len(a) + len(b) != size:
-                continue  # outdated: one side has been merged since
-            merged = a + b
-            syms[left] = merged
-            syms[right] = ""
-            after = nxt[right]
-            nxt[left] = after
-            if after >= 0:
-                prev[after] = left
-            before = prev[left]
-            if before >= 0:
-                cand = syms[before] + merged
-                tid = vocab.get(cand)
-                if tid is not None:
-                    heapq.heappush(heap, (-scores[tid], before, left, len(cand)))
-            if after >= 0:
-                cand = merged + syms[after]
-                tid = vocab.get(cand)
-                if tid is not None:
-                    heapq.heappush(heap, (-scores[tid], left, after, len(cand)))
+
+        def priority(a: str, b: str) -> float | None:  # highest score first
+            tid = vocab.get(a + b)
+            return None if tid is None else -scores[tid]
+
+        nxt = merge_pairs(syms, priority)
         byte_ids = self.byte_ids
         i = 0
         while i != -1:

@@ -9,8 +9,9 @@ APT_GET := $(shell command -v apt-get 2>/dev/null)
 .PHONY: run test deps system-deps models lint bench bench-engine bench-gate bench-voice clean
 
 $(STAMP): pyproject.toml
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || { \
-	  echo "venv failed; installing python3-venv"; apt-get update -qq && apt-get install -y -qq python3-venv && $(PYTHON) -m venv $(VENV); }
+	@$(PY) -m pip --version >/dev/null 2>&1 || $(PYTHON) -m venv $(VENV) || { \
+	  echo "venv failed (Debian splits it out): installing python3-venv"; \
+	  apt-get update -qq && apt-get install -y -qq python3-venv && $(PYTHON) -m venv --clear $(VENV); }
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
 	@touch $(STAMP)

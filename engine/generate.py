@@ -112,6 +112,7 @@ class Generation:
         self.preemptions = 0
         """Times this generation yielded the model to a more urgent one."""
         self._running_cm: Any = None
+        self._holding = False
         self.prompt_ids = [int(t) for t in prompt_ids]
         self.sampling = sampling
         self.gate: Gate = gate if gate is not None else OpenGate()
@@ -135,15 +136,19 @@ class Generation:
     async def _hold(self) -> None:
         """Take the model (by priority) and tell the gate a generation is running on it."""
         await self.model.lock.acquire(self, self.priority)
+        self._holding = True
         running = getattr(self.gate, "running", None)
         self._running_cm = running() if running is not None else None
         if self._running_cm is not None:
             self._running_cm.__enter__()
 
     def _unhold(self) -> None:
+        if not self._holding:  # cancelled while queued for the model after yielding it
+            return
         if self._running_cm is not None:
             self._running_cm.__exit__(None, None, None)
             self._running_cm = None
+        self._holding = False
         self.model.lock.release(self)
 
     async def _checkpoint(self, phase: Phase) -> None:

@@ -187,3 +187,37 @@ async def test_equal_priority_waits_its_turn() -> None:
             tg.start_soon(first)
             tg.start_soon(second)
     assert order == ["first", "second"]
+
+
+async def test_preempted_generation_cancelled_while_waiting_releases_cleanly() -> None:
+    """A generation that yielded the model and is cancelled while queued for it leaves the lock free."""
+    model = _model()
+    ids = model.tokenizer.encode("Once upon a time", add_special=True)
+    bg = model.generate(ids, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), priority=0)
+    got_first = anyio.Event()
+    voice_running = anyio.Event()
+    release_voice = anyio.Event()
+
+    async def background() -> None:
+        async for _ in bg:
+            got_first.set()
+
+    async def voice() -> None:
+        await got_first.wait()
+        g = model.generate(ids, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), priority=2)
+        async for _ in g:
+            voice_running.set()
+            await release_voice.wait()
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(voice)
+            async with anyio.create_task_group() as bg_tg:
+                bg_tg.start_soon(background)
+                await voice_running.wait()  # background has yielded and queues for the model
+                bg_tg.cancel_scope.cancel()
+            await bg.aclose()
+            assert bg.preemptions == 1 and bg.finish_reason == "cancelled"
+            release_voice.set()
+        async with model.lock.hold():
+            pass

@@ -166,20 +166,19 @@ class CupyOps:
 
     def dequant_f16(self, p: QWeight, r0: int, r1: int, out: cp.ndarray) -> None:
         """Rows r0..r1 of one piece as fp16 into `out` [r1 - r0, cols]."""
-        cols = p.shape[1]
-        units = (r1 - r0) * (cols // 32)
-        assert p.raw is not None  # a piece holds its bytes
-        kernels.kernel(f"dequant_h_{p.type_name}")(
-            ((units + 127) // 128,), (128,),
-            (p.raw[r0:r1], np.int64(p.raw.shape[1]), out, np.int32(r1 - r0), np.int32(cols)),
-        )
+        self._dequant("dequant_h", p, r0, r1, out)
 
     def dequant_f32(self, p: QWeight, r0: int, r1: int, out: cp.ndarray) -> None:
         """Rows r0..r1 of one piece as fp32 into `out` [r1 - r0, cols]."""
+        self._dequant("dequant_f", p, r0, r1, out)
+
+    @staticmethod
+    def _dequant(kernel: str, p: QWeight, r0: int, r1: int, out: cp.ndarray) -> None:
+        """Launch `<kernel>_<type>` over rows r0..r1 of `p` (one thread per 32-value unit)."""
         cols = p.shape[1]
         units = (r1 - r0) * (cols // 32)
         assert p.raw is not None  # a piece holds its bytes
-        kernels.kernel(f"dequant_f_{p.type_name}")(
+        kernels.kernel(f"{kernel}_{p.type_name}")(
             ((units + 127) // 128,), (128,),
             (p.raw[r0:r1], np.int64(p.raw.shape[1]), out, np.int32(r1 - r0), np.int32(cols)),
         )

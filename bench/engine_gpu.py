@@ -5,12 +5,17 @@
 Shapes and llama.cpp's figures (commit 0c1e570, CUDA, flash attention, H200, same shapes,
 random weights) come from issue 7. Prints each figure beside llama.cpp's with the ratio and the
 fraction of the memory-bandwidth limit (weight bytes per token / measured copy bandwidth);
-writes the numbers to bench/results/engine_gpu-<time>.json.
+memory: the plan's parts, what CuPy's pool holds and what CUDA reports in use after the default
+path (prefill, decode, generate), next to llama.cpp's figure for the same shape at n_ctx 4096
+(estimated by llama.cpp's formula, not measured). Prefill: median of --runs runs per tile
+precision (auto, fp32, fp16; alternating, garbage collector off). Writes the numbers to
+bench/results/engine_gpu-<time>.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -52,6 +57,57 @@ def copy_bandwidth(cp) -> float:  # type: ignore[no-untyped-def]
     return 2 * (1 << 30) / sec
 
 
+MIB = 2**20
+
+
+def llama_cpp_memory(gf, spec, n_ctx: int = 4096, n_ubatch: int = 512) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    """GPU bytes llama.cpp takes for this model by its own accounting - estimated by llama.cpp's
+    formula, not measured: model buffer = the GGUF's tensor bytes (token_embd of an untied model
+    stays in host memory; a tied one is duplicated to the GPU as the output head), KV f16 =
+    n_layers * n_ctx * n_kv_heads * (head_dim + v_head_dim) * 2, compute buffer = n_ubatch *
+    n_vocab * 4 (the logits) + the largest per-layer activations (FFN: gate and up outputs, the
+    layer input and the residual, float32 [n_ubatch, ...])."""
+    model = sum(t.nbytes for t in gf.tensors.values())
+    if "output.weight" in gf.tensors:
+        model -= gf.tensors["token_embd.weight"].nbytes
+    kv = spec.n_layers * n_ctx * spec.n_kv_heads * (spec.head_dim + spec.v_head_dim) * 2
+    compute = n_ubatch * spec.n_vocab * 4 + n_ubatch * 4 * (2 * spec.n_ff + 2 * spec.n_embd)
+    return {"model": model, "kv_f16": kv, "compute": compute, "total": model + kv + compute}
+
+
+def cuda_used(cp) -> int:  # type: ignore[no-untyped-def]
+    """Device bytes in use (cudaMemGetInfo: total - free), every allocator and the context."""
+    free, total = cp.cuda.runtime.memGetInfo()
+    return int(total - free)
+
+
+def time_prefill(tf, ops, prompt: list[int], modes: list[str], runs: int, cp) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """Median seconds of one forward pass over `prompt` per prefill tile precision: `runs` rounds,
+    each mode once per round (alternating, so drift hits all alike), garbage collector off: a
+    full collection with a tokenizer on the heap can take milliseconds, and in a host-bound
+    prefill (SmolLM2's shape) it adds to whichever op runs - the likely cause of v4b's single-run
+    fp16 profile showing attention at 24 ms instead of 6 (no op there depends on the tiles)."""
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    for mode in modes:  # warm-up: tile buffer, cuBLAS heuristics for this mode's shapes
+        ops.prefill_dtype = mode
+        tf.forward(prompt, 0, last_n=1)
+    cp.cuda.Device().synchronize()
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(runs):
+            for mode in modes:
+                ops.prefill_dtype = mode
+                t0 = time.perf_counter()
+                ops.argmax(tf.forward(prompt, 0, last_n=1))
+                cp.cuda.Device().synchronize()
+                times[mode].append(time.perf_counter() - t0)
+    finally:
+        gc.enable()
+        ops.prefill_dtype = "auto"
+    return {m: float(np.median(v)) for m, v in times.items()}
+
+
 def _generate_stats(m, prompt: list[int], n: int):  # type: ignore[no-untyped-def]
     async def run():  # type: ignore[no-untyped-def]
         g = m.generate(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
@@ -86,6 +142,8 @@ def prefill_profile(tf, ops, prompt: list[int], cp, label: str) -> list[str]:  #
 
     for n, fn in orig.items():
         setattr(ops, n, wrap(n, fn))
+    gc.collect()
+    gc.disable()
     try:
         cp.cuda.Device().synchronize()
         s0, s1 = cp.cuda.Event(), cp.cuda.Event()
@@ -97,6 +155,7 @@ def prefill_profile(tf, ops, prompt: list[int], cp, label: str) -> list[str]:  #
         s1.synchronize()
         wall_ms = (time.perf_counter() - t0) * 1e3
     finally:
+        gc.enable()
         for n in orig:
             delattr(ops, n)
     span = cp.cuda.get_elapsed_time(s0, s1)
@@ -104,40 +163,36 @@ def prefill_profile(tf, ops, prompt: list[int], cp, label: str) -> list[str]:  #
              f"{host_ms:.1f} ms, wall {wall_ms:.1f} ms"]
     for n in PREFILL_OPS:
         if marks[n]:
-            ms = sum(cp.cuda.get_elapsed_time(a, b) for a, b in marks[n])
-            lines.append(f"    {n:12} {len(marks[n]):5d} calls {ms:8.2f} ms ({ms / max(span, 1e-9):5.1%} of span)")
+            each = [cp.cuda.get_elapsed_time(a, b) for a, b in marks[n]]
+            ms = sum(each)
+            lines.append(f"    {n:12} {len(marks[n]):5d} calls {ms:8.2f} ms ({ms / max(span, 1e-9):5.1%} of span), "
+                         f"longest call {max(each):6.2f} ms")
     return lines
 
 
-def bench_model(key: str, path: str, prompt_len: int, n_decode: int, bw: float, cp,  # type: ignore[no-untyped-def]
+def bench_model(key: str, path: str, prompt_len: int, n_decode: int, bw: float, cp, runs: int,  # type: ignore[no-untyped-def]
                 profile_out: list[str] | None = None) -> dict:
+    from engine.gguf_file import read_gguf
+    from engine.spec import read_spec
+
     pool = cp.get_default_memory_pool()
+    gc.collect()
+    cp.cuda.Device().synchronize()
     pool.free_all_blocks()
-    base_used = pool.used_bytes()
+    base_pool, base_cuda = pool.total_bytes(), cuda_used(cp)
     t0 = time.perf_counter()
     m = load_model(path, backend="cupy", n_ctx=4096, kv_dtype="f16")
     load_s = time.perf_counter() - t0
     tf, ops = m.transformer, m.transformer.ops
+    plan = m.memory_plan
     prompt = np.random.default_rng(0).integers(0, m.spec.n_vocab, prompt_len).tolist()
     # warm-up (compilation, cuBLAS handles, pool growth)
     tf.forward(prompt[:64], 0, last_n=1)
     for i in range(4):
         tf.forward([prompt[i]], 64 + i, last_n=1)
-    cp.cuda.Device().synchronize()
-    # prefill
-    t0 = time.perf_counter()
-    logits = tf.forward(prompt, 0, last_n=1)
-    tok = ops.argmax(logits)
-    cp.cuda.Device().synchronize()
-    prefill_s = time.perf_counter() - t0
-    # the same prefill with fp16 tiles (faster, less exact: see cupy_backend)
-    ops._scratch, ops.prefill_dtype = None, np.dtype("float16")
-    tf.forward(prompt[:64], 0, last_n=1)
-    cp.cuda.Device().synchronize()
-    t0 = time.perf_counter()
-    ops.argmax(tf.forward(prompt, 0, last_n=1))
-    cp.cuda.Device().synchronize()
-    prefill16_s = time.perf_counter() - t0
+    # prefill with the default tiles ("auto"), median of `runs`
+    prefill_s = time_prefill(tf, ops, prompt, ["auto"], runs, cp)["auto"]
+    tok = ops.argmax(tf.forward(prompt, 0, last_n=1))
     # decode through Model.step_sample (what Model.generate calls each step): the CUDA-graph
     # decoder when the backend has one, greedy on the device (only the id comes back)
     sampler = Sampler(SamplingParams(temperature=0))
@@ -165,19 +220,28 @@ def bench_model(key: str, path: str, prompt_len: int, n_decode: int, bw: float, 
         stop.record(dec.stream)
         stop.synchronize()
         gpu_tps = n_decode / (cp.cuda.get_elapsed_time(start, stop) / 1e3)
-    # end to end: Model.generate (prefill in 64-token chunks, then decode; worker-thread hops)
+    # end to end: Model.generate (prefill in the backend's 512-token chunks, then decode;
+    # worker-thread hops)
     gen_stats = _generate_stats(m, prompt, n_decode)
+    cp.cuda.Device().synchronize()
+    # memory after the default path (before the tile-precision comparison below, which grows
+    # the tile buffer to fp32 on a model whose plan has fp16 tiles only)
+    held = pool.total_bytes() - base_pool
+    used = cuda_used(cp) - base_cuda
+    gf = read_gguf(path)
+    llama = llama_cpp_memory(gf, read_spec(gf), 4096, 512)
+    # the same prefill with fp32 and fp16 tiles everywhere
+    by_mode = time_prefill(tf, ops, prompt, ["auto", "float32", "float16"], runs, cp)
     weights = tf.weights_bytes
-    held = pool.total_bytes()
-    if profile_out is not None:  # prefill phases (fp32 and fp16 tiles)
-        profile_out.append(f"\n== {key}: prefill phases")
-        for dt in ("float32", "float16"):
-            ops._scratch, ops.prefill_dtype = None, np.dtype(dt)
-            tf.forward(prompt[:64], 0, last_n=1)
+    if profile_out is not None:  # prefill phases (each tile precision)
+        profile_out.append(f"\n== {key}: prefill phases (garbage collector off)")
+        for dt in ("float32", "float16", "auto"):
+            ops.prefill_dtype = dt
+            tf.forward(prompt, 0, last_n=1)
             for ln in prefill_profile(tf, ops, prompt, cp, dt):
                 print(ln, flush=True)
                 profile_out.append(ln)
-        ops._scratch, ops.prefill_dtype = None, np.dtype("float32")
+        ops.prefill_dtype = "auto"
     if profile_out is not None and dec is not None:  # per-launch times (bench/decode_profile.py)
         from decode_profile import profile_model
 
@@ -195,8 +259,12 @@ def bench_model(key: str, path: str, prompt_len: int, n_decode: int, bw: float, 
         "decode_gpu_replay_tok_s": round(gpu_tps, 1) if gpu_tps else None,
         "generate_decode_tok_s": round(gen_stats.decode_tps, 1),
         "generate_prefill_tok_s": round(gen_stats.prefill_tps, 1),
+        "generate_prefill_chunk": int(ops.prefill_chunk),
         "prefill_tok_s": round(prefill_tps, 1),
-        "prefill_f16_tok_s": round(prompt_len / prefill16_s, 1),
+        "prefill_runs": runs,
+        "prefill_auto_tok_s": round(prompt_len / by_mode["auto"], 1),
+        "prefill_f32_tok_s": round(prompt_len / by_mode["float32"], 1),
+        "prefill_f16_tok_s": round(prompt_len / by_mode["float16"], 1),
         "decode_vs_llama_cpp": round(decode_tps / ref["decode"], 3),
         "prefill_vs_llama_cpp": round(prefill_tps / ref["prefill"], 3),
         "bandwidth_limit_tok_s": round(limit_tps, 1),
@@ -204,13 +272,37 @@ def bench_model(key: str, path: str, prompt_len: int, n_decode: int, bw: float, 
         "llama_cpp_fraction_of_limit": round(ref["decode"] / limit_tps, 3),
         "weights_bytes": int(weights),
         "kv_bytes": int(tf.kv.nbytes),
-        "pool_held_bytes": int(held - base_used),
-        "plan_bytes": int(m.memory_plan.total),
+        "pool_held_bytes": int(held),
+        "cuda_used_bytes": int(used),
+        "plan_bytes": int(plan.total),
+        "plan_parts": {"weights": plan.weights, "kv": plan.kv, "tables": plan.tables,
+                       "decode_scratch": plan.decode_scratch, "prefill_scratch": plan.prefill_scratch,
+                       **dict(plan.parts)},
+        "plan_chunk": plan.chunk,
+        "llama_cpp_bytes_estimated": llama,
+        "pool_vs_llama_cpp": round(held / llama["total"], 3),
+        "plan_vs_llama_cpp": round(plan.total / llama["total"], 3),
+        "cuda_used_vs_llama_cpp": round(used / llama["total"], 3),
     }
     m.close()
-    del m, tf, ops, logits
+    del m, tf, ops
+    gc.collect()
     pool.free_all_blocks()
     return row
+
+
+def print_memory(r: dict) -> None:
+    """Plan parts, pool, CUDA, llama.cpp's estimate for one result row (MiB)."""
+    p, ll = r["plan_parts"], r["llama_cpp_bytes_estimated"]
+    print(f"{r['model']}: plan {r['plan_bytes'] / MIB:.1f} MiB = "
+          + " + ".join(f"{k} {v / MIB:.1f}" for k, v in p.items() if k not in ("prefill_scratch",))
+          + f" (prefill chunk {r['plan_chunk']})")
+    print(f"  pool held {r['pool_held_bytes'] / MIB:.1f} MiB (plan/held {r['plan_bytes'] / r['pool_held_bytes']:.3f}), "
+          f"CUDA used {r['cuda_used_bytes'] / MIB:.1f} MiB (cudaMemGetInfo delta: + context, cuBLAS, graph)")
+    print(f"  llama.cpp (estimated by llama.cpp's formula, not measured): model {ll['model'] / MIB:.1f} + "
+          f"KV f16 {ll['kv_f16'] / MIB:.1f} + compute {ll['compute'] / MIB:.1f} = {ll['total'] / MIB:.1f} MiB; "
+          f"ours/llama.cpp: pool {r['pool_vs_llama_cpp']:.3f}, plan {r['plan_vs_llama_cpp']:.3f}, "
+          f"CUDA used {r['cuda_used_vs_llama_cpp']:.3f}")
 
 
 def main() -> int:
@@ -222,6 +314,7 @@ def main() -> int:
     ap.add_argument("--workdir", default=None, help="where the generated models go (temp dir)")
     ap.add_argument("--profile", action="store_true", help="also time each decode launch")
     ap.add_argument("--tag", default="", help="suffix of the result file names")
+    ap.add_argument("--runs", type=int, default=5, help="timed prefill runs per tile precision (median)")
     a = ap.parse_args()
     import cupy as cp
 
@@ -237,7 +330,7 @@ def main() -> int:
             t0 = time.perf_counter()
             write_config(path, preset_config(LLAMA_CPP[key]["preset"], fast=True))
             print(f"{key}: generated {os.path.getsize(path) / 1e9:.2f} GB in {time.perf_counter() - t0:.1f} s", flush=True)
-            row = bench_model(key, path, a.prompt, a.decode, bw, cp, prof if a.profile else None)
+            row = bench_model(key, path, a.prompt, a.decode, bw, cp, a.runs, prof if a.profile else None)
             rows.append(row)
             print(json.dumps(row), flush=True)
             os.remove(path)
@@ -245,6 +338,10 @@ def main() -> int:
     for r in rows:
         print(f"{r['model']}: decode via Model.generate {r['generate_decode_tok_s']} tok/s, "
               f"GPU replay {r['decode_gpu_replay_tok_s']} tok/s, decoder {r['decoder']}")
+        print(f"  prefill (median of {r['prefill_runs']}): auto {r['prefill_auto_tok_s']}, fp32 tiles "
+              f"{r['prefill_f32_tok_s']}, fp16 tiles {r['prefill_f16_tok_s']} tok/s; via Model.generate "
+              f"({r['generate_prefill_chunk']}-token chunks) {r['generate_prefill_tok_s']} tok/s")
+        print_memory(r)
     print(f"{'model':10} {'decode tok/s':>12} {'llama.cpp':>9} {'ratio':>6} {'of limit':>8} "
           f"{'prefill tok/s':>13} {'llama.cpp':>9} {'ratio':>6} {'GPU MiB':>8}")
     for r in rows:
@@ -255,7 +352,7 @@ def main() -> int:
     Path(a.out).mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     result = {"device": name, "copy_bandwidth_Bps": bw, "prompt": a.prompt, "decode": a.decode,
-              "version": "cupy-v4 (decode: input rounded once per matrix (qprep_x) + int8 dp4a GEMV, 8 threads a row for heads; prefill: GemmEx per tile into the output, vector-store dequant)", "rows": rows}
+              "version": "cupy-v5 (prefill: auto tiles (fp16 for matrices >= 4M values), attention in query blocks by strided-batched GEMMs, 512-token chunks in generate; memory plan of the GPU backend)", "rows": rows}
     tag = f"-{a.tag}" if a.tag else ""
     if prof:
         (Path(a.out) / f"decode_profile-{stamp}{tag}.txt").write_text("\n".join(prof) + "\n")

@@ -22,7 +22,7 @@ from .errors import ContextOverflowError, EngineError, ModelFormatError, Templat
 from .gate import Gate, OpenGate
 from .generate import Generation, GenerationStats, TokenEvent
 from .gguf_file import GGUFFile, read_gguf
-from .kv_cache import kv_bytes
+from .kv_cache import check_kv_dtype, kv_bytes
 from .lock import PriorityLock
 from .model import MemoryPlan, Transformer, plan_memory
 from .sampler import Sampler, SamplingParams
@@ -62,7 +62,7 @@ class Model:
         self.tokenizer = Tokenizer.from_gguf(gf)
         self.chat_template: str | None = gf.get("tokenizer.chat_template")
         self.memory_plan: MemoryPlan = plan_memory(
-            gf, self.spec, n_ctx, kv_dtype, quantized=backend == "native"
+            gf, self.spec, n_ctx, kv_dtype, quantized=backend == "native", backend=backend
         )
         if backend == "cupy":
             from .backends.cupy_backend import CupyOps
@@ -151,12 +151,19 @@ class Model:
 
     def step_sample(self, token: int, pos: int, sampler: Sampler, history: Sequence[int]) -> int:
         """One decode step: feed `token` at `pos`, sample the next one (on the device when the
-        backend's decoder can and sampling is plain greedy)."""
+        backend's decoder can: its argmax for plain greedy, its sampler otherwise - the same
+        uniform draw from `sampler` as the host path, so a seed gives the same tokens)."""
         p = sampler.params
-        if self.decoder is not None and p.temperature <= 0 and p.repeat_penalty == 1.0:
+        dec = self.decoder
+        greedy = p.temperature <= 0 and p.repeat_penalty == 1.0
+        if dec is not None and (greedy or hasattr(dec, "sample")):
+            u = sampler.uniform() if p.temperature > 0 else 0.0
             with self._thread_lock:
                 del self.transformer.kv.tokens[pos:]
-                nxt = int(self.decoder.greedy(int(token), pos))
+                if greedy:
+                    nxt = int(dec.greedy(int(token), pos))
+                else:
+                    nxt = int(dec.sample(int(token), pos, p, u, history))
                 self.transformer.kv.tokens.append(int(token))
                 return nxt
         return sampler(self.step_logits([token], pos), history)
@@ -197,7 +204,9 @@ def load_model(
 ) -> Model:
     """Load a GGUF model. `backend`: "auto" (CuPy when CUDA works, else the native CPU kernels
     when a C compiler builds them, else NumPy), "numpy" (pure NumPy reference), "native", "cupy".
-    `threads`: CPU threads of the native kernels (default $GENIE_THREADS, else all cores)."""
+    `threads`: CPU threads of the native kernels (default $GENIE_THREADS, else all cores).
+    `kv_dtype`: KV cache elements, "f32", "f16" or "int8" (int8 values + one float16 scale per
+    32, about 53 % of f16's bytes; see engine.kv_cache)."""
     from .backends import resolve_backend
 
     gf = read_gguf(path)
@@ -205,8 +214,7 @@ def load_model(
     ctx = int(n_ctx or min(DEFAULT_CTX, spec.n_ctx_train))
     if ctx < 1:
         raise ValueError("n_ctx must be >= 1")
-    if kv_dtype not in ("f32", "f16"):
-        raise ValueError(f"kv_dtype {kv_dtype!r}: expected f32 or f16")
+    check_kv_dtype(spec, kv_dtype)
     return Model(gf, resolve_backend(backend), ctx, kv_dtype, threads)
 
 

@@ -23,6 +23,9 @@ if TYPE_CHECKING:
     from . import Model
 
 DEFAULT_PREFILL_CHUNK = 64
+"""Prompt tokens per forward pass when neither the caller, the gate nor the backend's ops
+(`ops.prefill_chunk`: CuPy 512) say otherwise; right for CPU, where the gate is awaited between
+chunks and a chunk is tens of milliseconds."""
 
 
 @dataclass(frozen=True)
@@ -116,8 +119,11 @@ class Generation:
         self.prompt_ids = [int(t) for t in prompt_ids]
         self.sampling = sampling
         self.gate: Gate = gate if gate is not None else OpenGate()
-        chunk = prefill_chunk or getattr(gate, "prefill_chunk", None) or DEFAULT_PREFILL_CHUNK
+        ops = getattr(getattr(model, "transformer", None), "ops", None)
+        chunk = (prefill_chunk or getattr(gate, "prefill_chunk", None)
+                 or getattr(ops, "prefill_chunk", None) or DEFAULT_PREFILL_CHUNK)
         self.prefill_chunk = max(1, int(chunk))
+        """Prompt tokens per forward pass: the caller's, else the gate's, else the backend's."""
         self.finish_reason: str | None = None
         self.stats = GenerationStats(prompt_tokens=len(self.prompt_ids))
         self.completion_ids: list[int] = []

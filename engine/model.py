@@ -53,15 +53,29 @@ class LayerWeights:
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """Bytes the model needs, planned before anything is allocated."""
+    """Bytes the model needs, planned before anything is allocated (`plan_memory`)."""
 
     weights: int
     """Weights as the backend stores them."""
     kv: int
     """KV cache at the planned context."""
-    scratch: int
-    """Largest activations of one prefill chunk (estimate)."""
+    decode_scratch: int
+    """Fixed buffers of the one-token decode step (0 where the backend has none)."""
+    prefill_scratch: int
+    """Largest prefill chunk: its activations and the backend's prefill buffers."""
     n_ctx: int
+    tables: int = 0
+    """RoPE tables (cos, sin) where the plan counts them (the CuPy plan does)."""
+    chunk: int = 64
+    """Prefill chunk (tokens) the plan is made for."""
+    backend: str = "numpy"
+    parts: tuple[tuple[str, int], ...] = ()
+    """Finer breakdown (name, bytes) of the scratch parts, where the backend gives one."""
+
+    @property
+    def scratch(self) -> int:
+        """Everything besides weights and KV."""
+        return self.decode_scratch + self.prefill_scratch + self.tables
 
     @property
     def total(self) -> int:
@@ -87,13 +101,33 @@ def _tensor(gf: GGUFFile, name: str, shape: tuple[int, ...] | None = None) -> Te
 
 
 def plan_memory(
-    gf: GGUFFile, spec: ModelSpec, n_ctx: int, kv_dtype: str, chunk: int = 64, quantized: bool = False
+    gf: GGUFFile, spec: ModelSpec, n_ctx: int, kv_dtype: str, chunk: int | None = None,
+    quantized: bool = False, backend: str | None = None, last_n: int = 1,
+    prefill_dtype: str | None = None,
 ) -> MemoryPlan:
-    """Memory plan of the float32 CPU backend: weights dequantized, KV at n_ctx, one chunk of scratch.
+    """Memory plan of `backend` (None: the CPU backends) at `n_ctx` for prefill chunks of `chunk`
+    tokens (default: the backend's own chunk, 64 on CPU, 512 on CuPy).
 
-    `quantized`: the backend keeps 2-D block-quantized matrices as stored (native CPU backend);
-    only the other tensors count as float32.
+    CPU: the float32 NumPy backend (weights dequantized); `quantized`: the backend keeps 2-D
+    block-quantized matrices as stored (native CPU backend), only the other tensors count as
+    float32; scratch is an estimate of one chunk's activations.
+    "cupy": what the CuPy backend allocates on the GPU (`engine.backends.cupy_plan`): weights as
+    stored, KV, RoPE tables, the decode step's buffers, and the prefill tile buffer, attention
+    buffers and activations of one chunk returning `last_n` rows of logits, with the prefill
+    tile precision `prefill_dtype` (None: $GENIE_CUPY_PREFILL, else "auto").
     """
+    if backend == "cupy":
+        from .backends import cupy_plan
+
+        g = cupy_plan.plan(gf, spec, n_ctx, kv_dtype, chunk or cupy_plan.PREFILL_CHUNK, last_n,
+                           prefill_dtype)
+        return MemoryPlan(
+            g.weights, g.kv, g.decode_scratch, g.prefill_scratch, n_ctx, tables=g.tables,
+            chunk=g.chunk, backend="cupy",
+            parts=(("prefill_tiles", g.tiles), ("prefill_kv_rows", g.kv_rows),
+                   ("prefill_scores", g.scores), ("prefill_activations", g.activations)),
+        )
+    chunk = chunk or 64
     weights = 0
     for t in gf.tensors.values():
         if quantized and len(t.shape) == 2 and t.type_name in ACT_QUANT:
@@ -104,7 +138,8 @@ def plan_memory(
         pass  # tied head: the embedding table is dequantized once and shared
     width = max(spec.n_embd, spec.n_heads * spec.head_dim * 3, 2 * spec.n_ff)
     scratch = chunk * (width * 4 * 4 + spec.n_vocab * 4) + spec.n_heads * chunk * n_ctx * 4
-    return MemoryPlan(weights, kv_bytes(spec, n_ctx, kv_dtype), scratch, n_ctx)
+    return MemoryPlan(weights, kv_bytes(spec, n_ctx, kv_dtype), 0, scratch, n_ctx, chunk=chunk,
+                      backend="native" if quantized else "numpy")
 
 
 class Transformer:

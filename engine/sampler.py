@@ -53,13 +53,29 @@ class SamplingParams:
 
 
 class Sampler:
-    """Turns one row of logits into a token id (llama.cpp's order: penalty, top-k, top-p, min-p, temp)."""
+    """Turns one row of logits into a token id (llama.cpp's order: penalty, top-k, top-p, min-p, temp).
+
+    Order of the candidates: logit descending, then id ascending (also which of equal logits
+    make the top-k). A sampled token costs one uniform draw `u` from the seeded generator
+    (`uniform`), turned into a token by inverse CDF over the kept weights (`pick`) - the same
+    draw `numpy.random.Generator.choice` made before, and what the device sampler
+    (`engine.backends.cupy_sample`) is given, so host and device follow one seed alike.
+    """
 
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
         self.rng = np.random.default_rng(params.seed)
 
+    def uniform(self) -> float:
+        """The next uniform draw in [0, 1) (one per sampled token; none for greedy)."""
+        return float(self.rng.random())
+
     def __call__(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
+        u = self.uniform() if self.params.temperature > 0.0 else 0.0
+        return self.pick(logits, u, history)
+
+    def pick(self, logits: np.ndarray, u: float, history: Sequence[int] = ()) -> int:
+        """The token for the uniform draw `u` (no randomness of its own)."""
         p = self.params
         x = np.asarray(logits, dtype=np.float32).reshape(-1)
         if p.repeat_penalty != 1.0 and history and p.repeat_last_n:
@@ -69,11 +85,9 @@ class Sampler:
             x[seen] = np.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
         if p.temperature <= 0.0:
             return int(np.argmax(x))
-        idx = np.arange(x.shape[0])
-        if p.top_k and p.top_k < x.shape[0]:
-            idx = np.argpartition(-x, p.top_k - 1)[: p.top_k]
+        idx = top_k_ids(x, p.top_k)
         vals = x[idx]
-        order = np.argsort(-vals, kind="stable")
+        order = np.argsort(-vals, kind="stable")  # idx ascends within equal logits: ties by id
         idx, vals = idx[order], vals[order].astype(np.float64)
         probs = np.exp(vals - vals[0])
         probs /= probs.sum()
@@ -86,4 +100,18 @@ class Sampler:
         scaled = (vals - vals[0]) / p.temperature
         w = np.exp(scaled)
         w /= w.sum()
-        return int(idx[self.rng.choice(len(idx), p=w)])
+        cdf = np.cumsum(w)
+        cdf /= cdf[-1]
+        return int(idx[min(int(np.searchsorted(cdf, u, side="right")), len(idx) - 1)])
+
+
+def top_k_ids(x: np.ndarray, k: int) -> np.ndarray:
+    """Ids of the k largest values of x (all for k = 0 or k >= len), ascending by id within equal
+    values; of values equal to the k-th, the smallest ids."""
+    n = x.shape[0]
+    if not k or k >= n:
+        return np.arange(n)
+    kth = np.partition(x, n - k)[n - k]
+    above = np.flatnonzero(x > kth)
+    ties = np.flatnonzero(x == kth)[: k - above.size]
+    return np.concatenate([above, ties])

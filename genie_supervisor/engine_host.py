@@ -413,12 +413,10 @@ class EngineHost:
         self._changed()
 
     def _plan(self, path: str) -> MemoryPlan:
-        if self._kv_dtype not in ("f32", "f16"):
-            raise SupervisorError(f"engine.kv_dtype {self._kv_dtype!r} is not supported by the built-in "
-                                  "engine yet; use f16 or f32")
         gf = open_model_file(path)
-        quantized = resolve_backend(self._backend) == "native"  # weights stay in their blocks
-        return plan_memory(gf, read_spec(gf), self._n_ctx, self._kv_dtype, quantized=quantized)
+        backend = resolve_backend(self._backend)  # native: weights stay in their blocks
+        return plan_memory(gf, read_spec(gf), self._n_ctx, self._kv_dtype,
+                           quantized=backend == "native", backend=backend)
 
     def _load_blocking(self, path: str) -> Model:
         kwargs: dict[str, Any] = {"threads": self._threads} if self._threads else {}

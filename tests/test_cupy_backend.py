@@ -35,7 +35,14 @@ ACT = {"Q4_0": "q8_0", "Q4_1": "q8_0", "Q5_0": "q8_0", "Q5_1": "q8_0", "Q8_0": "
 
 @pytest.fixture(scope="module")
 def ops() -> CupyOps:
-    return CupyOps()
+    return CupyOps(prefill_dtype="float32")  # exact tiles: these tests bound errors at ~1e-5
+
+
+@pytest.fixture(autouse=True)
+def _exact_prefill(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Models loaded here prefill with fp32 tiles (the exactness bounds below are fp32's; the
+    default "auto" tiles are checked in tests/test_cupy_prefill.py)."""
+    monkeypatch.setenv("GENIE_CUPY_PREFILL", "float32")
 
 
 def _rng() -> np.random.Generator:

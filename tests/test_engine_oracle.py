@@ -36,13 +36,8 @@ def _backend_or_skip(backend: str) -> str:
     return backend
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("backend", ["numpy", "native"])
-@pytest.mark.parametrize("name", sorted(MODELS))
-def test_teacher_forced_argmax_matches_llama_cpp(name: str, backend: str) -> None:
-    """Our argmax equals llama.cpp's greedy token where llama.cpp's top-2 gap is clear (see MIN_AGREEMENT)."""
-    model = shared_model(MODELS[name], _backend_or_skip(backend))
+def _agreement(model, name: str) -> tuple[int, int]:  # type: ignore[no-untyped-def]
+    """(agreeing, counted) teacher-forced positions where llama.cpp's top-2 gap is >= GAP."""
     agree = total = 0
     for case in _cases(name):
         completion = case["completion_ids"]
@@ -55,9 +50,39 @@ def test_teacher_forced_argmax_matches_llama_cpp(name: str, backend: str) -> Non
             if lp1 - lp2 >= GAP:
                 total += 1
                 agree += int(picks[j] == completion[j])
+    return agree, total
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", ["numpy", "native"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_teacher_forced_argmax_matches_llama_cpp(name: str, backend: str) -> None:
+    """Our argmax equals llama.cpp's greedy token where llama.cpp's top-2 gap is clear (see MIN_AGREEMENT)."""
+    model = shared_model(MODELS[name], _backend_or_skip(backend))
+    agree, total = _agreement(model, name)
     assert total > 500
     print(f"\n{name} [{backend}]: {agree}/{total} = {agree / total:.4f}")
     assert agree / total >= MIN_AGREEMENT, f"{agree}/{total} = {agree / total:.4f}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_int8_kv_cache_agrees_with_llama_cpp_within_one_percent_of_f16(name: str) -> None:
+    """An int8 KV cache (q8_0-style blocks) loses at most 1 % top-1 agreement against f16's."""
+    from engine import load_model
+    from tests.models import require
+
+    backend = _backend_or_skip("native")
+    rates, sizes = {}, {}
+    for kv in ("f16", "int8"):
+        model = load_model(str(require(MODELS[name])), backend=backend, n_ctx=4096, kv_dtype=kv)
+        agree, total = _agreement(model, name)
+        rates[kv], sizes[kv] = agree / total, model.transformer.kv.nbytes
+    assert sizes["int8"] < 0.55 * sizes["f16"], sizes
+    print(f"\n{name}: f16 {rates['f16']:.4f} int8 {rates['int8']:.4f}")
+    assert rates["int8"] >= rates["f16"] - 0.01, rates
 
 
 @pytest.mark.timeout(120)

@@ -1,9 +1,12 @@
 """CuPy backend: the ops of the forward pass on a CUDA GPU, weights kept quantized on the device.
 
 Weights stay in their GGUF block layout in GPU memory (`QWeight`). One token (decode) runs fused
-dequantize+GEMV kernels (one warp per row); several tokens (prefill) dequantize row tiles (fp32,
-or fp16 with `prefill_dtype="float16"`) into one preallocated scratch buffer and multiply them
-with one cuBLAS GemmEx per tile, fp32 accumulation, written straight into the output. Kernels: `engine.kernels`.
+dequantize+GEMV kernels (one warp per row); several tokens (prefill) dequantize row tiles into one
+preallocated tile buffer - fp16 (tensor cores) for large matrices, fp32 for small ones and for
+stored F32/BF16 (`prefill_dtype="auto"`, the default; or "float16" / "float32" everywhere) - and
+multiply them with one cuBLAS GemmEx per tile, fp32 accumulation, written straight into the
+output. Prefill attention runs strided-batched GEMMs in blocks of query rows whose scores fit a
+fixed buffer. What all this allocates is planned before load: `cupy_plan`. Kernels: `engine.kernels`.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import cupy as cp
 import numpy as np
@@ -19,7 +23,15 @@ from cupy_backends.cuda.libs import cublas as _cublas
 
 from .. import kernels
 from ..gguf_file import TensorInfo
+from ..kv_cache import Int8Rows, kv_rows, kv_write
 from ..quants import dequantize, dequantize_rows
+from .cupy_plan import (
+    PREFILL_CHUNK,
+    SCRATCH_ELEMS,
+    resolve_prefill_dtype,
+    score_elems,
+    tile_dtype,
+)
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +44,6 @@ _GEMM_DEFAULT = -1
 _ONE = np.ones(1, dtype=np.float32)
 _ZERO = np.zeros(1, dtype=np.float32)
 WARPS = 4  # rows per GEMV block
-SCRATCH_ELEMS = 16 * 1024 * 1024  # prefill tiles: 64 MiB as fp32, 32 MiB as fp16
 
 _silu = cp.ElementwiseKernel(
     "float32 g, float32 u", "float32 y", "y = g / (1.0f + expf(-g)) * u", "genie_silu"
@@ -81,14 +92,19 @@ class CupyOps:
     """One-token steps: "graph" (fused kernels replayed from a CUDA graph), "eager" (the same
     kernels launched one by one) or "off" (the generic forward pass); env GENIE_CUPY_DECODER."""
 
+    prefill_chunk = PREFILL_CHUNK
+    """Prompt tokens per forward pass that `Model.generate` uses by default (512: a chunk's GEMMs
+    fill the GPU; the gate is still awaited between two chunks)."""
+
     def __init__(self, prefill_dtype: str | None = None) -> None:
-        if prefill_dtype is None:  # fp16 tiles: faster, less exact (see docs/engine-gpu.md)
-            prefill_dtype = os.environ.get("GENIE_CUPY_PREFILL", "float32")
-        if prefill_dtype not in ("float32", "float16"):
-            raise ValueError(f"prefill_dtype {prefill_dtype!r}: expected float32 or float16")
         kernels.module()  # compile now (NVRTC), not in the middle of the first forward pass
-        self.prefill_dtype = np.dtype(prefill_dtype)
-        self._scratch: cp.ndarray | None = None
+        self.prefill_dtype = resolve_prefill_dtype(prefill_dtype)
+        """Prefill tile precision: "auto" (fp16 tiles for matrices of >= 4M values except stored
+        F32/BF16, fp32 otherwise; `cupy_plan.tile_dtype`), "float16" or "float32" (exact to
+        ~1e-6, what the whole-model tests pin); None: env GENIE_CUPY_PREFILL, else "auto"."""
+        self._scratch: cp.ndarray | None = None  # tile buffer (uint8), see _tiles
+        self._max_elems = 0  # values of the largest fused matrix (QKV, gate+up): sizes the tiles
+        self._attn: _AttnBuffers | None = None
         self._gemm_ok: dict[bool, bool] = {}  # per fp16/fp32: GemmEx checked against cp.matmul
 
     # --- weights -------------------------------------------------------------------------
@@ -103,10 +119,14 @@ class CupyOps:
         """Stack weights by rows: one buffer when the types agree, else a list of pieces."""
         cols = parts[0].shape[1]
         rows = sum(p.shape[0] for p in parts)
+        self._max_elems = max(self._max_elems, rows * cols)
         if len({p.type_name for p in parts}) == 1 and all(not p.parts for p in parts):
             raw = cp.concatenate([p.raw for p in parts], axis=0)
             for p in parts:
-                p.raw = None  # free the pieces
+                p.raw = None  # free the pieces...
+            # ...and give them back to CUDA now: cached, they would be split by the next small
+            # allocations and stay in the pool as fragments (the plan counts no load leftovers)
+            cp.get_default_memory_pool().free_all_blocks()
             return QWeight(raw, parts[0].type_name, (rows, cols))
         pieces = [q for p in parts for q in p.pieces()]
         return QWeight(None, "mixed", (rows, cols), pieces)
@@ -196,33 +216,49 @@ class CupyOps:
                        xs.data.ptr, dt, k, _ZERO.ctypes.data, y.data.ptr + col0 * 4, _CUDA_R_32F,
                        y.shape[1], _COMPUTE_32F, _GEMM_DEFAULT)
 
+    def tile_dtype(self, w: QWeight) -> str:
+        """The tile precision of `w` ("float16" or "float32") under `prefill_dtype`."""
+        return tile_dtype(self.prefill_dtype, {p.type_name for p in w.pieces()}, *w.shape)
+
+    def _tiles(self, itemsize: int, elems: int) -> cp.ndarray:
+        """The tile buffer (uint8): min(SCRATCH_ELEMS, largest layer matrix) values of the widest
+        tile element used so far. Allocated at the first prefill, after load, at the size of the
+        largest fused matrix (QKV or gate+up: the largest of a layer); grown when a larger one is
+        multiplied (the head, for several rows of logits) or fp16 -> fp32 tiles, as the plan counts."""
+        need = min(SCRATCH_ELEMS, max(self._max_elems, elems)) * itemsize
+        if self._scratch is None or self._scratch.nbytes < need:
+            self._scratch = None  # give the smaller buffer back first
+            self._scratch = cp.empty(need, dtype=cp.uint8)
+        return self._scratch
+
     def matmul(self, w: QWeight, x: cp.ndarray, bias: cp.ndarray | None) -> cp.ndarray:
-        """[T, in] x W.T for T > 1: tiles of W decoded into the scratch buffer, one cuBLAS GemmEx
+        """[T, in] x W.T for T > 1: tiles of W decoded into the tile buffer, one cuBLAS GemmEx
         per tile straight into the fp32 output (fp32 accumulation for fp16 tiles too)."""
         t = x.shape[0]
         rows, cols = w.shape
         y = cp.empty((t, rows), dtype=cp.float32)
-        half = self.prefill_dtype == np.float16
+        half = self.tile_dtype(w) == "float16"
+        dt = np.dtype(np.float16 if half else np.float32)
         xs = cp.ascontiguousarray(x.astype(cp.float16) if half else x)
-        if self._scratch is None:
-            self._scratch = cp.empty(SCRATCH_ELEMS, dtype=self.prefill_dtype)
-        tile = max(1, SCRATCH_ELEMS // cols)
+        buf = self._tiles(dt.itemsize, rows * cols)
+        tile = max(1, buf.nbytes // dt.itemsize // cols)
         base = 0
         for p in w.pieces():
             for r0 in range(0, p.shape[0], tile):
                 r1 = min(p.shape[0], r0 + tile)
-                wt = self._scratch[: (r1 - r0) * cols].reshape(r1 - r0, cols)
+                wt = buf[: (r1 - r0) * cols * dt.itemsize].view(dt).reshape(r1 - r0, cols)
                 (self.dequant_f16 if half else self.dequant_f32)(p, r0, r1, wt)
                 if self._gemm_ok.get(half) is not False:
                     self._gemm(wt, xs, y, base + r0)
                     if self._gemm_ok.get(half) is None:  # first use: check against cp.matmul once
-                        ref = cp.matmul(xs, wt.T).astype(cp.float32)
-                        got = y[:, base + r0 : base + r1]
+                        n = min(t, 16)  # a few rows: enough to catch a wrong call, little memory
+                        ref = cp.matmul(xs[:n], wt.T).astype(cp.float32)
+                        got = y[:n, base + r0 : base + r1]
                         err = float(cp.abs(got - ref).max()) / max(float(cp.abs(ref).max()), 1e-30)
                         self._gemm_ok[half] = err < (1e-2 if half else 1e-4)
                         if not self._gemm_ok[half]:
                             log.warning("prefill GemmEx disagrees with cp.matmul (%.2e); using matmul", err)
-                            y[:, base + r0 : base + r1] = ref
+                            y[:, base + r0 : base + r1] = cp.matmul(xs, wt.T)
                 else:
                     y[:, base + r0 : base + r1] = cp.matmul(xs, wt.T)
             base += p.shape[0]
@@ -276,9 +312,10 @@ class CupyOps:
         return out
 
     @staticmethod
-    def kv_store(cache: cp.ndarray, start: int, x: cp.ndarray) -> None:
-        """Write [T, KV, D] into the cache [KV, n_ctx, D] at positions start..start+T-1."""
-        cache[:, start : start + x.shape[0], :] = x.transpose(1, 0, 2)
+    def kv_store(cache: Any, start: int, x: cp.ndarray) -> None:
+        """Write [T, KV, D] into the cache [KV, n_ctx, D] at positions start..start+T-1
+        (rounded to int8 blocks for an int8 cache, as the decode kernels do)."""
+        kv_write(cp, cache, start, x)
 
     def attention(
         self,
@@ -294,7 +331,7 @@ class CupyOps:
         kv, n_ctx, dv = v_cache.shape
         end = start + t
         lo = max(0, start - window + 1) if window else 0
-        if t == 1 and d <= 512:
+        if t == 1 and d <= 512 and not isinstance(k_cache, Int8Rows):
             qc = cp.ascontiguousarray(q, dtype=cp.float32)
             out = cp.empty((1, h * dv), dtype=cp.float32)
             scores = cp.empty((h, n_ctx), dtype=cp.float32)
@@ -305,7 +342,12 @@ class CupyOps:
                  np.int32(n_ctx), np.int32(lo), np.int32(end), np.float32(scale)),
             )
             return out
-        return _attention_xp(q, k_cache, v_cache, start, window, scale)
+        convert = not isinstance(k_cache, Int8Rows) and k_cache.dtype != cp.float32
+        key = (kv, n_ctx, d, dv, convert)
+        if self._attn is None or self._attn.key != key:
+            self._attn = None  # give the old buffers back first
+            self._attn = _AttnBuffers(*key)
+        return _attention_xp(q, k_cache, v_cache, start, window, scale, self._attn)
 
     @staticmethod
     def gated_act(gate: cp.ndarray, up: cp.ndarray, kind: str) -> cp.ndarray:
@@ -332,25 +374,88 @@ class CupyOps:
         return int(out.get()[0])
 
 
+class _AttnBuffers:
+    """Prefill attention's fixed buffers for one cache shape: float32 K/V rows [KV, n_ctx, D]
+    (when the cache must be converted: f16) and the score block (`cupy_plan.score_elems`)."""
+
+    def __init__(self, kv: int, n_ctx: int, d: int, dv: int, convert: bool) -> None:
+        self.key = (kv, n_ctx, d, dv, convert)
+        self.k = cp.empty((kv, n_ctx, d), dtype=cp.float32) if convert else None
+        self.v = cp.empty((kv, n_ctx, dv), dtype=cp.float32) if convert else None
+        self.scores = cp.empty(score_elems(kv, n_ctx), dtype=cp.float32)
+
+
+def _kv_f32(cache: Any, lo: int, end: int, buf: cp.ndarray | None) -> tuple[cp.ndarray, int]:
+    """Positions lo..end-1 of one layer's K or V cache as float32 rows for cuBLAS: (array
+    [KV, rows, D], the row that holds position lo). The one place prefill attention reads the
+    cache: an f32 cache is read in place, f16 is converted into the preallocated `buf`
+    [KV, n_ctx, D] (no temporary), int8 is dequantized (`kv_cache.kv_rows`: a new array)."""
+    if isinstance(cache, Int8Rows):
+        return kv_rows(cp, cache, lo, end, cp.float32), 0
+    if cache.dtype == cp.float32:
+        return cp.ascontiguousarray(cache), lo
+    assert buf is not None  # _AttnBuffers converts every non-f32, non-int8 cache
+    cp.copyto(buf[:, : end - lo], cache[:, lo:end, :])  # k = k_cache[:, lo:end].astype(float32)
+    return buf, 0
+
+
+def _bgemm(opa: int, opb: int, m: int, n: int, k: int,
+           a: cp.ndarray, a_off: int, lda: int, stride_a: int,
+           b: cp.ndarray, b_off: int, ldb: int, stride_b: int,
+           c: cp.ndarray, c_off: int, ldc: int, stride_c: int, batch: int) -> None:
+    """`batch` strided float32 GEMMs C = op(A) op(B) (cuBLAS column-major; fp32 compute, no TF32)
+    on float32 arrays a, b, c; offsets and strides in values."""
+    handle = cp.cuda.device.get_cublas_handle()
+    _cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
+    _cublas.gemmStridedBatchedEx(
+        handle, opa, opb, m, n, k, _ONE.ctypes.data,
+        a.data.ptr + 4 * a_off, _CUDA_R_32F, lda, stride_a,
+        b.data.ptr + 4 * b_off, _CUDA_R_32F, ldb, stride_b, _ZERO.ctypes.data,
+        c.data.ptr + 4 * c_off, _CUDA_R_32F, ldc, stride_c, batch, _COMPUTE_32F, _GEMM_DEFAULT,
+    )
+
+
 def _attention_xp(
-    q: cp.ndarray, k_cache: cp.ndarray, v_cache: cp.ndarray, start: int, window: int, scale: float
+    q: cp.ndarray, k_cache: Any, v_cache: Any, start: int, window: int, scale: float,
+    bufs: _AttnBuffers,
 ) -> cp.ndarray:
-    """NumpyOps.attention written for CuPy arrays (prefill: several query positions)."""
+    """NumpyOps.attention for several query positions (prefill) -> [T, H*Dv].
+
+    For each block of query rows whose scores fit `bufs.scores` and each member gi of a GQA
+    group: scores S[kv] = Q[rows, head kv*G+gi] K[kv]^T (one strided-batched GEMM over the KV
+    heads, read straight from the cache rows), scale + causal/sliding mask + softmax in place
+    (`causal_softmax`), then out[rows, head kv*G+gi] = P[kv] V[kv] written straight into the
+    output's columns. Nothing is allocated but the output (and an int8 cache's dequantized rows).
+    """
     t, h, d = q.shape
-    kv = k_cache.shape[0]
+    kv, _, dv = v_cache.shape
     g = h // kv
     end = start + t
     lo = max(0, start - window + 1) if window else 0
-    k = k_cache[:, lo:end, :].astype(cp.float32)
-    v = v_cache[:, lo:end, :].astype(cp.float32)
-    qg = q.reshape(t, kv, g, d).transpose(1, 0, 2, 3).reshape(kv, t * g, d)
-    scores = cp.ascontiguousarray(cp.matmul(qg, k.transpose(0, 2, 1)))  # [kv, t*g, L]
-    # scale, causal / sliding-window mask and softmax in one kernel (row r: query (r // g) % t)
-    kernels.kernel("causal_softmax")(
-        (kv * t * g,), (256,),
-        (scores, np.int32(end - lo), np.int32(t), np.int32(g), np.int32(start), np.int32(lo),
-         np.int32(window), np.float32(scale)),
-    )
-    out = cp.matmul(scores.reshape(kv, t * g, end - lo), v)
-    dv = v.shape[-1]
-    return out.reshape(kv, t, g, dv).transpose(1, 0, 2, 3).reshape(t, h * dv)
+    q = cp.ascontiguousarray(q, dtype=cp.float32)  # [T, H, D]
+    out = cp.empty((t, h * dv), dtype=cp.float32)
+    k, k0 = _kv_f32(k_cache, lo, end, bufs.k)  # K [KV, rows, D]: position p in row k0 + p - lo
+    v, v0 = _kv_f32(v_cache, lo, end, bufs.v)
+    s = bufs.scores
+    tb = max(1, min(t, s.size // (kv * (end - lo))))  # query rows per block
+    softmax = kernels.kernel("causal_softmax")
+    for a in range(0, t, tb):
+        n = min(t, a + tb) - a
+        blo = max(lo, start + a - window + 1) if window else lo  # first key the block sees
+        keys = start + a + n - blo
+        for gi in range(g):
+            # S[kv] [n, keys] (column-major [keys, n]) = K[kv][blo..] . Q[a.., head kv*g+gi]
+            _bgemm(_OP_T, _OP_N, keys, n, d,
+                   k, (k0 + blo - lo) * d, d, k.shape[1] * d,
+                   q, (a * h + gi) * d, h * d, g * d,
+                   s, 0, keys, n * keys, kv)
+            # row r = kv * n + i is query start + a + i
+            softmax((kv * n,), (256,),
+                    (s, np.int32(keys), np.int32(n), np.int32(1), np.int32(start + a),
+                     np.int32(blo), np.int32(window), np.float32(scale)))
+            # out[a.., head kv*g+gi] (column-major [Dv, n], ld H*Dv) = V[kv][blo..]^T-view . P[kv]
+            _bgemm(_OP_N, _OP_N, dv, n, keys,
+                   v, (v0 + blo - lo) * dv, dv, v.shape[1] * dv,
+                   s, 0, keys, n * keys,
+                   out, (a * h + gi) * dv, h * dv, g * dv, kv)
+    return out

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from functools import lru_cache
 from typing import Any
 
@@ -34,7 +35,9 @@ import numpy as np
 from ..errors import ContextOverflowError
 from ..gguf_file import TensorInfo
 from ..kernels import decode_src, qdot_src
+from ..kv_cache import Int8Rows
 from ..quants import dequantize_rows
+from .cupy_sample import DeviceSampler
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +45,8 @@ ROWS_PER_BLOCK = 8  # warps per GEMV block, one row each
 GEMV_THREADS = 32 * ROWS_PER_BLOCK
 ARGMAX_BLOCKS = 64
 GRID_CAP = 4  # GEMV blocks per multiprocessor at most (rows are strided over the grid)
+MIN_CHUNK = int(os.environ.get("GENIE_CUPY_ATTN_CHUNK", "32"))
+"""Fewest positions one decode-attention slice takes (env GENIE_CUPY_ATTN_CHUNK, for tuning)."""
 AQ_CODE = {None: 0, "q8_0": 1, "q8_k": 2}
 _H2D = cp.cuda.runtime.memcpyHostToDevice
 _D2H = cp.cuda.runtime.memcpyDeviceToHost
@@ -58,6 +63,13 @@ def _null() -> np.uint64:
 
 def _ptr(a: Any) -> Any:
     return _null() if a is None else a
+
+
+def _cache_arrays(layer: Any) -> tuple[Any, Any]:
+    """(values, int8 scales or None) of one layer's K or V cache."""
+    if isinstance(layer, Int8Rows):
+        return layer.q, layer.d
+    return layer, None
 
 
 class _Launch:
@@ -108,7 +120,8 @@ class QInput:
 
 def gemv_launches(fn: Any, n_sm: int, w: Any, x: cp.ndarray, nw: cp.ndarray | None, eps: np.float32,
                   aq: str | None, y: cp.ndarray, bias: cp.ndarray | None = None, epi: int = 0,
-                  out_rows: int | None = None, qin: QInput | None = None) -> list[_Launch]:
+                  out_rows: int | None = None, qin: QInput | None = None,
+                  input_ready: bool = False) -> list[_Launch]:
     """The launches of y = W @ prep(x) (norm by `nw`, llama.cpp rounding `aq`) with epilogue `epi`:
     where W's type has an integer dot product and the rounding is on, one `qprep_x` launch rounds
     the input into `qin` (allocated here when not given), then the integer-dot kernel
@@ -117,7 +130,7 @@ def gemv_launches(fn: Any, n_sm: int, w: Any, x: cp.ndarray, nw: cp.ndarray | No
     out: list[_Launch] = []
     cols = w.shape[1]
     code = AQ_CODE[aq]
-    prepped = False
+    prepped = input_ready  # the producer of x already rounded it into `qin`
     r0 = 0
     for p in w.pieces():
         rows = p.shape[0] if out_rows is None else out_rows
@@ -165,6 +178,7 @@ class CupyDecoder:
         self.n_ctx = int(tf.n_ctx)
         e, hd, vd, nh, nkv = s.n_embd, s.head_dim, s.v_head_dim, s.n_heads, s.n_kv_heads
         kv_half = tf.kv.k[0].dtype == cp.float16
+        kv_int8 = isinstance(tf.kv.k[0], Int8Rows)
         dev = cp.cuda.Device()
         self.n_sm = int(cp.cuda.runtime.getDeviceProperties(dev.id)["multiProcessorCount"])
         self.n_split = max(1, min(64, -(-2 * self.n_sm // nkv)))  # slices of >= 32 positions
@@ -177,7 +191,7 @@ class CupyDecoder:
         src = decode_src.source(
             sorted(types), n_heads=nh, n_kv_heads=nkv, head_dim=hd, v_head_dim=vd,
             rope_half=rope_half, neox=s.traits.rope_style == "neox", kv_half=kv_half,
-            n_split=self.n_split,
+            n_split=self.n_split, kv_int8=kv_int8, min_chunk=MIN_CHUNK,
         )
         self.module = _module(src)
         self._fns: dict[str, Any] = {}
@@ -227,6 +241,7 @@ class CupyDecoder:
         self.stream.synchronize()
         if use_graph:
             self._capture()
+        self.device_sampler = DeviceSampler(int(self.out_logits.size), self.n_ctx + 1, use_graph)
 
     # --- building ---------------------------------------------------------------------------
     def _fn(self, name: str) -> Any:
@@ -236,10 +251,23 @@ class CupyDecoder:
         return fn
 
     def _gemv(self, w: Any, x: cp.ndarray, nw: cp.ndarray | None, aq: str | None, y: cp.ndarray,
-              bias: cp.ndarray | None = None, epi: int = 0, out_rows: int | None = None) -> None:
-        """y = W @ prep(x) with epilogue `epi` (0 store+bias, 1 add, 2 SwiGLU, 3 GeGLU)."""
+              bias: cp.ndarray | None = None, epi: int = 0, out_rows: int | None = None,
+              input_ready: bool = False) -> None:
+        """y = W @ prep(x) with epilogue `epi` (0 store+bias, 1 add, 2 SwiGLU, 3 GeGLU);
+        `input_ready`: x was already rounded into `self.qin` by the launch before."""
         self.plan.extend(gemv_launches(self._fn, self.n_sm, w, x, nw, np.float32(self.spec.norm_eps),
-                                       aq, y, bias, epi, out_rows, self.qin))
+                                       aq, y, bias, epi, out_rows, self.qin, input_ready))
+
+    def _rounds_input(self, w: Any, aq: str | None, group: int) -> int:
+        """The rounding code (1 q8_0, 2 q8_k) a producer writing `group` consecutive values per
+        block may apply for W's integer GEMV, or 0 where W takes the float path or the groups
+        would straddle two producers."""
+        code = AQ_CODE[aq]
+        pieces = w.pieces()
+        if not (USE_QGEMV and code and len(pieces) == 1
+                and qdot_src.QTYPES.get(pieces[0].type_name) == code):
+            return 0
+        return code if group % (32 if code == 1 else 256) == 0 else 0
 
     def _build_plan(self) -> None:
         tf, s = self.tf, self.spec
@@ -253,21 +281,26 @@ class CupyDecoder:
                 0, "embed",
             ))
         for i, lw in enumerate(tf.layers):
-            kc, vc = tf.kv.k[i], tf.kv.v[i]
+            (kc, kd), (vc, vd) = _cache_arrays(tf.kv.k[i]), _cache_arrays(tf.kv.v[i])
             cos, sin = tf.rope[s.layer_rope_base(i)]
             self._gemv(lw.wqkv, self.x, lw.attn_norm, lw.aq["qkv"], self.qkv, lw.bqkv)
             self.plan.append(_Launch(
                 self._fn("qkv_post"), (nh + 2 * nkv,), (128,),
-                (self.qkv, self.q, kc, vc, self.ids, cos, sin, _ptr(lw.q_norm), _ptr(lw.k_norm),
+                (self.qkv, self.q, kc, vc, _ptr(kd), _ptr(vd), self.ids, cos, sin, _ptr(lw.q_norm),
+                 _ptr(lw.k_norm),
                  np.int32(self.n_ctx), eps), 0, "qkv_post",
             ))
             window = s.sliding_window if s.is_swa_layer(i) else 0
+            # attention's last block per KV head also rounds its heads for the output projection
+            o_round = self._rounds_input(lw.wo, lw.aq["o"], (nh // nkv) * s.v_head_dim)
             self.plan.append(_Launch(
                 self._fn("attn_decode"), (nkv, self.n_split), (128,),
-                (self.q, kc, vc, self.ids, self.pm, self.pl, self.pacc, self.counters, self.attn,
-                 np.int32(self.n_ctx), np.int32(window), np.float32(s.attn_scale)), 0, "attn",
+                (self.q, kc, vc, _ptr(kd), _ptr(vd), self.ids, self.pm, self.pl, self.pacc,
+                 self.counters, self.attn, np.int32(self.n_ctx), np.int32(window),
+                 np.float32(s.attn_scale), np.int32(o_round), self.qin.xq, self.qin.xd, self.qin.xs16),
+                0, "attn",
             ))
-            self._residual(lw.wo, self.attn, lw.aq["o"], lw.post_attn_norm)
+            self._residual(lw.wo, self.attn, lw.aq["o"], lw.post_attn_norm, input_ready=o_round > 0)
             gelu = s.traits.activation != "silu"
             if lw.w_gate_up.raw is not None:  # gate and up share a type: one pass, fused GLU
                 self._gemv(lw.w_gate_up, self.x, lw.ffn_norm, lw.aq["gate_up"], self.act,
@@ -286,12 +319,13 @@ class CupyDecoder:
              self.counters[nkv:], self.ids), 0, "argmax",
         ))
 
-    def _residual(self, w: Any, inp: cp.ndarray, aq: str | None, post_norm: cp.ndarray | None) -> None:
+    def _residual(self, w: Any, inp: cp.ndarray, aq: str | None, post_norm: cp.ndarray | None,
+                  input_ready: bool = False) -> None:
         """x += W @ inp, or x += rms_norm(W @ inp) * post_norm (gemma3)."""
         if post_norm is None:
-            self._gemv(w, inp, None, aq, self.x, epi=1)
+            self._gemv(w, inp, None, aq, self.x, epi=1, input_ready=input_ready)
             return
-        self._gemv(w, inp, None, aq, self.tmp)
+        self._gemv(w, inp, None, aq, self.tmp, input_ready=input_ready)
         self.plan.append(_Launch(
             self._fn("add_rmsnorm"), (1,), (256,),
             (self.x, self.tmp, post_norm, np.int32(self.spec.n_embd), np.float32(self.spec.norm_eps)),
@@ -367,3 +401,9 @@ class CupyDecoder:
         return {"mode": self.mode, "launches": len(self.plan), "n_split": self.n_split,
                 "scratch_bytes": self.scratch_bytes}
 
+    def sample(self, token: int, pos: int, params: Any, u: float, history: Any) -> int:
+        """Feed `token` at `pos`; the next token sampled on the device (`DeviceSampler`: penalty,
+        top-k/top-p/min-p, temperature, the uniform draw `u`), queued after the step on this
+        decoder's stream: only the id comes back."""
+        self._launch(token, pos)
+        return self.device_sampler.sample(self.out_logits, params, u, history, stream=self.stream)

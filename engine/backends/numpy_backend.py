@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
 from ..gguf_file import TensorInfo
+from ..kv_cache import kv_rows, kv_write
 from ..quants import dequantize, dequantize_rows
 
 _GELU_C = math.sqrt(2.0 / math.pi)
@@ -105,15 +107,16 @@ class NumpyOps:
         return out
 
     @staticmethod
-    def kv_store(cache: np.ndarray, start: int, x: np.ndarray) -> None:
-        """Write [T, KV, D] into the cache [KV, n_ctx, D] at positions start..start+T-1."""
-        cache[:, start : start + x.shape[0], :] = x.transpose(1, 0, 2)
+    def kv_store(cache: Any, start: int, x: np.ndarray) -> None:
+        """Write [T, KV, D] into the cache [KV, n_ctx, D] at positions start..start+T-1
+        (rounded to int8 blocks for an int8 cache)."""
+        kv_write(np, cache, start, x)
 
     @staticmethod
     def attention(
         q: np.ndarray,
-        k_cache: np.ndarray,
-        v_cache: np.ndarray,
+        k_cache: Any,
+        v_cache: Any,
         start: int,
         window: int,
         scale: float,
@@ -125,12 +128,11 @@ class NumpyOps:
         g = h // kv
         end = start + t
         lo = max(0, start - window + 1) if window else 0
-        k = k_cache[:, lo:end, :]
-        v = v_cache[:, lo:end, :]
         # float64 here makes each query row's result independent of how many rows are computed
         # together (BLAS blocking, masked zeros): prefill chunking, the prefix cache and
         # preemption then cannot change a greedy answer through llama.cpp-style rounding flips.
-        k, v = k.astype(np.float64), v.astype(np.float64)
+        k = kv_rows(np, k_cache, lo, end, np.float64)
+        v = kv_rows(np, v_cache, lo, end, np.float64)
         qg = q.astype(np.float64).reshape(t, kv, g, d).transpose(1, 0, 2, 3).reshape(kv, t * g, d)
         scores = (qg @ k.transpose(0, 2, 1)) * scale  # [KV, T*G, S]
         scores = scores.reshape(kv, t, g, end - lo)

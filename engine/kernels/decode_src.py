@@ -271,16 +271,32 @@ SHAPED = r"""
 #define HALF {HALF}
 #define NEOX {NEOX}
 #define NSPLIT {NSPLIT}
+#define KVQ {KVQ}
 typedef {KT} kv_t;
 __device__ __forceinline__ float ldkv(const float* p) { return *p; }
 __device__ __forceinline__ float ldkv(const unsigned short* p) { return h2f(*p); }
+__device__ __forceinline__ float ldkv(const signed char* p) { return (float)*p; }
 __device__ __forceinline__ void stkv(float* p, float v) { *p = v; }
 __device__ __forceinline__ void stkv(unsigned short* p, float v) { *p = f2h(v); }
+// int8 cache (KVQ): element i of a row, stored by a whole warp holding 32 consecutive elements
+// (one scale block): d = max|v| / 127, q = rint(v / d), scale stored as fp16 (engine.kv_cache).
+__device__ __forceinline__ void stkv_q8(signed char* q, unsigned short* dsc, int i, float v) {
+    float d = warp_max(fabsf(v)) / 127.0f;
+    q[i] = (signed char)(d > 0.f ? __float2int_rn(v / d) : 0);
+    if ((i & 31) == 0) dsc[i >> 5] = f2h(d);
+}
+// scale of element `idx` of a layer's int8 cache (1 without KVQ)
+#if KVQ
+#define KV_SCALE(dsc, idx) h2f((dsc)[(idx) >> 5])
+#else
+#define KV_SCALE(dsc, idx) 1.0f
+#endif
 
 // Block b < H: query head b; b < H + KVH: key head; else value head. blockDim.x == 128.
 // qkv: [H*D | KVH*D | KVH*DV]; K cache [KVH, n_ctx, D], V cache [KVH, n_ctx, DV].
 extern "C" __global__ void __launch_bounds__(128) qkv_post(
-        const float* __restrict__ qkv, float* q_out, kv_t* Kc, kv_t* Vc, const int* ids,
+        const float* __restrict__ qkv, float* q_out, kv_t* Kc, kv_t* Vc, unsigned short* Kd,
+        unsigned short* Vd, const int* ids,
         const float* __restrict__ cs, const float* __restrict__ sn,
         const float* __restrict__ qn, const float* __restrict__ kn, int n_ctx, float eps) {
     __shared__ float xs[(D > DV ? D : DV)];
@@ -291,7 +307,11 @@ extern "C" __global__ void __launch_bounds__(128) qkv_post(
         int h = b - H - KVH;
         const float* src = qkv + H * D + KVH * D + h * DV;
         kv_t* dst = Vc + ((long long)h * n_ctx + pos) * DV;
+#if KVQ
+        for (int i = tid; i < DV; i += 128) stkv_q8(dst, Vd + ((long long)h * n_ctx + pos) * (DV / 32), i, src[i]);
+#else
         for (int i = tid; i < DV; i += 128) stkv(dst + i, src[i]);
+#endif
         return;
     }
     bool is_q = b < H;
@@ -332,7 +352,11 @@ extern "C" __global__ void __launch_bounds__(128) qkv_post(
         int d = tid + 128 * k;
         if (d >= D) break;
         if (is_q) q_out[b * D + d] = out[k];
+#if KVQ
+        else stkv_q8(Kc + ((long long)(b - H) * n_ctx + pos) * D, Kd + ((long long)(b - H) * n_ctx + pos) * (D / 32), d, out[k]);
+#else
         else stkv(Kc + ((long long)(b - H) * n_ctx + pos) * D + d, out[k]);
+#endif
     }
 }
 
@@ -343,10 +367,15 @@ extern "C" __global__ void __launch_bounds__(128) qkv_post(
 // merges the slices into out [H, DV].
 #define DL ((D + 31) / 32)
 #define VL ((DV + 31) / 32)
-#define MINCHUNK 32
+#define MINCHUNK {MINCHUNK}
+#ifndef ATT_STAGE
+#define ATT_STAGE 0  // profiling only (bench/attn_sweep.py --stages): 3 launch, 1 scan, 2 + slice writes
+#endif
 #define FASTATT {FASTATT}
-#define KPL (D / 8)
-#define VPL (DV / 8)
+#define LPP {LPP}  // lanes a position (8 or 16): fewer registers a lane with 16
+#define PPW (32 / LPP)  // positions a warp step
+#define KPL (D / LPP)
+#define VPL (DV / LPP)
 // n floats from a 16-byte aligned run of the cache (n a multiple of 4 / 8)
 template <int N> __device__ __forceinline__ void ldrow(const float* p, float* o) {
     #pragma unroll
@@ -364,10 +393,30 @@ template <int N> __device__ __forceinline__ void ldrow(const unsigned short* p, 
         for (int k = 0; k < 4; k++) { o[8*i+2*k] = h2f(w[k] & 0xffff); o[8*i+2*k+1] = h2f(w[k] >> 16); }
     }
 }
+template <int N> __device__ __forceinline__ void ldrow(const signed char* p, float* o) {
+    if (N % 16 == 0) {
+        #pragma unroll
+        for (int i = 0; i < N / 16; i++) {
+            int4 a = *((const int4*)p + i);
+            int w[4] = {a.x, a.y, a.z, a.w};
+            #pragma unroll
+            for (int k = 0; k < 16; k++) o[16*i+k] = (float)(signed char)(w[k >> 2] >> (8 * (k & 3)));
+        }
+    } else {
+        #pragma unroll
+        for (int i = 0; i < N / 8; i++) {
+            int2 a = *((const int2*)p + i);
+            int w[2] = {a.x, a.y};
+            #pragma unroll
+            for (int k = 0; k < 8; k++) o[8*i+k] = (float)(signed char)(w[k >> 2] >> (8 * (k & 3)));
+        }
+    }
+}
 extern "C" __global__ void __launch_bounds__(128) attn_decode(
         const float* __restrict__ q, const kv_t* __restrict__ Kc, const kv_t* __restrict__ Vc,
-        const int* ids, float* pm, float* pl, float* pacc, int* counter, float* out,
-        int n_ctx, int window, float scale) {
+        const unsigned short* __restrict__ Kd, const unsigned short* __restrict__ Vd, const int* ids,
+        float* pm, float* pl, float* pacc, int* counter, float* out, int n_ctx, int window, float scale,
+        int aq, signed char* xq, float* xd, int* xs16) {
     __shared__ float qs[G][D];
     __shared__ float wm[4][G], wl[4][G];
     __shared__ float wacc[4][G][DV];
@@ -383,19 +432,35 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(
     int active = (len + chunk - 1) / chunk;
     if (split >= active) return;
     int s0 = lo + split * chunk, s1 = min(end, s0 + chunk);
-    for (int i = tid; i < G * D; i += 128) qs[i / D][i % D] = q[(kvh * G) * D + i];
-    __syncthreads();
+#if ATT_STAGE == 3
+    return;  // profiling: the launch alone
+#endif
 #if FASTATT
-    // 8 lanes a position (each a 16-byte-aligned run of D/8 key and DV/8 value dims), 4
-    // positions a warp step: 3 shuffles per score instead of 5, four scores in flight a warp.
+    // LPP lanes a position (each an aligned run of D/LPP key and DV/LPP value dims), 32/LPP
+    // positions a warp step: log2(LPP) shuffles per score instead of 5, several scores in flight.
     // Each 8-lane group keeps its own online softmax; the four are merged at the end by shuffles.
-    int oct = lane >> 3, ol = lane & 7;
+    // The first K/V rows and this lane's slice of the group's queries are loaded together
+    // (no shared-memory staging, no barrier), then each step loads the next rows before it
+    // uses the current ones (one step ahead), so load latency is paid about once a block.
+    int oct = lane / LPP, ol = lane % LPP;
+    const kv_t* Kh = Kc + (long long)kvh * n_ctx * D;
+    const kv_t* Vh = Vc + (long long)kvh * n_ctx * DV;
+    const unsigned short* Khd = KVQ ? Kd + (long long)kvh * n_ctx * (D / 32) : nullptr;
+    const unsigned short* Vhd = KVQ ? Vd + (long long)kvh * n_ctx * (DV / 32) : nullptr;
+    float kn[KPL], vn[VPL], ksn = 1.f, vsn = 1.f;  // int8 cache: a lane's run is one scale block
+    int sb = s0 + warp * PPW;
+    {
+        int s = sb + oct;
+        if (s < s1) {
+            ldrow<KPL>(Kh + (long long)s * D + ol * KPL, kn);
+            ldrow<VPL>(Vh + (long long)s * DV + ol * VPL, vn);
+            ksn = KV_SCALE(Khd, (long long)s * D + ol * KPL);
+            vsn = KV_SCALE(Vhd, (long long)s * DV + ol * VPL);
+        }
+    }
     float qr[G][KPL];
     #pragma unroll
-    for (int g = 0; g < G; g++) {
-        #pragma unroll
-        for (int i = 0; i < KPL; i++) qr[g][i] = qs[g][ol * KPL + i];
-    }
+    for (int g = 0; g < G; g++) ldrow<KPL>(q + (kvh * G + g) * D + ol * KPL, qr[g]);
     float m[G], l[G], acc[G][VPL];
     #pragma unroll
     for (int g = 0; g < G; g++) {
@@ -403,63 +468,68 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(
         #pragma unroll
         for (int i = 0; i < VPL; i++) acc[g][i] = 0.f;
     }
-    const kv_t* Kh = Kc + (long long)kvh * n_ctx * D;
-    const kv_t* Vh = Vc + (long long)kvh * n_ctx * DV;
-    for (int sb = s0 + warp * 4; sb < s1; sb += 16) {
+    for (; sb < s1; sb += 4 * PPW) {
         int s = sb + oct;
         bool valid = s < s1;
         float k[KPL], v[VPL];
-        if (valid) {
-            ldrow<KPL>(Kh + (long long)s * D + ol * KPL, k);
-            ldrow<VPL>(Vh + (long long)s * DV + ol * VPL, v);
-        } else {
-            #pragma unroll
-            for (int i = 0; i < KPL; i++) k[i] = 0.f;
-            #pragma unroll
-            for (int i = 0; i < VPL; i++) v[i] = 0.f;
+        float ks = ksn, vs = vsn;
+        #pragma unroll
+        for (int i = 0; i < KPL; i++) k[i] = kn[i];
+        #pragma unroll
+        for (int i = 0; i < VPL; i++) v[i] = vn[i];
+        int sn = s + 4 * PPW;
+        if (sn < s1) {
+            ldrow<KPL>(Kh + (long long)sn * D + ol * KPL, kn);
+            ldrow<VPL>(Vh + (long long)sn * DV + ol * VPL, vn);
+            ksn = KV_SCALE(Khd, (long long)sn * D + ol * KPL);
+            vsn = KV_SCALE(Vhd, (long long)sn * DV + ol * VPL);
         }
         #pragma unroll
         for (int g = 0; g < G; g++) {
             float a = 0.f;
             #pragma unroll
             for (int i = 0; i < KPL; i++) a += qr[g][i] * k[i];
-            a += __shfl_xor_sync(0xffffffffu, a, 4);
-            a += __shfl_xor_sync(0xffffffffu, a, 2);
-            a += __shfl_xor_sync(0xffffffffu, a, 1);
+            a *= ks;
+            #pragma unroll
+            for (int o = LPP / 2; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
             a *= scale;
             if (valid) {
                 float mn = fmaxf(m[g], a);
                 float corr = expf(m[g] - mn);  // m = -inf: 0
                 float p = expf(a - mn);
                 l[g] = l[g] * corr + p;
+                float pv = p * vs;
                 #pragma unroll
-                for (int i = 0; i < VPL; i++) acc[g][i] = acc[g][i] * corr + p * v[i];
+                for (int i = 0; i < VPL; i++) acc[g][i] = acc[g][i] * corr + pv * v[i];
                 m[g] = mn;
             }
         }
     }
     #pragma unroll
     for (int g = 0; g < G; g++) {
-        float M = fmaxf(m[g], __shfl_xor_sync(0xffffffffu, m[g], 8));
-        M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, 16));
+        float M = m[g];
+        #pragma unroll
+        for (int o = LPP; o < 32; o <<= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
         float e = m[g] == NEG_INF ? 0.f : expf(m[g] - M);
         float L = l[g] * e;
-        L += __shfl_xor_sync(0xffffffffu, L, 8);
-        L += __shfl_xor_sync(0xffffffffu, L, 16);
+        #pragma unroll
+        for (int o = LPP; o < 32; o <<= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
         #pragma unroll
         for (int i = 0; i < VPL; i++) {
-            float o = acc[g][i] * e;
-            o += __shfl_xor_sync(0xffffffffu, o, 8);
-            o += __shfl_xor_sync(0xffffffffu, o, 16);
-            acc[g][i] = o;
+            float x = acc[g][i] * e;
+            #pragma unroll
+            for (int o = LPP; o < 32; o <<= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+            acc[g][i] = x;
         }
         if (lane == 0) { wm[warp][g] = M; wl[warp][g] = L; }
-        if (lane < 8) {
+        if (lane < LPP) {
             #pragma unroll
             for (int i = 0; i < VPL; i++) wacc[warp][g][ol * VPL + i] = acc[g][i];
         }
     }
 #else
+    for (int i = tid; i < G * D; i += 128) qs[i / D][i % D] = q[(kvh * G) * D + i];
+    __syncthreads();
     float m[G], l[G], acc[G][VL];
     #pragma unroll
     for (int g = 0; g < G; g++) {
@@ -469,6 +539,8 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(
     }
     const kv_t* Kh = Kc + (long long)kvh * n_ctx * D;
     const kv_t* Vh = Vc + (long long)kvh * n_ctx * DV;
+    const unsigned short* Khd = KVQ ? Kd + (long long)kvh * n_ctx * (D / 32) : nullptr;
+    const unsigned short* Vhd = KVQ ? Vd + (long long)kvh * n_ctx * (DV / 32) : nullptr;
     // K/V rows of the next position are loaded before the current one is used (one ahead)
     float kn[DL], vn[VL];
     #pragma unroll
@@ -478,9 +550,9 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(
     int s = s0 + warp;
     if (s < s1) {
         #pragma unroll
-        for (int i = 0; i < DL; i++) if (lane + 32 * i < D) kn[i] = ldkv(Kh + (long long)s * D + lane + 32 * i);
+        for (int i = 0; i < DL; i++) if (lane + 32 * i < D) kn[i] = ldkv(Kh + (long long)s * D + lane + 32 * i) * KV_SCALE(Khd, (long long)s * D + lane + 32 * i);
         #pragma unroll
-        for (int i = 0; i < VL; i++) if (lane + 32 * i < DV) vn[i] = ldkv(Vh + (long long)s * DV + lane + 32 * i);
+        for (int i = 0; i < VL; i++) if (lane + 32 * i < DV) vn[i] = ldkv(Vh + (long long)s * DV + lane + 32 * i) * KV_SCALE(Vhd, (long long)s * DV + lane + 32 * i);
     }
     for (; s < s1; s += 4) {
         float k[DL], v[VL];
@@ -490,9 +562,9 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(
         for (int i = 0; i < VL; i++) v[i] = vn[i];
         if (s + 4 < s1) {
             #pragma unroll
-            for (int i = 0; i < DL; i++) if (lane + 32 * i < D) kn[i] = ldkv(Kh + (long long)(s + 4) * D + lane + 32 * i);
+            for (int i = 0; i < DL; i++) if (lane + 32 * i < D) kn[i] = ldkv(Kh + (long long)(s + 4) * D + lane + 32 * i) * KV_SCALE(Khd, (long long)(s + 4) * D + lane + 32 * i);
             #pragma unroll
-            for (int i = 0; i < VL; i++) if (lane + 32 * i < DV) vn[i] = ldkv(Vh + (long long)(s + 4) * DV + lane + 32 * i);
+            for (int i = 0; i < VL; i++) if (lane + 32 * i < DV) vn[i] = ldkv(Vh + (long long)(s + 4) * DV + lane + 32 * i) * KV_SCALE(Vhd, (long long)(s + 4) * DV + lane + 32 * i);
         }
         #pragma unroll
         for (int g = 0; g < G; g++) {
@@ -516,6 +588,10 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(
         for (int i = 0; i < VL; i++) if (lane + 32 * i < DV) wacc[warp][g][lane + 32 * i] = acc[g][i];
     }
 #endif
+#if ATT_STAGE == 1
+    if (m[0] == 12345.f) out[0] = acc[0][0];  // keep the work (profiling: stop after the scan)
+    return;
+#endif
     __syncthreads();
     for (int i = tid; i < G * DV; i += 128) {
         int g = i / DV, d = i % DV;
@@ -531,6 +607,9 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(
         pacc[((long long)h * NSPLIT + split) * DV + d] = o;
         if (d == 0) { pm[h * NSPLIT + split] = M; pl[h * NSPLIT + split] = L; }
     }
+#if ATT_STAGE == 2
+    return;  // profiling: stop after the slice results are written
+#endif
     __threadfence();
     __syncthreads();
     if (tid == 0) last = atomicAdd(counter + kvh, 1) == active - 1;
@@ -538,7 +617,23 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(
     if (!last) return;
     __threadfence();
     if (tid == 0) counter[kvh] = 0;
-    // merge: slice maxima and sums into shared memory in parallel, then weights per slice
+    // merge. The first 8 slices' partial outputs of this thread's outputs are loaded together
+    // with the slice maxima and sums; weights per slice: one warp per query head, lanes over
+    // slices; then every output over 8 slices at a time, the next 8 loaded after each batch.
+    constexpr int OPT = (G * DV + 127) / 128;
+    float pv[8][OPT];
+    auto load_batch = [&](int sp0) {
+        #pragma unroll
+        for (int u = 0; u < 8; u++) {
+            #pragma unroll
+            for (int j = 0; j < OPT; j++) {
+                int i = tid + 128 * j;
+                pv[u][j] = (i < G * DV && sp0 + u < active)
+                    ? __ldcg(pacc + ((long long)(kvh * G + i / DV) * NSPLIT + sp0 + u) * DV + i % DV) : 0.f;
+            }
+        }
+    };
+    load_batch(0);
     __shared__ float sm_[G][NSPLIT], sl_[G][NSPLIT];
     for (int i = tid; i < G * active; i += 128) {
         int g = i / active, sp = i % active, h = kvh * G + g;
@@ -546,39 +641,80 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(
         sl_[g][sp] = __ldcg(pl + h * NSPLIT + sp);
     }
     __syncthreads();
-    if (tid < G) {
+    for (int g = warp; g < G; g += 4) {
         float M = NEG_INF;
-        for (int sp = 0; sp < active; sp++) M = fmaxf(M, sm_[tid][sp]);
+        for (int sp = lane; sp < active; sp += 32) M = fmaxf(M, sm_[g][sp]);
+        M = warp_max(M);
         float L = 0.f;
-        for (int sp = 0; sp < active; sp++) {
-            float e = sm_[tid][sp] == NEG_INF ? 0.f : expf(sm_[tid][sp] - M);
-            sw[tid][sp] = e;
-            L += sl_[tid][sp] * e;
+        for (int sp = lane; sp < active; sp += 32) {
+            float e = sm_[g][sp] == NEG_INF ? 0.f : expf(sm_[g][sp] - M);
+            sw[g][sp] = e;
+            L += sl_[g][sp] * e;
         }
-        sL[tid] = L;
+        L = warp_sum(L);
+        if (lane == 0) sL[g] = L;
     }
     __syncthreads();
-    for (int i = tid; i < G * DV; i += 128) {
-        int g = i / DV, d = i % DV, h = kvh * G + g;
-        float o = 0.f;
-        #pragma unroll 8
-        for (int sp = 0; sp < active; sp++) o += __ldcg(pacc + ((long long)h * NSPLIT + sp) * DV + d) * sw[g][sp];
-        out[h * DV + d] = o / sL[g];
+    float o[OPT];
+    #pragma unroll
+    for (int j = 0; j < OPT; j++) o[j] = 0.f;
+    for (int sp0 = 0; sp0 < active; sp0 += 8) {
+        #pragma unroll
+        for (int u = 0; u < 8; u++) {
+            #pragma unroll
+            for (int j = 0; j < OPT; j++) {
+                int i = tid + 128 * j;
+                if (i < G * DV && sp0 + u < active) o[j] += pv[u][j] * sw[i / DV][sp0 + u];
+            }
+        }
+        if (sp0 + 8 < active) load_batch(sp0 + 8);
+    }
+    __shared__ float obuf[G * DV];
+    #pragma unroll
+    for (int j = 0; j < OPT; j++) {
+        int i = tid + 128 * j;
+        if (i < G * DV) {
+            float r = o[j] / sL[i / DV];
+            out[(kvh * G + i / DV) * DV + i % DV] = r;
+            obuf[i] = r;
+        }
+    }
+    if (aq) {  // the output projection's input rounding (qprep_x's work) for this head group
+        __syncthreads();
+        int per = aq == 1 ? 32 : 256, base = kvh * G * DV;
+        for (int gg = warp; gg < G * DV / per; gg += 4)
+            round_group([&](int i) { return obuf[i - base]; }, aq, base / per + gg, lane, xq, xd, xs16);
     }
 }
 """
 
 
+def attn_lanes(group: int, head_dim: int) -> int:
+    """Lanes a position in decode attention: 8. (16 halves the query and output values a lane
+    keeps, but measured slower on an H200: Qwen3-4B shape 12.2 vs 11.7 us at 640 positions,
+    26.5 vs 20.7 at 4000; bench/attn_sweep.py --lanes 8,16.)"""
+    del group, head_dim
+    return 8
+
+
 def source(types: list[str] | tuple[str, ...], *, n_heads: int, n_kv_heads: int, head_dim: int,
-           v_head_dim: int, rope_half: int, neox: bool, kv_half: bool, n_split: int) -> str:
-    """The decode module for one model shape and the given weight types."""
+           v_head_dim: int, rope_half: int, neox: bool, kv_half: bool, n_split: int,
+           kv_int8: bool = False, min_chunk: int = 32, lanes_per_pos: int | None = None) -> str:
+    """The decode module for one model shape and the given weight types (`kv_half` / `kv_int8`:
+    the cache's element type; `min_chunk`: fewest positions an attention slice takes)."""
     shaped = SHAPED
+    width = 8 if (kv_half or kv_int8) else 4  # values a lane loads at once: 16 bytes (8 for int8)
+    lpp = lanes_per_pos or attn_lanes(n_heads // n_kv_heads, head_dim)
+    if head_dim % (lpp * width) or v_head_dim % (lpp * width):
+        lpp = 8
+    align = lpp * width
     for k, v in {
         "{H}": n_heads, "{KVH}": n_kv_heads, "{G}": n_heads // n_kv_heads, "{D}": head_dim,
         "{DV}": v_head_dim, "{HALF}": rope_half, "{NEOX}": int(neox), "{NSPLIT}": n_split,
-        "{KT}": "unsigned short" if kv_half else "float",
-        "{FASTATT}": int(head_dim % (64 if kv_half else 32) == 0 and v_head_dim % (64 if kv_half else 32) == 0),
+        "{KT}": "signed char" if kv_int8 else "unsigned short" if kv_half else "float",
+        "{KVQ}": int(kv_int8), "{MINCHUNK}": min_chunk, "{LPP}": lpp,
+        "{FASTATT}": int(head_dim % align == 0 and v_head_dim % align == 0),
     }.items():
         shaped = shaped.replace(k, str(v))
     gemv = "".join(GEMV.replace("{T}", t) for t in sorted(set(types)))
-    return UNITS + COMMON + gemv + qdot_src.source(types) + MISC + shaped
+    return UNITS + COMMON + qdot_src.round_source() + gemv + qdot_src.source(types) + MISC + shaped

@@ -168,12 +168,49 @@ __device__ __forceinline__ float dot_Q8_0(const raw_Q8_0& r, int c, const signed
 # of each 16 values `xs16`. One warp per rounding block, 8 a thread block; every thread block
 # forms the sum of squares over the whole input itself (same order as before: the values are
 # bit-identical to the per-block preparation the GEMV used to do).
-QPREP = r"""
+ROUND = r"""
 __device__ __forceinline__ int sum16(int v) {
     #pragma unroll
     for (int o = 8; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
+// One warp rounds rounding group g of a vector (aq 1: q8_0, 32 values; aq 2: q8_k, 256) whose
+// i-th value is val(i), into xq / xd / xs16 (layout above).
+template <typename F>
+__device__ __forceinline__ void round_group(F val, int aq, int g, int lane, signed char* __restrict__ xq,
+                                            float* __restrict__ xd, int* __restrict__ xs16) {
+    if (aq == 1) {
+        float v = val(g * 32 + lane);
+        float a = warp_max(fabsf(v));
+        float d = a / 127.0f;
+        float inv = d != 0.f ? 1.0f / d : 0.f;
+        int q = (int)rintf(v * inv);
+        xq[g * 32 + lane] = (signed char)q;
+        int s = sum16(q);
+        if ((lane & 15) == 0) xs16[2 * g + (lane >> 4)] = s;
+        if (lane == 0) xd[g] = d;
+    } else {
+        float v[8];
+        #pragma unroll
+        for (int k = 0; k < 8; k++) v[k] = val(g * 256 + lane + 32 * k);
+        int bi = q8k_argmax_abs(v, lane);
+        float mx = __shfl_sync(0xffffffffu, v[0], 0);
+        #pragma unroll
+        for (int k = 0; k < 8; k++) { float t = __shfl_sync(0xffffffffu, v[k], bi & 31); if ((bi >> 5) == k) mx = t; }
+        float iscale = q8k_iscale(mx);
+        float d = iscale != 0.f ? 1.0f / iscale : 0.f;
+        #pragma unroll
+        for (int k = 0; k < 8; k++) {
+            int q = (int)fminf(rintf(v[k] * iscale), 127.f);
+            xq[g * 256 + lane + 32 * k] = (signed char)q;
+            int s = sum16(q);
+            if ((lane & 15) == 0) xs16[g * 16 + 2 * k + (lane >> 4)] = s;
+        }
+        if (lane == 0) xd[g] = d;
+    }
+}
+"""
+QPREP = r"""
 extern "C" __global__ void __launch_bounds__(256) qprep_x(
         const float* __restrict__ x, const float* __restrict__ nw, float eps, int aq, int cols,
         signed char* __restrict__ xq, float* __restrict__ xd, int* __restrict__ xs16) {
@@ -192,40 +229,9 @@ extern "C" __global__ void __launch_bounds__(256) qprep_x(
         r = sqrtf(tot / (float)cols + eps);
     }
     int g = blockIdx.x * 8 + warp;
+    if (g >= (cols >> (aq == 1 ? 5 : 8))) return;
     // the normalised value (x / r * w, as prep_input computes it) is formed where it is rounded
-#define XN(i) (nw ? x[i] / r * nw[i] : x[i])
-    if (aq == 1) {
-        if (g >= (cols >> 5)) return;
-        float v = XN(g * 32 + lane);
-        float a = warp_max(fabsf(v));
-        float d = a / 127.0f;
-        float inv = d != 0.f ? 1.0f / d : 0.f;
-        int q = (int)rintf(v * inv);
-        xq[g * 32 + lane] = (signed char)q;
-        int s = sum16(q);
-        if ((lane & 15) == 0) xs16[2 * g + (lane >> 4)] = s;
-        if (lane == 0) xd[g] = d;
-    } else {
-        if (g >= (cols >> 8)) return;
-        float v[8];
-        #pragma unroll
-        for (int k = 0; k < 8; k++) v[k] = XN(g * 256 + lane + 32 * k);
-        int bi = q8k_argmax_abs(v, lane);
-        float mx = __shfl_sync(0xffffffffu, v[0], 0);
-        #pragma unroll
-        for (int k = 0; k < 8; k++) { float t = __shfl_sync(0xffffffffu, v[k], bi & 31); if ((bi >> 5) == k) mx = t; }
-        float iscale = q8k_iscale(mx);
-        float d = iscale != 0.f ? 1.0f / iscale : 0.f;
-        #pragma unroll
-        for (int k = 0; k < 8; k++) {
-            int q = (int)fminf(rintf(v[k] * iscale), 127.f);
-            xq[g * 256 + lane + 32 * k] = (signed char)q;
-            int s = sum16(q);
-            if ((lane & 15) == 0) xs16[g * 16 + 2 * k + (lane >> 4)] = s;
-        }
-        if (lane == 0) xd[g] = d;
-    }
-#undef XN
+    round_group([&](int i) { return nw ? x[i] / r * nw[i] : x[i]; }, aq, g, lane, xq, xd, xs16);
 }
 """
 
@@ -332,3 +338,8 @@ def source(types: list[str] | tuple[str, ...]) -> str:
     if not qt:
         return ""
     return QDOT + QPREP + "".join(QGEMV.replace("{T}", t) for t in qt)
+
+
+def round_source() -> str:
+    """`round_group` (the rounding of one group of a GEMV input); after UNITS + COMMON."""
+    return ROUND

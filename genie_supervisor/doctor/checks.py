@@ -224,8 +224,20 @@ OpenModel = Callable[[str], object]
 """Reads a GGUF header (engine.open_model_file)."""
 
 
-def _plan(gf: object, n_ctx: int, kv_dtype: str, quantized: bool = False) -> MemoryPlan:
-    return plan_memory(gf, read_spec(gf), n_ctx, kv_dtype, quantized=quantized)  # type: ignore[arg-type]
+def _plan(gf: object, n_ctx: int, kv_dtype: str, quantized: bool = False,
+          backend: str | None = None) -> MemoryPlan:
+    return plan_memory(gf, read_spec(gf), n_ctx, kv_dtype, quantized=quantized,  # type: ignore[arg-type]
+                       backend=backend)
+
+
+def _resolved(backend: str) -> str | None:
+    """The backend `auto` (or a name) resolves to here, None when none is usable."""
+    from engine.backends import resolve_backend
+
+    try:
+        return resolve_backend(backend)
+    except ValueError:
+        return None
 
 
 def weights_stay_quantized(backend: str) -> bool:
@@ -239,11 +251,11 @@ def weights_stay_quantized(backend: str) -> bool:
 
 
 def largest_ctx_within(gf: object, kv_dtype: str, budget_mb: float, start: int,
-                       quantized: bool = False) -> int | None:
+                       quantized: bool = False, backend: str | None = None) -> int | None:
     """The largest power-of-two context (>= 128, below `start`) whose plan fits, None if none does."""
     n = start // 2
     while n >= 128:
-        if _plan(gf, n, kv_dtype, quantized).total / MiB <= budget_mb:
+        if _plan(gf, n, kv_dtype, quantized, backend).total / MiB <= budget_mb:
             return n
         n //= 2
     return None
@@ -272,13 +284,10 @@ def check_model(cfg: Config, policy: Policy, sample: TelemetrySample | None,
     size_mb = os.path.getsize(path) / MiB
     checks = [Check("model", "ok", f"{os.path.basename(path)}: {spec.arch}, {spec.n_layers} layers, "
                     f"{size_mb:.0f} MiB on disk")]
-    if eng.kv_dtype not in ("f16", "f32"):
-        checks.append(Check("memory", "fail", f"engine.kv_dtype {eng.kv_dtype} is not supported by the "
-                            "built-in engine yet", "set engine.kv_dtype: f16"))
-        return checks
     q = weights_stay_quantized(eng.backend)
-    checks.append(check_memory(_plan(gf, eng.n_ctx, eng.kv_dtype, q), policy, sample,
-                               fits_ctx=lambda budget: largest_ctx_within(gf, eng.kv_dtype, budget, eng.n_ctx, q)))
+    b = _resolved(eng.backend)
+    checks.append(check_memory(_plan(gf, eng.n_ctx, eng.kv_dtype, q, b), policy, sample,
+                               fits_ctx=lambda budget: largest_ctx_within(gf, eng.kv_dtype, budget, eng.n_ctx, q, b)))
     return checks
 
 

@@ -1,0 +1,228 @@
+"""What the CuPy backend allocates on the GPU, computed from the model's shape before load.
+
+No CuPy here: `engine.model.plan_memory(..., backend="cupy")` runs anywhere (doctor, daemon
+budget checks). `cupy_backend` allocates by the same constants (tile buffer, attention buffers,
+prefill tile precision) and `cupy_decoder` by the same buffer list; `tests/test_cupy_memory.py`
+checks the plan against CuPy's memory pool on a GPU.
+
+Parts (bytes):
+- weights: 2-D tensors as stored (block-quantized and float types alike); an untied
+  `token_embd` stays on the host and does not count; 1-D tensors (norms, biases) as float32;
+- kv: `kv_cache.kv_bytes`;
+- tables: RoPE cos/sin, float32 [n_ctx, rope_dim / 2] per distinct RoPE base;
+- decode scratch: the decode step's fixed buffers (`decode_scratch_bytes`);
+- prefill scratch: the tile buffer, the attention buffers (float32 K/V rows for a non-f32 cache,
+  the score block) and the activations of one chunk (`prefill_activation_bytes`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ..gguf_file import GGUFFile
+from ..kv_cache import kv_bytes
+from ..spec import ModelSpec
+
+SCRATCH_ELEMS = 16 * 1024 * 1024
+"""Values of one dequantized prefill tile at most: the tile buffer holds min(SCRATCH_ELEMS, the
+largest matrix prefill multiplies) values of the widest tile element used (Qwen3-4B: 16M fp16
+values, 32 MiB; SmolLM2: its 3072 x 576 gate+up in fp32, 6.75 MiB; the head only when a chunk
+returns several rows of logits)."""
+ATTN_SCORES_BYTES = 32 * 1024 * 1024
+"""Prefill attention computes its scores [KV, query rows, keys] in blocks of query rows that fit
+this buffer (one row at least); 32 MiB = 64 query positions of Qwen3-4B's shape at 4096 keys."""
+PREFILL_CHUNK = 512
+"""Prompt tokens per forward pass that `Model.generate` uses on this backend (the gate is
+awaited between two chunks)."""
+AUTO_F16_MIN_ELEMS = 4 * 1024 * 1024
+"""prefill_dtype "auto": matrices of at least this many values use fp16 tiles (tensor cores);
+smaller ones use fp32 (their GEMMs take microseconds either way and fp16 adds a conversion
+launch per matmul, which costs more than it saves when prefill is host-bound)."""
+FP32_TILE_TYPES = frozenset({"F32", "BF16"})
+"""Stored types whose values need not fit fp16's range: "auto" keeps their tiles in fp32."""
+PREFILL_DTYPES = ("auto", "float32", "float16")
+POOL_SLACK = 1.0
+"""Share of the chunk activations planned on top of their live peak for CuPy's pool, which keeps
+freed blocks and splits larger ones for smaller requests (an allowance, checked on the GPU)."""
+DECODE_MAX_SPLIT = 64
+"""Upper bound of `CupyDecoder.n_split` (it is min(64, 2 x SMs / KV heads))."""
+ARGMAX_BLOCKS = 64
+"""`cupy_decoder.ARGMAX_BLOCKS`."""
+
+
+def resolve_prefill_dtype(value: str | None) -> str:
+    """The prefill tile precision: `value`, else $GENIE_CUPY_PREFILL, else "auto"."""
+    mode = value if value is not None else os.environ.get("GENIE_CUPY_PREFILL", "auto")
+    if mode not in PREFILL_DTYPES:
+        raise ValueError(f"prefill_dtype {mode!r}: expected one of {', '.join(PREFILL_DTYPES)}")
+    return mode
+
+
+def tile_dtype(mode: str, types: Iterable[str], rows: int, cols: int) -> str:
+    """The tile precision ("float16" or "float32") of one matrix (`types`: its pieces' stored
+    types) under prefill_dtype `mode`. "auto": fp16 for matrices of >= AUTO_F16_MIN_ELEMS values, except
+    stored F32/BF16 (fp32 tiles, exact)."""
+    if mode != "auto":
+        return mode
+    if FP32_TILE_TYPES.intersection(types) or rows * cols < AUTO_F16_MIN_ELEMS:
+        return "float32"
+    return "float16"
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """One matrix that prefill multiplies (fused as the backend fuses it)."""
+
+    name: str
+    types: frozenset[str]
+    rows: int
+    cols: int
+
+
+def matrices(gf: GGUFFile, spec: ModelSpec) -> list[Matrix]:
+    """Every matrix of a prefill pass: per layer QKV (fused), output, gate+up (fused), down; the head."""
+    out: list[Matrix] = []
+    e, hd, vd = spec.n_embd, spec.head_dim, spec.v_head_dim
+    qkv_rows = spec.n_heads * hd + spec.n_kv_heads * (hd + vd)
+    for i in range(spec.n_layers):
+        p = f"blk.{i}."
+
+        def types(*names: str, p: str = p) -> frozenset[str]:
+            return frozenset(gf.tensors[p + n].type_name for n in names if p + n in gf.tensors)
+
+        out += [
+            Matrix(p + "qkv", types("attn_q.weight", "attn_k.weight", "attn_v.weight"), qkv_rows, e),
+            Matrix(p + "attn_output", types("attn_output.weight"), e, spec.n_heads * vd),
+            Matrix(p + "gate_up", types("ffn_gate.weight", "ffn_up.weight"), 2 * spec.n_ff, e),
+            Matrix(p + "ffn_down", types("ffn_down.weight"), e, spec.n_ff),
+        ]
+    head = gf.tensors.get("output.weight") or gf.tensors["token_embd.weight"]
+    out.append(Matrix("output", frozenset({head.type_name}), spec.n_vocab, e))
+    return out
+
+
+def weights_bytes(gf: GGUFFile) -> int:
+    """Weights on the device: 2-D as stored, 1-D as float32; an untied token_embd stays on the host."""
+    untied = "output.weight" in gf.tensors
+    total = 0
+    for t in gf.tensors.values():
+        if len(t.shape) == 2:
+            if not (untied and t.name == "token_embd.weight"):
+                total += t.nbytes
+        else:
+            n = 1
+            for s in t.shape:
+                n *= int(s)
+            total += 4 * n
+    return total
+
+
+def rope_table_bytes(spec: ModelSpec, n_ctx: int) -> int:
+    """cos + sin, float32 [n_ctx, rope_dim / 2], per distinct RoPE base (Transformer.rope)."""
+    half = min(spec.rope_dim, spec.head_dim) // 2
+    bases = {spec.layer_rope_base(i) for i in range(spec.n_layers)}
+    return len(bases) * 2 * n_ctx * half * 4
+
+
+def decode_scratch_bytes(spec: ModelSpec, n_split: int = DECODE_MAX_SPLIT) -> int:
+    """`CupyDecoder.scratch_bytes` from the shape: its fixed activation buffers (ids, x, tmp, qkv,
+    q, attention output and split partials, gate/up, GLU output, logits, counters, argmax partials)
+    and the rounded-input buffer (int8 values, a float scale per 32, an int32 sum per 16)."""
+    e, hd, vd = spec.n_embd, spec.head_dim, spec.v_head_dim
+    nh, nkv, ff = spec.n_heads, spec.n_kv_heads, spec.n_ff
+    floats = (
+        2 * e  # x, tmp
+        + nh * hd + nkv * (hd + vd)  # qkv
+        + nh * hd + nh * vd  # q, attn
+        + 2 * nh * n_split + nh * n_split * vd  # pm, pl, pacc
+        + 3 * ff  # gu, act
+        + spec.n_vocab  # logits
+        + ARGMAX_BLOCKS  # best_v
+    )
+    ints = 4 + (nkv + 1) + ARGMAX_BLOCKS  # ids, counters, best_i
+    cols = max(e, ff, nh * vd)
+    qin = cols + 4 * max(1, cols // 32) + 4 * max(1, cols // 16)
+    return 4 * (floats + ints) + qin
+
+
+def prefill_activation_bytes(spec: ModelSpec, chunk: int, last_n: int = 1, half: bool = True) -> int:
+    """Live peak of one prefill chunk's activations (float32; `half`: fp16 copies of matrix inputs).
+
+    Mirrors what `Transformer.forward` references: a layer starts with the previous layer's x, h,
+    qkv (through its V view), q, k, attention block output, gate/up, GLU output and down output
+    still held (`carried`); the widest step adds its own temporaries to that (the gate+up
+    projection on most shapes: rounded input, fp16 input, [T, 2F] output). The head adds the
+    last `last_n` rows' norm, rounding and logits.
+    """
+    e, r = spec.n_embd, spec.n_heads * spec.head_dim + spec.n_kv_heads * (spec.head_dim + spec.v_head_dim)
+    q, kvd, a, f = spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim, spec.n_heads * spec.v_head_dim, spec.n_ff
+    xh = 0.5 if half else 0.0
+    carried = 4 * e + r + q + kvd + 3 * f
+    widest = max(
+        (1 + xh) * e + r,  # QKV projection (rounded + fp16 input, output)
+        q,  # Q norm / RoPE copies
+        (2 + xh) * a,  # attention output + its output projection's inputs
+        (1 + xh) * e + 2 * f,  # gate+up projection
+        (1 + xh) * f + e,  # down projection
+    )
+    head = last_n * ((2 + xh) * e + spec.n_vocab)
+    return int(4 * (chunk * (carried + widest) + head))
+
+
+def attention_buffer_bytes(spec: ModelSpec, n_ctx: int, kv_dtype: str) -> tuple[int, int]:
+    """(K/V rows, scores) of prefill attention (`cupy_backend._AttnBuffers`): float32 K/V of one
+    layer [KV, n_ctx, D] - none for an f32 cache (read in place), one fixed buffer for f16, twice
+    that for int8 (dequantized per call: the result and one temporary, not a fixed buffer) - and
+    the score block (`score_elems`)."""
+    rows = 4 * spec.n_kv_heads * n_ctx * (spec.head_dim + spec.v_head_dim)
+    rows *= {"f32": 0, "int8": 2}.get(kv_dtype, 1)
+    return rows, 4 * score_elems(spec.n_kv_heads, n_ctx)
+
+
+def score_elems(n_kv: int, n_ctx: int) -> int:
+    """Values of the prefill attention score block (see ATTN_SCORES_BYTES)."""
+    return max(n_kv * n_ctx, min(ATTN_SCORES_BYTES // 4, n_kv * n_ctx * n_ctx))
+
+
+@dataclass(frozen=True)
+class GpuPlan:
+    """The parts of the CuPy backend's plan (bytes)."""
+
+    weights: int
+    kv: int
+    tables: int
+    decode_scratch: int
+    tiles: int
+    kv_rows: int
+    scores: int
+    activations: int
+    """Chunk activations' live peak plus POOL_SLACK."""
+    chunk: int
+    prefill_dtype: str
+
+    @property
+    def prefill_scratch(self) -> int:
+        return self.tiles + self.kv_rows + self.scores + self.activations
+
+
+def plan(gf: GGUFFile, spec: ModelSpec, n_ctx: int, kv_dtype: str, chunk: int = PREFILL_CHUNK,
+         last_n: int = 1, prefill_dtype: str | None = None) -> GpuPlan:
+    """The CuPy backend's memory for this model at `n_ctx`, prefill chunks of <= `chunk` tokens
+    returning <= `last_n` rows of logits (Model.generate: 1)."""
+    mode = resolve_prefill_dtype(prefill_dtype)
+    dts = {tile_dtype(mode, m.types, m.rows, m.cols) for m in matrices(gf, spec)
+           if m.name != "output" or last_n > 1}
+    itemsize = 4 if "float32" in dts else 2
+    elems = min(SCRATCH_ELEMS, max(m.rows * m.cols for m in matrices(gf, spec)
+                                   if m.name != "output" or last_n > 1))
+    kv_rows, scores = attention_buffer_bytes(spec, n_ctx, kv_dtype)
+    t = min(chunk, n_ctx)
+    act = prefill_activation_bytes(spec, t, last_n, half="float16" in dts)
+    return GpuPlan(
+        weights=weights_bytes(gf), kv=kv_bytes(spec, n_ctx, kv_dtype),
+        tables=rope_table_bytes(spec, n_ctx), decode_scratch=decode_scratch_bytes(spec),
+        tiles=elems * itemsize, kv_rows=kv_rows, scores=scores,
+        activations=int(act * (1 + POOL_SLACK)), chunk=t, prefill_dtype=mode,
+    )

@@ -1,0 +1,297 @@
+"""Sampling on the device: a logits row on the GPU in, one token id (4 bytes) back to the host.
+
+`DeviceSampler.sample(logits_dev, params, u, history)` picks the token `engine.sampler.Sampler`
+picks for the same uniform draw `u` (`Sampler.pick`): repetition penalty, top-k, top-p, min-p,
+temperature, inverse CDF; temperature 0 is the argmax after the penalty. Kernels and the
+algorithm: `engine.kernels.sample_src` (no sort: radix selections over exact integer weights).
+
+`reference_sample` is the same algorithm in NumPy, pass for pass (digits, integer weights,
+targets), so the algorithm is tested without a GPU (`tests/test_sampler_device_twin.py`); the
+device is tested against it and against `Sampler` in `tests/test_cupy_sample.py`.
+
+Agreement with `Sampler.pick`: the same order (logit descending, id ascending) and cuts; the
+weights are float64 exponentials rounded to integers (`weight_scale`: 2^44 for a 151936 vocab),
+so cumulative sums differ from the host's float64 ones by < 1e-8 of the total. A token differs
+only where `u` (or top_p) lies that close to a cumulative boundary; weights below 1/scale of the
+largest count as 0 (never picked, as on the host with probability < 1e-8 in all).
+
+CuPy is imported inside `DeviceSampler` only: this module (the twin) loads without it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+
+from ..kernels import sample_src as ks
+from ..sampler import SamplingParams
+
+log = logging.getLogger(__name__)
+
+VALUE_DIGITS = ((53, 11), (42, 11), (32, 10))
+"""(shift, bits) of the radix digits over the logit half of the key (bits 63..32)."""
+ALL = (1 << 64) - 1
+"""A bound that keeps every token."""
+MAX_GRAPHS = 16
+"""Captured graphs kept (one per logits buffer and set of active stages)."""
+
+
+def pass_schedule(vocab: int) -> list[tuple[int, int]]:
+    """(shift, bits) of every radix digit of a selection: the logit's 32 bits, then the id's."""
+    out = list(VALUE_DIGITS)
+    rest = max(1, (vocab - 1).bit_length())
+    while rest > 0:
+        n = min(ks.BITS, rest)
+        rest -= n
+        out.append((rest, n))
+    return out
+
+
+def weight_scale(vocab: int) -> float:
+    """Integer weights are round(w * scale), w <= 1: a whole vocabulary sums to < 2^62."""
+    return float(2.0 ** (62 - max(1, (vocab - 1).bit_length())))
+
+
+def flags_of(params: SamplingParams, vocab: int, n_recent: int) -> int:
+    """Which stages run (bits `F_*` of `engine.kernels.sample_src`)."""
+    f = ks.F_PEN if params.repeat_penalty != 1.0 and n_recent > 0 else 0
+    if params.temperature > 0.0:
+        f |= ks.F_SAMPLE
+        if 0 < params.top_k < vocab:
+            f |= ks.F_TOPK
+        if params.top_p < 1.0:
+            f |= ks.F_TOPP
+        if params.min_p > 0.0:
+            f |= ks.F_MINP
+    return f
+
+
+def recent_window(params: SamplingParams, history: Sequence[int]) -> Sequence[int]:
+    """The ids the repetition penalty looks at (as `Sampler.pick` slices them)."""
+    if params.repeat_penalty == 1.0 or not history or not params.repeat_last_n:
+        return ()
+    return history[-params.repeat_last_n :]
+
+
+# --- the NumPy twin -------------------------------------------------------------------------------
+def sort_keys(x: np.ndarray) -> np.ndarray:
+    """uint64 keys (desc_bits(x) << 32 | id): ascending keys = logits descending, then ids."""
+    b = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    b = np.where(b & np.uint32(0x80000000), ~b, b | np.uint32(0x80000000))
+    return ((~b).astype(np.uint64) << np.uint64(32)) | np.arange(x.shape[0], dtype=np.uint64)
+
+
+def _hist(digits: np.ndarray, w: np.ndarray, nb: int) -> np.ndarray:
+    """Exact uint64 sums of w per digit (w < 2^46: two float64 bincounts of 23-bit halves)."""
+    lo = np.bincount(digits, weights=(w & np.uint64(0x7FFFFF)).astype(np.float64), minlength=nb)
+    hi = np.bincount(digits, weights=(w >> np.uint64(23)).astype(np.float64), minlength=nb)
+    return (hi.astype(np.uint64) << np.uint64(23)) + lo.astype(np.uint64)
+
+
+def _select(keys: np.ndarray, w: np.ndarray, target_of: Any, schedule: list[tuple[int, int]]) -> int:
+    """`smp_select` over its digits: the key of the first member (in key order) whose inclusive
+    cumulative weight exceeds the target (`target_of(total)`); ALL when none does."""
+    prefix, cum, target = 0, 0, 0
+    for shift, nbits in schedule:
+        hi = shift + nbits
+        sel = np.ones(keys.shape[0], bool) if hi >= 64 else (keys >> np.uint64(hi)) == np.uint64(prefix >> hi)
+        digits = ((keys[sel] >> np.uint64(shift)) & np.uint64((1 << nbits) - 1)).astype(np.int64)
+        hist = [int(h) for h in _hist(digits, w[sel], 1 << nbits)]
+        if hi >= 64:
+            target = target_of(sum(hist))
+        rem, acc = target - cum, 0
+        for b, h in enumerate(hist):
+            if acc + h > rem:
+                prefix |= b << shift
+                cum += acc
+                break
+            acc += h
+        else:
+            return ALL
+    return prefix
+
+
+def _weights(d: np.ndarray, scale: float) -> np.ndarray:
+    return np.rint(np.exp(d) * scale).astype(np.uint64)
+
+
+def reference_sample(logits: np.ndarray, params: SamplingParams, u: float, history: Sequence[int] = ()) -> int:
+    """The device algorithm in NumPy (see the module doc): the token for the uniform draw `u`."""
+    p = params
+    x = np.array(logits, dtype=np.float32).reshape(-1)
+    vocab = x.shape[0]
+    window = recent_window(p, history)
+    if window:
+        ids = np.asarray(window, dtype=np.int64)
+        seen = np.zeros(vocab, bool)
+        seen[ids[(ids >= 0) & (ids < vocab)]] = True
+        pen = np.float32(p.repeat_penalty)
+        x[seen] = np.where(x[seen] > 0, x[seen] / pen, x[seen] * pen)
+    x[x == 0] = 0.0  # -0 -> +0
+    arg = int(np.argmax(x))
+    f = flags_of(p, vocab, len(window))
+    if not f & ks.F_SAMPLE:
+        return arg
+    keys, sched, scale = sort_keys(x), pass_schedule(vocab), weight_scale(vocab)
+    d = x.astype(np.float64) - np.float64(x[arg])
+    b0 = b1 = ALL
+    if f & ks.F_TOPK:
+        b0 = _select(keys, np.ones(vocab, np.uint64), lambda tot: p.top_k - 1, sched)
+    in_k = keys <= np.uint64(b0)
+    if f & ks.F_TOPP:
+        e = np.where(in_k, _weights(d, scale), np.uint64(0))
+
+        def top_p_target(tot: int) -> int:
+            c = int(np.ceil(p.top_p * float(tot)))
+            return c - 1 if c else 0
+
+        b1 = _select(keys, e, top_p_target, sched)
+    kept = in_k & (keys <= np.uint64(b1))
+    if f & ks.F_MINP:
+        kept &= ~(np.exp(d) < p.min_p)
+    w = np.where(kept, _weights(d / p.temperature, scale), np.uint64(0))
+
+    def pick_target(tot: int) -> int:
+        t = int(np.floor(u * float(tot)))
+        return tot - 1 if t >= tot and tot else t
+
+    key = _select(keys, w, pick_target, sched)
+    return arg if key == ALL else int(key & 0xFFFFFFFF)
+
+
+# --- the device sampler ---------------------------------------------------------------------------
+@lru_cache(maxsize=1)
+def _module() -> Any:
+    import cupy as cp
+
+    return cp.RawModule(code=ks.source(), options=("--std=c++17",))
+
+
+class DeviceSampler:
+    """Preallocated buffers + the sampling kernels for one vocabulary size; `sample` launches on a
+    given stream (a CUDA graph per logits buffer and set of active stages) and reads back 4 bytes."""
+
+    def __init__(self, vocab: int, max_history: int = 4096, use_graph: bool = True) -> None:
+        import cupy as cp
+
+        self._cp = cp
+        self.vocab = int(vocab)
+        self.max_history = max(1, int(max_history))
+        self.blocks = -(-self.vocab // ks.CHUNK)
+        self.schedule = pass_schedule(self.vocab)
+        self.scale = weight_scale(self.vocab)
+        self.use_graph = use_graph
+        mod = _module()
+        self._prep = mod.get_function("smp_prep")
+        self._select = mod.get_function("smp_select")
+        # --- buffers (allocated once) ---------------------------------------------------------
+        pbytes = ks.PD_N * 8 + ks.PI_N * 4
+        self.params_dev = cp.zeros(pbytes, dtype=cp.uint8)
+        self.recent_dev = cp.zeros(self.max_history, dtype=cp.int32)
+        self.xw = cp.zeros(self.vocab, dtype=cp.float32)  # the penalised row
+        self.state = cp.zeros(ks.STATE_BYTES, dtype=cp.uint8)
+        self.bv = cp.zeros(self.blocks, dtype=cp.float32)
+        self.bi = cp.zeros(self.blocks, dtype=cp.int32)
+        self.ghist = cp.zeros(1 << ks.BITS, dtype=cp.uint64)
+        self.counter = cp.zeros(1, dtype=cp.int32)
+        self.out = cp.zeros(1, dtype=cp.int32)
+        self._params_mem = cp.cuda.alloc_pinned_memory(pbytes)
+        self.pd = np.frombuffer(self._params_mem, np.float64, ks.PD_N)
+        self.pi = np.frombuffer(self._params_mem, np.int32, ks.PI_N, offset=ks.PD_N * 8)
+        self._recent_mem = cp.cuda.alloc_pinned_memory(self.max_history * 4)
+        self.recent_host = np.frombuffer(self._recent_mem, np.int32, self.max_history)
+        self._out_mem = cp.cuda.alloc_pinned_memory(4)
+        self.out_host = np.frombuffer(self._out_mem, np.int32, 1)
+        self.pd[ks.PD_SCALE] = self.scale
+        self.pi[ks.PI_VOCAB] = self.vocab
+        self.nbytes = int(sum(a.nbytes for a in (self.params_dev, self.recent_dev, self.xw, self.state,
+                                                  self.bv, self.bi, self.ghist, self.counter, self.out)))
+        self._capture_stream = cp.cuda.Stream(non_blocking=True)
+        self._graphs: dict[tuple[int, int], Any] = {}
+        self.launches = 0
+        """Kernel sequences run (graph replays or eager), for tests and benchmarks."""
+
+    def _launches(self, logits_dev: Any, flags: int) -> list[tuple[Any, tuple[Any, ...]]]:
+        g, b = (self.blocks,), (ks.THREADS,)
+        out: list[tuple[Any, tuple[Any, ...]]] = [(self._prep, (
+            g, b, (logits_dev, self.params_dev, self.recent_dev, self.xw, self.state, self.bv, self.bi,
+                   self.counter, self.out)))]
+        for sel, bit in ((0, ks.F_TOPK), (1, ks.F_TOPP), (2, ks.F_SAMPLE)):
+            if flags & bit:
+                for shift, nbits in self.schedule:
+                    out.append((self._select, (g, b, (self.xw, self.params_dev, self.state, np.int32(sel),
+                                                      np.int32(shift), np.int32(nbits), self.ghist,
+                                                      self.counter, self.out))))
+        return out
+
+    def _run(self, logits_dev: Any, flags: int, stream: Any) -> None:
+        key = (int(logits_dev.data.ptr), flags & (ks.F_TOPK | ks.F_TOPP | ks.F_SAMPLE))
+        graph = self._graphs.get(key)
+        if graph is not None:
+            graph.launch(stream)
+            return
+        launches = self._launches(logits_dev, key[1])
+        with stream:
+            for fn, args in launches:
+                fn(*args)
+        if key not in self._graphs:  # first use ran eagerly: capture for next time
+            if len(self._graphs) >= MAX_GRAPHS:  # many logits buffers (tests): forget the oldest
+                del self._graphs[next(iter(self._graphs))]
+            self._graphs[key] = self._capture(launches) if self.use_graph else None
+
+    def _capture(self, launches: list[tuple[Any, tuple[Any, ...]]]) -> Any:
+        s = self._capture_stream
+        try:
+            with s:
+                s.begin_capture()
+                try:
+                    for fn, args in launches:
+                        fn(*args)
+                finally:
+                    graph = s.end_capture()
+            return graph
+        except Exception as exc:  # no graph support: eager launches
+            log.warning("device sampler: CUDA graph capture failed (%s: %s); launching eagerly",
+                        type(exc).__name__, exc)
+            return None
+
+    def sample(self, logits_dev: Any, params: SamplingParams, u: float, history: Sequence[int] = (),
+               stream: Any = None) -> int:
+        """The token `Sampler.pick(logits, u, history)` gives for the float32 row `logits_dev`
+        [vocab] on the device; queued on `stream` (default: the current one) after what is there."""
+        cp = self._cp
+        if logits_dev.size != self.vocab or logits_dev.dtype != cp.float32:
+            raise ValueError(f"logits must be float32 [{self.vocab}], got {logits_dev.dtype} {logits_dev.shape}")
+        if not 0.0 <= u < 1.0:
+            raise ValueError(f"u must be in [0, 1), got {u}")
+        stream = cp.cuda.get_current_stream() if stream is None else stream
+        window = recent_window(params, history)
+        n = len(window)
+        if n > self.max_history:
+            raise ValueError(f"repetition window of {n} ids exceeds max_history {self.max_history}")
+        flags = flags_of(params, self.vocab, n)
+        pd, pi = self.pd, self.pi
+        pd[ks.PD_TOP_P] = params.top_p
+        pd[ks.PD_MIN_P] = params.min_p
+        pd[ks.PD_U] = u
+        pd[ks.PD_TEMP] = params.temperature
+        pd[ks.PD_PENALTY] = params.repeat_penalty
+        pi[ks.PI_NRECENT] = n
+        pi[ks.PI_TOPK] = params.top_k
+        pi[ks.PI_FLAGS] = flags
+        h2d, d2h = cp.cuda.runtime.memcpyHostToDevice, cp.cuda.runtime.memcpyDeviceToHost
+        cp.cuda.runtime.memcpyAsync(self.params_dev.data.ptr, self.pd.ctypes.data, self.params_dev.nbytes,
+                                    h2d, stream.ptr)
+        if n:
+            self.recent_host[:n] = window
+            cp.cuda.runtime.memcpyAsync(self.recent_dev.data.ptr, self.recent_host.ctypes.data, 4 * n, h2d,
+                                        stream.ptr)
+        self._run(logits_dev, flags, stream)
+        self.launches += 1
+        cp.cuda.runtime.memcpyAsync(self.out_host.ctypes.data, self.out.data.ptr, 4, d2h, stream.ptr)
+        stream.synchronize()
+        return int(self.out_host[0])

@@ -1,0 +1,121 @@
+"""CuPy prefill: fp16 tensor-core tiles (what prefill_dtype "auto" uses for large matrices) keep
+teacher-forced argmax agreement with the NumPy backend; attention in blocks of query rows equals
+NumPy's; the tile precision each matrix gets.
+
+Runs only where CuPy and a CUDA device work (`pytest -m gpu`); skipped cleanly elsewhere.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+cp = pytest.importorskip("cupy")
+
+from engine.backends import cuda_available  # noqa: E402
+
+_ok, _why = cuda_available()
+if not _ok:
+    pytest.skip(f"no usable CUDA device: {_why}", allow_module_level=True)
+
+from engine import load_model  # noqa: E402
+from engine.backends import cupy_plan  # noqa: E402
+from engine.backends.cupy_backend import CupyOps, QWeight  # noqa: E402
+from engine.backends.numpy_backend import NumpyOps  # noqa: E402
+from engine.kv_cache import Int8Rows, quantize_rows  # noqa: E402
+from engine.synth import write_synthetic_gguf  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+SHAPE = dict(n_layers=3, n_embd=256, n_ff=512, n_heads=4, n_kv_heads=2, n_vocab=512)
+MODEL_CASES = [
+    ("llama", "Q4_1", {}), ("llama", "F16", {}), ("llama", "Q5_0", {"tied": False}),
+    ("qwen2", "Q8_0", {}), ("qwen2", "Q5_1", {}), ("qwen2", "BF16", {}),
+    ("qwen3", "Q4_K", {"head_dim": 128}), ("qwen3", "Q6_K", {}), ("qwen3", "Q4_0", {}),
+    ("gemma3", "Q5_K", {"sliding_window": 16, "n_layers": 6}), ("gemma3", "F32", {"sliding_window": 16}),
+]
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
+
+
+@pytest.mark.parametrize("arch,t,extra", MODEL_CASES)
+def test_fp16_tiles_keep_teacher_forced_argmax(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arch: str, t: str, extra: dict
+) -> None:
+    """Prefill with fp16 tiles for every matrix (what "auto" picks for matrices of >= 4M values;
+    these small ones would get fp32) agrees with the NumPy backend on >= 99.5 % of the
+    teacher-forced argmaxes, activation rounding off (relative error ~1.1e-3, against fp32
+    tiles' < 1e-3: tests/test_cupy_backend.py)."""
+    import engine.model
+
+    monkeypatch.setattr(engine.model, "ACT_QUANT", {})
+    monkeypatch.setenv("GENIE_CUPY_PREFILL", "float16")
+    p = write_synthetic_gguf(tmp_path / "m.gguf", arch, weight_type=t, seed=7, **{**SHAPE, **extra})
+    ids = np.random.default_rng(3).integers(0, SHAPE["n_vocab"], 300).tolist()
+    gpu = load_model(p, backend="cupy", n_ctx=512, kv_dtype="f16")
+    assert gpu.transformer.ops.prefill_dtype == "float16"
+    a = gpu.logits(ids)
+    b = load_model(p, backend="numpy", n_ctx=512, kv_dtype="f16").logits(ids)
+    agree = float(np.mean(a.argmax(1) == b.argmax(1)))
+    print(f"{arch} {t}: fp16 tiles agree {agree:.4f}, relative error {_rel(a, b):.2e}")
+    assert np.isfinite(a).all()
+    assert agree >= 0.995, (agree, _rel(a, b))
+    assert _rel(a, b) < 5e-3
+
+
+def test_auto_tiles_by_matrix_size() -> None:
+    """auto: a matrix of >= 4M values gets fp16 tiles (GemmEx on tensor cores), a small one and
+    a stored BF16 one fp32; the result is W @ x within each precision's error."""
+    from engine.gguf_file import TensorInfo
+    from engine.quants import dequantize
+    from engine.quants_encode import quantize
+
+    rng = np.random.default_rng()
+    ops = CupyOps(prefill_dtype="auto")
+    for rows, cols, t, want in [(2048, 2048, "Q4_K", "float16"), (512, 256, "Q4_K", "float32"),
+                                (2048, 2048, "BF16", "float32")]:
+        raw = quantize(rng.standard_normal((rows, cols), dtype=np.float32) / np.sqrt(cols), t)
+        raw = raw.view(np.uint16) if t == "BF16" else raw
+        info = TensorInfo("w", t, (rows, cols), raw)
+        w = ops.weight(info)
+        assert isinstance(w, QWeight) and ops.tile_dtype(w) == want
+        x = rng.standard_normal((9, cols), dtype=np.float32)
+        ref = x.astype(np.float64) @ dequantize(raw, t, (rows, cols)).T.astype(np.float64)
+        got = cp.asnumpy(ops.linear(cp.asarray(x), w))
+        assert _rel(got, ref) < (2e-3 if want == "float16" else 1e-5), (t, rows, _rel(got, ref))
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16", "int8"])
+@pytest.mark.parametrize("t,start,window", [(37, 10, 0), (37, 10, 7), (64, 0, 0), (13, 40, 9)])
+def test_blocked_prefill_attention_matches_numpy(
+    monkeypatch: pytest.MonkeyPatch, kv_dtype: str, t: int, start: int, window: int
+) -> None:
+    """With a score block too small for the chunk (rows processed in several blocks), prefill
+    attention (GQA 6 heads over 2, sliding window) equals NumpyOps.attention; the score buffer
+    has the planned size."""
+    monkeypatch.setattr(cupy_plan, "ATTN_SCORES_BYTES", 2 * 64 * 4 * 5)  # 5 rows of 64 keys
+    rng = np.random.default_rng()
+    n_ctx, d = 128, 64
+    k = rng.standard_normal((2, n_ctx, d)).astype(np.float32)
+    v = rng.standard_normal((2, n_ctx, d)).astype(np.float32)
+    q = rng.standard_normal((t, 6, d), dtype=np.float32)
+    kr: Any
+    vr: Any
+    if kv_dtype == "int8":
+        kq, vq = quantize_rows(np, k), quantize_rows(np, v)
+        kc: Any = Int8Rows(cp.asarray(kq[0]), cp.asarray(kq[1]))
+        vc: Any = Int8Rows(cp.asarray(vq[0]), cp.asarray(vq[1]))
+        kr, vr = Int8Rows(*kq), Int8Rows(*vq)
+    else:
+        kr, vr = k.astype(kv_dtype), v.astype(kv_dtype)
+        kc, vc = cp.asarray(kr), cp.asarray(vr)
+    ops = CupyOps(prefill_dtype="float32")
+    got = ops.attention(cp.asarray(q), kc, vc, start, window, 0.125)
+    ref = NumpyOps.attention(q, kr, vr, start, window, 0.125)
+    np.testing.assert_allclose(cp.asnumpy(got), ref, rtol=1e-4, atol=1e-5)
+    assert ops._attn is not None and ops._attn.scores.size == cupy_plan.score_elems(2, n_ctx)

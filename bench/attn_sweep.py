@@ -67,7 +67,7 @@ def _caches(shape: str, kv: str, n_ctx: int) -> tuple[list, np.ndarray, np.ndarr
 
 
 def run(shape: str, kv: str, chunk: int, pos: int, caches: tuple, n_ctx: int = 4096,
-        stage: int = 0, lanes: int | None = None) -> dict:
+        stage: int = 0, lanes: int | None = None, warps: int = 4) -> dict:
     import cupy as cp
 
     from engine.kernels import decode_src
@@ -78,7 +78,8 @@ def run(shape: str, kv: str, chunk: int, pos: int, caches: tuple, n_ctx: int = 4
     n_split = max(1, min(64, -(-2 * n_sm // kvh)))
     src = decode_src.source(["Q8_0"], n_heads=h, n_kv_heads=kvh, head_dim=d, v_head_dim=d,
                             rope_half=d // 2, neox=True, kv_half=kv == "f16", n_split=n_split,
-                            kv_int8=kv == "int8", min_chunk=chunk, lanes_per_pos=lanes)
+                            kv_int8=kv == "int8", min_chunk=chunk, lanes_per_pos=lanes,
+                            warps=warps)
     if stage:  # profiling: stop the kernel early (1: after the scan, 2: after the slice writes)
         src = f"#define ATT_STAGE {stage}\n" + src
     fn = cp.RawModule(code=src, options=("--std=c++17",)).get_function("attn_decode")
@@ -95,7 +96,7 @@ def run(shape: str, kv: str, chunk: int, pos: int, caches: tuple, n_ctx: int = 4
 
     def launch(i: int) -> None:
         kc, vc, kd, vd = layers[i]
-        fn((kvh, n_split), (128,), (q, kc, vc, null if kd is None else kd, null if vd is None else vd,
+        fn((kvh, n_split), (32 * warps,), (q, kc, vc, null if kd is None else kd, null if vd is None else vd,
                                     ids, pm, pl, pacc, counter, out, np.int32(n_ctx), np.int32(0), scale,
                                     np.int32(0), null, null, null))
 
@@ -120,7 +121,7 @@ def run(shape: str, kv: str, chunk: int, pos: int, caches: tuple, n_ctx: int = 4
         b.synchronize()
     us = cp.cuda.get_elapsed_time(a, b) * 1e3 / 5 / n_layers
     kv_bytes = sum(x.nbytes for x in layers[0] if x is not None) * (pos + 1) / n_ctx
-    return {"shape": shape, "kv": kv, "chunk": chunk, "pos": pos, "stage": stage, "lanes": lanes,
+    return {"shape": shape, "kv": kv, "chunk": chunk, "pos": pos, "stage": stage, "lanes": lanes, "warps": warps,
             "us": round(us, 2),
             "GBps": round(kv_bytes / us / 1e3, 1), "rel_err": err}
 
@@ -132,18 +133,19 @@ def main() -> None:
     ap.add_argument("--kv", default="f16,int8")
     ap.add_argument("--stages", default="0", help="0 full; 3 launch only, 1 + scan, 2 + slice writes (profiling)")
     ap.add_argument("--lanes", default="0", help="lanes a position (0: the kernel's rule)")
+    ap.add_argument("--warps", default="4", help="warps a block")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     rows = []
     for shape in SHAPES:
         for kv in a.kv.split(","):
             caches = _caches(shape, kv, 4096)
-            for pos, chunk, stage, lanes in itertools.product(
+            for pos, chunk, stage, lanes, warps in itertools.product(
                     map(int, a.pos.split(",")), map(int, a.chunks.split(",")), map(int, a.stages.split(",")),
-                    map(int, a.lanes.split(","))):
-                r = run(shape, kv, chunk, pos, caches, stage=stage, lanes=lanes or None)
+                    map(int, a.lanes.split(",")), map(int, a.warps.split(","))):
+                r = run(shape, kv, chunk, pos, caches, stage=stage, lanes=lanes or None, warps=warps)
                 rows.append(r)
-                print(f"{shape:9s} {kv:5s} pos {pos:5d} chunk {chunk:4d} stage {stage} lanes {lanes:2d}: "
+                print(f"{shape:9s} {kv:5s} pos {pos:5d} chunk {chunk:4d} stage {stage} lanes {lanes:2d} warps {warps}: "
                       f"{r['us']:6.2f} us "
                       f"({r['GBps']:7.1f} GB/s of cache)  rel.err {r['rel_err']:.1e}", flush=True)
                 assert r["rel_err"] < 2e-3, r

@@ -171,7 +171,7 @@ def prefill_profile(tf, ops, prompt: list[int], cp, label: str) -> list[str]:  #
 
 
 def bench_model(key: str, path: str, prompt_len: int, n_decode: int, bw: float, cp, runs: int,  # type: ignore[no-untyped-def]
-                profile_out: list[str] | None = None) -> dict:
+                profile_out: list[str] | None = None, kv_dtype: str = "f16") -> dict:
     from engine.gguf_file import read_gguf
     from engine.spec import read_spec
 
@@ -181,7 +181,7 @@ def bench_model(key: str, path: str, prompt_len: int, n_decode: int, bw: float, 
     pool.free_all_blocks()
     base_pool, base_cuda = pool.total_bytes(), cuda_used(cp)
     t0 = time.perf_counter()
-    m = load_model(path, backend="cupy", n_ctx=4096, kv_dtype="f16")
+    m = load_model(path, backend="cupy", n_ctx=4096, kv_dtype=kv_dtype)
     load_s = time.perf_counter() - t0
     tf, ops = m.transformer, m.transformer.ops
     plan = m.memory_plan
@@ -315,6 +315,7 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true", help="also time each decode launch")
     ap.add_argument("--tag", default="", help="suffix of the result file names")
     ap.add_argument("--runs", type=int, default=5, help="timed prefill runs per tile precision (median)")
+    ap.add_argument("--kv", default="f16", help="KV cache types to run, comma-separated (f16, int8, f32)")
     a = ap.parse_args()
     import cupy as cp
 
@@ -330,29 +331,32 @@ def main() -> int:
             t0 = time.perf_counter()
             write_config(path, preset_config(LLAMA_CPP[key]["preset"], fast=True))
             print(f"{key}: generated {os.path.getsize(path) / 1e9:.2f} GB in {time.perf_counter() - t0:.1f} s", flush=True)
-            row = bench_model(key, path, a.prompt, a.decode, bw, cp, a.runs, prof if a.profile else None)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            for kv in a.kv.split(","):
+                row = bench_model(key, path, a.prompt, a.decode, bw, cp, a.runs,
+                                  prof if a.profile and kv == "f16" else None, kv)
+                row["kv_dtype"] = kv
+                rows.append(row)
+                print(json.dumps(row), flush=True)
             os.remove(path)
     print()
     for r in rows:
-        print(f"{r['model']}: decode via Model.generate {r['generate_decode_tok_s']} tok/s, "
+        print(f"{r['model']} (KV {r['kv_dtype']}): decode via Model.generate {r['generate_decode_tok_s']} tok/s, "
               f"GPU replay {r['decode_gpu_replay_tok_s']} tok/s, decoder {r['decoder']}")
         print(f"  prefill (median of {r['prefill_runs']}): auto {r['prefill_auto_tok_s']}, fp32 tiles "
               f"{r['prefill_f32_tok_s']}, fp16 tiles {r['prefill_f16_tok_s']} tok/s; via Model.generate "
               f"({r['generate_prefill_chunk']}-token chunks) {r['generate_prefill_tok_s']} tok/s")
         print_memory(r)
-    print(f"{'model':10} {'decode tok/s':>12} {'llama.cpp':>9} {'ratio':>6} {'of limit':>8} "
+    print(f"{'model':10} {'KV':>4} {'decode tok/s':>12} {'llama.cpp':>9} {'ratio':>6} {'of limit':>8} "
           f"{'prefill tok/s':>13} {'llama.cpp':>9} {'ratio':>6} {'GPU MiB':>8}")
     for r in rows:
         ref = LLAMA_CPP[r["model"]]
-        print(f"{r['model']:10} {r['decode_tok_s']:12.1f} {ref['decode']:9.0f} {r['decode_vs_llama_cpp']:6.2f} "
+        print(f"{r['model']:10} {r['kv_dtype']:>4} {r['decode_tok_s']:12.1f} {ref['decode']:9.0f} {r['decode_vs_llama_cpp']:6.2f} "
               f"{r['decode_fraction_of_limit']:8.1%} {r['prefill_tok_s']:13.1f} {ref['prefill']:9.0f} "
               f"{r['prefill_vs_llama_cpp']:6.2f} {r['pool_held_bytes'] / 2**20:8.0f}")
     Path(a.out).mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     result = {"device": name, "copy_bandwidth_Bps": bw, "prompt": a.prompt, "decode": a.decode,
-              "version": "cupy-v5 (prefill: auto tiles (fp16 for matrices >= 4M values), attention in query blocks by strided-batched GEMMs, 512-token chunks in generate; memory plan of the GPU backend)", "rows": rows}
+              "version": "cupy-v5 (decode: attention with q in registers, one-ahead prefetch, parallel merge, O-projection rounding fused (no qprep), int8 KV option; prefill: auto tiles (fp16 for matrices >= 4M values), attention in query blocks by strided-batched GEMMs, 512-token chunks in generate; memory plan of the GPU backend; device sampling)", "rows": rows}
     tag = f"-{a.tag}" if a.tag else ""
     if prof:
         (Path(a.out) / f"decode_profile-{stamp}{tag}.txt").write_text("\n".join(prof) + "\n")

@@ -253,6 +253,7 @@ class Transformer:
             ops.kv_store(self.kv.v[i], start, v)
             window = s.sliding_window if s.is_swa_layer(i) else 0
             a = ops.attention(q, self.kv.k[i], self.kv.v[i], start, window, s.attn_scale)  # [T, H*Dv]
+            del qkv, q, k, v, h  # each intermediate is dropped once used: a chunk's peak stays one step's
             a = ops.linear(a, lw.wo, None, lw.aq["o"])  # [T, E]
             if lw.post_attn_norm is not None:
                 a = ops.rms_norm(a, lw.post_attn_norm, s.norm_eps)
@@ -260,10 +261,13 @@ class Transformer:
             h = ops.rms_norm(x, lw.ffn_norm, s.norm_eps)
             gu = ops.linear(h, lw.w_gate_up, None, lw.aq["gate_up"])  # [T, 2F]
             act = ops.gated_act(gu[:, : s.n_ff], gu[:, s.n_ff :], s.traits.activation)
+            del gu, h
             f = ops.linear(act, lw.w_down, None, lw.aq["down"])
+            del act
             if lw.post_ffn_norm is not None:
                 f = ops.rms_norm(f, lw.post_ffn_norm, s.norm_eps)
             x = x + f
+            del a, f
         if last_n is not None:
             x = x[-last_n:]
         x = ops.rms_norm(x, self.output_norm, s.norm_eps)

@@ -253,3 +253,23 @@ def test_greedy_generation_identical_on_smollm2_shape(
             pos += 1
         outs.append(toks)
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_kv_store_int8_matches_host_rule(ops: CupyOps, d: int) -> None:
+    """An int8 cache written on the GPU (`kv_store_int8`) holds exactly the values and scales of
+    the host rule (`engine.kv_cache.quantize_rows`), at the right positions, nothing else."""
+    from engine.kv_cache import Int8Rows, quantize_rows
+
+    rng = np.random.default_rng()
+    t, kv, n_ctx, start = 37, 3, 96, 11
+    x = (rng.standard_normal((t, kv, d)) * rng.uniform(0.01, 10, (t, kv, 1))).astype(np.float32)
+    x[0, 0, :32] = 0.0  # an all-zero block: scale 0, values 0
+    cache = Int8Rows(cp.zeros((kv, n_ctx, d), cp.int8), cp.zeros((kv, n_ctx, d // 32), cp.float16))
+    ops.kv_store(cache, start, cp.asarray(x))
+    want_q, want_d = quantize_rows(np, x.transpose(1, 0, 2))
+    got_q, got_d = cp.asnumpy(cache.q), cp.asnumpy(cache.d)
+    assert np.array_equal(got_q[:, start : start + t], want_q)
+    assert np.array_equal(got_d[:, start : start + t], want_d)
+    assert not got_q[:, :start].any() and not got_q[:, start + t :].any()
+    assert not got_d[:, :start].any() and not got_d[:, start + t :].any()

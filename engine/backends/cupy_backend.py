@@ -23,7 +23,7 @@ from cupy_backends.cuda.libs import cublas as _cublas
 
 from .. import kernels
 from ..gguf_file import TensorInfo
-from ..kv_cache import Int8Rows, kv_rows, kv_write
+from ..kv_cache import QBLOCK, Int8Rows, kv_write
 from ..quants import dequantize, dequantize_rows
 from .cupy_plan import (
     PREFILL_CHUNK,
@@ -45,6 +45,9 @@ _ONE = np.ones(1, dtype=np.float32)
 _ZERO = np.zeros(1, dtype=np.float32)
 WARPS = 4  # rows per GEMV block
 
+_dequant_int8 = cp.ElementwiseKernel(  # int8 KV rows: value x its block's fp16 scale (broadcast)
+    "int8 q, float16 d", "float32 y", "y = (float)q * (float)d", "genie_kv_int8_rows"
+)
 _silu = cp.ElementwiseKernel(
     "float32 g, float32 u", "float32 y", "y = g / (1.0f + expf(-g)) * u", "genie_silu"
 )
@@ -314,8 +317,18 @@ class CupyOps:
     @staticmethod
     def kv_store(cache: Any, start: int, x: cp.ndarray) -> None:
         """Write [T, KV, D] into the cache [KV, n_ctx, D] at positions start..start+T-1
-        (rounded to int8 blocks for an int8 cache, as the decode kernels do)."""
-        kv_write(cp, cache, start, x)
+        (an int8 cache: rounded by one kernel, `kv_store_int8`, the rule of engine.kv_cache)."""
+        if not isinstance(cache, Int8Rows):
+            kv_write(cp, cache, start, x)
+            return
+        t, kv, d = x.shape
+        x = cp.ascontiguousarray(x, dtype=cp.float32)
+        warps = t * kv * (d // QBLOCK)
+        kernels.kernel("kv_store_int8")(
+            (-(-warps // 8),), (256,),
+            (x, cache.q, cache.d, np.int32(t), np.int32(kv), np.int32(d), np.int32(cache.q.shape[1]),
+             np.int32(start)),
+        )
 
     def attention(
         self,
@@ -342,7 +355,7 @@ class CupyOps:
                  np.int32(n_ctx), np.int32(lo), np.int32(end), np.float32(scale)),
             )
             return out
-        convert = not isinstance(k_cache, Int8Rows) and k_cache.dtype != cp.float32
+        convert = k_cache.dtype != cp.float32  # f16 and int8 caches are converted into buffers
         key = (kv, n_ctx, d, dv, convert)
         if self._attn is None or self._attn.key != key:
             self._attn = None  # give the old buffers back first
@@ -388,14 +401,17 @@ class _AttnBuffers:
 def _kv_f32(cache: Any, lo: int, end: int, buf: cp.ndarray | None) -> tuple[cp.ndarray, int]:
     """Positions lo..end-1 of one layer's K or V cache as float32 rows for cuBLAS: (array
     [KV, rows, D], the row that holds position lo). The one place prefill attention reads the
-    cache: an f32 cache is read in place, f16 is converted into the preallocated `buf`
-    [KV, n_ctx, D] (no temporary), int8 is dequantized (`kv_cache.kv_rows`: a new array)."""
-    if isinstance(cache, Int8Rows):
-        return kv_rows(cp, cache, lo, end, cp.float32), 0
-    if cache.dtype == cp.float32:
+    cache: an f32 cache is read in place, f16 is converted and int8 dequantized (one fused
+    kernel, `kv_cache.dequantize_rows`' rule) into the preallocated `buf` [KV, n_ctx, D]."""
+    if not isinstance(cache, Int8Rows) and cache.dtype == cp.float32:
         return cp.ascontiguousarray(cache), lo
-    assert buf is not None  # _AttnBuffers converts every non-f32, non-int8 cache
-    cp.copyto(buf[:, : end - lo], cache[:, lo:end, :])  # k = k_cache[:, lo:end].astype(float32)
+    assert buf is not None  # _AttnBuffers converts every non-f32 cache
+    if isinstance(cache, Int8Rows):
+        kv, _, d = cache.q.shape
+        q = cache.q[:, lo:end, :].reshape(kv, end - lo, d // QBLOCK, QBLOCK)
+        _dequant_int8(q, cache.d[:, lo:end, :, None], buf[:, : end - lo].reshape(q.shape))
+    else:
+        cp.copyto(buf[:, : end - lo], cache[:, lo:end, :])  # k = k_cache[:, lo:end].astype(float32)
     return buf, 0
 
 

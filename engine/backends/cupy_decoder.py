@@ -47,6 +47,9 @@ ARGMAX_BLOCKS = 64
 GRID_CAP = 4  # GEMV blocks per multiprocessor at most (rows are strided over the grid)
 MIN_CHUNK = int(os.environ.get("GENIE_CUPY_ATTN_CHUNK", "32"))
 """Fewest positions one decode-attention slice takes (env GENIE_CUPY_ATTN_CHUNK, for tuning)."""
+ATTN_WARPS = int(os.environ.get("GENIE_CUPY_ATTN_WARPS", "0"))
+"""Warps of one decode-attention block (env GENIE_CUPY_ATTN_WARPS, for tuning; 0: the rule of
+`decode_src.attn_warps`)."""
 AQ_CODE = {None: 0, "q8_0": 1, "q8_k": 2}
 _H2D = cp.cuda.runtime.memcpyHostToDevice
 _D2H = cp.cuda.runtime.memcpyDeviceToHost
@@ -179,6 +182,7 @@ class CupyDecoder:
         e, hd, vd, nh, nkv = s.n_embd, s.head_dim, s.v_head_dim, s.n_heads, s.n_kv_heads
         kv_half = tf.kv.k[0].dtype == cp.float16
         kv_int8 = isinstance(tf.kv.k[0], Int8Rows)
+        self.attn_warps = ATTN_WARPS or decode_src.attn_warps(nh // nkv, hd)
         dev = cp.cuda.Device()
         self.n_sm = int(cp.cuda.runtime.getDeviceProperties(dev.id)["multiProcessorCount"])
         self.n_split = max(1, min(64, -(-2 * self.n_sm // nkv)))  # slices of >= 32 positions
@@ -191,7 +195,7 @@ class CupyDecoder:
         src = decode_src.source(
             sorted(types), n_heads=nh, n_kv_heads=nkv, head_dim=hd, v_head_dim=vd,
             rope_half=rope_half, neox=s.traits.rope_style == "neox", kv_half=kv_half,
-            n_split=self.n_split, kv_int8=kv_int8, min_chunk=MIN_CHUNK,
+            n_split=self.n_split, kv_int8=kv_int8, min_chunk=MIN_CHUNK, warps=self.attn_warps,
         )
         self.module = _module(src)
         self._fns: dict[str, Any] = {}
@@ -294,7 +298,7 @@ class CupyDecoder:
             # attention's last block per KV head also rounds its heads for the output projection
             o_round = self._rounds_input(lw.wo, lw.aq["o"], (nh // nkv) * s.v_head_dim)
             self.plan.append(_Launch(
-                self._fn("attn_decode"), (nkv, self.n_split), (128,),
+                self._fn("attn_decode"), (nkv, self.n_split), (32 * self.attn_warps,),
                 (self.q, kc, vc, _ptr(kd), _ptr(vd), self.ids, self.pm, self.pl, self.pacc,
                  self.counters, self.attn, np.int32(self.n_ctx), np.int32(window),
                  np.float32(s.attn_scale), np.int32(o_round), self.qin.xq, self.qin.xd, self.qin.xs16),

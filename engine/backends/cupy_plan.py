@@ -150,21 +150,20 @@ def decode_scratch_bytes(spec: ModelSpec, n_split: int = DECODE_MAX_SPLIT) -> in
 def prefill_activation_bytes(spec: ModelSpec, chunk: int, last_n: int = 1, half: bool = True) -> int:
     """Live peak of one prefill chunk's activations (float32; `half`: fp16 copies of matrix inputs).
 
-    Mirrors what `Transformer.forward` references: a layer starts with the previous layer's x, h,
-    qkv (through its V view), q, k, attention block output, gate/up, GLU output and down output
-    still held (`carried`); the widest step adds its own temporaries to that (the gate+up
-    projection on most shapes: rounded input, fp16 input, [T, 2F] output). The head adds the
-    last `last_n` rows' norm, rounding and logits.
+    Mirrors what `Transformer.forward` references: it drops every intermediate once used, so a
+    layer step holds the residual x (two while `x + a` is formed) and the step's own temporaries
+    (`widest`: the gate+up projection on most shapes: rounded input, fp16 input, [T, 2F] output,
+    plus the GLU output). The head adds the last `last_n` rows' norm, rounding and logits.
     """
     e, r = spec.n_embd, spec.n_heads * spec.head_dim + spec.n_kv_heads * (spec.head_dim + spec.v_head_dim)
     q, kvd, a, f = spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim, spec.n_heads * spec.v_head_dim, spec.n_ff
     xh = 0.5 if half else 0.0
-    carried = 4 * e + r + q + kvd + 3 * f
+    carried = 2 * e
     widest = max(
         (1 + xh) * e + r,  # QKV projection (rounded + fp16 input, output)
         q,  # Q norm / RoPE copies
-        (2 + xh) * a,  # attention output + its output projection's inputs
-        (1 + xh) * e + 2 * f,  # gate+up projection
+        r + q + kvd + (2 + xh) * a,  # attention: qkv, rotated q and k, output, o-projection inputs
+        (1 + xh) * e + 3 * f,  # gate+up projection, then the GLU output beside it
         (1 + xh) * f + e,  # down projection
     )
     head = last_n * ((2 + xh) * e + spec.n_vocab)
@@ -173,11 +172,10 @@ def prefill_activation_bytes(spec: ModelSpec, chunk: int, last_n: int = 1, half:
 
 def attention_buffer_bytes(spec: ModelSpec, n_ctx: int, kv_dtype: str) -> tuple[int, int]:
     """(K/V rows, scores) of prefill attention (`cupy_backend._AttnBuffers`): float32 K/V of one
-    layer [KV, n_ctx, D] - none for an f32 cache (read in place), one fixed buffer for f16, twice
-    that for int8 (dequantized per call: the result and one temporary, not a fixed buffer) - and
-    the score block (`score_elems`)."""
+    layer [KV, n_ctx, D] - none for an f32 cache (read in place), one fixed buffer for f16 and
+    int8 (converted / dequantized into it) - and the score block (`score_elems`)."""
     rows = 4 * spec.n_kv_heads * n_ctx * (spec.head_dim + spec.v_head_dim)
-    rows *= {"f32": 0, "int8": 2}.get(kv_dtype, 1)
+    rows *= 0 if kv_dtype == "f32" else 1
     return rows, 4 * score_elems(spec.n_kv_heads, n_ctx)
 
 

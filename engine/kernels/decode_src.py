@@ -360,7 +360,7 @@ extern "C" __global__ void __launch_bounds__(128) qkv_post(
     }
 }
 
-// Split-K decode attention. grid (KVH, NSPLIT), 4 warps. Positions lo..pos (lo from the sliding
+// Split-K decode attention. grid (KVH, NSPLIT), NW warps. Positions lo..pos (lo from the sliding
 // window) are cut into slices of at least MINCHUNK positions (at most NSPLIT slices); each block
 // writes, per query head of its group, the slice's max score pm, sum of exp pl and unnormalised
 // output pacc [H, NSPLIT, DV]; the last block of a KV head to finish (atomic counter, reset by it)
@@ -368,6 +368,8 @@ extern "C" __global__ void __launch_bounds__(128) qkv_post(
 #define DL ((D + 31) / 32)
 #define VL ((DV + 31) / 32)
 #define MINCHUNK {MINCHUNK}
+#define NW {NWARP}  // warps a block
+#define NT (32 * NW)
 #ifndef ATT_STAGE
 #define ATT_STAGE 0  // profiling only (bench/attn_sweep.py --stages): 3 launch, 1 scan, 2 + slice writes
 #endif
@@ -412,14 +414,14 @@ template <int N> __device__ __forceinline__ void ldrow(const signed char* p, flo
         }
     }
 }
-extern "C" __global__ void __launch_bounds__(128) attn_decode(
+extern "C" __global__ void __launch_bounds__(NT) attn_decode(
         const float* __restrict__ q, const kv_t* __restrict__ Kc, const kv_t* __restrict__ Vc,
         const unsigned short* __restrict__ Kd, const unsigned short* __restrict__ Vd, const int* ids,
         float* pm, float* pl, float* pacc, int* counter, float* out, int n_ctx, int window, float scale,
         int aq, signed char* xq, float* xd, int* xs16) {
     __shared__ float qs[G][D];
-    __shared__ float wm[4][G], wl[4][G];
-    __shared__ float wacc[4][G][DV];
+    __shared__ float wm[NW][G], wl[NW][G];
+    __shared__ float wacc[NW][G][DV];
     __shared__ float sw[G][NSPLIT];
     __shared__ float sL[G];
     __shared__ int last;
@@ -468,7 +470,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(
         #pragma unroll
         for (int i = 0; i < VPL; i++) acc[g][i] = 0.f;
     }
-    for (; sb < s1; sb += 4 * PPW) {
+    for (; sb < s1; sb += NW * PPW) {
         int s = sb + oct;
         bool valid = s < s1;
         float k[KPL], v[VPL];
@@ -477,7 +479,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(
         for (int i = 0; i < KPL; i++) k[i] = kn[i];
         #pragma unroll
         for (int i = 0; i < VPL; i++) v[i] = vn[i];
-        int sn = s + 4 * PPW;
+        int sn = s + NW * PPW;
         if (sn < s1) {
             ldrow<KPL>(Kh + (long long)sn * D + ol * KPL, kn);
             ldrow<VPL>(Vh + (long long)sn * DV + ol * VPL, vn);
@@ -528,7 +530,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(
         }
     }
 #else
-    for (int i = tid; i < G * D; i += 128) qs[i / D][i % D] = q[(kvh * G) * D + i];
+    for (int i = tid; i < G * D; i += NT) qs[i / D][i % D] = q[(kvh * G) * D + i];
     __syncthreads();
     float m[G], l[G], acc[G][VL];
     #pragma unroll
@@ -554,17 +556,17 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(
         #pragma unroll
         for (int i = 0; i < VL; i++) if (lane + 32 * i < DV) vn[i] = ldkv(Vh + (long long)s * DV + lane + 32 * i) * KV_SCALE(Vhd, (long long)s * DV + lane + 32 * i);
     }
-    for (; s < s1; s += 4) {
+    for (; s < s1; s += NW) {
         float k[DL], v[VL];
         #pragma unroll
         for (int i = 0; i < DL; i++) k[i] = kn[i];
         #pragma unroll
         for (int i = 0; i < VL; i++) v[i] = vn[i];
-        if (s + 4 < s1) {
+        if (s + NW < s1) {
             #pragma unroll
-            for (int i = 0; i < DL; i++) if (lane + 32 * i < D) kn[i] = ldkv(Kh + (long long)(s + 4) * D + lane + 32 * i) * KV_SCALE(Khd, (long long)(s + 4) * D + lane + 32 * i);
+            for (int i = 0; i < DL; i++) if (lane + 32 * i < D) kn[i] = ldkv(Kh + (long long)(s + NW) * D + lane + 32 * i) * KV_SCALE(Khd, (long long)(s + NW) * D + lane + 32 * i);
             #pragma unroll
-            for (int i = 0; i < VL; i++) if (lane + 32 * i < DV) vn[i] = ldkv(Vh + (long long)(s + 4) * DV + lane + 32 * i) * KV_SCALE(Vhd, (long long)(s + 4) * DV + lane + 32 * i);
+            for (int i = 0; i < VL; i++) if (lane + 32 * i < DV) vn[i] = ldkv(Vh + (long long)(s + NW) * DV + lane + 32 * i) * KV_SCALE(Vhd, (long long)(s + NW) * DV + lane + 32 * i);
         }
         #pragma unroll
         for (int g = 0; g < G; g++) {
@@ -593,12 +595,14 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(
     return;
 #endif
     __syncthreads();
-    for (int i = tid; i < G * DV; i += 128) {
+    for (int i = tid; i < G * DV; i += NT) {
         int g = i / DV, d = i % DV;
-        float M = fmaxf(fmaxf(wm[0][g], wm[1][g]), fmaxf(wm[2][g], wm[3][g]));
+        float M = wm[0][g];
+        #pragma unroll
+        for (int w = 1; w < NW; w++) M = fmaxf(M, wm[w][g]);
         float o = 0.f, L = 0.f;
         #pragma unroll
-        for (int w = 0; w < 4; w++) {
+        for (int w = 0; w < NW; w++) {
             float e = wm[w][g] == NEG_INF ? 0.f : expf(wm[w][g] - M);
             o += wacc[w][g][d] * e;
             L += wl[w][g] * e;
@@ -620,14 +624,14 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(
     // merge. The first 8 slices' partial outputs of this thread's outputs are loaded together
     // with the slice maxima and sums; weights per slice: one warp per query head, lanes over
     // slices; then every output over 8 slices at a time, the next 8 loaded after each batch.
-    constexpr int OPT = (G * DV + 127) / 128;
+    constexpr int OPT = (G * DV + NT - 1) / NT;
     float pv[8][OPT];
     auto load_batch = [&](int sp0) {
         #pragma unroll
         for (int u = 0; u < 8; u++) {
             #pragma unroll
             for (int j = 0; j < OPT; j++) {
-                int i = tid + 128 * j;
+                int i = tid + NT * j;
                 pv[u][j] = (i < G * DV && sp0 + u < active)
                     ? __ldcg(pacc + ((long long)(kvh * G + i / DV) * NSPLIT + sp0 + u) * DV + i % DV) : 0.f;
             }
@@ -635,13 +639,13 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(
     };
     load_batch(0);
     __shared__ float sm_[G][NSPLIT], sl_[G][NSPLIT];
-    for (int i = tid; i < G * active; i += 128) {
+    for (int i = tid; i < G * active; i += NT) {
         int g = i / active, sp = i % active, h = kvh * G + g;
         sm_[g][sp] = __ldcg(pm + h * NSPLIT + sp);
         sl_[g][sp] = __ldcg(pl + h * NSPLIT + sp);
     }
     __syncthreads();
-    for (int g = warp; g < G; g += 4) {
+    for (int g = warp; g < G; g += NW) {
         float M = NEG_INF;
         for (int sp = lane; sp < active; sp += 32) M = fmaxf(M, sm_[g][sp]);
         M = warp_max(M);
@@ -663,7 +667,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(
         for (int u = 0; u < 8; u++) {
             #pragma unroll
             for (int j = 0; j < OPT; j++) {
-                int i = tid + 128 * j;
+                int i = tid + NT * j;
                 if (i < G * DV && sp0 + u < active) o[j] += pv[u][j] * sw[i / DV][sp0 + u];
             }
         }
@@ -672,7 +676,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(
     __shared__ float obuf[G * DV];
     #pragma unroll
     for (int j = 0; j < OPT; j++) {
-        int i = tid + 128 * j;
+        int i = tid + NT * j;
         if (i < G * DV) {
             float r = o[j] / sL[i / DV];
             out[(kvh * G + i / DV) * DV + i % DV] = r;
@@ -682,7 +686,7 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(
     if (aq) {  // the output projection's input rounding (qprep_x's work) for this head group
         __syncthreads();
         int per = aq == 1 ? 32 : 256, base = kvh * G * DV;
-        for (int gg = warp; gg < G * DV / per; gg += 4)
+        for (int gg = warp; gg < G * DV / per; gg += NW)
             round_group([&](int i) { return obuf[i - base]; }, aq, base / per + gg, lane, xq, xd, xs16);
     }
 }
@@ -697,9 +701,19 @@ def attn_lanes(group: int, head_dim: int) -> int:
     return 8
 
 
+def attn_warps(group: int, head_dim: int) -> int:
+    """Warps of a decode-attention block: 8 where a lane keeps few query/output values
+    (group x head_dim / 8 <= 32: two blocks of 256 threads still fit an SM), else 4. Measured on
+    an H200 (bench/attn_sweep.py --warps 4,8): SmolLM2 shape 5.9 vs 6.8 us at 640 positions, 9.4
+    vs 12.4 at 4000; Qwen3-4B shape 14.8 vs 11.6 and 23.5 vs 20.6 (registers limit it to one
+    block an SM)."""
+    return 8 if group * head_dim // 8 <= 32 else 4
+
+
 def source(types: list[str] | tuple[str, ...], *, n_heads: int, n_kv_heads: int, head_dim: int,
            v_head_dim: int, rope_half: int, neox: bool, kv_half: bool, n_split: int,
-           kv_int8: bool = False, min_chunk: int = 32, lanes_per_pos: int | None = None) -> str:
+           kv_int8: bool = False, min_chunk: int = 32, lanes_per_pos: int | None = None,
+           warps: int | None = None) -> str:
     """The decode module for one model shape and the given weight types (`kv_half` / `kv_int8`:
     the cache's element type; `min_chunk`: fewest positions an attention slice takes)."""
     shaped = SHAPED
@@ -712,7 +726,7 @@ def source(types: list[str] | tuple[str, ...], *, n_heads: int, n_kv_heads: int,
         "{H}": n_heads, "{KVH}": n_kv_heads, "{G}": n_heads // n_kv_heads, "{D}": head_dim,
         "{DV}": v_head_dim, "{HALF}": rope_half, "{NEOX}": int(neox), "{NSPLIT}": n_split,
         "{KT}": "signed char" if kv_int8 else "unsigned short" if kv_half else "float",
-        "{KVQ}": int(kv_int8), "{MINCHUNK}": min_chunk, "{LPP}": lpp,
+        "{KVQ}": int(kv_int8), "{MINCHUNK}": min_chunk, "{LPP}": lpp, "{NWARP}": warps or attn_warps(n_heads // n_kv_heads, head_dim),
         "{FASTATT}": int(head_dim % align == 0 and v_head_dim % align == 0),
     }.items():
         shaped = shaped.replace(k, str(v))

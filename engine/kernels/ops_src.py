@@ -12,6 +12,23 @@ extern "C" __global__ void act_q8_0(const float* x, float* y, int n_groups) {
     float inv = d != 0.f ? 1.0f / d : 0.f;
     y[(long long)g * 32 + lane] = rintf(v * inv) * d;
 }
+// int8 KV cache write (engine.kv_cache rule, as the decode step's qkv_post): x [T, KV, D] float
+// into values q [KV, n_ctx, D] and fp16 scales d [KV, n_ctx, D/32] at positions start..;
+// one warp per 32 values.
+extern "C" __global__ void kv_store_int8(const float* x, signed char* q, unsigned short* d, int T,
+                                         int KV, int D, int n_ctx, int start) {
+    long long g = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31, nb = D >> 5;
+    if (g >= (long long)T * KV * nb) return;
+    int j = (int)(g % nb), h = (int)((g / nb) % KV), t = (int)(g / ((long long)nb * KV));
+    float v = x[((long long)t * KV + h) * D + j * 32 + lane], a = fabsf(v);
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
+    float s = a / 127.0f;
+    long long row = (long long)h * n_ctx + start + t;
+    q[row * D + j * 32 + lane] = (signed char)(s > 0.f ? __float2int_rn(v / s) : 0);
+    if (lane == 0) d[row * nb + j] = f2h(s);
+}
 // q8_k: groups of 256, one warp per group; scale from the first value of largest magnitude.
 extern "C" __global__ void act_q8_k(const float* x, float* y, int n_groups) {
     int g = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;

@@ -96,6 +96,36 @@ api: {{warmup: false}}
     assert proc.returncode is not None  # stopped with the daemon
 
 
+async def test_int8_kv_starts_llama_server_with_q8_0_caches(tmp_path: Path) -> None:
+    """kv_dtype int8 starts llama-server with q8_0 K and V caches and plans their smaller KV."""
+    argv = tmp_path / "argv"
+    script = tmp_path / "llama-server"
+    script.write_text(f"#!/bin/sh\necho \"$@\" > {argv}\nexec {sys.executable} {FAKE} \"$@\"\n",
+                      encoding="utf-8")
+    script.chmod(0o755)
+    body = f"""\
+backend: llama_cpp
+llama_cpp: {{binary: {script}, startup_timeout_s: 60}}
+models:
+  brain: {{path: {synth(tmp_path, 'brain')}, resident: true, n_ctx: 128, kv_dtype: int8}}
+  other: {{path: {synth(tmp_path, 'other')}, n_ctx: 128}}
+api: {{warmup: false}}
+"""
+    sup = make_api_supervisor(tmp_path, body)
+    with anyio.fail_after(60):
+        async with sup, oai(sup) as oa:
+            r = await oa.chat.completions.create(model="brain", messages=HI, max_tokens=2)
+            assert r.choices[0].message.content == "".join(REPLY[:2])
+            args = argv.read_text().split()
+            assert args[args.index("--cache-type-k") + 1] == "q8_0"
+            assert args[args.index("--cache-type-v") + 1] == "q8_0"
+            brain = sup.models.models["brain"].backend
+            other = sup.models.models["other"].backend
+            assert other.cache_args() == []  # type: ignore[attr-defined]
+            kv8, kv16 = (await brain.plan()).kv, (await other.plan()).kv  # type: ignore[attr-defined]
+            assert kv8 == kv16 * 34 // 64
+
+
 async def test_missing_llama_server_falls_back_to_builtin(tmp_path: Path) -> None:
     """With the llama-server binary missing, `fallback: builtin` serves the model and /health says so."""
     body = f"""\

@@ -141,6 +141,8 @@ class LlamaCppBackend:
         """GGUF file passed with -m (None when attached without one)."""
         self.n_ctx = entry.n_ctx or ctx.cfg.engine.n_ctx
         """Context passed with -c."""
+        self.kv_dtype = entry.kv_dtype or ctx.cfg.engine.kv_dtype
+        """KV cache type: int8 starts llama-server with q8_0 K and V caches."""
         self.gate = ctx.gate
         """The decode gate (admission and forwarding wait on it)."""
         self.base_url: str | None = self.cfg.url.rstrip("/") if self.cfg.url else None
@@ -157,8 +159,17 @@ class LlamaCppBackend:
         """``llama_cpp`` plus how it is reached."""
         return "llama_cpp/attached" if self.cfg.url else "llama_cpp/started"
 
+    def cache_args(self) -> list[str]:
+        """llama-server's KV cache type flags for `kv_dtype` (none for f16, its default, or when
+        llama_cpp.args sets them itself). A q8_0 V cache needs flash attention, which recent
+        llama-server turns on by itself where the backend has it (`-fa auto`)."""
+        if self.kv_dtype != "int8" or any(a.startswith(("--cache-type", "-ctk", "-ctv")) for a in self.cfg.args):
+            return []
+        return ["--cache-type-k", "q8_0", "--cache-type-v", "q8_0"]
+
     async def plan(self) -> Plan:
-        """Weights as stored in the file (llama.cpp keeps them quantized) + f16 KV + a small scratch."""
+        """Weights as stored in the file (llama.cpp keeps them quantized) + KV (f16, or q8_0 for
+        int8: 34 bytes a 32 values) + a small scratch."""
         if self.path is None:
             return Plan(0, 0, 0, self.n_ctx)
 
@@ -167,7 +178,10 @@ class LlamaCppBackend:
             spec = read_spec(gf)
             weights = sum(t.nbytes for t in gf.tensors.values())
             scratch = 512 * (spec.n_vocab * 4 + spec.n_embd * 16)
-            return Plan(weights, kv_bytes(spec, self.n_ctx, "f16"), scratch, self.n_ctx)
+            kv = kv_bytes(spec, self.n_ctx, "f16")
+            if self.kv_dtype == "int8":
+                kv = kv * 34 // 64  # q8_0: 34 bytes per 32 values, f16: 64
+            return Plan(weights, kv, scratch, self.n_ctx)
 
         try:
             return await anyio.to_thread.run_sync(read)
@@ -191,7 +205,7 @@ class LlamaCppBackend:
         host = f"[{self.cfg.host}]" if ":" in self.cfg.host else self.cfg.host
         self.base_url = f"http://{host}:{port}"
         cmd = [binary, "-m", self.path, "--host", self.cfg.host, "--port", str(port), "-c", str(self.n_ctx),
-               "--alias", self.model_id, *self.cfg.args]
+               "--alias", self.model_id, *self.cache_args(), *self.cfg.args]
         fd, self._log_path = tempfile.mkstemp(prefix=f"llama-server-{self.model_id}-", suffix=".log")
         log.info("llama_server_starting", model=self.model_id, cmd=cmd, log=self._log_path)
         try:

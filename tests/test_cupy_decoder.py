@@ -93,7 +93,10 @@ def test_decoder_logits_match_generic(tmp_path: Path, arch: str, t: str, extra: 
     b = ref[pos_list]
     assert np.isfinite(a).all()
     agree = float(np.mean(a.argmax(1) == b.argmax(1)))
-    assert _rel(a, b) < (1e-3 if exact else 4e-2), _rel(a, b)
+    # an int8 cache rounds K/V written by two paths (GEMV here, GEMM there) whose 1e-7 differences
+    # flip a rounding step now and then, as llama.cpp's activation rounding does
+    bound = (5e-3 if kv == "int8" else 1e-3) if exact else 4e-2
+    assert _rel(a, b) < bound, _rel(a, b)
     assert agree >= (0.98 if exact else 0.9), agree
     # the greedy entry point returns the argmax of the same step
     m.transformer.kv.tokens = []

@@ -4,7 +4,7 @@ the SmolLM2-135M and Qwen3-4B head shapes, f16 and int8 caches, several slice si
     python bench/attn_sweep.py [--chunks 32,64,128] [--pos 640,2048,4000] [--out DIR]
 
 Each timing is a CUDA graph of one launch per layer, every layer its own cache (as in a real
-step, so the cache is not served from L2 by the previous launch), replayed 5 times. Every
+step, so the cache is not served from L2 by the previous launch), replayed 3 times. Every
 configuration is first checked against a float64 reference on the host.
 """
 
@@ -106,20 +106,10 @@ def run(shape: str, kv: str, chunk: int, pos: int, caches: tuple, n_ctx: int = 4
         got = cp.asnumpy(out).reshape(h, d)
         want = _reference(cp.asnumpy(q), kref, vref, pos, float(scale))
         err = float(np.abs(got - want).max() / np.abs(want).max())
+    from decode_profile import _time  # one CUDA graph of the launches, replayed
+
     stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        stream.begin_capture()
-        for i in range(n_layers):
-            launch(i)
-        g = stream.end_capture()
-        g.launch(stream)
-        a, b = cp.cuda.Event(), cp.cuda.Event()
-        a.record(stream)
-        for _ in range(5):
-            g.launch(stream)
-        b.record(stream)
-        b.synchronize()
-    us = cp.cuda.get_elapsed_time(a, b) * 1e3 / 5 / n_layers
+    us = _time(cp, stream, lambda: [launch(i) for i in range(n_layers)], reps=1) / n_layers
     kv_bytes = sum(x.nbytes for x in layers[0] if x is not None) * (pos + 1) / n_ctx
     return {"shape": shape, "kv": kv, "chunk": chunk, "pos": pos, "stage": stage, "lanes": lanes, "warps": warps,
             "us": round(us, 2),

@@ -27,6 +27,7 @@ from engine.backends.cupy_backend import CupyOps  # noqa: E402
 from engine.backends.cupy_decoder import CupyDecoder  # noqa: E402
 from engine.sampler import Sampler  # noqa: E402
 from engine.synth import preset_config, write_config, write_synthetic_gguf  # noqa: E402
+from tests.cuda_alloc import AllocCounter  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -145,20 +146,6 @@ def test_eager_fallback_matches_graph(tmp_path: Path, monkeypatch: pytest.Monkey
     np.testing.assert_array_equal(outs[0], outs[1])
 
 
-class _Counter(cp.cuda.memory_hook.MemoryHook):
-    name = "genie_alloc_counter"
-
-    def __init__(self) -> None:
-        self.mallocs = 0
-        self.allocs = 0
-
-    def malloc_preprocess(self, **kw: Any) -> None:
-        self.mallocs += 1
-
-    def alloc_preprocess(self, **kw: Any) -> None:
-        self.allocs += 1
-
-
 def test_steady_state_decode_allocates_nothing(tmp_path: Path) -> None:
     """500 greedy decode steps through Model.step_sample: no pool allocation, no device
     allocation, pool bytes unchanged."""
@@ -176,7 +163,7 @@ def test_steady_state_decode_allocates_nothing(tmp_path: Path) -> None:
     cp.cuda.Device().synchronize()
     pool = cp.get_default_memory_pool()
     used, total = pool.used_bytes(), pool.total_bytes()
-    hook = _Counter()
+    hook = AllocCounter()
     with hook:
         for _ in range(500):
             tok = m.step_sample(tok, pos, sampler, hist)

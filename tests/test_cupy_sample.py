@@ -29,6 +29,7 @@ from engine.backends.cupy_decoder import CupyDecoder  # noqa: E402
 from engine.backends.cupy_sample import DeviceSampler, reference_sample  # noqa: E402
 from engine.sampler import Sampler  # noqa: E402
 from engine.synth import write_synthetic_gguf  # noqa: E402
+from tests.cuda_alloc import AllocCounter  # noqa: E402
 from tests.sampling_cases import PARAMS, check_plan, host_plan, random_history, random_row  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
@@ -129,20 +130,6 @@ def test_seeded_generation_samples_on_the_device(tmp_path: Path, monkeypatch: py
     assert len(set(a)) > 5  # really sampled
 
 
-class _Counter(cp.cuda.memory_hook.MemoryHook):
-    name = "genie_alloc_counter_sample"
-
-    def __init__(self) -> None:
-        self.mallocs = 0
-        self.allocs = 0
-
-    def malloc_preprocess(self, **kw: Any) -> None:
-        self.mallocs += 1
-
-    def alloc_preprocess(self, **kw: Any) -> None:
-        self.allocs += 1
-
-
 def test_sampled_decode_allocates_nothing(tmp_path: Path) -> None:
     """200 sampled decode steps (all stages on) through Model.step_sample: no pool allocation,
     no device allocation, pool bytes unchanged."""
@@ -163,7 +150,7 @@ def test_sampled_decode_allocates_nothing(tmp_path: Path) -> None:
     pool = cp.get_default_memory_pool()
     used, total = pool.used_bytes(), pool.total_bytes()
     launches = m.decoder.device_sampler.launches
-    hook = _Counter()
+    hook = AllocCounter()
     with hook:
         for _ in range(200):
             tok = m.step_sample(tok, pos, sampler, hist)

@@ -67,7 +67,7 @@ def _caches(shape: str, kv: str, n_ctx: int) -> tuple[list, np.ndarray, np.ndarr
 
 
 def run(shape: str, kv: str, chunk: int, pos: int, caches: tuple, n_ctx: int = 4096,
-        stage: int = 0, lanes: int | None = None, warps: int = 4) -> dict:
+        stage: int = 0, lanes: int | None = None, warps: int | None = None) -> dict:
     import cupy as cp
 
     from engine.kernels import decode_src
@@ -83,6 +83,7 @@ def run(shape: str, kv: str, chunk: int, pos: int, caches: tuple, n_ctx: int = 4
     if stage:  # profiling: stop the kernel early (1: after the scan, 2: after the slice writes)
         src = f"#define ATT_STAGE {stage}\n" + src
     fn = cp.RawModule(code=src, options=("--std=c++17",)).get_function("attn_decode")
+    nw = warps or decode_src.attn_warps(h // kvh, d)
     rng = np.random.default_rng(1)
     q = cp.asarray(rng.standard_normal((h, d)).astype(np.float32))
     ids = cp.asarray(np.array([0, pos, 0, 0], dtype=np.int32))
@@ -96,7 +97,7 @@ def run(shape: str, kv: str, chunk: int, pos: int, caches: tuple, n_ctx: int = 4
 
     def launch(i: int) -> None:
         kc, vc, kd, vd = layers[i]
-        fn((kvh, n_split), (32 * warps,), (q, kc, vc, null if kd is None else kd, null if vd is None else vd,
+        fn((kvh, n_split), (32 * nw,), (q, kc, vc, null if kd is None else kd, null if vd is None else vd,
                                     ids, pm, pl, pacc, counter, out, np.int32(n_ctx), np.int32(0), scale,
                                     np.int32(0), null, null, null))
 
@@ -111,7 +112,7 @@ def run(shape: str, kv: str, chunk: int, pos: int, caches: tuple, n_ctx: int = 4
     stream = cp.cuda.Stream(non_blocking=True)
     us = _time(cp, stream, lambda: [launch(i) for i in range(n_layers)], reps=1) / n_layers
     kv_bytes = sum(x.nbytes for x in layers[0] if x is not None) * (pos + 1) / n_ctx
-    return {"shape": shape, "kv": kv, "chunk": chunk, "pos": pos, "stage": stage, "lanes": lanes, "warps": warps,
+    return {"shape": shape, "kv": kv, "chunk": chunk, "pos": pos, "stage": stage, "lanes": lanes, "warps": nw,
             "us": round(us, 2),
             "GBps": round(kv_bytes / us / 1e3, 1), "rel_err": err}
 
@@ -123,7 +124,7 @@ def main() -> None:
     ap.add_argument("--kv", default="f16,int8")
     ap.add_argument("--stages", default="0", help="0 full; 3 launch only, 1 + scan, 2 + slice writes (profiling)")
     ap.add_argument("--lanes", default="0", help="lanes a position (0: the kernel's rule)")
-    ap.add_argument("--warps", default="4", help="warps a block")
+    ap.add_argument("--warps", default="0", help="warps a block (0: the kernel's rule)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     rows = []
@@ -133,9 +134,9 @@ def main() -> None:
             for pos, chunk, stage, lanes, warps in itertools.product(
                     map(int, a.pos.split(",")), map(int, a.chunks.split(",")), map(int, a.stages.split(",")),
                     map(int, a.lanes.split(",")), map(int, a.warps.split(","))):
-                r = run(shape, kv, chunk, pos, caches, stage=stage, lanes=lanes or None, warps=warps)
+                r = run(shape, kv, chunk, pos, caches, stage=stage, lanes=lanes or None, warps=warps or None)
                 rows.append(r)
-                print(f"{shape:9s} {kv:5s} pos {pos:5d} chunk {chunk:4d} stage {stage} lanes {lanes:2d} warps {warps}: "
+                print(f"{shape:9s} {kv:5s} pos {pos:5d} chunk {chunk:4d} stage {stage} lanes {lanes:2d} warps {r['warps']}: "
                       f"{r['us']:6.2f} us "
                       f"({r['GBps']:7.1f} GB/s of cache)  rel.err {r['rel_err']:.1e}", flush=True)
                 assert r["rel_err"] < 2e-3, r

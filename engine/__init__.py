@@ -199,14 +199,14 @@ def load_model(
     path: str | os.PathLike[str],
     backend: str = "auto",
     n_ctx: int | None = None,
-    kv_dtype: str = "f32",
+    kv_dtype: str = "f16",
     threads: int | None = None,
 ) -> Model:
     """Load a GGUF model. `backend`: "auto" (CuPy when CUDA works, else the native CPU kernels
     when a C compiler builds them, else NumPy), "numpy" (pure NumPy reference), "native", "cupy".
     `threads`: CPU threads of the native kernels (default $GENIE_THREADS, else all cores).
-    `kv_dtype`: KV cache elements, "f32", "f16" or "int8" (int8 values + one float16 scale per
-    32, about 53 % of f16's bytes; see engine.kv_cache)."""
+    `kv_dtype`: KV cache elements, "f16" (the default, as llama.cpp's), "f32" or "int8" (int8
+    values + one float16 scale per 32, about 53 % of f16's bytes; see engine.kv_cache)."""
     from .backends import resolve_backend
 
     gf = read_gguf(path)

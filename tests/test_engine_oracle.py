@@ -10,8 +10,9 @@ import pytest
 from tests.models import FIXTURES, MODELS, shared_model
 
 GAP = 0.1  # llama.cpp's own top-2 log-prob gap below which quantized arithmetic may flip the pick
-# Agreement we can promise. The issue asks for 0.99; measured on the public fixtures it is
-# 0.977-0.994 (numpy: SmolLM2 0.977, Gemma 0.994; native: 0.986, 0.988). It is a noise floor,
+# Agreement we can promise. The issue asks for 0.99; measured on the public fixtures with the
+# default f16 KV cache it is 0.983-0.991 (numpy: SmolLM2 0.983, Gemma 0.990; native: 0.986,
+# 0.991; with f32 KV: numpy 0.977 / 0.994, native 0.986 / 0.988). It is a noise floor,
 # not a bug: any engine that is not bit-identical to llama.cpp's AVX2 build differs from it by
 # ~0.1 nat in the top-2 gap, because one flipped Q8 activation rounding spreads through the
 # layers (a 1e-8 relative perturbation of our own engine moves it by the same amount), and which

@@ -241,7 +241,7 @@ def test_greedy_generation_identical_on_smollm2_shape(
     prompt = np.random.default_rng(5).integers(0, 49152, 24).tolist()
     outs = []
     for backend in ("numpy", "cupy"):
-        m = load_model(p, backend=backend, n_ctx=256)
+        m = load_model(p, backend=backend, n_ctx=256, kv_dtype="f32")  # f16 rounding could flip a close call
         tf = m.transformer
         tf.kv.tokens = []
         logits = tf.ops.to_host(tf.forward(prompt, 0, last_n=1))[0]

@@ -419,7 +419,6 @@ extern "C" __global__ void __launch_bounds__(NT) attn_decode(
         const unsigned short* __restrict__ Kd, const unsigned short* __restrict__ Vd, const int* ids,
         float* pm, float* pl, float* pacc, int* counter, float* out, int n_ctx, int window, float scale,
         int aq, signed char* xq, float* xd, int* xs16) {
-    __shared__ float qs[G][D];
     __shared__ float wm[NW][G], wl[NW][G];
     __shared__ float wacc[NW][G][DV];
     __shared__ float sw[G][NSPLIT];
@@ -530,6 +529,7 @@ extern "C" __global__ void __launch_bounds__(NT) attn_decode(
         }
     }
 #else
+    __shared__ float qs[G][D];  // the group's queries (the one-position-a-warp loop only)
     for (int i = tid; i < G * D; i += NT) qs[i / D][i % D] = q[(kvh * G) * D + i];
     __syncthreads();
     float m[G], l[G], acc[G][VL];

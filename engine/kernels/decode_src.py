@@ -693,12 +693,10 @@ extern "C" __global__ void __launch_bounds__(NT) attn_decode(
 """
 
 
-def attn_lanes(group: int, head_dim: int) -> int:
-    """Lanes a position in decode attention: 8. (16 halves the query and output values a lane
-    keeps, but measured slower on an H200: Qwen3-4B shape 12.2 vs 11.7 us at 640 positions,
-    26.5 vs 20.7 at 4000; bench/attn_sweep.py --lanes 8,16.)"""
-    del group, head_dim
-    return 8
+ATTN_LANES = 8
+"""Lanes a position in decode attention. (16 halves the query and output values a lane keeps,
+but measured slower on an H200: Qwen3-4B shape 12.2 vs 11.7 us at 640 positions, 26.5 vs 20.7 at
+4000; bench/attn_sweep.py --lanes 8,16.)"""
 
 
 def attn_warps(group: int, head_dim: int) -> int:
@@ -718,9 +716,9 @@ def source(types: list[str] | tuple[str, ...], *, n_heads: int, n_kv_heads: int,
     the cache's element type; `min_chunk`: fewest positions an attention slice takes)."""
     shaped = SHAPED
     width = 8 if (kv_half or kv_int8) else 4  # values a lane loads at once: 16 bytes (8 for int8)
-    lpp = lanes_per_pos or attn_lanes(n_heads // n_kv_heads, head_dim)
+    lpp = lanes_per_pos or ATTN_LANES
     if head_dim % (lpp * width) or v_head_dim % (lpp * width):
-        lpp = 8
+        lpp = ATTN_LANES  # a tuning value that does not divide the heads: the default
     align = lpp * width
     for k, v in {
         "{H}": n_heads, "{KVH}": n_kv_heads, "{G}": n_heads // n_kv_heads, "{D}": head_dim,

@@ -172,6 +172,7 @@ def prefill_profile(tf, ops, prompt: list[int], cp, label: str) -> list[str]:  #
 
 def bench_model(key: str, path: str, prompt_len: int, n_decode: int, bw: float, cp, runs: int,  # type: ignore[no-untyped-def]
                 profile_out: list[str] | None = None, kv_dtype: str = "f16") -> dict:
+    from engine.backends.cupy_launch import pdl_launcher
     from engine.gguf_file import read_gguf
     from engine.spec import read_spec
 
@@ -202,16 +203,32 @@ def bench_model(key: str, path: str, prompt_len: int, n_decode: int, bw: float, 
     for _ in range(3):  # warm-up steps (positions rewritten below)
         m.step_sample(tok, pos, sampler, hist)
     del tf.kv.tokens[prompt_len:]
-    t0 = time.perf_counter()
-    for _ in range(n_decode):
-        tok = m.step_sample(tok, pos, sampler, hist)
-        pos += 1
-    cp.cuda.Device().synchronize()
-    decode_s = time.perf_counter() - t0
+    tok0 = tok
+
+    def timed_decode(m=m) -> tuple[float, int, int]:  # type: ignore[no-untyped-def]
+        t, p = tok0, prompt_len
+        del m.transformer.kv.tokens[prompt_len:]
+        t0 = time.perf_counter()
+        for _ in range(n_decode):
+            t = m.step_sample(t, p, sampler, hist)
+            p += 1
+        cp.cuda.Device().synchronize()
+        return time.perf_counter() - t0, t, p
+
+    decode_s, tok, pos = timed_decode()
+    # the same decode with plain launches (the version before programmatic dependent launch),
+    # measured in this run as the reference of the PDL figure
+    dec = m.decoder
+    plain_s = None
+    if dec is not None and dec.pdl:
+        dec._set_pdl(None)
+        dec._capture()
+        plain_s = timed_decode()[0]
+        dec._set_pdl(pdl_launcher())
+        dec._capture()
     # the step replayed back to back without waiting for each id (GPU time per step; one
     # position, as the host rewrites the pinned id buffer while earlier copies may be queued)
     gpu_tps = None
-    dec = m.decoder
     if dec is not None:
         start, stop = cp.cuda.Event(), cp.cuda.Event()
         start.record(dec.stream)
@@ -260,6 +277,8 @@ def bench_model(key: str, path: str, prompt_len: int, n_decode: int, bw: float, 
         "decoder": dec.describe() if dec is not None else None,
         "decode_tok_s": round(decode_tps, 1),
         "decode_gpu_replay_tok_s": round(gpu_tps, 1) if gpu_tps else None,
+        "decode_plain_launch_tok_s": round(n_decode / plain_s, 1) if plain_s else None,
+        "decode_pdl_vs_plain": round(plain_s / decode_s, 3) if plain_s else None,
         "generate_decode_tok_s": round(gen_stats.decode_tps, 1),
         "generate_prefill_tok_s": round(gen_stats.prefill_tps, 1),
         "generate_prefill_chunk": int(ops.prefill_chunk),
@@ -357,10 +376,13 @@ def main() -> int:
         print(f"{r['model']:10} {r['kv_dtype']:>4} {r['decode_tok_s']:12.1f} {ref['decode']:9.0f} {r['decode_vs_llama_cpp']:6.2f} "
               f"{r['decode_fraction_of_limit']:8.1%} {r['prefill_tok_s']:13.1f} {ref['prefill']:9.0f} "
               f"{r['prefill_vs_llama_cpp']:6.2f} {r['pool_held_bytes'] / 2**20:8.0f}")
+        if r["decode_plain_launch_tok_s"]:
+            print(f"{'':15} plain launches (same run): {r['decode_plain_launch_tok_s']:.1f} tok/s, "
+                  f"PDL {r['decode_pdl_vs_plain']:.3f}x")
     Path(a.out).mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     result = {"device": name, "copy_bandwidth_Bps": bw, "prompt": a.prompt, "decode": a.decode,
-              "version": "cupy-v5 (decode: attention with q in registers, one-ahead prefetch, parallel merge, O-projection rounding fused (no qprep), int8 KV option; prefill: auto tiles (fp16 for matrices >= 4M values), attention in query blocks by strided-batched GEMMs, 512-token chunks in generate; memory plan of the GPU backend; device sampling)", "rows": rows}
+              "version": "cupy-v7 (decode: programmatic dependent launch between the step's kernels, GEMVs load their first weights before waiting; the plain-launch step measured in the same run) over cupy-v5 (decode: attention with q in registers, one-ahead prefetch, parallel merge, O-projection rounding fused (no qprep), int8 KV option; prefill: auto tiles (fp16 for matrices >= 4M values), attention in query blocks by strided-batched GEMMs, 512-token chunks in generate; memory plan of the GPU backend; device sampling)", "rows": rows}
     tag = f"-{a.tag}" if a.tag else ""
     if prof:
         (Path(a.out) / f"decode_profile-{stamp}{tag}.txt").write_text("\n".join(prof) + "\n")

@@ -37,6 +37,7 @@ from ..gguf_file import TensorInfo
 from ..kernels import decode_src, qdot_src
 from ..kv_cache import Int8Rows
 from ..quants import dequantize_rows
+from .cupy_launch import PdlLaunch, pdl_launcher
 from .cupy_sample import DeviceSampler
 
 log = logging.getLogger(__name__)
@@ -76,16 +77,24 @@ def _cache_arrays(layer: Any) -> tuple[Any, Any]:
 
 
 class _Launch:
-    """One kernel launch with its arguments fixed (device pointers, sizes)."""
+    """One kernel launch with its arguments fixed (device pointers, sizes); `use_pdl` switches it
+    to a programmatic dependent launch (`cupy_launch`) on the current stream."""
 
-    __slots__ = ("fn", "grid", "block", "args", "smem", "name")
+    __slots__ = ("fn", "grid", "block", "args", "smem", "name", "pdl")
 
     def __init__(self, fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple[Any, ...],
                  smem: int = 0, name: str = "") -> None:
         self.fn, self.grid, self.block, self.args, self.smem, self.name = fn, grid, block, args, smem, name
+        self.pdl: PdlLaunch | None = None
+
+    def use_pdl(self, lib: Any) -> None:
+        self.pdl = None if lib is None else PdlLaunch(lib, self.fn, self.grid, self.block, self.args, self.smem)
 
     def __call__(self) -> None:
-        self.fn(self.grid, self.block, self.args, shared_mem=self.smem)
+        if self.pdl is not None:
+            self.pdl(cp.cuda.get_current_stream().ptr)
+        else:
+            self.fn(self.grid, self.block, self.args, shared_mem=self.smem)
 
 
 USE_QGEMV = True  # integer dot products where the activation rounding is on (False: float path)
@@ -174,7 +183,7 @@ def gemv_launches(fn: Any, n_sm: int, w: Any, x: cp.ndarray, nw: cp.ndarray | No
 class CupyDecoder:
     """A model's decode step as preallocated buffers + a captured CUDA graph (see module doc)."""
 
-    def __init__(self, tf: Any, use_graph: bool = True) -> None:
+    def __init__(self, tf: Any, use_graph: bool = True, use_pdl: bool = True) -> None:
         s = tf.spec
         self.tf = tf
         self.spec = s
@@ -234,6 +243,8 @@ class CupyDecoder:
         # --- the step as a list of launches, then one graph ---------------------------------
         self.plan: list[_Launch] = []
         self._build_plan()
+        self.pdl = False
+        self._set_pdl(pdl_launcher() if use_pdl else None)
         self.stream = cp.cuda.Stream(non_blocking=True)
         self._ready = cp.cuda.Event(block=False, disable_timing=True)
         self.graph: Any = None
@@ -336,22 +347,46 @@ class CupyDecoder:
             0, "add_rmsnorm",
         ))
 
-    def _capture(self) -> None:
+    def _set_pdl(self, lib: Any) -> None:
+        """Launch every kernel but the first as a programmatic dependent launch (lib: libcuda
+        from `pdl_launcher`, or None for plain launches)."""
         try:
-            with self.stream:
-                self.stream.begin_capture()
-                try:
-                    for launch in self.plan:
-                        launch()
-                finally:
-                    graph = self.stream.end_capture()
-            self.graph = graph
-            self.mode = "graph"
+            for launch in self.plan[1:]:
+                launch.use_pdl(lib)
+        except (AttributeError, TypeError) as exc:  # a CuPy whose kernels hide their CUfunction
+            log.warning("decode step: programmatic dependent launch unavailable (%s); plain launches", exc)
+            lib = None
+            for launch in self.plan:
+                launch.use_pdl(None)
+        self.pdl = lib is not None
+
+    def _capture(self) -> None:
+        if self.pdl:
+            try:
+                self._capture_once()
+                return
+            except Exception as exc:  # a driver that cannot record programmatic edges
+                log.warning("decode step: capture with programmatic dependent launch failed "
+                            "(%s: %s); plain launches", type(exc).__name__, exc)
+                self._set_pdl(None)
+        try:
+            self._capture_once()
         except Exception as exc:  # driver / CuPy without graph support: eager launches
             log.warning("decode step: CUDA graph capture failed (%s: %s); launching eagerly",
                         type(exc).__name__, exc)
             self.graph = None
             self.mode = "eager"
+
+    def _capture_once(self) -> None:
+        with self.stream:
+            self.stream.begin_capture()
+            try:
+                for launch in self.plan:
+                    launch()
+            finally:
+                graph = self.stream.end_capture()
+        self.graph = graph
+        self.mode = "graph"
 
     # --- running ----------------------------------------------------------------------------
     def _eager(self) -> None:
@@ -402,7 +437,7 @@ class CupyDecoder:
 
     def describe(self) -> dict[str, Any]:
         """Launch count, mode and buffer bytes (for logs and benchmarks)."""
-        return {"mode": self.mode, "launches": len(self.plan), "n_split": self.n_split,
+        return {"mode": self.mode, "launches": len(self.plan), "pdl": self.pdl, "n_split": self.n_split,
                 "scratch_bytes": self.scratch_bytes}
 
     def sample(self, token: int, pos: int, params: Any, u: float, history: Any) -> int:

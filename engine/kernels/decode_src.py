@@ -28,6 +28,17 @@ from . import qdot_src
 from .quant_units import UNITS
 
 COMMON = r"""
+// Programmatic Dependent Launch (sm_90+, `cupy_launch`): PDL_LAUNCH lets the next kernel of the
+// stream start its blocks now; PDL_WAIT waits until every earlier kernel has finished and its
+// writes are visible. A kernel reads only weights before PDL_WAIT and writes nothing; launched
+// without the PDL attribute (or below sm_90) both are no-ops.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define PDL_LAUNCH() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
+#define PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
+#else
+#define PDL_LAUNCH()
+#define PDL_WAIT()
+#endif
 #define NEG_INF __int_as_float(0xff800000)
 __device__ __forceinline__ float warp_sum(float v) {
     #pragma unroll
@@ -99,6 +110,7 @@ __device__ __forceinline__ void dgemv_body_{T}(
     extern __shared__ float xs[];
     __shared__ float red[8];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    PDL_LAUNCH();
     {   // the first rows' bytes towards L2 while the input is prepared (weights don't wait for x)
         int row = (blockIdx.x * 8 + warp) * R;
         for (int r = 0; r < (epi < 2 ? R : 2); r++) {
@@ -109,6 +121,7 @@ __device__ __forceinline__ void dgemv_body_{T}(
                 asm volatile("prefetch.global.L2 [%0];" :: "l"(rp + o));
         }
     }
+    PDL_WAIT();
     prep_input(x, nw, eps, aq, cols, xs, red);
     int nu = cols >> 5;
     int step = gridDim.x * 8 * R;
@@ -184,6 +197,8 @@ extern "C" __global__ void __launch_bounds__(256) dgemv2_{T}(
 // Embedding row of the token in ids[0], times scale (gemma: sqrt(n_embd)).
 extern "C" __global__ void embed_{T}(const unsigned char* W, long long row_bytes, const int* ids,
                                      float* x, int cols, float scale) {
+    PDL_LAUNCH();
+    PDL_WAIT();
     int u = blockIdx.x * blockDim.x + threadIdx.x;
     if (u >= (cols >> 5)) return;
     float v[32];
@@ -196,6 +211,8 @@ extern "C" __global__ void embed_{T}(const unsigned char* W, long long row_bytes
 MISC = r"""
 // x += rms_norm(t) * w (gemma3's post-attention / post-FFN norms before the residual add).
 extern "C" __global__ void add_rmsnorm(float* x, const float* t, const float* w, int n, float eps) {
+    PDL_LAUNCH();
+    PDL_WAIT();
     __shared__ float red[32];
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, nw = blockDim.x >> 5;
     float ss = 0.f;
@@ -210,6 +227,8 @@ extern "C" __global__ void add_rmsnorm(float* x, const float* t, const float* w,
 }
 // Gated activation of an unfused gate/up pair: y[i] = act(g[i]) * g[i + n].
 extern "C" __global__ void glu(const float* gu, float* y, int n, int gelu) {
+    PDL_LAUNCH();
+    PDL_WAIT();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     y[i] = gelu ? glu_gelu(gu[i], gu[i + n]) : glu_silu(gu[i], gu[i + n]);
@@ -235,6 +254,8 @@ __device__ __forceinline__ void argmax_block(float& best, int& idx, float* sv, i
     }
 }
 extern "C" __global__ void argmax_ids(const float* x, int n, float* bv, int* bi, int* counter, int* ids) {
+    PDL_LAUNCH();
+    PDL_WAIT();
     __shared__ float sv[32]; __shared__ int si[32]; __shared__ int last;
     float best = NEG_INF; int idx = 0x7fffffff;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
@@ -299,6 +320,8 @@ extern "C" __global__ void __launch_bounds__(128) qkv_post(
         unsigned short* Vd, const int* ids,
         const float* __restrict__ cs, const float* __restrict__ sn,
         const float* __restrict__ qn, const float* __restrict__ kn, int n_ctx, float eps) {
+    PDL_LAUNCH();
+    PDL_WAIT();
     __shared__ float xs[(D > DV ? D : DV)];
     __shared__ float red[4];
     int b = blockIdx.x, tid = threadIdx.x;
@@ -419,6 +442,8 @@ extern "C" __global__ void __launch_bounds__(NT) attn_decode(
         const unsigned short* __restrict__ Kd, const unsigned short* __restrict__ Vd, const int* ids,
         float* pm, float* pl, float* pacc, int* counter, float* out, int n_ctx, int window, float scale,
         int aq, signed char* xq, float* xd, int* xs16) {
+    PDL_LAUNCH();
+    PDL_WAIT();
     __shared__ float wm[NW][G], wl[NW][G];
     __shared__ float wacc[NW][G][DV];
     __shared__ float sw[G][NSPLIT];

@@ -214,6 +214,8 @@ QPREP = r"""
 extern "C" __global__ void __launch_bounds__(256) qprep_x(
         const float* __restrict__ x, const float* __restrict__ nw, float eps, int aq, int cols,
         signed char* __restrict__ xq, float* __restrict__ xd, int* __restrict__ xs16) {
+    PDL_LAUNCH();
+    PDL_WAIT();
     __shared__ float red[8];
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     float r = 1.f;
@@ -268,13 +270,19 @@ __device__ __forceinline__ void qgemv_body_{T}(
     int ngroups = (rows + rpb - 1) / rpb;
     int width = tpr < 32 ? tpr : 32;
     raw_{T} buf[NR][U];
+    // the first weight chunks are loaded before waiting for the kernel that writes the input
+    PDL_LAUNCH();
+    bool pre = blockIdx.x < ngroups;
+    if (pre) qload_{T}<NR, U>(buf, W, row_bytes, blockIdx.x * rpb + rl, rows, up_off, t, tpr, nc);
+    PDL_WAIT();
     for (int g = blockIdx.x; g < ngroups; g += gridDim.x) {
         int row = g * rpb + rl;
         float acc[NR];
         #pragma unroll
         for (int r = 0; r < NR; r++) acc[r] = 0.f;
         for (int c0 = t; c0 - t < nc; c0 += U * tpr) {
-            qload_{T}<NR, U>(buf, W, row_bytes, row, rows, up_off, c0, tpr, nc);
+            if (!pre) qload_{T}<NR, U>(buf, W, row_bytes, row, rows, up_off, c0, tpr, nc);
+            pre = false;
             if (row < rows) {
                 #pragma unroll
                 for (int r = 0; r < NR; r++) {

@@ -101,11 +101,19 @@ USE_QGEMV = True  # integer dot products where the activation rounding is on (Fa
 
 
 def qgemv_config(type_name: str, rows: int, n_sm: int, cols: int = 0) -> tuple[int, int]:
-    """(threads per row, grid cap in blocks per SM) of the integer GEMV. Measured on an H200
-    (bench/results/decode_profile-*-v3b.txt): 16 threads a row from 4096 rows up, else 32; the
-    output heads (>= 32768 rows) 8 (SmolLM2 head 9.8 vs 12.4 us, Qwen3-4B Q6_K head 167 vs 175);
-    Q6_K (80 registers, 3 blocks an SM resident) likes a cap of 8. With the input rounded once
-    (v4), <= 1024 rows of >= 1536 inputs like 64 threads a row."""
+    """(threads per row, grid cap in blocks per SM) of the integer GEMV.
+
+    Inputs of >= 1536 values (v7, timed with the weights coming from DRAM, each launch after an
+    L2 flush: bench/results/decode_profile-*-v7a*/v7b*.txt): the most threads a row (64, 32, 16) that
+    keeps the row groups within 5 a multiprocessor, one group a block (cap 8): Qwen3-4B shape
+    2560x9728 15.4 -> 11.0 us, 4096x2560 8.1 -> 6.7 us, 2560x4096 7.8 -> 6.7 us, gate/up 19.5 ->
+    15.6 us. Smaller inputs (SmolLM2, timed v3b): 16 threads a row from 4096 rows up, else 32;
+    the heads (>= 32768 rows) 8 (SmolLM2 head 9.8 vs 12.4 us); Q6_K likes a cap of 8."""
+    if cols >= 1536:
+        for tpr in (64, 32, 16):
+            if rows * tpr <= 5 * n_sm * 256:
+                return tpr, 8
+        return 8, 8
     if rows >= 32768:
         tpr = 8
     elif rows >= 4096:
@@ -148,22 +156,23 @@ def gemv_launches(fn: Any, n_sm: int, w: Any, x: cp.ndarray, nw: cp.ndarray | No
         rows = p.shape[0] if out_rows is None else out_rows
         b = None if bias is None else bias[r0 : r0 + rows]
         if USE_QGEMV and qdot_src.QTYPES.get(p.type_name) == code:
+            if qin is None or qin.cols < cols:
+                qin = QInput(cols)
+            glu = epi >= 2
+            tpr, cap = qgemv_config(p.type_name, rows, n_sm, cols)
+            blocks = max(1, min(-(-rows // (256 // tpr)), cap * n_sm))
+            name = f"qgemv_{p.type_name}[{rows}x{cols}]"
+            tail = (y[r0:], _ptr(b), np.int32(epi), np.int32(out_rows or 0), np.int32(tpr))
             if not prepped:
-                if qin is None or qin.cols < cols:
-                    qin = QInput(cols)
                 groups = cols // (32 if code == 1 else 256)
                 out.append(_Launch(fn("qprep_x"), (max(1, -(-groups // 8)),), (256,),
                                    (x, _ptr(nw), eps, np.int32(code), np.int32(cols), qin.xq, qin.xd,
                                     qin.xs16), 0, f"qprep[{cols}]"))
                 prepped = True
-            glu = epi >= 2
-            tpr, cap = qgemv_config(p.type_name, rows, n_sm, cols)
             k = fn(f"qgemv{'_glu' if glu else ''}_{p.type_name}")
-            blocks = max(1, min(-(-rows // (256 // tpr)), cap * n_sm))
-            assert qin is not None  # set by the qprep launch above (prepped)
             args = (p.raw, np.int64(p.raw.shape[1]), np.int32(rows), np.int32(cols), qin.xq, qin.xd,
-                    qin.xs16, y[r0:], _ptr(b), np.int32(epi), np.int32(out_rows or 0), np.int32(tpr))
-            out.append(_Launch(k, (blocks,), (256,), args, 0, f"qgemv_{p.type_name}[{rows}x{cols}]"))
+                    qin.xs16, *tail)
+            out.append(_Launch(k, (blocks,), (256,), args, 0, name))
         else:
             args = (p.raw, np.int64(p.raw.shape[1]), np.int32(rows), np.int32(cols), x, _ptr(nw), eps,
                     np.int32(code), y[r0:], _ptr(b), np.int32(epi), np.int32(out_rows or 0))

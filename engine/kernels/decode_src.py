@@ -442,8 +442,7 @@ extern "C" __global__ void __launch_bounds__(NT) attn_decode(
         const unsigned short* __restrict__ Kd, const unsigned short* __restrict__ Vd, const int* ids,
         float* pm, float* pl, float* pacc, int* counter, float* out, int n_ctx, int window, float scale,
         int aq, signed char* xq, float* xd, int* xs16) {
-    PDL_LAUNCH();
-    PDL_WAIT();
+    PDL_LAUNCH();  // PDL_WAIT below, once this block's K/V rows are requested into L2
     __shared__ float wm[NW][G], wl[NW][G];
     __shared__ float wacc[NW][G][DV];
     __shared__ float sw[G][NSPLIT];
@@ -458,6 +457,15 @@ extern "C" __global__ void __launch_bounds__(NT) attn_decode(
     int active = (len + chunk - 1) / chunk;
     if (split >= active) return;
     int s0 = lo + split * chunk, s1 = min(end, s0 + chunk);
+    {   // ids[] is written before the step's first kernel; rows < pos are from earlier steps, and
+        // the row at pos (written by qkv_post) is only read after the wait (L2 is coherent)
+        const char* kb = (const char*)(Kc + ((long long)kvh * n_ctx + s0) * D);
+        const char* vb = (const char*)(Vc + ((long long)kvh * n_ctx + s0) * DV);
+        int kspan = (s1 - s0) * D * (int)sizeof(kv_t), vspan = (s1 - s0) * DV * (int)sizeof(kv_t);
+        for (int o = tid * 128; o < kspan; o += NT * 128) asm volatile("prefetch.global.L2 [%0];" :: "l"(kb + o));
+        for (int o = tid * 128; o < vspan; o += NT * 128) asm volatile("prefetch.global.L2 [%0];" :: "l"(vb + o));
+    }
+    PDL_WAIT();
 #if ATT_STAGE == 3
     return;  // profiling: the launch alone
 #endif

@@ -146,6 +146,30 @@ def test_eager_fallback_matches_graph(tmp_path: Path, monkeypatch: pytest.Monkey
     np.testing.assert_array_equal(outs[0], outs[1])
 
 
+def test_programmatic_dependent_launch_matches_plain_launches(tmp_path: Path) -> None:
+    """The decode step replayed with programmatic dependent launches gives bit-identical logits
+    to the same step with plain launches (mixed Q4_K/Q6_K pieces, so every kernel kind runs)."""
+    from engine.backends.cupy_launch import pdl_launcher
+
+    if pdl_launcher() is None:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0 and a CUDA 12.3+ driver")
+    over = {"blk.0.attn_v.weight": "Q6_K", "blk.1.ffn_down.weight": "Q6_K"}
+    p = write_synthetic_gguf(tmp_path / "m.gguf", "qwen3", weight_type="Q4_K", seed=9,
+                             type_overrides=over, head_dim=128, **SHAPE)
+    ids = np.random.default_rng(2).integers(0, SHAPE["n_vocab"], 40).tolist()
+    m = load_model(p, backend="cupy", n_ctx=128, kv_dtype="f16")
+    dec = m.decoder
+    assert dec.mode == "graph" and dec.pdl
+    outs = []
+    for _ in range(2):
+        m.step_logits(ids[:8], 0)
+        outs.append(np.stack([m.step_logits([ids[i]], i) for i in range(8, 40)]))
+        dec._set_pdl(None)
+        dec._capture()
+        assert dec.mode == "graph" and not dec.pdl
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
 def test_steady_state_decode_allocates_nothing(tmp_path: Path) -> None:
     """500 greedy decode steps through Model.step_sample: no pool allocation, no device
     allocation, pool bytes unchanged."""

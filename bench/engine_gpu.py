@@ -81,7 +81,7 @@ def cuda_used(cp) -> int:  # type: ignore[no-untyped-def]
     return int(total - free)
 
 
-def time_prefill(tf, ops, prompt: list[int], modes: list[str], runs: int, cp) -> dict[str, float]:  # type: ignore[no-untyped-def]
+def time_prefill(tf, ops, prompt: list[int], modes: list[str], runs: int, cp, graph: bool = True) -> dict[str, float]:  # type: ignore[no-untyped-def]
     """Median seconds of one forward pass over `prompt` per prefill tile precision: `runs` rounds,
     each mode once per round (alternating, so drift hits all alike), garbage collector off: a
     full collection with a tokenizer on the heap can take milliseconds, and in a host-bound
@@ -90,7 +90,7 @@ def time_prefill(tf, ops, prompt: list[int], modes: list[str], runs: int, cp) ->
     times: dict[str, list[float]] = {m: [] for m in modes}
     for mode in modes:  # warm-up: tile buffer, cuBLAS heuristics for this mode's shapes
         ops.prefill_dtype = mode
-        tf.forward(prompt, 0, last_n=1)
+        tf.forward(prompt, 0, last_n=1, graph=graph)
     cp.cuda.Device().synchronize()
     gc.collect()
     gc.disable()
@@ -99,7 +99,7 @@ def time_prefill(tf, ops, prompt: list[int], modes: list[str], runs: int, cp) ->
             for mode in modes:
                 ops.prefill_dtype = mode
                 t0 = time.perf_counter()
-                ops.argmax(tf.forward(prompt, 0, last_n=1))
+                ops.argmax(tf.forward(prompt, 0, last_n=1, graph=graph))
                 cp.cuda.Device().synchronize()
                 times[mode].append(time.perf_counter() - t0)
     finally:
@@ -149,7 +149,7 @@ def prefill_profile(tf, ops, prompt: list[int], cp, label: str) -> list[str]:  #
         s0, s1 = cp.cuda.Event(), cp.cuda.Event()
         t0 = time.perf_counter()
         s0.record()
-        tf.forward(prompt, 0, last_n=1)
+        tf.forward(prompt, 0, last_n=1, graph=False)  # op by op: the graph would hide the ops
         s1.record()
         host_ms = (time.perf_counter() - t0) * 1e3
         s1.synchronize()
@@ -243,18 +243,21 @@ def bench_model(key: str, path: str, prompt_len: int, n_decode: int, bw: float, 
     cp.cuda.Device().synchronize()
     # memory after the default path (before the tile-precision comparison below, which grows
     # the tile buffer to fp32 on a model whose plan has fp16 tiles only)
-    held = pool.total_bytes() - base_pool
+    graphs = getattr(ops, "prefill_graphs", None)  # first-chunk graphs hold their own pools
+    held = pool.total_bytes() - base_pool + (graphs.held_bytes if graphs is not None else 0)
     used = cuda_used(cp) - base_cuda
     gf = read_gguf(path)
     llama = llama_cpp_memory(gf, read_spec(gf), 4096, 512)
     # the same prefill with fp32 and fp16 tiles everywhere
     by_mode = time_prefill(tf, ops, prompt, ["auto", "float32", "float16"], runs, cp)
+    # the same pass launched op by op (the version before first-chunk graphs), same run
+    eager_s = time_prefill(tf, ops, prompt, ["auto"], runs, cp, graph=False)["auto"]
     weights = tf.weights_bytes
     if profile_out is not None:  # prefill phases (each tile precision)
         profile_out.append(f"\n== {key}: prefill phases (garbage collector off)")
         for dt in ("float32", "float16", "auto"):
             ops.prefill_dtype = dt
-            tf.forward(prompt, 0, last_n=1)
+            tf.forward(prompt, 0, last_n=1, graph=False)
             for ln in prefill_profile(tf, ops, prompt, cp, dt):
                 print(ln, flush=True)
                 profile_out.append(ln)
@@ -284,6 +287,8 @@ def bench_model(key: str, path: str, prompt_len: int, n_decode: int, bw: float, 
         "generate_prefill_chunk": int(ops.prefill_chunk),
         "prefill_tok_s": round(prefill_tps, 1),
         "prefill_first_tok_s": round(prompt_len / prefill_s, 1),
+        "prefill_graph": bool(graphs is not None and graphs.buckets),
+        "prefill_eager_tok_s": round(prompt_len / eager_s, 1),
         "prefill_runs": runs,
         "prefill_auto_tok_s": round(prompt_len / by_mode["auto"], 1),
         "prefill_f32_tok_s": round(prompt_len / by_mode["float32"], 1),
@@ -376,13 +381,16 @@ def main() -> int:
         print(f"{r['model']:10} {r['kv_dtype']:>4} {r['decode_tok_s']:12.1f} {ref['decode']:9.0f} {r['decode_vs_llama_cpp']:6.2f} "
               f"{r['decode_fraction_of_limit']:8.1%} {r['prefill_tok_s']:13.1f} {ref['prefill']:9.0f} "
               f"{r['prefill_vs_llama_cpp']:6.2f} {r['pool_held_bytes'] / 2**20:8.0f}")
+        if r["prefill_graph"]:
+            print(f"{'':15} prefill op by op (same run): {r['prefill_eager_tok_s']:.1f} tok/s, first-chunk graph "
+                  f"{r['prefill_tok_s'] / r['prefill_eager_tok_s']:.2f}x")
         if r["decode_plain_launch_tok_s"]:
             print(f"{'':15} plain launches (same run): {r['decode_plain_launch_tok_s']:.1f} tok/s, "
                   f"PDL {r['decode_pdl_vs_plain']:.3f}x")
     Path(a.out).mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     result = {"device": name, "copy_bandwidth_Bps": bw, "prompt": a.prompt, "decode": a.decode,
-              "version": "cupy-v7 (decode: programmatic dependent launch between the step's kernels, GEMVs load their first weights and attention asks for its K/V rows before waiting; integer GEMV unroll 2 (GLU 1) and threads a row chosen with weights from DRAM; the plain-launch step measured in the same run) over cupy-v5 (decode: attention with q in registers, one-ahead prefetch, parallel merge, O-projection rounding fused (no qprep), int8 KV option; prefill: auto tiles (fp16 for matrices >= 4M values), attention in query blocks by strided-batched GEMMs, 512-token chunks in generate; memory plan of the GPU backend; device sampling)", "rows": rows}
+              "version": "cupy-v7 (decode: programmatic dependent launch between the step's kernels, GEMVs load their first weights and attention asks for its K/V rows before waiting; prefill: a prompt's first chunk replayed from a CUDA graph for models < 1 GiB (op by op measured in the same run); integer GEMV unroll 2 (GLU 1) and threads a row chosen with weights from DRAM; the plain-launch step measured in the same run) over cupy-v5 (decode: attention with q in registers, one-ahead prefetch, parallel merge, O-projection rounding fused (no qprep), int8 KV option; prefill: auto tiles (fp16 for matrices >= 4M values), attention in query blocks by strided-batched GEMMs, 512-token chunks in generate; memory plan of the GPU backend; device sampling)", "rows": rows}
     tag = f"-{a.tag}" if a.tag else ""
     if prof:
         (Path(a.out) / f"decode_profile-{stamp}{tag}.txt").write_text("\n".join(prof) + "\n")

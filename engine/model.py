@@ -125,7 +125,8 @@ def plan_memory(
             g.weights, g.kv, g.decode_scratch, g.prefill_scratch, n_ctx, tables=g.tables,
             chunk=g.chunk, backend="cupy",
             parts=(("prefill_tiles", g.tiles), ("prefill_kv_rows", g.kv_rows),
-                   ("prefill_scores", g.scores), ("prefill_activations", g.activations)),
+                   ("prefill_scores", g.scores), ("prefill_activations", g.activations),
+                   ("prefill_graphs", g.graphs)),
         )
     chunk = chunk or 64
     weights = 0
@@ -223,16 +224,27 @@ class Transformer:
         )
 
     # ------------------------------------------------------------------------------------
-    def forward(self, ids: Sequence[int], start: int, last_n: int | None = 1) -> Any:
+    def forward(self, ids: Sequence[int], start: int, last_n: int | None = 1, hidden: bool = False,
+                graph: bool = True) -> Any:
         """Run `ids` at positions start.. through the model, writing their K/V into the cache.
 
-        Returns logits [n, vocab] for the last `last_n` positions (all when None).
+        Returns logits [n, vocab] for the last `last_n` positions (all when None); `hidden`: the
+        last layer's output [T, E] instead (no output norm, no head). A backend with first-chunk
+        graphs (`ops.prefill_graphs`, CuPy) replays the pass where it can unless `graph` is False;
+        `ids` may then also be a device array.
         """
         s, ops = self.spec, self.ops
         t = len(ids)
         if start + t > self.n_ctx:
             raise ContextOverflowError(start + t, self.n_ctx)
-        idx = np.asarray(ids, dtype=np.int64)
+        graphs = getattr(ops, "prefill_graphs", None) if graph and not hidden else None
+        if graphs is not None:
+            bucket = graphs.bucket_for(t, start, last_n, self.n_ctx)
+            if bucket is not None:
+                out = graphs.run(self, ids, bucket)
+                if out is not None:
+                    return out
+        idx = ids if hasattr(ids, "__cuda_array_interface__") else np.asarray(ids, dtype=np.int64)
         x = ops.embed_rows(self.embed_table, idx, s.n_embd)  # [T, E]
         if s.traits.embed_scale:
             x = x * np.float32(math.sqrt(s.n_embd))
@@ -268,10 +280,16 @@ class Transformer:
                 f = ops.rms_norm(f, lw.post_ffn_norm, s.norm_eps)
             x = x + f
             del a, f
+        if hidden:
+            return x
         if last_n is not None:
             x = x[-last_n:]
-        x = ops.rms_norm(x, self.output_norm, s.norm_eps)
-        return ops.linear(x, self.output, None, self.output_aq)  # [n, vocab]
+        return self.head(x)
+
+    def head(self, x: Any) -> Any:
+        """Logits [n, vocab] of last-layer outputs x [n, E]: output norm, then the output matrix."""
+        x = self.ops.rms_norm(x, self.output_norm, self.spec.norm_eps)
+        return self.ops.linear(x, self.output, None, self.output_aq)
 
 
 def _arrays(layers: list[LayerWeights]) -> list[Any]:

@@ -113,6 +113,10 @@ def test_seeded_generation_samples_on_the_device(tmp_path: Path, monkeypatch: py
     prompt = np.random.default_rng(3).integers(0, SHAPE["n_vocab"], 12).tolist()
     params = SamplingParams(temperature=0.9, top_k=200, top_p=0.95, min_p=0.01, repeat_penalty=1.1,
                             max_tokens=64, ignore_eos=True, seed=1234)
+    # one run first, so every compared run takes the same path: the prompt's K/V from the prefix
+    # cache and its last token through the decoder (a first run prefills it from the first-chunk
+    # graph, whose padded GEMMs may round a q8 step differently: another, equally valid, draw)
+    _generate(m, prompt, params)
     ds = m.decoder.device_sampler
     before = ds.launches
     a = _generate(m, prompt, params)

@@ -25,6 +25,7 @@ from .. import kernels
 from ..gguf_file import TensorInfo
 from ..kv_cache import QBLOCK, Int8Rows, kv_write
 from ..quants import dequantize, dequantize_rows
+from .cupy_launch import cublas
 from .cupy_plan import (
     PREFILL_CHUNK,
     SCRATCH_ELEMS,
@@ -109,6 +110,7 @@ class CupyOps:
         self._max_elems = 0  # values of the largest fused matrix (QKV, gate+up): sizes the tiles
         self._attn: _AttnBuffers | None = None
         self._gemm_ok: dict[bool, bool] = {}  # per fp16/fp32: GemmEx checked against cp.matmul
+        self.prefill_graphs: Any = None  # first-chunk graphs (cupy_prefill_graph), set per model
 
     # --- weights -------------------------------------------------------------------------
     def weight(self, t: TensorInfo) -> QWeight | cp.ndarray:
@@ -143,7 +145,7 @@ class CupyOps:
             raise ValueError("embedding table made of mixed pieces")
         n = len(ids)
         out = cp.empty((n, cols), dtype=cp.float32)
-        dev_ids = cp.asarray(np.asarray(ids, dtype=np.int64))
+        dev_ids = ids if isinstance(ids, cp.ndarray) else cp.asarray(np.asarray(ids, dtype=np.int64))
         units = n * (cols // 32)
         assert w.raw is not None  # a single piece holds its bytes
         kernels.kernel(f"gather_{w.type_name}")(
@@ -213,9 +215,10 @@ class CupyOps:
         t = xs.shape[0]
         dt = _CUDA_R_16F if wt.dtype == cp.float16 else _CUDA_R_32F
         handle = cp.cuda.device.get_cublas_handle()
-        _cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
+        blas = _blas()
+        blas.set_stream(handle, cp.cuda.get_current_stream().ptr)
         # column-major view: C[m, t] (ldc = y's row length) = op(A = wt as [k, m])^T [m, k] x B [k, t]
-        _cublas.gemmEx(handle, _OP_T, _OP_N, m, t, k, _ONE.ctypes.data, wt.data.ptr, dt, k,
+        blas.gemm_ex(handle, _OP_T, _OP_N, m, t, k, _ONE.ctypes.data, wt.data.ptr, dt, k,
                        xs.data.ptr, dt, k, _ZERO.ctypes.data, y.data.ptr + col0 * 4, _CUDA_R_32F,
                        y.shape[1], _COMPUTE_32F, _GEMM_DEFAULT)
 
@@ -372,6 +375,15 @@ class CupyOps:
     def make_decoder(self, transformer: object) -> object | None:
         """The one-token decode step as fused kernels replayed from a CUDA graph
         (`engine.backends.cupy_decoder`); `engine.Model` uses it for every single-token step."""
+        # (called once per loaded model: also where its first-chunk prefill graphs are set up)
+        from .cupy_plan import prefill_graph_buckets
+
+        tf: Any = transformer
+        buckets = prefill_graph_buckets(int(tf.weights_bytes), self.prefill_chunk, int(tf.n_ctx))
+        if buckets:
+            from .cupy_prefill_graph import PrefillGraphs
+
+            self.prefill_graphs = PrefillGraphs(buckets)
         if self.decoder_mode == "off":
             return None
         from .cupy_decoder import CupyDecoder
@@ -415,6 +427,19 @@ def _kv_f32(cache: Any, lo: int, end: int, buf: cp.ndarray | None) -> tuple[cp.n
     return buf, 0
 
 
+class _CupyBlas:
+    """CuPy's cuBLAS wrappers behind `Cublas`'s names (where ctypes cannot reach the library)."""
+
+    set_stream = staticmethod(_cublas.setStream)
+    gemm_ex = staticmethod(_cublas.gemmEx)
+    gemm_strided_batched_ex = staticmethod(_cublas.gemmStridedBatchedEx)
+
+
+def _blas() -> Any:
+    """cuBLAS calls that also work during stream capture (`cupy_launch.cublas`), else CuPy's."""
+    return cublas() or _CupyBlas
+
+
 def _bgemm(opa: int, opb: int, m: int, n: int, k: int,
            a: cp.ndarray, a_off: int, lda: int, stride_a: int,
            b: cp.ndarray, b_off: int, ldb: int, stride_b: int,
@@ -422,8 +447,9 @@ def _bgemm(opa: int, opb: int, m: int, n: int, k: int,
     """`batch` strided float32 GEMMs C = op(A) op(B) (cuBLAS column-major; fp32 compute, no TF32)
     on float32 arrays a, b, c; offsets and strides in values."""
     handle = cp.cuda.device.get_cublas_handle()
-    _cublas.setStream(handle, cp.cuda.get_current_stream().ptr)
-    _cublas.gemmStridedBatchedEx(
+    blas = _blas()
+    blas.set_stream(handle, cp.cuda.get_current_stream().ptr)
+    blas.gemm_strided_batched_ex(
         handle, opa, opb, m, n, k, _ONE.ctypes.data,
         a.data.ptr + 4 * a_off, _CUDA_R_32F, lda, stride_a,
         b.data.ptr + 4 * b_off, _CUDA_R_32F, ldb, stride_b, _ZERO.ctypes.data,

@@ -111,3 +111,50 @@ def pdl_launcher() -> Any:
                  cp.cuda.Device().compute_capability, driver)
         return None
     return lib
+
+
+class Cublas:
+    """`cublasSetStream_v2`, `cublasGemmEx` and `cublasGemmStridedBatchedEx` called through ctypes
+    on the cuBLAS library CuPy loaded, with CuPy's handle. CuPy's own wrappers refuse to run while
+    a stream is being captured (cuBLAS itself records into graphs), which the first-chunk prefill
+    graphs (`cupy_prefill_graph`) need; `cublas()` gives None where the library is not found, and
+    callers then use CuPy's wrappers."""
+
+    def __init__(self, lib: Any) -> None:
+        self._lib = lib
+        vp, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+        lib.cublasSetStream_v2.argtypes = [vp, vp]
+        lib.cublasGemmEx.argtypes = [vp, i, i, i, i, i, vp, vp, i, i, vp, i, i, vp, vp, i, i, i, i]
+        lib.cublasGemmStridedBatchedEx.argtypes = [vp, i, i, i, i, i, vp, vp, i, i, ll, vp, i, i, ll,
+                                                   vp, vp, i, i, ll, i, i, i]
+        for f in (lib.cublasSetStream_v2, lib.cublasGemmEx, lib.cublasGemmStridedBatchedEx):
+            f.restype = ctypes.c_int
+
+    @staticmethod
+    def _check(rc: int, what: str) -> None:
+        if rc != 0:
+            raise RuntimeError(f"{what} failed: cublasStatus {rc}")
+
+    def set_stream(self, handle: int, stream: int) -> None:
+        self._check(self._lib.cublasSetStream_v2(handle, stream or None), "cublasSetStream")
+
+    def gemm_ex(self, *args: Any) -> None:
+        self._check(self._lib.cublasGemmEx(*args), "cublasGemmEx")
+
+    def gemm_strided_batched_ex(self, *args: Any) -> None:
+        self._check(self._lib.cublasGemmStridedBatchedEx(*args), "cublasGemmStridedBatchedEx")
+
+
+@lru_cache(maxsize=1)
+def cublas() -> Cublas | None:
+    """The ctypes cuBLAS calls for CuPy's CUDA major version (None where not found)."""
+    import cupy as cp
+
+    major = int(cp.cuda.runtime.runtimeGetVersion()) // 1000
+    for name in (f"libcublas.so.{major}", "libcublas.so"):
+        try:
+            return Cublas(ctypes.CDLL(name))
+        except (OSError, AttributeError):
+            continue
+    log.info("cuBLAS not reachable through ctypes: prefill graphs unavailable")
+    return None

@@ -184,6 +184,23 @@ def score_elems(n_kv: int, n_ctx: int) -> int:
     return max(n_kv * n_ctx, min(ATTN_SCORES_BYTES // 4, n_kv * n_ctx * n_ctx))
 
 
+GRAPH_MAX_WEIGHTS = 1 << 30
+"""Models with fewer weight bytes (host-bound prefill) get first-chunk graphs (env
+GENIE_CUPY_PREFILL_GRAPH: 0 never, 1 always, unset: by this size)."""
+
+
+def prefill_graph_buckets(weights: int, chunk: int, n_ctx: int) -> tuple[int, ...]:
+    """The first-chunk lengths a model of `weights` bytes replays from graphs (empty: none): one,
+    the chunk (a shorter first chunk is padded to it: for a host-bound model a padded graph
+    replay costs less than the eager pass of even a few tokens, and one bucket holds one chunk's
+    activations)."""
+    env = os.environ.get("GENIE_CUPY_PREFILL_GRAPH", "")
+    if env == "0" or (env != "1" and weights >= GRAPH_MAX_WEIGHTS):
+        return ()
+    n = min(chunk, n_ctx)
+    return (n,) if n >= 2 else ()
+
+
 @dataclass(frozen=True)
 class GpuPlan:
     """The parts of the CuPy backend's plan (bytes)."""
@@ -199,10 +216,12 @@ class GpuPlan:
     """Chunk activations' live peak plus POOL_SLACK."""
     chunk: int
     prefill_dtype: str
+    graphs: int = 0
+    """The first-chunk graphs' pools: one chunk's activations per bucket (+ POOL_SLACK)."""
 
     @property
     def prefill_scratch(self) -> int:
-        return self.tiles + self.kv_rows + self.scores + self.activations
+        return self.tiles + self.kv_rows + self.scores + self.activations + self.graphs
 
 
 def plan(gf: GGUFFile, spec: ModelSpec, n_ctx: int, kv_dtype: str, chunk: int = PREFILL_CHUNK,
@@ -218,8 +237,11 @@ def plan(gf: GGUFFile, spec: ModelSpec, n_ctx: int, kv_dtype: str, chunk: int = 
     kv_rows, scores = attention_buffer_bytes(spec, n_ctx, kv_dtype)
     t = min(chunk, n_ctx)
     act = prefill_activation_bytes(spec, t, last_n, half="float16" in dts)
+    w = weights_bytes(gf)
+    graphs = sum(prefill_activation_bytes(spec, b, 1, half="float16" in dts)
+                 for b in prefill_graph_buckets(w, chunk, n_ctx))
     return GpuPlan(
-        weights=weights_bytes(gf), kv=kv_bytes(spec, n_ctx, kv_dtype),
+        weights=w, kv=kv_bytes(spec, n_ctx, kv_dtype), graphs=int(graphs * (1 + POOL_SLACK)),
         tables=rope_table_bytes(spec, n_ctx), decode_scratch=decode_scratch_bytes(spec),
         tiles=elems * itemsize, kv_rows=kv_rows, scores=scores,
         activations=int(act * (1 + POOL_SLACK)), chunk=t, prefill_dtype=mode,

@@ -38,7 +38,6 @@ class _Bucket:
     """One captured first chunk of `n` tokens: graph, its id buffer, output and memory pool."""
 
     def __init__(self, n: int) -> None:
-        self.n = n
         self.pool = cp.cuda.MemoryPool()
         self.ids = cp.zeros(n, dtype=cp.int64)
         self._host_mem = cp.cuda.alloc_pinned_memory(8 * n)

@@ -12,13 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-cp = pytest.importorskip("cupy")
+from tests.gpu import require_cuda
 
-from engine.backends import cuda_available  # noqa: E402
-
-_ok, _why = cuda_available()
-if not _ok:
-    pytest.skip(f"no usable CUDA device: {_why}", allow_module_level=True)
+cp = require_cuda()
 
 import anyio  # noqa: E402
 

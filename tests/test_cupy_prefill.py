@@ -13,13 +13,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-cp = pytest.importorskip("cupy")
+from tests.gpu import require_cuda
 
-from engine.backends import cuda_available  # noqa: E402
-
-_ok, _why = cuda_available()
-if not _ok:
-    pytest.skip(f"no usable CUDA device: {_why}", allow_module_level=True)
+cp = require_cuda()
 
 from engine import load_model  # noqa: E402
 from engine.backends import cupy_plan  # noqa: E402

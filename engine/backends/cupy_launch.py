@@ -8,7 +8,7 @@ runs: its blocks load their first weights, then wait (`griddepcontrol.wait`, the
 of `engine.kernels.decode_src`) until every earlier kernel has finished and its writes are
 visible. Stream capture records the launch as a programmatic edge of the CUDA graph.
 
-CuPy's `RawKernel` call has no launch attributes, so `PdlLauncher` calls `cuLaunchKernelEx` from
+CuPy's `RawKernel` call has no launch attributes, so `PdlLaunch` calls `cuLaunchKernelEx` from
 `libcuda` with ctypes, on the CUfunction CuPy compiled. Where the driver, the GPU or the library
 lacks it, `pdl_launcher()` returns None and callers launch through CuPy as before.
 """

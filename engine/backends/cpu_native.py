@@ -155,6 +155,21 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qg_max_threads.argtypes = []
     lib.qg_f32_to_f16.restype = ctypes.c_uint16
     lib.qg_f32_to_f16.argtypes = [ctypes.c_float]
+    f = ctypes.c_float
+    lib.qg_set_variant.restype = None
+    lib.qg_set_variant.argtypes = [i]
+    lib.qg_rms_norm.restype = None
+    lib.qg_rms_norm.argtypes = [vp, lg, vp, vp, i, i, f, i]
+    lib.qg_rope_cache.restype = None
+    lib.qg_rope_cache.argtypes = [i, i, i, f, f, vp, vp]
+    lib.qg_rope.restype = None
+    lib.qg_rope.argtypes = [vp, i, i, i, i, vp, vp, i, i]
+    lib.qg_attn_f16.restype = i
+    lib.qg_attn_f16.argtypes = [vp, i, i, i, vp, vp, i, i, i, i, i, f, vp, i]
+    lib.qg_swiglu.restype = None
+    lib.qg_swiglu.argtypes = [vp, vp, lg, vp, i, i, i]
+    lib.qg_geglu.restype = None
+    lib.qg_geglu.argtypes = [vp, vp, lg, vp, i, i, i]
 
 
 def load_library() -> tuple[ctypes.CDLL | None, str]:
@@ -327,4 +342,64 @@ class NativeOps(NumpyOps):
             col += rows
         if b is not None:
             y += b
+        return y
+
+    # --- the rest of the forward pass with llama.cpp's CPU arithmetic (qgemv.c, second half) --
+    def rms_norm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:  # type: ignore[override]
+        """RMSNorm over the last axis as ggml computes it (double sum, float scale, then * w)."""
+        shape = x.shape
+        x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, shape[-1])
+        y = np.empty(x2.shape, dtype=np.float32)
+        w32 = np.ascontiguousarray(w, dtype=np.float32)
+        self.lib.qg_rms_norm(x2.ctypes.data, x2.shape[1], w32.ctypes.data, y.ctypes.data,
+                             x2.shape[0], x2.shape[1], float(eps), self.threads)
+        return y.reshape(shape)
+
+    def rope_tables(self, n_ctx: int, dim: int, base: float, scale: float) -> tuple[np.ndarray, np.ndarray]:  # type: ignore[override]
+        """cos and sin [n_ctx, dim/2] from ggml's float theta recurrence and libm cosf/sinf."""
+        cos = np.empty((n_ctx, dim // 2), dtype=np.float32)
+        sin = np.empty_like(cos)
+        self.lib.qg_rope_cache(0, n_ctx, dim, float(base), float(1.0 / scale), cos.ctypes.data, sin.ctypes.data)
+        return cos, sin
+
+    def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str) -> np.ndarray:  # type: ignore[override]
+        """Rotate [T, heads, D] with ggml's rounding (one fused multiply-add per output)."""
+        out = np.array(x, dtype=np.float32, order="C")
+        c = np.ascontiguousarray(cos, dtype=np.float32)
+        s = np.ascontiguousarray(sin, dtype=np.float32)
+        t, h, d = out.shape
+        self.lib.qg_rope(out.ctypes.data, t, h, d, 2 * c.shape[-1], c.ctypes.data, s.ctypes.data,
+                         int(style == "neox"), self.threads)
+        return out
+
+    def attention(  # type: ignore[override]
+        self, q: np.ndarray, k_cache: Any, v_cache: Any, start: int, window: int, scale: float
+    ) -> np.ndarray:
+        """ggml's CPU flash attention over an fp16 cache (other caches: the NumPy path)."""
+        if not (isinstance(k_cache, np.ndarray) and k_cache.dtype == np.float16
+                and isinstance(v_cache, np.ndarray) and v_cache.dtype == np.float16
+                and k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
+            return NumpyOps.attention(q, k_cache, v_cache, start, window, scale)
+        q = np.ascontiguousarray(q, dtype=np.float32)
+        t, h, d = q.shape
+        kv, n_ctx, _ = k_cache.shape
+        dv = v_cache.shape[-1]
+        out = np.empty((t, h * dv), dtype=np.float32)
+        rc = self.lib.qg_attn_f16(q.ctypes.data, t, h, d, k_cache.ctypes.data, v_cache.ctypes.data,
+                                  kv, n_ctx, dv, start, window, float(scale), out.ctypes.data, self.threads)
+        if rc != 0:
+            return NumpyOps.attention(q, k_cache, v_cache, start, window, scale)
+        return out
+
+    def gated_act(self, gate: np.ndarray, up: np.ndarray, kind: str) -> np.ndarray:  # type: ignore[override]
+        """SwiGLU with ggml's AVX2 exp, or GeGLU with its fp16 GELU table."""
+        if (gate.dtype != np.float32 or up.dtype != np.float32 or gate.shape != up.shape
+                or gate.strides != up.strides or gate.strides[-1] != 4):
+            return NumpyOps.gated_act(gate, up, kind)
+        t, n = gate.shape
+        y = np.empty((t, n), dtype=np.float32)
+        if kind not in ("silu", "gelu_tanh"):
+            return NumpyOps.gated_act(gate, up, kind)
+        fn = self.lib.qg_swiglu if kind == "silu" else self.lib.qg_geglu
+        fn(gate.ctypes.data, up.ctypes.data, gate.strides[0] // 4, y.ctypes.data, t, n, self.threads)
         return y

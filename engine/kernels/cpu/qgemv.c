@@ -3,13 +3,19 @@
  *
  * The weights stay in their GGUF block layout (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K).
  * The activation row is quantized once per call to the type llama.cpp's CPU backend pairs with
- * the weight type (its "vec_dot_type"):
- *   Q4_0, Q5_0, Q8_0 -> Q8_0   (blocks of 32, d = fp16(amax / 127), q = roundf(x / d))
+ * the weight type (its "vec_dot_type"), with the arithmetic of its x86 AVX2 build:
+ *   Q4_0, Q5_0, Q8_0 -> Q8_0   (blocks of 32, d = amax / 127 stored as fp16, q = rint(x * (127 / amax)))
  *   Q4_1, Q5_1       -> Q8_1   (Q8_0's values plus s = fp16(d * sum(q)), d unrounded)
  *   Q4_K, Q5_K, Q6_K -> Q8_K   (blocks of 256, d = 1 / (-127 / max) in fp32, bsums of 16)
- * Every output is an integer block dot product followed by float scale accumulation in the
- * order of ggml's generic (non-SIMD) ggml_vec_dot_* reference, so the integer part is exact and
- * the float part is reproducible (build with -ffp-contract=off: no fused multiply-adds).
+ * The 32-block types accumulate as ggml's AVX2 ggml_vec_dot_*: eight float lanes, lane m holding
+ * the integer sum of elements 4m..4m+3 of each block, acc[m] = fma(d_w * d_x, lane, acc[m]) block
+ * by block, then the lanes summed pairwise ((0+4)+(2+6)) + ((1+5)+(3+7)) and, for Q4_1 / Q5_1, the
+ * float sum of the blocks' m * s added last. The K-quants follow ggml's generic order. Built with
+ * -ffp-contract=off, so the only fused multiply-adds are the explicit fmaf() calls: the result is
+ * the same on every machine, and equal to llama.cpp's x86 build bit for bit.
+ *
+ * The second half of the file holds the other operations of llama.cpp's CPU forward pass with
+ * the same arithmetic (RMSNorm, RoPE, flash attention over an fp16 KV cache, SwiGLU, GeGLU).
  *
  * Portable C99; the inner loops are written for the compiler's auto-vectorizer (-O3
  * -march=native on x86, -mcpu=native on aarch64). Rows are split across threads with OpenMP when
@@ -126,13 +132,22 @@ static inline void high_bits32(const uint8_t *qh, uint8_t *out) {
 }
 
 /* ------------------------------------------------------------------------------------------ */
-/* activation quantization (ggml's quantize_row_q8_0_ref / q8_1_ref / q8_K_ref)              */
+/* activation quantization (ggml's x86 quantize_row_q8_0 / q8_1, quantize_row_q8_K_ref)       */
 
 size_t qg_act_row_bytes(int kind, int n) {
     if (kind == QG_ACT_32) return (size_t)(n / 32) * 8 + (size_t)n;
     return (size_t)(n / 256) * 36 + (size_t)n;
 }
 
+/* round to nearest, ties to even, for |f| < 2^22 (ggml's nearest_int; _mm256_round_ps' rule) */
+static inline int nearest_int(float f) {
+    float v = f + 12582912.0f;
+    int32_t i;
+    memcpy(&i, &v, 4);
+    return (i & 0x007fffff) - 0x00400000;
+}
+
+/* ggml's AVX2 quantize_row_q8_0 / q8_1: id = 127 / amax (not 1 / d), ties to even */
 static void quant_row_32(const float *x, uint8_t *out, int n) {
     const int nb = n / 32;
     float *d = (float *)out;
@@ -146,23 +161,16 @@ static void quant_row_32(const float *x, uint8_t *out, int n) {
             amax = amax > v ? amax : v;
         }
         const float dd = amax / 127.0f;
-        const float id = dd != 0.0f ? 1.0f / dd : 0.0f;
+        const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
         int sum = 0;
         for (int j = 0; j < 32; ++j) {
-            const int8_t v = (int8_t)roundf(xb[j] * id);
+            const int8_t v = (int8_t)nearest_int(xb[j] * id);
             q[32 * ib + j] = v;
             sum += v;
         }
         d[ib] = round_f16(dd);
         s[ib] = round_f16((float)sum * dd);
     }
-}
-
-static inline int nearest_int(float f) {
-    float v = f + 12582912.0f;
-    int32_t i;
-    memcpy(&i, &v, 4);
-    return (i & 0x007fffff) - 0x00400000;
 }
 
 static void quant_row_256(const float *x, uint8_t *out, int n) {
@@ -220,24 +228,32 @@ void qg_quantize(int kind, const float *x, long ldx, int T, int n, uint8_t *out,
 typedef float (*dot_fn)(const uint8_t *restrict w, const uint8_t *restrict a, int n);
 
 /*
- * Block primitives. The integer results are exact whichever path computes them, so the SIMD
- * paths (x86 AVX2, guarded by the compiler's own target macros) and the portable C loops give
- * bit-identical outputs; only their speed differs.
- *
- * sdot32(w, y): sum of 32 products of signed int8 weights and signed int8 activations.
- * udot32(w, y): same with unsigned weights 0..31 (Q4_1 / Q5_1 before the min term).
+ * Block primitives: the eight int32 lanes of one 32-block product, lane m = the sum of the
+ * products of elements 4m..4m+3 (what ggml's AVX2 madd(maddubs(.)) leaves in each lane), and the
+ * float accumulator they are added to with one fma per lane and block. The integer lanes are
+ * exact whichever path computes them and fmaf rounds once like vfmadd, so the SIMD path (x86
+ * AVX2, chosen by the compiler's own target macros) and the portable C loops give bit-identical
+ * results; only their speed differs.
  */
-#if defined(__AVX2__)
+#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
-static inline int hsum8_i32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
-    return _mm_cvtsi128_si32(s);
+typedef __m256i lanes_t;
+typedef __m256 facc_t;
+
+static inline facc_t acc_zero(void) { return _mm256_setzero_ps(); }
+static inline facc_t acc_fma(facc_t acc, float dd, lanes_t l) {
+    return _mm256_fmadd_ps(_mm256_set1_ps(dd), _mm256_cvtepi32_ps(l), acc);
+}
+/* ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)), ggml's hsum_float_8 */
+static inline float acc_sum(facc_t a) {
+    __m128 r = _mm_add_ps(_mm256_extractf128_ps(a, 1), _mm256_castps256_ps128(a));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    r = _mm_add_ss(r, _mm_movehdup_ps(r));
+    return _mm_cvtss_f32(r);
 }
 
-/* u8 (0..31 or |signed| <= 128) x s8 -> 8 int32 partial sums; no int16 saturation for our ranges */
+/* u8 (0..31 or |signed| <= 128) x s8 -> 8 int32 lanes; no int16 saturation for our ranges */
 static inline __m256i madd_us8(__m256i u, __m256i s) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 }
@@ -255,36 +271,54 @@ static inline __m256i load_hb(const uint8_t *qh) {
                              (long long)g_hbits[qh[1]], (long long)g_hbits[qh[0]]);
 }
 
-static inline int sdot_v(__m256i w, const int8_t *y) {
+static inline lanes_t slanes(__m256i w, const int8_t *y) {
     const __m256i yv = _mm256_loadu_si256((const __m256i *)y);
-    return hsum8_i32(madd_us8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(yv, w)));
+    return madd_us8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(yv, w));
 }
 
-static inline int udot_v(__m256i w, const int8_t *y) {
-    return hsum8_i32(madd_us8(w, _mm256_loadu_si256((const __m256i *)y)));
+static inline lanes_t blk_q4_0(const uint8_t *qs, const int8_t *y) {
+    return slanes(_mm256_sub_epi8(load_q4(qs), _mm256_set1_epi8(8)), y);
 }
-
-static inline int blk_q4_0(const uint8_t *qs, const int8_t *y) {
-    return sdot_v(_mm256_sub_epi8(load_q4(qs), _mm256_set1_epi8(8)), y);
+static inline lanes_t blk_q4_1(const uint8_t *qs, const int8_t *y) {
+    return madd_us8(load_q4(qs), _mm256_loadu_si256((const __m256i *)y));
 }
-static inline int blk_q4_1(const uint8_t *qs, const int8_t *y) { return udot_v(load_q4(qs), y); }
-static inline int blk_q5_0(const uint8_t *qh, const uint8_t *qs, const int8_t *y) {
+static inline lanes_t blk_q5_0(const uint8_t *qh, const uint8_t *qs, const int8_t *y) {
     const __m256i w = _mm256_or_si256(load_q4(qs), load_hb(qh));
-    return sdot_v(_mm256_sub_epi8(w, _mm256_set1_epi8(16)), y);
+    return slanes(_mm256_sub_epi8(w, _mm256_set1_epi8(16)), y);
 }
-static inline int blk_q5_1(const uint8_t *qh, const uint8_t *qs, const int8_t *y) {
-    return udot_v(_mm256_or_si256(load_q4(qs), load_hb(qh)), y);
+static inline lanes_t blk_q5_1(const uint8_t *qh, const uint8_t *qs, const int8_t *y) {
+    return madd_us8(_mm256_or_si256(load_q4(qs), load_hb(qh)), _mm256_loadu_si256((const __m256i *)y));
 }
-static inline int blk_q8_0(const int8_t *qs, const int8_t *y) {
-    return sdot_v(_mm256_loadu_si256((const __m256i *)qs), y);
+static inline lanes_t blk_q8_0(const int8_t *qs, const int8_t *y) {
+    return slanes(_mm256_loadu_si256((const __m256i *)qs), y);
 }
 
 #else /* portable C */
 
-static inline int dot32(const int8_t *restrict x, const int8_t *restrict y) {
-    int s = 0;
-    for (int j = 0; j < 32; ++j) s += x[j] * y[j];
-    return s;
+typedef struct { int32_t v[8]; } lanes_t;
+typedef struct { float v[8]; } facc_t;
+
+static inline facc_t acc_zero(void) {
+    facc_t a;
+    for (int m = 0; m < 8; ++m) a.v[m] = 0.0f;
+    return a;
+}
+static inline facc_t acc_fma(facc_t acc, float dd, lanes_t l) {
+    for (int m = 0; m < 8; ++m) acc.v[m] = fmaf(dd, (float)l.v[m], acc.v[m]);
+    return acc;
+}
+static inline float acc_sum(facc_t a) {
+    const float r0 = a.v[0] + a.v[4], r1 = a.v[1] + a.v[5], r2 = a.v[2] + a.v[6], r3 = a.v[3] + a.v[7];
+    return (r0 + r2) + (r1 + r3);
+}
+
+static inline lanes_t lanes32(const int8_t *restrict x, const int8_t *restrict y) {
+    lanes_t l;
+    for (int m = 0; m < 8; ++m) {
+        l.v[m] = x[4 * m] * y[4 * m] + x[4 * m + 1] * y[4 * m + 1] + x[4 * m + 2] * y[4 * m + 2] +
+                 x[4 * m + 3] * y[4 * m + 3];
+    }
+    return l;
 }
 
 static inline void unpack_q4(const uint8_t *restrict qs, int8_t *restrict w8, int off) {
@@ -300,90 +334,83 @@ static inline void unpack_q5(const uint8_t *restrict qh, const uint8_t *restrict
     for (int j = 0; j < 16; ++j) w8[j + 16] = (int8_t)(((qs[j] >> 4) | hb[j + 16]) - off);
 }
 
-static inline int blk_q4_0(const uint8_t *qs, const int8_t *y) {
+static inline lanes_t blk_q4_0(const uint8_t *qs, const int8_t *y) {
     int8_t w8[32];
     unpack_q4(qs, w8, 8);
-    return dot32(w8, y);
+    return lanes32(w8, y);
 }
-static inline int blk_q4_1(const uint8_t *qs, const int8_t *y) {
+static inline lanes_t blk_q4_1(const uint8_t *qs, const int8_t *y) {
     int8_t w8[32];
     unpack_q4(qs, w8, 0);
-    return dot32(w8, y);
+    return lanes32(w8, y);
 }
-static inline int blk_q5_0(const uint8_t *qh, const uint8_t *qs, const int8_t *y) {
+static inline lanes_t blk_q5_0(const uint8_t *qh, const uint8_t *qs, const int8_t *y) {
     int8_t w8[32];
     unpack_q5(qh, qs, w8, 16);
-    return dot32(w8, y);
+    return lanes32(w8, y);
 }
-static inline int blk_q5_1(const uint8_t *qh, const uint8_t *qs, const int8_t *y) {
+static inline lanes_t blk_q5_1(const uint8_t *qh, const uint8_t *qs, const int8_t *y) {
     int8_t w8[32];
     unpack_q5(qh, qs, w8, 0);
-    return dot32(w8, y);
+    return lanes32(w8, y);
 }
-static inline int blk_q8_0(const int8_t *qs, const int8_t *y) { return dot32(qs, y); }
+static inline lanes_t blk_q8_0(const int8_t *qs, const int8_t *y) { return lanes32(qs, y); }
 
 #endif
 
+/* activation blocks of a 32-type row: float d[nb], float s[nb], int8 q[n] */
+#define ACT32(a, nb, d, s, q)                                   \
+    const float *d = (const float *)(a);                        \
+    const float *s = d + (nb);                                  \
+    const int8_t *q = (const int8_t *)(d + 2 * (nb));           \
+    (void)s
+
 static float dot_q4_0(const uint8_t *restrict w, const uint8_t *restrict a, int n) {
     const int nb = n / 32;
-    const float *d = (const float *)a;
-    const int8_t *q = (const int8_t *)(d + 2 * nb);
-    float sumf = 0.0f;
-    for (int ib = 0; ib < nb; ++ib, w += 18, q += 32) {
-        const int sumi = blk_q4_0(w + 2, q);
-        sumf += (float)sumi * rdf16(w) * d[ib];
-    }
-    return sumf;
+    ACT32(a, nb, d, s, q);
+    facc_t acc = acc_zero();
+    for (int ib = 0; ib < nb; ++ib, w += 18, q += 32) acc = acc_fma(acc, rdf16(w) * d[ib], blk_q4_0(w + 2, q));
+    return acc_sum(acc);
 }
 
 static float dot_q4_1(const uint8_t *restrict w, const uint8_t *restrict a, int n) {
     const int nb = n / 32;
-    const float *d = (const float *)a;
-    const float *s = d + nb;
-    const int8_t *q = (const int8_t *)(d + 2 * nb);
-    float sumf = 0.0f;
+    ACT32(a, nb, d, s, q);
+    facc_t acc = acc_zero();
+    float summs = 0.0f;
     for (int ib = 0; ib < nb; ++ib, w += 20, q += 32) {
-        const int sumi = blk_q4_1(w + 4, q);
-        sumf += (rdf16(w) * d[ib]) * (float)sumi + rdf16(w + 2) * s[ib];
+        summs += rdf16(w + 2) * s[ib];
+        acc = acc_fma(acc, rdf16(w) * d[ib], blk_q4_1(w + 4, q));
     }
-    return sumf;
+    return acc_sum(acc) + summs;
 }
 
 static float dot_q5_0(const uint8_t *restrict w, const uint8_t *restrict a, int n) {
     const int nb = n / 32;
-    const float *d = (const float *)a;
-    const int8_t *q = (const int8_t *)(d + 2 * nb);
-    float sumf = 0.0f;
-    for (int ib = 0; ib < nb; ++ib, w += 22, q += 32) {
-        const int sumi = blk_q5_0(w + 2, w + 6, q);
-        sumf += (rdf16(w) * d[ib]) * (float)sumi;
-    }
-    return sumf;
+    ACT32(a, nb, d, s, q);
+    facc_t acc = acc_zero();
+    for (int ib = 0; ib < nb; ++ib, w += 22, q += 32) acc = acc_fma(acc, rdf16(w) * d[ib], blk_q5_0(w + 2, w + 6, q));
+    return acc_sum(acc);
 }
 
 static float dot_q5_1(const uint8_t *restrict w, const uint8_t *restrict a, int n) {
     const int nb = n / 32;
-    const float *d = (const float *)a;
-    const float *s = d + nb;
-    const int8_t *q = (const int8_t *)(d + 2 * nb);
-    float sumf = 0.0f;
+    ACT32(a, nb, d, s, q);
+    facc_t acc = acc_zero();
+    float summs = 0.0f;
     for (int ib = 0; ib < nb; ++ib, w += 24, q += 32) {
-        const int sumi = blk_q5_1(w + 4, w + 8, q);
-        sumf += (rdf16(w) * d[ib]) * (float)sumi + rdf16(w + 2) * s[ib];
+        summs += rdf16(w + 2) * s[ib];
+        acc = acc_fma(acc, rdf16(w) * d[ib], blk_q5_1(w + 4, w + 8, q));
     }
-    return sumf;
+    return acc_sum(acc) + summs;
 }
 
 static float dot_q8_0(const uint8_t *restrict w, const uint8_t *restrict a, int n) {
     const int nb = n / 32;
-    const float *d = (const float *)a;
-    const int8_t *q = (const int8_t *)(d + 2 * nb);
-    float sumf = 0.0f;
-    for (int ib = 0; ib < nb; ++ib, w += 34, q += 32) {
-        const int sumi = blk_q8_0((const int8_t *)(w + 2), q);
-        sumf += (float)sumi * (rdf16(w) * d[ib]);
-    }
-    return sumf;
+    ACT32(a, nb, d, s, q);
+    facc_t acc = acc_zero();
+    for (int ib = 0; ib < nb; ++ib, w += 34, q += 32) acc = acc_fma(acc, rdf16(w) * d[ib], blk_q8_0((const int8_t *)(w + 2), q));
+    return acc_sum(acc);
 }
 
 /* Q4_K / Q5_K scales: 12 bytes -> 8 six-bit scales and 8 six-bit mins (ggml's utmp shuffle) */
@@ -566,4 +593,250 @@ int qg_max_threads(void) {
 #else
     return 1;
 #endif
+}
+
+/* ========================================================================================== */
+/* The rest of llama.cpp's CPU forward pass, with the arithmetic of its x86 AVX2 build          */
+/* (ggml-cpu ops.cpp / vec.h): every float operation below happens in the same order with the */
+/* same rounding, fmaf() exactly where that build fuses, libm's expf/cosf/sinf/powf where it  */
+/* calls them. Rows are independent of each other, so results do not depend on batching.     */
+/* ========================================================================================== */
+
+/* experiment switches (0 = the default that matches the oracle; see qg_set_variant) */
+static int g_variant = 0;
+void qg_set_variant(int v) { g_variant = v; }
+
+/* RMSNorm: double sum of float squares, mean rounded to float, y = (x * (1 / sqrtf(mean + eps))) * w.
+ * x: T rows of n, ldx apart; y: T rows of n (contiguous); w may be NULL. */
+void qg_rms_norm(const float *x, long ldx, const float *w, float *y, int T, int n, float eps,
+                 int nthreads) {
+    (void)nthreads;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (T > 16)
+#endif
+    for (int t = 0; t < T; ++t) {
+        const float *xr = x + (long)t * ldx;
+        float *yr = y + (long)t * n;
+        double sum = 0.0;
+        for (int i = 0; i < n; ++i) sum += (double)(xr[i] * xr[i]);
+        const float mean = (float)(sum / n);
+        const float scale = 1.0f / sqrtf(mean + eps);
+        if (w) {
+            for (int i = 0; i < n; ++i) yr[i] = (xr[i] * scale) * w[i];
+        } else {
+            for (int i = 0; i < n; ++i) yr[i] = xr[i] * scale;
+        }
+    }
+}
+
+/* RoPE tables for positions p0..p0+T-1: theta starts at (float)p and is multiplied by
+ * powf(base, -2 / n_dims) once per pair (float), cos/sin from libm of freq_scale * theta.
+ * cos_out/sin_out: [T, n_dims / 2]. */
+void qg_rope_cache(int p0, int T, int n_dims, float base, float freq_scale, float *cos_out,
+                   float *sin_out) {
+    const float theta_scale = powf(base, -2.0f / (float)n_dims);
+    const int half = n_dims / 2;
+    for (int t = 0; t < T; ++t) {
+        float theta = (float)(p0 + t);
+        for (int i = 0; i < half; ++i) {
+            const float th = freq_scale * theta;
+            cos_out[(long)t * half + i] = cosf(th);
+            sin_out[(long)t * half + i] = sinf(th);
+            theta *= theta_scale;
+        }
+    }
+}
+
+/* Rotate x [T, H, D] in place; the first n_rot dims of each head rotate, pair i uses
+ * cos/sin[t, i] ([T, n_rot / 2]). neox: pairs (i, i + n_rot/2); else (2i, 2i + 1).
+ * x0' = fma(x0, c, -(x1 * s)), x1' = fma(x0, s, x1 * c): how GCC contracts ggml's
+ * `x0*c - x1*s` / `x0*s + x1*c`. */
+void qg_rope(float *x, int T, int H, int D, int n_rot, const float *cs, const float *sn, int neox,
+             int nthreads) {
+    const int half = n_rot / 2;
+    (void)nthreads;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (T > 16)
+#endif
+    for (int t = 0; t < T; ++t) {
+        const float *c = cs + (long)t * half;
+        const float *s = sn + (long)t * half;
+        for (int h = 0; h < H; ++h) {
+            float *v = x + ((long)t * H + h) * D;
+            for (int i = 0; i < half; ++i) {
+                const int i0 = neox ? i : 2 * i;
+                const int i1 = neox ? i + half : 2 * i + 1;
+                const float x0 = v[i0], x1 = v[i1];
+                float a, b;
+                switch (g_variant & 3) {
+                case 1: a = x0 * c[i] - x1 * s[i]; b = x0 * s[i] + x1 * c[i]; break;
+                case 2: a = fmaf(x0, c[i], -(x1 * s[i])); b = fmaf(x1, c[i], x0 * s[i]); break;
+                default: a = fmaf(x0, c[i], -(x1 * s[i])); b = fmaf(x0, s[i], x1 * c[i]); break;
+                }
+                v[i0] = a;
+                v[i1] = b;
+            }
+        }
+    }
+}
+
+/* ggml_vec_dot_f16 (AVX2): four accumulators of eight lanes over 32-element steps, element
+ * i + 8j + l into accumulator j lane l; reduced (0+2) + (1+3), then lanes (l + l+4), then
+ * pairwise; a remainder adds float products into a double. */
+static float dot_f16_ggml(const uint16_t *k, const uint16_t *q, int n) {
+    const int np = n & ~31;
+    float acc[4][8];
+    for (int j = 0; j < 4; ++j) for (int l = 0; l < 8; ++l) acc[j][l] = 0.0f;
+    for (int i = 0; i < np; i += 32) {
+        for (int j = 0; j < 4; ++j) {
+            for (int l = 0; l < 8; ++l) {
+                acc[j][l] = fmaf(g_f16[k[i + 8 * j + l]], g_f16[q[i + 8 * j + l]], acc[j][l]);
+            }
+        }
+    }
+    float x0[8];
+    for (int l = 0; l < 8; ++l) {
+        const float a = acc[0][l] + acc[2][l];
+        const float b = acc[1][l] + acc[3][l];
+        x0[l] = a + b;
+    }
+    const float t0 = x0[0] + x0[4], t1 = x0[1] + x0[5], t2 = x0[2] + x0[6], t3 = x0[3] + x0[7];
+    double sum = (double)((t0 + t1) + (t2 + t3));
+    for (int i = np; i < n; ++i) sum += (double)(g_f16[k[i]] * g_f16[q[i]]);
+    return (float)sum;
+}
+
+/*
+ * Causal (optionally sliding-window) GQA attention over an fp16 KV cache, as ggml's CPU
+ * flash attention (ggml_compute_forward_flash_attn_ext_f16): the query row rounded to fp16,
+ * one key at a time in position order, online softmax with libm expf, the weighted sum of V
+ * kept in fp16 (rounded after every key), divided by the sum at the end.
+ * q: [T, H, D] float; kc: [KV, n_ctx, D] fp16 bits; vc: [KV, n_ctx, Dv]; out: [T, H * Dv].
+ * Query t sits at position start + t and sees keys max(0, pos - window + 1)..pos (window 0: all).
+ */
+int qg_attn_f16(const float *q, int T, int H, int D, const uint16_t *kc, const uint16_t *vc,
+                int KV, int n_ctx, int Dv, int start, int window, float scale, float *out,
+                int nthreads) {
+    if (KV <= 0 || H % KV || D > 1024 || Dv > 1024) return -1;
+    const int g = H / KV;
+    (void)nthreads;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (T * H > 1)
+#endif
+    for (int th = 0; th < T * H; ++th) {
+        const int t = th / H, h = th % H;
+        const int kvh = h / g;
+        const uint16_t *K = kc + (long)kvh * n_ctx * D;
+        const uint16_t *V = vc + (long)kvh * n_ctx * Dv;
+        uint16_t qh[1024];
+        uint16_t acc[1024];
+        const float *qr = q + ((long)t * H + h) * D;
+        for (int i = 0; i < D; ++i) qh[i] = f32_to_f16_bits(qr[i]);
+        for (int i = 0; i < Dv; ++i) acc[i] = 0;
+        const int pos = start + t;
+        const int lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+        float M = -INFINITY, S = 0.0f;
+        for (int ic = lo; ic <= pos; ++ic) {
+            float s = dot_f16_ggml(K + (long)ic * D, qh, D);
+            s = s * scale;
+            const float Mold = M;
+            float ms = 1.0f, vs = 1.0f;
+            if (s > M) {
+                M = s;
+                ms = expf(Mold - M);
+                for (int i = 0; i < Dv; ++i) acc[i] = f32_to_f16_bits(g_f16[acc[i]] * ms);
+            } else {
+                vs = expf(s - M);
+            }
+            const uint16_t *vr = V + (long)ic * Dv;
+            for (int i = 0; i < Dv; ++i) acc[i] = f32_to_f16_bits(fmaf(g_f16[vr[i]], vs, g_f16[acc[i]]));
+            S = (g_variant & 4) ? S * ms + vs : fmaf(S, ms, vs);
+        }
+        const float sinv = S == 0.0f ? 0.0f : 1.0f / S;
+        float *o = out + (long)t * H * Dv + (long)h * Dv;
+        for (int i = 0; i < Dv; ++i) o[i] = g_f16[acc[i]] * sinv;
+    }
+    return 0;
+}
+
+/* ggml_v_expf (AVX2 + FMA), one lane */
+static float ggml_v_expf1(float x) {
+    const float r = 0x1.8p23f;
+    const float z = fmaf(x, 0x1.715476p+0f, r);
+    const float n = z - r;
+    const float b = fmaf(-n, 0x1.7f7d1cp-20f, fmaf(-n, 0x1.62e4p-1f, x));
+    uint32_t zb;
+    memcpy(&zb, &z, 4);
+    const uint32_t e = zb << 23;
+    const uint32_t kb = e + 0x3f800000u;
+    float k;
+    memcpy(&k, &kb, 4);
+    const float u = b * b;
+    const float j = fmaf(fmaf(fmaf(0x1.0e4020p-7f, b, 0x1.573e2ep-5f), u,
+                              fmaf(0x1.555e66p-3f, b, 0x1.fffdb6p-2f)),
+                         u, 0x1.ffffecp-1f * b);
+    if (!(fabsf(n) > 126.0f)) return fmaf(j, k, k);
+    const uint32_t gb = n <= 0.0f ? 0x82000000u : 0u;
+    const uint32_t s1b = gb + 0x7f000000u, s2b = e - gb;
+    float s1, s2;
+    memcpy(&s1, &s1b, 4);
+    memcpy(&s2, &s2b, 4);
+    if (fabsf(n) > 192.0f) return s1 * s1;
+    return fmaf(s2, j, s2) * s1;
+}
+
+/* SwiGLU, ggml_vec_swiglu_f32 (AVX2): y = x / (1 + v_expf(-x)) * u in groups of eight, the last
+ * n % 8 values with libm expf. g, u: T rows ld apart; y: [T, n]. */
+void qg_swiglu(const float *g, const float *u, long ld, float *y, int T, int n, int nthreads) {
+    (void)nthreads;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (T > 4)
+#endif
+    for (int t = 0; t < T; ++t) {
+        const float *gr = g + (long)t * ld, *ur = u + (long)t * ld;
+        float *yr = y + (long)t * n;
+        const int nv = n & ~7;
+        int i = 0;
+        for (; i < nv; ++i) {
+            const float x = gr[i];
+            yr[i] = (x / (1.0f + ggml_v_expf1(0.0f - x))) * ur[i];
+        }
+        for (; i < n; ++i) yr[i] = (gr[i] / (1.0f + expf(-gr[i]))) * ur[i];
+    }
+}
+
+/* GeGLU with ggml's fp16 GELU table (GGML_GELU_FP16): x <= -10 -> 0, x >= 10 -> x * u, else
+ * table[fp16(x)] * u; the table holds fp16(0.5x(1 + tanh(sqrt(2/pi) x (1 + 0.044715 x^2)))). */
+static uint16_t g_gelu[65536];
+static int g_gelu_ready = 0;
+
+static void gelu_table(void) {
+    if (g_gelu_ready) return;
+    for (uint32_t h = 0; h < 65536; ++h) {
+        const float x = g_f16[h];
+        const float inner = fmaf(0.044715f * x, x, 1.0f);
+        const float v = 0.5f * x * (1.0f + tanhf(0.79788456080286535587989211986876f * x * inner));
+        g_gelu[h] = f32_to_f16_bits(v);
+    }
+    g_gelu_ready = 1;
+}
+
+void qg_geglu(const float *g, const float *u, long ld, float *y, int T, int n, int nthreads) {
+    gelu_table();
+    (void)nthreads;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (T > 4)
+#endif
+    for (int t = 0; t < T; ++t) {
+        const float *gr = g + (long)t * ld, *ur = u + (long)t * ld;
+        float *yr = y + (long)t * n;
+        for (int i = 0; i < n; ++i) {
+            const float x = gr[i];
+            float a;
+            if (x <= -10.0f) a = 0.0f;
+            else if (x >= 10.0f) a = x;
+            else a = g_f16[g_gelu[f32_to_f16_bits(x)]];
+            yr[i] = a * ur[i];
+        }
+    }
 }

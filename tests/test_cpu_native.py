@@ -1,9 +1,11 @@
 """The native CPU kernels (`engine/kernels/cpu/qgemv.c`) against a NumPy twin of their arithmetic.
 
 The twin below re-implements, in NumPy, what the C code computes: llama.cpp's activation
-quantization (Q8_0 / Q8_1 / Q8_K, fp16 scales where ggml stores fp16), exact integer block dot
-products, and the float scale accumulation in the order of ggml's generic `ggml_vec_dot_*`.
-Outputs must be bit-identical (not merely close). Skipped when no C compiler can build the kernels.
+quantization (Q8_0 / Q8_1 as its x86 AVX2 build rounds them, Q8_K as its reference), exact
+integer block dot products, and the float accumulation of ggml's AVX2 `ggml_vec_dot_*` for the
+32-blocks (eight fused multiply-add lanes, then its horizontal sum) and of its generic order for
+the K-quants. Outputs must be bit-identical (not merely close). Skipped when no C compiler can
+build the kernels.
 """
 
 from __future__ import annotations
@@ -33,21 +35,25 @@ def _f16(x: np.ndarray) -> np.ndarray:
     return np.asarray(x, dtype=F32).astype(np.float16).astype(F32)
 
 
-def _roundf(v: np.ndarray) -> np.ndarray:
-    """C roundf: half away from zero (exact in float32)."""
-    a = np.abs(v)
-    r = np.floor(a)
-    r = r + ((a - r) >= 0.5)
-    return np.copysign(r, v)
+def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """float32 fused multiply-add: the product of two float32 values is exact in long double."""
+    ld = np.longdouble
+    return (np.asarray(a, F32).astype(ld) * np.asarray(b, F32).astype(ld) + np.asarray(c, F32).astype(ld)).astype(F32)
+
+
+def hsum8(acc: np.ndarray) -> np.ndarray:
+    """ggml's hsum_float_8 over the last axis: ((0+4) + (2+6)) + ((1+5) + (3+7)), float32."""
+    r = (acc[..., 0:4] + acc[..., 4:8]).astype(F32)
+    return ((r[..., 0] + r[..., 2]).astype(F32) + (r[..., 1] + r[..., 3]).astype(F32)).astype(F32)
 
 
 def quant_32(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """ggml quantize_row_q8_1_ref (its q and d are q8_0's): q [T, nb, 32], d16 [T, nb], s16."""
+    """ggml's AVX2 quantize_row_q8_1 (its q and d are q8_0's): q [T, nb, 32], d16 [T, nb], s16."""
     xb = x.reshape(x.shape[0], -1, 32).astype(F32)
     amax = np.abs(xb).max(axis=-1)
     d = (amax / F32(127)).astype(F32)
-    inv = np.where(d != 0, F32(1) / np.where(d != 0, d, F32(1)), F32(0)).astype(F32)
-    q = _roundf((xb * inv[..., None]).astype(F32)).astype(np.int64)
+    inv = np.where(amax != 0, F32(127) / np.where(amax != 0, amax, F32(1)), F32(0)).astype(F32)
+    q = np.rint((xb * inv[..., None]).astype(F32)).astype(np.int64)  # ties to even
     s = _f16((q.sum(-1).astype(F32) * d).astype(F32))
     return q, _f16(d), s
 
@@ -93,25 +99,19 @@ def twin_legacy(type_name: str, raw: np.ndarray, x: np.ndarray) -> np.ndarray:
         w, wm = _nib(b[..., 8:24]) | _hbits(b[..., 4:8]), _fp16_col(b[..., 2:4])
     else:  # Q8_0
         w = b[..., 2:34].view(np.int8).astype(np.int64)
+    nb = w.shape[1]
     out = np.empty((x.shape[0], rows), dtype=F32)
     for t in range(x.shape[0]):
-        sumi = np.einsum("rbk,bk->rb", w, q[t]).astype(F32)  # exact: |sumi| < 2^24
-        sumf = np.zeros(rows, dtype=F32)
-        for ib in range(w.shape[1]):
-            dx, dy, si = wd[:, ib], yd[t, ib], sumi[:, ib]
-            if type_name == "Q4_0":
-                term = (si * dx).astype(F32) * dy
-            elif type_name == "Q8_0":
-                term = si * (dx * dy).astype(F32)
-            elif type_name == "Q5_0":
-                term = (dx * dy).astype(F32) * si
-            else:
-                assert wm is not None
-                term = ((dx * dy).astype(F32) * si).astype(F32) + (wm[:, ib] * ys[t, ib]).astype(
-                    F32
-                )
-            sumf = (sumf + term.astype(F32)).astype(F32)
-        out[t] = sumf
+        # lane m of a block: the exact integer sum of the products of elements 4m..4m+3
+        lanes = np.einsum("rblk,blk->rbl", w.reshape(rows, nb, 8, 4), q[t].reshape(nb, 8, 4))
+        acc = np.zeros((rows, 8), dtype=F32)
+        summs = np.zeros(rows, dtype=F32)
+        for ib in range(nb):
+            dd = (wd[:, ib] * yd[t, ib]).astype(F32)
+            acc = fma32(dd[:, None], lanes[:, ib].astype(F32), acc)
+            if wm is not None:
+                summs = (summs + (wm[:, ib] * ys[t, ib]).astype(F32)).astype(F32)
+        out[t] = (hsum8(acc) + summs).astype(F32) if wm is not None else hsum8(acc)
     return out
 
 

@@ -156,8 +156,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qg_f32_to_f16.restype = ctypes.c_uint16
     lib.qg_f32_to_f16.argtypes = [ctypes.c_float]
     f = ctypes.c_float
-    lib.qg_set_variant.restype = None
-    lib.qg_set_variant.argtypes = [i]
     lib.qg_rms_norm.restype = None
     lib.qg_rms_norm.argtypes = [vp, lg, vp, vp, i, i, f, i]
     lib.qg_rope_cache.restype = None

@@ -602,10 +602,6 @@ int qg_max_threads(void) {
 /* calls them. Rows are independent of each other, so results do not depend on batching.     */
 /* ========================================================================================== */
 
-/* experiment switches (0 = the default that matches the oracle; see qg_set_variant) */
-static int g_variant = 0;
-void qg_set_variant(int v) { g_variant = v; }
-
 /* RMSNorm: double sum of float squares, mean rounded to float, y = (x * (1 / sqrtf(mean + eps))) * w.
  * x: T rows of n, ldx apart; y: T rows of n (contiguous); w may be NULL. */
 void qg_rms_norm(const float *x, long ldx, const float *w, float *y, int T, int n, float eps,
@@ -650,7 +646,8 @@ void qg_rope_cache(int p0, int T, int n_dims, float base, float freq_scale, floa
 /* Rotate x [T, H, D] in place; the first n_rot dims of each head rotate, pair i uses
  * cos/sin[t, i] ([T, n_rot / 2]). neox: pairs (i, i + n_rot/2); else (2i, 2i + 1).
  * x0' = fma(x0, c, -(x1 * s)), x1' = fma(x0, s, x1 * c): how GCC contracts ggml's
- * `x0*c - x1*s` / `x0*s + x1*c`. */
+ * `x0*c - x1*s` / `x0*s + x1*c` (the other ways to fuse them, or none, all diverge from
+ * llama.cpp's logits on the oracle fixtures). */
 void qg_rope(float *x, int T, int H, int D, int n_rot, const float *cs, const float *sn, int neox,
              int nthreads) {
     const int half = n_rot / 2;
@@ -667,14 +664,8 @@ void qg_rope(float *x, int T, int H, int D, int n_rot, const float *cs, const fl
                 const int i0 = neox ? i : 2 * i;
                 const int i1 = neox ? i + half : 2 * i + 1;
                 const float x0 = v[i0], x1 = v[i1];
-                float a, b;
-                switch (g_variant & 3) {
-                case 1: a = x0 * c[i] - x1 * s[i]; b = x0 * s[i] + x1 * c[i]; break;
-                case 2: a = fmaf(x0, c[i], -(x1 * s[i])); b = fmaf(x1, c[i], x0 * s[i]); break;
-                default: a = fmaf(x0, c[i], -(x1 * s[i])); b = fmaf(x0, s[i], x1 * c[i]); break;
-                }
-                v[i0] = a;
-                v[i1] = b;
+                v[i0] = fmaf(x0, c[i], -(x1 * s[i]));
+                v[i1] = fmaf(x0, s[i], x1 * c[i]);
             }
         }
     }
@@ -683,6 +674,29 @@ void qg_rope(float *x, int T, int H, int D, int n_rot, const float *cs, const fl
 /* ggml_vec_dot_f16 (AVX2): four accumulators of eight lanes over 32-element steps, element
  * i + 8j + l into accumulator j lane l; reduced (0+2) + (1+3), then lanes (l + l+4), then
  * pairwise; a remainder adds float products into a double. */
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define QG_F16C 1
+static float dot_f16_ggml(const uint16_t *k, const uint16_t *q, int n) {
+    const int np = n & ~31;
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int i = 0; i < np; i += 32) {
+        for (int j = 0; j < 4; ++j) {
+            const __m256 a = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(k + i + 8 * j)));
+            const __m256 b = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(q + i + 8 * j)));
+            acc[j] = _mm256_fmadd_ps(a, b, acc[j]);
+        }
+    }
+    acc[0] = _mm256_add_ps(acc[0], acc[2]);
+    acc[1] = _mm256_add_ps(acc[1], acc[3]);
+    acc[0] = _mm256_add_ps(acc[0], acc[1]);
+    const __m128 t0 = _mm_add_ps(_mm256_castps256_ps128(acc[0]), _mm256_extractf128_ps(acc[0], 1));
+    const __m128 t1 = _mm_hadd_ps(t0, t0);
+    double sum = (double)_mm_cvtss_f32(_mm_hadd_ps(t1, t1));
+    for (int i = np; i < n; ++i) sum += (double)(g_f16[k[i]] * g_f16[q[i]]);
+    return (float)sum;
+}
+#else
+#define QG_F16C 0
 static float dot_f16_ggml(const uint16_t *k, const uint16_t *q, int n) {
     const int np = n & ~31;
     float acc[4][8];
@@ -704,6 +718,33 @@ static float dot_f16_ggml(const uint16_t *k, const uint16_t *q, int n) {
     double sum = (double)((t0 + t1) + (t2 + t3));
     for (int i = np; i < n; ++i) sum += (double)(g_f16[k[i]] * g_f16[q[i]]);
     return (float)sum;
+}
+#endif
+
+/* fp16 accumulator updates of the flash attention: y = fp16(y * v), y = fp16(fma(x, v, y)) */
+static inline void scale_f16(uint16_t *y, float v, int n) {
+    int i = 0;
+#if QG_F16C
+    const __m256 vv = _mm256_set1_ps(v);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 a = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(y + i))), vv);
+        _mm_storeu_si128((__m128i *)(y + i), _mm256_cvtps_ph(a, 0));
+    }
+#endif
+    for (; i < n; ++i) y[i] = f32_to_f16_bits(g_f16[y[i]] * v);
+}
+
+static inline void mad_f16(uint16_t *y, const uint16_t *x, float v, int n) {
+    int i = 0;
+#if QG_F16C
+    const __m256 vv = _mm256_set1_ps(v);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 a = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + i))), vv,
+                                         _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(y + i))));
+        _mm_storeu_si128((__m128i *)(y + i), _mm256_cvtps_ph(a, 0));
+    }
+#endif
+    for (; i < n; ++i) y[i] = f32_to_f16_bits(fmaf(g_f16[x[i]], v, g_f16[y[i]]));
 }
 
 /*
@@ -744,13 +785,13 @@ int qg_attn_f16(const float *q, int T, int H, int D, const uint16_t *kc, const u
             if (s > M) {
                 M = s;
                 ms = expf(Mold - M);
-                for (int i = 0; i < Dv; ++i) acc[i] = f32_to_f16_bits(g_f16[acc[i]] * ms);
+                scale_f16(acc, ms, Dv);
             } else {
                 vs = expf(s - M);
             }
             const uint16_t *vr = V + (long)ic * Dv;
-            for (int i = 0; i < Dv; ++i) acc[i] = f32_to_f16_bits(fmaf(g_f16[vr[i]], vs, g_f16[acc[i]]));
-            S = (g_variant & 4) ? S * ms + vs : fmaf(S, ms, vs);
+            mad_f16(acc, vr, vs, Dv);
+            S = fmaf(S, ms, vs); /* ggml's `S = S*ms + vs`, fused by its build */
         }
         const float sinv = S == 0.0f ? 0.0f : 1.0f / S;
         float *o = out + (long)t * H * Dv + (long)h * Dv;

@@ -2,11 +2,14 @@
 
     python bench/engine_cpu.py [--threads 2] [--prompt-tokens 256] [--gen-tokens 64]
                                [--backends numpy,native] [--models smollm2,gemma3]
+                               [--repeat N] [--against GIT_REF]
 
 Each model and backend runs in its own process (so peak RSS is its own) with BLAS and OpenMP
 limited to --threads. `numpy` is the float32 reference backend, `native` the compiled quantized
 GEMV (`engine/backends/cpu_native.py`).
 The llama.cpp reference (2 threads, this kind of 2-core machine) comes from issue 2.
+`--against REF` also measures the engine as of git REF (a temporary worktree), alternating with
+this checkout's runs, and prints this/REF ratios; `--repeat N` keeps each figure's median of N.
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -49,6 +54,8 @@ def main() -> int:
     ap.add_argument("--gen-tokens", type=int, default=64)
     ap.add_argument("--models", default="smollm2,gemma3")
     ap.add_argument("--backends", default="numpy,native", help="comma-separated: numpy, native")
+    ap.add_argument("--repeat", type=int, default=1, help="runs per figure (median)")
+    ap.add_argument("--against", help="git ref of a previous engine to measure in the same run")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--backend", default="numpy", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -58,44 +65,86 @@ def main() -> int:
     env = dict(os.environ)
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "GENIE_THREADS"):
         env[var] = str(args.threads)
+    base = None
+    if args.against:
+        base = Path(tempfile.mkdtemp(prefix="genie-bench-")) / "ref"
+        subprocess.run(
+            ["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach", str(base), args.against],
+            check=True,
+        )
     lines = [
         f"# engine_cpu — {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
         f"{args.threads} threads, prompt {args.prompt_tokens}, decode {args.gen_tokens}, "
-        f"load average {os.getloadavg()[0]:.2f} at start",
+        f"median of {args.repeat}, load average {os.getloadavg()[0]:.2f} at start",
         "",
         "| model | backend | prefill tok/s | llama.cpp | ratio | decode tok/s | llama.cpp | ratio "
-        "| peak RSS MiB | load s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| peak RSS MiB | load s |"
+        + (
+            f" {args.against} prefill | {args.against} decode | this/ref prefill "
+            "| this/ref decode |"
+            if base
+            else ""
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|---|" if base else ""),
     ]
-    runs = [(m, b) for m in args.models.split(",") for b in args.backends.split(",")]
-    for name, backend in runs:
+
+    def measure(name: str, backend: str, root: Path) -> dict:
+        cmd = [
+            sys.executable,
+            str(root / "bench" / "engine_cpu.py"),
+            "--child",
+            name,
+            "--backend",
+            backend,
+            "--prompt-tokens",
+            str(args.prompt_tokens),
+            "--gen-tokens",
+            str(args.gen_tokens),
+        ]
         out = subprocess.run(
-            [
-                sys.executable,
-                __file__,
-                "--child",
-                name,
-                "--backend",
-                backend,
-                "--prompt-tokens",
-                str(args.prompt_tokens),
-                "--gen-tokens",
-                str(args.gen_tokens),
-            ],
-            env=env,
+            cmd,
+            env={**env, "PYTHONPATH": str(root)},
             capture_output=True,
             text=True,
             check=True,
-            cwd=ROOT,
+            cwd=root,
         )
-        r = json.loads(out.stdout.strip().splitlines()[-1])
-        ref = LLAMA_CPP[name]
-        lines.append(
-            f"| {name} | {backend} | {r['prefill_tps']:.0f} | {ref['prefill_tps']:.0f} | "
-            f"{r['prefill_tps'] / ref['prefill_tps']:.2f}x | {r['decode_tps']:.1f} | "
-            f"{ref['decode_tps']:.0f} | {r['decode_tps'] / ref['decode_tps']:.2f}x | "
-            f"{r['peak_rss_mb']:.0f} | {r['load_s']:.1f} |"
-        )
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    def median(rs: list[dict]) -> dict:
+        return {
+            k: statistics.median(r[k] for r in rs)
+            for k in ("prefill_tps", "decode_tps", "peak_rss_mb", "load_s")
+        }
+
+    try:
+        for name, backend in [
+            (m, b) for m in args.models.split(",") for b in args.backends.split(",")
+        ]:
+            mine, theirs = [], []
+            for _ in range(args.repeat):  # alternate, so drift on a shared machine hits both alike
+                mine.append(measure(name, backend, ROOT))
+                if base:
+                    theirs.append(measure(name, backend, base))
+            r, ref = median(mine), LLAMA_CPP[name]
+            row = (
+                f"| {name} | {backend} | {r['prefill_tps']:.0f} | {ref['prefill_tps']:.0f} | "
+                f"{r['prefill_tps'] / ref['prefill_tps']:.2f}x | {r['decode_tps']:.1f} | "
+                f"{ref['decode_tps']:.0f} | {r['decode_tps'] / ref['decode_tps']:.2f}x | "
+                f"{r['peak_rss_mb']:.0f} | {r['load_s']:.1f} |"
+            )
+            if base:
+                o = median(theirs)
+                row += (
+                    f" {o['prefill_tps']:.0f} | {o['decode_tps']:.1f} | {r['prefill_tps'] / o['prefill_tps']:.2f}x "
+                    f"| {r['decode_tps'] / o['decode_tps']:.2f}x |"
+                )
+            lines.append(row)
+    finally:
+        if base:
+            subprocess.run(
+                ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=False
+            )
     lines.append(
         f"\nload average at end: {os.getloadavg()[0]:.2f} (other work on the machine skews this)"
     )
@@ -103,7 +152,7 @@ def main() -> int:
     print(text)
     results = ROOT / "bench" / "results"
     results.mkdir(parents=True, exist_ok=True)
-    (results / "engine_cpu.md").write_text(text + "\n\nCommand: `python bench/engine_cpu.py`\n")
+    (results / "engine_cpu.md").write_text(text + f"\n\nCommand: `python {' '.join(sys.argv)}`\n")
     return 0
 
 

@@ -38,7 +38,10 @@ def _f16(x: np.ndarray) -> np.ndarray:
 def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
     """float32 fused multiply-add: the product of two float32 values is exact in long double."""
     ld = np.longdouble
-    return (np.asarray(a, F32).astype(ld) * np.asarray(b, F32).astype(ld) + np.asarray(c, F32).astype(ld)).astype(F32)
+    return (
+        np.asarray(a, F32).astype(ld) * np.asarray(b, F32).astype(ld)
+        + np.asarray(c, F32).astype(ld)
+    ).astype(F32)
 
 
 def hsum8(acc: np.ndarray) -> np.ndarray:
@@ -309,5 +312,6 @@ def test_ops_keep_blocks_and_fuse(lib) -> None:  # type: ignore[no-untyped-def]
     assert np.array_equal(y, want + bias)
     rows = ops.embed_rows(c, np.array([3, 0, 3]), 64)
     assert np.array_equal(rows, dequantize(c.raw, "Q8_0", (16, 64))[[3, 0, 3]])
+
 
 # The real models against llama.cpp: tests/test_engine_oracle.py runs both backends.

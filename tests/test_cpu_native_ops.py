@@ -94,9 +94,15 @@ def _v_expf(x: np.ndarray) -> np.ndarray:
     e = (_bits(z) << np.uint64(23)) & np.uint64(0xFFFFFFFF)
     k = _float(e + _bits(F32(1)))
     u = (b * b).astype(F32)
-    j = fma32(fma32(fma32(c("0x1.0e4020p-7"), b, c("0x1.573e2ep-5")), u,
-                    fma32(c("0x1.555e66p-3"), b, c("0x1.fffdb6p-2"))),
-              u, (c("0x1.ffffecp-1") * b).astype(F32))
+    j = fma32(
+        fma32(
+            fma32(c("0x1.0e4020p-7"), b, c("0x1.573e2ep-5")),
+            u,
+            fma32(c("0x1.555e66p-3"), b, c("0x1.fffdb6p-2")),
+        ),
+        u,
+        (c("0x1.ffffecp-1") * b).astype(F32),
+    )
     out = fma32(j, k, k)
     big = np.abs(n) > 126
     g = np.where(n <= 0, np.uint64(0x82000000), np.uint64(0))
@@ -111,7 +117,9 @@ def _v_expf(x: np.ndarray) -> np.ndarray:
 def twin_swiglu(g: np.ndarray, u: np.ndarray) -> np.ndarray:
     nv = g.shape[-1] & ~7
     with np.errstate(over="ignore"):
-        e = np.concatenate([twin_v_expf((F32(0) - g[:, :nv]).astype(F32)), libm("expf", -g[:, nv:])], axis=1)
+        e = np.concatenate(
+            [twin_v_expf((F32(0) - g[:, :nv]).astype(F32)), libm("expf", -g[:, nv:])], axis=1
+        )
     return ((g / (F32(1) + e).astype(F32)).astype(F32) * u).astype(F32)
 
 
@@ -163,7 +171,9 @@ def twin_attention(q, kc, vc, start, window, scale):  # type: ignore[no-untyped-
                     vs = F32(_libm.expf(float(sc - m)))
                 acc = fma32(vh[ic], np.full(dv, vs, F32), acc).astype(F16).astype(F32)
                 s_sum = fma32(np.array(s_sum), np.array(ms), np.array(vs))[()]
-            out[ti, hi * dv : (hi + 1) * dv] = (acc * (F32(1) / s_sum if s_sum else F32(0))).astype(F32)
+            out[ti, hi * dv : (hi + 1) * dv] = (acc * (F32(1) / s_sum if s_sum else F32(0))).astype(
+                F32
+            )
     return out
 
 
@@ -200,7 +210,9 @@ def test_rms_norm_is_ggml_bit_for_bit(build: str, request: pytest.FixtureRequest
 
 
 @pytest.mark.parametrize("build", BUILDS)
-def test_rope_tables_and_rotation_are_ggml_bit_for_bit(build: str, request: pytest.FixtureRequest) -> None:
+def test_rope_tables_and_rotation_are_ggml_bit_for_bit(
+    build: str, request: pytest.FixtureRequest
+) -> None:
     """RoPE tables follow ggml's float theta recurrence with libm cosf/sinf; rotation fuses one multiply-add."""
     o = request.getfixturevalue(build)
     cos, sin = o.rope_tables(300, 64, 100000.0, 1.0)
@@ -225,7 +237,9 @@ def test_swiglu_uses_ggml_v_expf_and_libm_tail(build: str, request: pytest.Fixtu
     got = o.gated_act(gu[:, :45], gu[:, 45:], "silu")
     want = twin_swiglu(gu[:, :45], gu[:, 45:])
     assert np.array_equal(got, want)
-    assert not np.array_equal(want, (gu[:, :45] / (1 + np.exp(-gu[:, :45].astype(np.float64))) * gu[:, 45:]).astype(F32))
+    assert not np.array_equal(
+        want, (gu[:, :45] / (1 + np.exp(-gu[:, :45].astype(np.float64))) * gu[:, 45:]).astype(F32)
+    )
 
 
 @pytest.mark.parametrize("build", BUILDS)
@@ -241,8 +255,9 @@ def test_geglu_uses_the_fp16_gelu_table(build: str, request: pytest.FixtureReque
 
 @pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize(("start", "window"), [(0, 0), (3, 0), (2, 4)])
-def test_flash_attention_is_ggml_bit_for_bit(build: str, start: int, window: int,
-                                             request: pytest.FixtureRequest) -> None:
+def test_flash_attention_is_ggml_bit_for_bit(
+    build: str, start: int, window: int, request: pytest.FixtureRequest
+) -> None:
     """Attention over an fp16 cache equals ggml's CPU flash attention (fp16 V accumulator, online softmax)."""
     o = request.getfixturevalue(build)
     rng = np.random.default_rng(5 + start + window)
@@ -262,4 +277,6 @@ def test_attention_rows_do_not_depend_on_batching(ops: NativeOps) -> None:
     vc = rng.standard_normal((3, 32, 64)).astype(F16)
     whole = ops.attention(q, kc, vc, 4, 0, 0.125)
     for i in range(9):
-        assert np.array_equal(ops.attention(q[i : i + 1], kc, vc, 4 + i, 0, 0.125), whole[i : i + 1])
+        assert np.array_equal(
+            ops.attention(q[i : i + 1], kc, vc, 4 + i, 0, 0.125), whole[i : i + 1]
+        )

@@ -4,9 +4,11 @@ The C source is compiled at first use with the system C compiler into a cache di
 the repository (``~/.cache/genie-supervisor/kernels/<hash>.so``; the hash covers the source, the
 compiler, the flags and the machine) and loaded with ctypes. Weight matrices stay in their GGUF
 block layout (no float32 copy); every projection quantizes its activation row once, the way
-llama.cpp's CPU backend does (Q8_0 / Q8_1 / Q8_K), and computes integer block dot products with
-float scale accumulation in the order of ggml's generic reference. Norms, RoPE, attention and the
-rest are NumPy (inherited from `NumpyOps`).
+llama.cpp's x86 CPU backend does (Q8_0 / Q8_1 / Q8_K), and computes integer block dot products
+with the float accumulation of its AVX2 build. RMSNorm, RoPE, attention over the fp16 cache and
+the gated activations are C too, with llama.cpp's arithmetic (docs/engine.md): for Q4_1/Q8_0
+models such as SmolLM2 the logits are llama.cpp's bit for bit. The rest (embedding lookup,
+residual adds, other caches' attention) is NumPy (inherited from `NumpyOps`).
 
 Without a working compiler `native_available()` returns ``(False, reason)`` and `auto` falls
 back to the NumPy backend.
@@ -349,15 +351,27 @@ class NativeOps(NumpyOps):
         x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, shape[-1])
         y = np.empty(x2.shape, dtype=np.float32)
         w32 = np.ascontiguousarray(w, dtype=np.float32)
-        self.lib.qg_rms_norm(x2.ctypes.data, x2.shape[1], w32.ctypes.data, y.ctypes.data,
-                             x2.shape[0], x2.shape[1], float(eps), self.threads)
+        self.lib.qg_rms_norm(
+            x2.ctypes.data,
+            x2.shape[1],
+            w32.ctypes.data,
+            y.ctypes.data,
+            x2.shape[0],
+            x2.shape[1],
+            float(eps),
+            self.threads,
+        )
         return y.reshape(shape)
 
-    def rope_tables(self, n_ctx: int, dim: int, base: float, scale: float) -> tuple[np.ndarray, np.ndarray]:  # type: ignore[override]
+    def rope_tables(  # type: ignore[override]
+        self, n_ctx: int, dim: int, base: float, scale: float
+    ) -> tuple[np.ndarray, np.ndarray]:
         """cos and sin [n_ctx, dim/2] from ggml's float theta recurrence and libm cosf/sinf."""
         cos = np.empty((n_ctx, dim // 2), dtype=np.float32)
         sin = np.empty_like(cos)
-        self.lib.qg_rope_cache(0, n_ctx, dim, float(base), float(1.0 / scale), cos.ctypes.data, sin.ctypes.data)
+        self.lib.qg_rope_cache(
+            0, n_ctx, dim, float(base), float(1.0 / scale), cos.ctypes.data, sin.ctypes.data
+        )
         return cos, sin
 
     def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str) -> np.ndarray:  # type: ignore[override]
@@ -366,38 +380,79 @@ class NativeOps(NumpyOps):
         c = np.ascontiguousarray(cos, dtype=np.float32)
         s = np.ascontiguousarray(sin, dtype=np.float32)
         t, h, d = out.shape
-        self.lib.qg_rope(out.ctypes.data, t, h, d, 2 * c.shape[-1], c.ctypes.data, s.ctypes.data,
-                         int(style == "neox"), self.threads)
+        self.lib.qg_rope(
+            out.ctypes.data,
+            t,
+            h,
+            d,
+            2 * c.shape[-1],
+            c.ctypes.data,
+            s.ctypes.data,
+            int(style == "neox"),
+            self.threads,
+        )
         return out
 
     def attention(  # type: ignore[override]
         self, q: np.ndarray, k_cache: Any, v_cache: Any, start: int, window: int, scale: float
     ) -> np.ndarray:
         """ggml's CPU flash attention over an fp16 cache (other caches: the NumPy path)."""
-        if not (isinstance(k_cache, np.ndarray) and k_cache.dtype == np.float16
-                and isinstance(v_cache, np.ndarray) and v_cache.dtype == np.float16
-                and k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
+        if not (
+            isinstance(k_cache, np.ndarray)
+            and k_cache.dtype == np.float16
+            and isinstance(v_cache, np.ndarray)
+            and v_cache.dtype == np.float16
+            and k_cache.flags.c_contiguous
+            and v_cache.flags.c_contiguous
+        ):
             return NumpyOps.attention(q, k_cache, v_cache, start, window, scale)
         q = np.ascontiguousarray(q, dtype=np.float32)
         t, h, d = q.shape
         kv, n_ctx, _ = k_cache.shape
         dv = v_cache.shape[-1]
         out = np.empty((t, h * dv), dtype=np.float32)
-        rc = self.lib.qg_attn_f16(q.ctypes.data, t, h, d, k_cache.ctypes.data, v_cache.ctypes.data,
-                                  kv, n_ctx, dv, start, window, float(scale), out.ctypes.data, self.threads)
+        rc = self.lib.qg_attn_f16(
+            q.ctypes.data,
+            t,
+            h,
+            d,
+            k_cache.ctypes.data,
+            v_cache.ctypes.data,
+            kv,
+            n_ctx,
+            dv,
+            start,
+            window,
+            float(scale),
+            out.ctypes.data,
+            self.threads,
+        )
         if rc != 0:
             return NumpyOps.attention(q, k_cache, v_cache, start, window, scale)
         return out
 
     def gated_act(self, gate: np.ndarray, up: np.ndarray, kind: str) -> np.ndarray:  # type: ignore[override]
         """SwiGLU with ggml's AVX2 exp, or GeGLU with its fp16 GELU table."""
-        if (gate.dtype != np.float32 or up.dtype != np.float32 or gate.shape != up.shape
-                or gate.strides != up.strides or gate.strides[-1] != 4):
+        if (
+            gate.dtype != np.float32
+            or up.dtype != np.float32
+            or gate.shape != up.shape
+            or gate.strides != up.strides
+            or gate.strides[-1] != 4
+        ):
             return NumpyOps.gated_act(gate, up, kind)
         t, n = gate.shape
         y = np.empty((t, n), dtype=np.float32)
         if kind not in ("silu", "gelu_tanh"):
             return NumpyOps.gated_act(gate, up, kind)
         fn = self.lib.qg_swiglu if kind == "silu" else self.lib.qg_geglu
-        fn(gate.ctypes.data, up.ctypes.data, gate.strides[0] // 4, y.ctypes.data, t, n, self.threads)
+        fn(
+            gate.ctypes.data,
+            up.ctypes.data,
+            gate.strides[0] // 4,
+            y.ctypes.data,
+            t,
+            n,
+            self.threads,
+        )
         return y

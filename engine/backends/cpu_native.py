@@ -434,7 +434,8 @@ class NativeOps(NumpyOps):
     def gated_act(self, gate: np.ndarray, up: np.ndarray, kind: str) -> np.ndarray:  # type: ignore[override]
         """SwiGLU with ggml's AVX2 exp, or GeGLU with its fp16 GELU table."""
         if (
-            gate.dtype != np.float32
+            kind not in ("silu", "gelu_tanh")
+            or gate.dtype != np.float32
             or up.dtype != np.float32
             or gate.shape != up.shape
             or gate.strides != up.strides
@@ -443,8 +444,6 @@ class NativeOps(NumpyOps):
             return NumpyOps.gated_act(gate, up, kind)
         t, n = gate.shape
         y = np.empty((t, n), dtype=np.float32)
-        if kind not in ("silu", "gelu_tanh"):
-            return NumpyOps.gated_act(gate, up, kind)
         fn = self.lib.qg_swiglu if kind == "silu" else self.lib.qg_geglu
         fn(
             gate.ctypes.data,

@@ -250,7 +250,7 @@ def portable_lib():  # type: ignore[no-untyped-def]
 def test_gemm_bit_exact_with_twin(lib, type_name: str, threads: int) -> None:  # type: ignore[no-untyped-def]
     rng = np.random.default_rng(GGML_TYPE[type_name] * 10 + threads)
     block = BLOCK_BYTES[type_name][0]
-    for rows, nblk, t in ((1, 1, 1), (7, 3, 1), (65, 5, 2), (130, 2, 3)):
+    for rows, nblk, t in ((1, 1, 1), (7, 3, 1), (65, 5, 2), (130, 2, 3), (33, 4, 5), (9, 2, 9)):
         n = nblk * block
         raw = random_blocks(type_name, rows, n, rng)
         x = (rng.standard_normal((t, n)) * rng.uniform(0.1, 10)).astype(F32)
@@ -269,7 +269,7 @@ def test_simd_and_portable_paths_agree(lib, portable_lib, type_name: str) -> Non
     rng = np.random.default_rng(7)
     n = 2 * BLOCK_BYTES[type_name][0]
     raw = random_blocks(type_name, 33, n, rng)
-    x = rng.standard_normal((2, n)).astype(F32)
+    x = rng.standard_normal((6, n)).astype(F32)  # 4 + 2 rows: the K-row dot and its remainder
     assert np.array_equal(
         native_gemm(lib, type_name, raw, x, 2), native_gemm(portable_lib, type_name, raw, x, 1)
     )

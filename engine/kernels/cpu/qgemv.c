@@ -271,26 +271,37 @@ static inline __m256i load_hb(const uint8_t *qh) {
                              (long long)g_hbits[qh[1]], (long long)g_hbits[qh[0]]);
 }
 
-static inline lanes_t slanes(__m256i w, const int8_t *y) {
-    const __m256i yv = _mm256_loadu_si256((const __m256i *)y);
-    return madd_us8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(yv, w));
+/* a weight block ready for madd_us8: `a` the unsigned bytes, `s` the signs to give the activations
+ * (signed types: |w| and w, ggml's mul_sum_i8_pairs; unsigned types: w and unused) */
+typedef struct { __m256i a, s; } wprep_t;
+
+static inline wprep_t prep_signed(__m256i w) {
+    wprep_t p = {_mm256_sign_epi8(w, w), w};
+    return p;
+}
+static inline wprep_t prep_unsigned(__m256i w) {
+    wprep_t p = {w, w};
+    return p;
+}
+static inline lanes_t lanes_s(wprep_t p, const int8_t *y) {
+    return madd_us8(p.a, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)y), p.s));
+}
+static inline lanes_t lanes_u(wprep_t p, const int8_t *y) {
+    return madd_us8(p.a, _mm256_loadu_si256((const __m256i *)y));
 }
 
-static inline lanes_t blk_q4_0(const uint8_t *qs, const int8_t *y) {
-    return slanes(_mm256_sub_epi8(load_q4(qs), _mm256_set1_epi8(8)), y);
+static inline wprep_t prep_q4_0(const uint8_t *w) {
+    return prep_signed(_mm256_sub_epi8(load_q4(w + 2), _mm256_set1_epi8(8)));
 }
-static inline lanes_t blk_q4_1(const uint8_t *qs, const int8_t *y) {
-    return madd_us8(load_q4(qs), _mm256_loadu_si256((const __m256i *)y));
+static inline wprep_t prep_q4_1(const uint8_t *w) { return prep_unsigned(load_q4(w + 4)); }
+static inline wprep_t prep_q5_0(const uint8_t *w) {
+    return prep_signed(_mm256_sub_epi8(_mm256_or_si256(load_q4(w + 6), load_hb(w + 2)), _mm256_set1_epi8(16)));
 }
-static inline lanes_t blk_q5_0(const uint8_t *qh, const uint8_t *qs, const int8_t *y) {
-    const __m256i w = _mm256_or_si256(load_q4(qs), load_hb(qh));
-    return slanes(_mm256_sub_epi8(w, _mm256_set1_epi8(16)), y);
+static inline wprep_t prep_q5_1(const uint8_t *w) {
+    return prep_unsigned(_mm256_or_si256(load_q4(w + 8), load_hb(w + 4)));
 }
-static inline lanes_t blk_q5_1(const uint8_t *qh, const uint8_t *qs, const int8_t *y) {
-    return madd_us8(_mm256_or_si256(load_q4(qs), load_hb(qh)), _mm256_loadu_si256((const __m256i *)y));
-}
-static inline lanes_t blk_q8_0(const int8_t *qs, const int8_t *y) {
-    return slanes(_mm256_loadu_si256((const __m256i *)qs), y);
+static inline wprep_t prep_q8_0(const uint8_t *w) {
+    return prep_signed(_mm256_loadu_si256((const __m256i *)(w + 2)));
 }
 
 #else /* portable C */
@@ -334,84 +345,83 @@ static inline void unpack_q5(const uint8_t *restrict qh, const uint8_t *restrict
     for (int j = 0; j < 16; ++j) w8[j + 16] = (int8_t)(((qs[j] >> 4) | hb[j + 16]) - off);
 }
 
-static inline lanes_t blk_q4_0(const uint8_t *qs, const int8_t *y) {
-    int8_t w8[32];
-    unpack_q4(qs, w8, 8);
-    return lanes32(w8, y);
+typedef struct { int8_t v[32]; } wprep_t; /* the block's 32 values in element order */
+
+static inline lanes_t lanes_s(const wprep_t p, const int8_t *y) { return lanes32(p.v, y); }
+#define lanes_u lanes_s
+
+static inline wprep_t prep_q4_0(const uint8_t *w) {
+    wprep_t p;
+    unpack_q4(w + 2, p.v, 8);
+    return p;
 }
-static inline lanes_t blk_q4_1(const uint8_t *qs, const int8_t *y) {
-    int8_t w8[32];
-    unpack_q4(qs, w8, 0);
-    return lanes32(w8, y);
+static inline wprep_t prep_q4_1(const uint8_t *w) {
+    wprep_t p;
+    unpack_q4(w + 4, p.v, 0);
+    return p;
 }
-static inline lanes_t blk_q5_0(const uint8_t *qh, const uint8_t *qs, const int8_t *y) {
-    int8_t w8[32];
-    unpack_q5(qh, qs, w8, 16);
-    return lanes32(w8, y);
+static inline wprep_t prep_q5_0(const uint8_t *w) {
+    wprep_t p;
+    unpack_q5(w + 2, w + 6, p.v, 16);
+    return p;
 }
-static inline lanes_t blk_q5_1(const uint8_t *qh, const uint8_t *qs, const int8_t *y) {
-    int8_t w8[32];
-    unpack_q5(qh, qs, w8, 0);
-    return lanes32(w8, y);
+static inline wprep_t prep_q5_1(const uint8_t *w) {
+    wprep_t p;
+    unpack_q5(w + 4, w + 8, p.v, 0);
+    return p;
 }
-static inline lanes_t blk_q8_0(const int8_t *qs, const int8_t *y) { return lanes32(qs, y); }
+static inline wprep_t prep_q8_0(const uint8_t *w) {
+    wprep_t p;
+    memcpy(p.v, w + 2, 32);
+    return p;
+}
 
 #endif
 
-/* activation blocks of a 32-type row: float d[nb], float s[nb], int8 q[n] */
-#define ACT32(a, nb, d, s, q)                                   \
-    const float *d = (const float *)(a);                        \
-    const float *s = d + (nb);                                  \
-    const int8_t *q = (const int8_t *)(d + 2 * (nb));           \
-    (void)s
+/*
+ * One weight row against K <= 4 activation rows (ggml's vec_dot for each: the weight block is
+ * unpacked once and used K times, each output keeps its own accumulator, so every output is
+ * computed exactly as alone). Activation rows: float d[nb], float s[nb], int8 q[n].
+ */
+typedef void (*dotk_fn)(const uint8_t *restrict w, const uint8_t *const *a, int K, int n, float *out);
 
-static float dot_q4_0(const uint8_t *restrict w, const uint8_t *restrict a, int n) {
-    const int nb = n / 32;
-    ACT32(a, nb, d, s, q);
-    facc_t acc = acc_zero();
-    for (int ib = 0; ib < nb; ++ib, w += 18, q += 32) acc = acc_fma(acc, rdf16(w) * d[ib], blk_q4_0(w + 2, q));
-    return acc_sum(acc);
-}
-
-static float dot_q4_1(const uint8_t *restrict w, const uint8_t *restrict a, int n) {
-    const int nb = n / 32;
-    ACT32(a, nb, d, s, q);
-    facc_t acc = acc_zero();
-    float summs = 0.0f;
-    for (int ib = 0; ib < nb; ++ib, w += 20, q += 32) {
-        summs += rdf16(w + 2) * s[ib];
-        acc = acc_fma(acc, rdf16(w) * d[ib], blk_q4_1(w + 4, q));
+#define DOT32(NAME, BYTES, HAS_M, PREP, LANES)                                                    \
+    static void NAME##_k(const uint8_t *restrict w, const uint8_t *const *a, int K, int n,      \
+                         float *out) {                                                          \
+        const int nb = n / 32;                                                                  \
+        facc_t acc[4];                                                                          \
+        float summs[4];                                                                         \
+        const float *d[4], *s[4];                                                               \
+        const int8_t *q[4];                                                                     \
+        for (int k = 0; k < K; ++k) {                                                           \
+            acc[k] = acc_zero();                                                                \
+            summs[k] = 0.0f;                                                                    \
+            d[k] = (const float *)a[k];                                                         \
+            s[k] = d[k] + nb;                                                                   \
+            q[k] = (const int8_t *)(d[k] + 2 * nb);                                             \
+        }                                                                                       \
+        for (int ib = 0; ib < nb; ++ib, w += (BYTES)) {                                         \
+            const float dw = rdf16(w);                                                          \
+            const wprep_t p = PREP(w);                                                          \
+            for (int k = 0; k < K; ++k) {                                                       \
+                if (HAS_M) summs[k] += rdf16(w + 2) * s[k][ib];                                 \
+                acc[k] = acc_fma(acc[k], dw * d[k][ib], LANES(p, q[k] + 32 * ib));              \
+            }                                                                                   \
+        }                                                                                       \
+        for (int k = 0; k < K; ++k) out[k] = HAS_M ? acc_sum(acc[k]) + summs[k] : acc_sum(acc[k]); \
+    }                                                                                           \
+    static float NAME(const uint8_t *restrict w, const uint8_t *restrict a, int n) {           \
+        const uint8_t *rows[1] = {a};                                                           \
+        float o;                                                                                \
+        NAME##_k(w, rows, 1, n, &o);                                                            \
+        return o;                                                                               \
     }
-    return acc_sum(acc) + summs;
-}
 
-static float dot_q5_0(const uint8_t *restrict w, const uint8_t *restrict a, int n) {
-    const int nb = n / 32;
-    ACT32(a, nb, d, s, q);
-    facc_t acc = acc_zero();
-    for (int ib = 0; ib < nb; ++ib, w += 22, q += 32) acc = acc_fma(acc, rdf16(w) * d[ib], blk_q5_0(w + 2, w + 6, q));
-    return acc_sum(acc);
-}
-
-static float dot_q5_1(const uint8_t *restrict w, const uint8_t *restrict a, int n) {
-    const int nb = n / 32;
-    ACT32(a, nb, d, s, q);
-    facc_t acc = acc_zero();
-    float summs = 0.0f;
-    for (int ib = 0; ib < nb; ++ib, w += 24, q += 32) {
-        summs += rdf16(w + 2) * s[ib];
-        acc = acc_fma(acc, rdf16(w) * d[ib], blk_q5_1(w + 4, w + 8, q));
-    }
-    return acc_sum(acc) + summs;
-}
-
-static float dot_q8_0(const uint8_t *restrict w, const uint8_t *restrict a, int n) {
-    const int nb = n / 32;
-    ACT32(a, nb, d, s, q);
-    facc_t acc = acc_zero();
-    for (int ib = 0; ib < nb; ++ib, w += 34, q += 32) acc = acc_fma(acc, rdf16(w) * d[ib], blk_q8_0((const int8_t *)(w + 2), q));
-    return acc_sum(acc);
-}
+DOT32(dot_q4_0, 18, 0, prep_q4_0, lanes_s)
+DOT32(dot_q4_1, 20, 1, prep_q4_1, lanes_u)
+DOT32(dot_q5_0, 22, 0, prep_q5_0, lanes_s)
+DOT32(dot_q5_1, 24, 1, prep_q5_1, lanes_u)
+DOT32(dot_q8_0, 34, 0, prep_q8_0, lanes_s)
 
 /* Q4_K / Q5_K scales: 12 bytes -> 8 six-bit scales and 8 six-bit mins (ggml's utmp shuffle) */
 static inline void k_scales(const uint8_t *s, uint8_t *sc, uint8_t *mn) {
@@ -521,13 +531,15 @@ static float dot_q6_k(const uint8_t *restrict w, const uint8_t *restrict a, int 
     return sumf;
 }
 
-static dot_fn dot_for(int type, int *block, int *bytes, int *kind) {
+/* the row dot of a weight type, its K-row form where it has one (else *dotk = 0) */
+static dot_fn dot_for(int type, int *block, int *bytes, int *kind, dotk_fn *dotk) {
+    *dotk = 0;
     switch (type) {
-    case QG_Q4_0: *block = 32; *bytes = 18; *kind = QG_ACT_32; return dot_q4_0;
-    case QG_Q4_1: *block = 32; *bytes = 20; *kind = QG_ACT_32; return dot_q4_1;
-    case QG_Q5_0: *block = 32; *bytes = 22; *kind = QG_ACT_32; return dot_q5_0;
-    case QG_Q5_1: *block = 32; *bytes = 24; *kind = QG_ACT_32; return dot_q5_1;
-    case QG_Q8_0: *block = 32; *bytes = 34; *kind = QG_ACT_32; return dot_q8_0;
+    case QG_Q4_0: *block = 32; *bytes = 18; *kind = QG_ACT_32; *dotk = dot_q4_0_k; return dot_q4_0;
+    case QG_Q4_1: *block = 32; *bytes = 20; *kind = QG_ACT_32; *dotk = dot_q4_1_k; return dot_q4_1;
+    case QG_Q5_0: *block = 32; *bytes = 22; *kind = QG_ACT_32; *dotk = dot_q5_0_k; return dot_q5_0;
+    case QG_Q5_1: *block = 32; *bytes = 24; *kind = QG_ACT_32; *dotk = dot_q5_1_k; return dot_q5_1;
+    case QG_Q8_0: *block = 32; *bytes = 34; *kind = QG_ACT_32; *dotk = dot_q8_0_k; return dot_q8_0;
     case QG_Q4_K: *block = 256; *bytes = 144; *kind = QG_ACT_256; return dot_q4_k;
     case QG_Q5_K: *block = 256; *bytes = 176; *kind = QG_ACT_256; return dot_q5_k;
     case QG_Q6_K: *block = 256; *bytes = 210; *kind = QG_ACT_256; return dot_q6_k;
@@ -538,7 +550,8 @@ static dot_fn dot_for(int type, int *block, int *bytes, int *kind) {
 /* activation kind of a weight type, -1 when unsupported */
 int qg_act_kind(int type) {
     int b, s, k;
-    return dot_for(type, &b, &s, &k) ? k : -1;
+    dotk_fn dk;
+    return dot_for(type, &b, &s, &k, &dk) ? k : -1;
 }
 
 /*
@@ -549,7 +562,8 @@ int qg_act_kind(int type) {
 int qg_gemm(int type, const uint8_t *w, int rows, int n, const uint8_t *xq, int T,
             float *y, long ldy, const float *bias, int nthreads) {
     int block, bytes, kind;
-    dot_fn dot = dot_for(type, &block, &bytes, &kind);
+    dotk_fn dotk;
+    dot_fn dot = dot_for(type, &block, &bytes, &kind, &dotk);
     if (!dot || n % block) return -1;
     const size_t wrb = (size_t)(n / block) * bytes;
     const size_t arb = qg_act_row_bytes(kind, n);
@@ -564,7 +578,8 @@ int qg_gemm(int type, const uint8_t *w, int rows, int n, const uint8_t *xq, int 
         }
         return 0;
     }
-    /* T > 1: tiles of rows x all T (the weight tile stays in L1 while the activations stream) */
+    /* T > 1: tiles of rows x all T (the weight tile stays in L1 while the activations stream), four
+     * activation rows at a time for the types with a K-row dot */
     const int RT = 8;
     const int ntiles = (rows + RT - 1) / RT;
 #ifdef _OPENMP
@@ -573,12 +588,18 @@ int qg_gemm(int type, const uint8_t *w, int rows, int n, const uint8_t *xq, int 
     for (int tile = 0; tile < ntiles; ++tile) {
         const int r0 = tile * RT;
         const int r1 = r0 + RT < rows ? r0 + RT : rows;
-        for (int t = 0; t < T; ++t) {
-            const uint8_t *a = xq + arb * t;
-            float *yt = y + ldy * t;
+        for (int t = 0; t < T; t += 4) {
+            const int K = T - t < 4 ? T - t : 4;
+            const uint8_t *a[4];
+            for (int k = 0; k < K; ++k) a[k] = xq + arb * (t + k);
             for (int r = r0; r < r1; ++r) {
-                float v = dot(w + wrb * r, a, n);
-                yt[r] = bias ? v + bias[r] : v;
+                float v[4];
+                if (dotk) {
+                    dotk(w + wrb * r, a, K, n, v);
+                } else {
+                    for (int k = 0; k < K; ++k) v[k] = dot(w + wrb * r, a[k], n);
+                }
+                for (int k = 0; k < K; ++k) y[ldy * (t + k) + r] = bias ? v[k] + bias[r] : v[k];
             }
         }
     }

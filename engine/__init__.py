@@ -36,7 +36,7 @@ __all__ = [
 ]
 
 DEFAULT_CTX = 4096
-LOGITS_CHUNK = 256
+LOGITS_CHUNK = 512  # llama.cpp's default micro-batch (n_ubatch)
 
 
 @dataclass(frozen=True)
@@ -117,19 +117,29 @@ class Model:
 
     # --- compute ------------------------------------------------------------------------
     def logits(self, ids: Sequence[int], last_n: int | None = None) -> np.ndarray:
-        """Logits [len(ids), vocab] (or the last `last_n` rows) for `ids` in a fresh context."""
+        """Logits [len(ids), vocab] (or the last `last_n` rows) for `ids` in a fresh context.
+
+        Evaluated as llama.cpp evaluates a generation: the ids up to the first wanted row as a
+        prompt, in batches of LOGITS_CHUNK (its default micro-batch), then, on a backend whose
+        rounding depends on the batch (`ops.batch_dependent`: the native CPU kernels, which
+        round Q4_K like llama.cpp's repacked kernels), the rest one position at a time.
+        """
         ids = [int(t) for t in ids]
         if not ids:
             raise ValueError("ids is empty")
         if len(ids) > self.transformer.n_ctx:
             raise ContextOverflowError(len(ids), self.transformer.n_ctx)
         want = len(ids) if last_n is None else min(last_n, len(ids))
+        split = len(ids)
+        if want < len(ids) and getattr(self.transformer.ops, "batch_dependent", False):
+            split = len(ids) - want + 1
+        bounds = [(s, min(s + LOGITS_CHUNK, split)) for s in range(0, split, LOGITS_CHUNK)]
+        bounds += [(s, s + 1) for s in range(split, len(ids))]
         rows: list[np.ndarray] = []
         with self._thread_lock:
             self.transformer.kv.tokens = []
-            for start in range(0, len(ids), LOGITS_CHUNK):
-                chunk = ids[start : start + LOGITS_CHUNK]
-                end = start + len(chunk)
+            for start, end in bounds:
+                chunk = ids[start:end]
                 n = max(0, min(len(chunk), want - (len(ids) - end)))
                 out = self.transformer.forward(chunk, start, last_n=n if n else 1)
                 if n:

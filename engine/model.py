@@ -249,6 +249,8 @@ class Transformer:
         if s.traits.embed_scale:
             x = x * np.float32(math.sqrt(s.n_embd))
         hd, vd, nh, nkv = s.head_dim, s.v_head_dim, s.n_heads, s.n_kv_heads
+        keep = t if hidden or last_n is None else max(1, min(last_n, t))
+        last_layer = len(self.layers) - 1 if keep < t else -1
         for i, lw in enumerate(self.layers):
             h = ops.rms_norm(x, lw.attn_norm, s.norm_eps)
             qkv = ops.linear(h, lw.wqkv, lw.bqkv, lw.aq["qkv"])  # [T, (H + KV) * D + KV * Dv]
@@ -264,9 +266,14 @@ class Transformer:
             ops.kv_store(self.kv.k[i], start, k)
             ops.kv_store(self.kv.v[i], start, v)
             window = s.sliding_window if s.is_swa_layer(i) else 0
-            a = ops.attention(q, self.kv.k[i], self.kv.v[i], start, window, s.attn_scale)  # [T, H*Dv]
+            scale = s.attn_scale
+            if s.traits.scale_q:
+                q, scale = q * np.float32(scale), 1.0
+            a = ops.attention(q, self.kv.k[i], self.kv.v[i], start, window, scale)  # [T, H*Dv]
             del qkv, q, k, v, h  # each intermediate is dropped once used: a chunk's peak stays one step's
             a = ops.linear(a, lw.wo, None, lw.aq["o"])  # [T, E]
+            if i == last_layer:  # only the rows whose logits are wanted go on (llama.cpp's inp_out_ids)
+                a, x = a[-keep:], x[-keep:]
             if lw.post_attn_norm is not None:
                 a = ops.rms_norm(a, lw.post_attn_norm, s.norm_eps)
             x = x + a
@@ -282,8 +289,6 @@ class Transformer:
             del a, f
         if hidden:
             return x
-        if last_n is not None:
-            x = x[-last_n:]
         return self.head(x)
 
     def head(self, x: Any) -> Any:

@@ -36,6 +36,9 @@ class ArchTraits:
     """Every n-th layer is global, the others use the sliding window (gemma3: 6); 0 = none."""
     local_rope_base: float | None = None
     """RoPE base of the sliding-window layers (gemma3: 10000); None = same as global."""
+    scale_q: bool = False
+    """Multiply Q by the attention scale before attention, which then scales by 1 (gemma3, as
+    llama.cpp's graph does: the rounding of Q to fp16 in its flash attention sees the scaled Q)."""
 
 
 ARCHITECTURES: dict[str, ArchTraits] = {
@@ -50,6 +53,7 @@ ARCHITECTURES: dict[str, ArchTraits] = {
         embed_scale=True,
         sliding_window_pattern=6,
         local_rope_base=10000.0,
+        scale_q=True,
     ),
 }
 

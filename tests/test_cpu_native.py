@@ -148,6 +148,10 @@ def _k_values(type_name: str, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np
 
 
 def twin_k(type_name: str, raw: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """The K-quants. Q5_K: ggml's generic order (lane l: elements i % 8 == l, mul then add).
+    Q4_K / Q6_K: for matrices of rows % 8 == 0 the order of llama.cpp's repacked kernels (one
+    fma per super-block; Q4_K rows of a batch in groups of four: one per pair of sub-blocks),
+    else its AVX2 vec_dot (lane m: elements 4m..4m+3 of each 32, fma, then hsum)."""
     rows = raw.shape[0]
     b = raw.reshape(rows, -1, BLOCK_BYTES[type_name][1])
     v, sc, mn = _k_values(type_name, b)
@@ -158,24 +162,55 @@ def twin_k(type_name: str, raw: np.ndarray, x: np.ndarray) -> np.ndarray:
     else:
         wd, wmin = _fp16_col(b[..., 0:2]), _fp16_col(b[..., 2:4])
     q, yd, bsums = quant_256(x)
-    out = np.empty((x.shape[0], rows), dtype=F32)
-    for t in range(x.shape[0]):
-        prod = v * q[t][None]  # [R, nb, 256]
-        scaled = prod * np.repeat(sc, group, axis=-1)
-        aux32 = scaled.reshape(rows, nb, 32, 8).sum(axis=2)  # lane l: elements i % 8 == l
-        sums = np.zeros((rows, 8), dtype=F32)
-        sumf = np.zeros(rows, dtype=F32)
-        for ib in range(nb):
-            dd = (wd[:, ib] * yd[t, ib]).astype(F32)
-            sums = (sums + (dd[:, None] * aux32[:, ib].astype(F32)).astype(F32)).astype(F32)
-            if mn is not None:
-                assert wmin is not None
-                sumi = (bsums[t, ib][None, :] * np.repeat(mn[:, ib], 2, axis=-1)).sum(-1)
+    t_all = x.shape[0]
+    gemm_rows = t_all - t_all % 4 if t_all > 3 else 0
+    out = np.empty((t_all, rows), dtype=F32)
+    for t in range(t_all):
+        scaled = v * q[t][None] * np.repeat(sc, group, axis=-1)  # [R, nb, 256] exact ints
+        bs32 = bsums[t].reshape(nb, 8, 2).sum(-1)  # [nb, 8] sums of each 32 activations
+        imin = None if mn is None else (mn * bs32[None]).reshape(rows, nb, 4, 2).sum(-1)  # [R, nb, 4]
+        if type_name == "Q5_K":
+            aux32 = scaled.reshape(rows, nb, 32, 8).sum(axis=2)  # lane l: elements i % 8 == l
+            sums = np.zeros((rows, 8), dtype=F32)
+            sumf = np.zeros(rows, dtype=F32)
+            for ib in range(nb):
+                dd = (wd[:, ib] * yd[t, ib]).astype(F32)
+                sums = (sums + (dd[:, None] * aux32[:, ib].astype(F32)).astype(F32)).astype(F32)
                 dmin = (wmin[:, ib] * yd[t, ib]).astype(F32)
-                sumf = (sumf - (dmin * sumi.astype(F32)).astype(F32)).astype(F32)
-        for lane in range(8):
-            sumf = (sumf + sums[:, lane]).astype(F32)
-        out[t] = sumf
+                sumf = (sumf - (dmin * imin[:, ib].sum(-1).astype(F32)).astype(F32)).astype(F32)
+            for lane in range(8):
+                sumf = (sumf + sums[:, lane]).astype(F32)
+            out[t] = sumf
+        elif rows % 8 == 0:  # repacked by llama.cpp
+            groups = 4 if (type_name == "Q4_K" and t < gemm_rows) else 1
+            part = scaled.reshape(rows, nb, groups, -1).sum(-1)
+            acc = np.zeros(rows, dtype=F32)
+            accmin = np.zeros(rows, dtype=F32)
+            for ib in range(nb):
+                dd = (wd[:, ib] * yd[t, ib]).astype(F32)
+                for g in range(groups):
+                    acc = fma32(part[:, ib, g].astype(F32), dd, acc)
+                if imin is not None:
+                    dm = (wmin[:, ib] * yd[t, ib]).astype(F32)
+                    mins = imin[:, ib] if groups == 4 else imin[:, ib].sum(-1, keepdims=True)
+                    for g in range(mins.shape[-1]):
+                        accmin = fma32(mins[:, g].astype(F32), dm, accmin)
+            out[t] = (acc - accmin).astype(F32)
+        else:  # AVX2 vec_dot
+            lanes = scaled.reshape(rows, nb, 8, 8, 4).sum(axis=(2, 4))  # lane m: 4m..4m+3 of each 32
+            acc = np.zeros((rows, 8), dtype=F32)
+            accm = np.zeros((rows, 4), dtype=F32)
+            for ib in range(nb):
+                dd = (yd[t, ib] * wd[:, ib]).astype(F32)
+                if imin is not None:
+                    dmin = (-yd[t, ib] * wmin[:, ib]).astype(F32)
+                    accm = fma32(dmin[:, None], imin[:, ib].astype(F32), accm)
+                acc = fma32(dd[:, None], lanes[:, ib].astype(F32), acc)
+            tot = hsum8(acc)
+            if imin is not None:
+                m4 = ((accm[:, 0] + accm[:, 2]).astype(F32) + (accm[:, 1] + accm[:, 3]).astype(F32)).astype(F32)
+                tot = (tot + m4).astype(F32)
+            out[t] = tot
     return out
 
 
@@ -250,7 +285,7 @@ def portable_lib():  # type: ignore[no-untyped-def]
 def test_gemm_bit_exact_with_twin(lib, type_name: str, threads: int) -> None:  # type: ignore[no-untyped-def]
     rng = np.random.default_rng(GGML_TYPE[type_name] * 10 + threads)
     block = BLOCK_BYTES[type_name][0]
-    for rows, nblk, t in ((1, 1, 1), (7, 3, 1), (65, 5, 2), (130, 2, 3), (33, 4, 5), (9, 2, 9)):
+    for rows, nblk, t in ((1, 1, 1), (7, 3, 1), (65, 5, 2), (130, 2, 3), (33, 4, 5), (9, 2, 9), (16, 2, 6), (8, 1, 4)):
         n = nblk * block
         raw = random_blocks(type_name, rows, n, rng)
         x = (rng.standard_normal((t, n)) * rng.uniform(0.1, 10)).astype(F32)
@@ -268,11 +303,12 @@ def test_gemm_bit_exact_with_twin(lib, type_name: str, threads: int) -> None:  #
 def test_simd_and_portable_paths_agree(lib, portable_lib, type_name: str) -> None:  # type: ignore[no-untyped-def]
     rng = np.random.default_rng(7)
     n = 2 * BLOCK_BYTES[type_name][0]
-    raw = random_blocks(type_name, 33, n, rng)
-    x = rng.standard_normal((6, n)).astype(F32)  # 4 + 2 rows: the K-row dot and its remainder
-    assert np.array_equal(
-        native_gemm(lib, type_name, raw, x, 2), native_gemm(portable_lib, type_name, raw, x, 1)
-    )
+    for rows in (33, 16):  # 16: the orders of llama.cpp's repacked Q4_K / Q6_K
+        raw = random_blocks(type_name, rows, n, rng)
+        x = rng.standard_normal((6, n)).astype(F32)  # 4 + 2 rows: the K-row dot and its remainder
+        assert np.array_equal(
+            native_gemm(lib, type_name, raw, x, 2), native_gemm(portable_lib, type_name, raw, x, 1)
+        )
 
 
 def test_fp16_rounding_matches_numpy(lib) -> None:  # type: ignore[no-untyped-def]

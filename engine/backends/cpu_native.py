@@ -259,6 +259,9 @@ class NativeOps(NumpyOps):
     """`NumpyOps` with quantized matrices and a compiled GEMV; everything else is NumPy."""
 
     name = "native"
+    batch_dependent = True
+    """A row's rounding can depend on the rows computed with it: Q4_K matrices round like
+    llama.cpp's repacked kernels (a batch's rows in groups of four: its gemm; others: its gemv)."""
 
     def __init__(self, threads: int | None = None) -> None:
         lib, why = load_library()

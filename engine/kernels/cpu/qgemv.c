@@ -493,42 +493,149 @@ static float dot_k45(const uint8_t *restrict w, const uint8_t *restrict a, int n
     return sumf;
 }
 
+/* Q4_K's eight 32-element sub-block integer dots of one super-block, each times its scale
+ * (isub[s] = sc[s] * sum w*q over sub-block s), split by the eight AVX2 lanes too
+ * (lane[m] = sum_s sc[s] * sum over elements 4m..4m+3 of sub-block s), and the mins term
+ * imin[p] = mn[2p] * bsum32[2p] + mn[2p+1] * bsum32[2p+1] (bsum32: sum of a sub-block's q). */
+static inline void q4k_ints(const uint8_t *restrict w, const int8_t *restrict q, const int16_t *bs,
+                            int32_t isub[8], int32_t lane[8], int32_t imin[4]) {
+    uint8_t sc[8], mn[8];
+    int8_t aux8[256];
+    k_scales(w + 4, sc, mn);
+    unpack_k4(w + 16, aux8);
+    for (int m = 0; m < 8; ++m) lane[m] = 0;
+    for (int sb = 0; sb < 8; ++sb) {
+        int32_t tot = 0;
+        for (int m = 0; m < 8; ++m) {
+            const int8_t *x = aux8 + 32 * sb + 4 * m, *y = q + 32 * sb + 4 * m;
+            const int32_t v = x[0] * y[0] + x[1] * y[1] + x[2] * y[2] + x[3] * y[3];
+            lane[m] += sc[sb] * v;
+            tot += v;
+        }
+        isub[sb] = sc[sb] * tot;
+    }
+    for (int p = 0; p < 4; ++p) {
+        imin[p] = mn[2 * p] * (bs[4 * p] + bs[4 * p + 1]) + mn[2 * p + 1] * (bs[4 * p + 2] + bs[4 * p + 3]);
+    }
+}
+
+/* Q4_K as ggml's AVX2 ggml_vec_dot_q4_K_q8_K (matrices llama.cpp does not repack): eight lanes
+ * acc[m] = fma(d_x * d_w, lane[m], acc[m]), four mins lanes with -d_x * dmin_w, then
+ * hsum(acc) + ((m0 + m2) + (m1 + m3)). */
 static float dot_q4_k(const uint8_t *restrict w, const uint8_t *restrict a, int n) {
-    return dot_k45(w, a, n, 144, 16, -1);
+    const int nb = n / 256;
+    const float *d = (const float *)a;
+    const int16_t *bs = (const int16_t *)(d + nb);
+    const int8_t *q = (const int8_t *)(bs + 16 * nb);
+    float acc[8] = {0}, accm[4] = {0};
+    for (int ib = 0; ib < nb; ++ib, w += 144) {
+        int32_t isub[8], lane[8], imin[4];
+        q4k_ints(w, q + 256 * ib, bs + 16 * ib, isub, lane, imin);
+        const float dd = d[ib] * rdf16(w), dmin = -d[ib] * rdf16(w + 2);
+        for (int p = 0; p < 4; ++p) accm[p] = fmaf(dmin, (float)imin[p], accm[p]);
+        for (int m = 0; m < 8; ++m) acc[m] = fmaf(dd, (float)lane[m], acc[m]);
+    }
+    const float r0 = acc[0] + acc[4], r1 = acc[1] + acc[5], r2 = acc[2] + acc[6], r3 = acc[3] + acc[7];
+    return ((r0 + r2) + (r1 + r3)) + ((accm[0] + accm[2]) + (accm[1] + accm[3]));
+}
+
+/* Q4_K as llama.cpp's AVX2 repacked (8x8) kernels compute it, for matrices of rows % 8 == 0.
+ * gemv (single rows and a batch's last T % 4 rows): per super-block acc = fma(sum_s isub[s],
+ * d_w * d_x, acc) and accmin = fma(sum_p imin[p], dmin_w * d_x, accmin); gemm (a batch's rows in
+ * groups of four): one fma of each per pair of sub-blocks. Result acc - accmin. */
+static float dot_q4_k_repacked(const uint8_t *restrict w, const uint8_t *restrict a, int n, int gemm) {
+    const int nb = n / 256;
+    const float *d = (const float *)a;
+    const int16_t *bs = (const int16_t *)(d + nb);
+    const int8_t *q = (const int8_t *)(bs + 16 * nb);
+    float acc = 0.0f, accmin = 0.0f;
+    for (int ib = 0; ib < nb; ++ib, w += 144) {
+        int32_t isub[8], lane[8], imin[4];
+        q4k_ints(w, q + 256 * ib, bs + 16 * ib, isub, lane, imin);
+        const float dd = rdf16(w) * d[ib], dm = rdf16(w + 2) * d[ib];
+        if (gemm) {
+            for (int p = 0; p < 4; ++p) {
+                acc = fmaf((float)(isub[2 * p] + isub[2 * p + 1]), dd, acc);
+                accmin = fmaf((float)imin[p], dm, accmin);
+            }
+        } else {
+            int32_t tot = 0;
+            for (int sb = 0; sb < 8; ++sb) tot += isub[sb];
+            acc = fmaf((float)tot, dd, acc);
+            accmin = fmaf((float)(imin[0] + imin[1] + imin[2] + imin[3]), dm, accmin);
+        }
+    }
+    return acc - accmin;
 }
 
 static float dot_q5_k(const uint8_t *restrict w, const uint8_t *restrict a, int n) {
     return dot_k45(w, a, n, 176, 48, 16);
 }
 
+/* the 256 values (w - 32) of a Q6_K super-block in element order */
+static inline void q6k_unpack(const uint8_t *restrict w, int8_t *restrict aux8) {
+    for (int h = 0; h < 2; ++h) {
+        const uint8_t *ql = w + 64 * h;
+        const uint8_t *qh = w + 128 + 32 * h;
+        int8_t *o = aux8 + 128 * h;
+        for (int l = 0; l < 32; ++l) {
+            o[l] = (int8_t)(((ql[l] & 0x0F) | (((qh[l] >> 0) & 3) << 4)) - 32);
+            o[l + 32] = (int8_t)(((ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4)) - 32);
+            o[l + 64] = (int8_t)(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+            o[l + 96] = (int8_t)(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+        }
+    }
+}
+
+/* Q6_K as llama.cpp's repacked (8x8) kernel computes it for matrices of rows % 8 == 0: per
+ * super-block one fma of the whole integer sum (sum of scale * (w - 32) * q) times d_w * d_x.
+ * (llama.cpp's gemm for a batch's rows in groups of four may group the sum differently.) */
+static float dot_q6_k_repacked(const uint8_t *restrict w, const uint8_t *restrict a, int n) {
+    const int nb = n / 256;
+    const float *d = (const float *)a;
+    const int16_t *bs = (const int16_t *)(d + nb);
+    const int8_t *q = (const int8_t *)(bs + 16 * nb);
+    float acc = 0.0f;
+    int8_t aux8[256];
+    for (int ib = 0; ib < nb; ++ib, w += 210, q += 256) {
+        const int8_t *scales = (const int8_t *)(w + 192);
+        q6k_unpack(w, aux8);
+        int32_t tot = 0;
+        for (int g = 0; g < 16; ++g) {
+            int32_t v = 0;
+            for (int e = 16 * g; e < 16 * g + 16; ++e) v += aux8[e] * q[e];
+            tot += scales[g] * v;
+        }
+        acc = fmaf((float)tot, rdf16(w + 208) * d[ib], acc);
+    }
+    return acc;
+}
+
+/* Q6_K as ggml's AVX2 ggml_vec_dot_q6_K_q8_K: per super-block eight int lanes, lane m summing
+ * scale * (w - 32) * q over elements 4m..4m+3 of each 32-element chunk (the chunk's first 16
+ * with scale 2c, the rest with 2c+1), acc[m] = fma(d_x * d_w, lane[m], acc[m]); hsum at the end. */
 static float dot_q6_k(const uint8_t *restrict w, const uint8_t *restrict a, int n) {
     const int nb = n / 256;
     const float *d = (const float *)a;
     const int16_t *bs = (const int16_t *)(d + nb);
     const int8_t *q = (const int8_t *)(bs + 16 * nb);
-    float sums[8] = {0};
+    float acc[8] = {0};
     int8_t aux8[256];
     for (int ib = 0; ib < nb; ++ib, w += 210, q += 256) {
         const int8_t *scales = (const int8_t *)(w + 192);
-        for (int h = 0; h < 2; ++h) {
-            const uint8_t *ql = w + 64 * h;
-            const uint8_t *qh = w + 128 + 32 * h;
-            int8_t *o = aux8 + 128 * h;
-            for (int l = 0; l < 32; ++l) {
-                o[l] = (int8_t)(((ql[l] & 0x0F) | (((qh[l] >> 0) & 3) << 4)) - 32);
-                o[l + 32] = (int8_t)(((ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4)) - 32);
-                o[l + 64] = (int8_t)(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
-                o[l + 96] = (int8_t)(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+        q6k_unpack(w, aux8);
+        int32_t lane[8] = {0};
+        for (int c = 0; c < 8; ++c) {
+            for (int m = 0; m < 8; ++m) {
+                const int8_t *x = aux8 + 32 * c + 4 * m, *y = q + 32 * c + 4 * m;
+                lane[m] += scales[2 * c + (m >> 2)] * (x[0] * y[0] + x[1] * y[1] + x[2] * y[2] + x[3] * y[3]);
             }
         }
-        int32_t aux32[8] = {0};
-        for (int g = 0; g < 16; ++g) lane_acc(q + 16 * g, aux8 + 16 * g, 16, scales[g], aux32);
-        const float dd = rdf16(w + 208) * d[ib];
-        for (int l = 0; l < 8; ++l) sums[l] += dd * (float)aux32[l];
+        const float dd = d[ib] * rdf16(w + 208);
+        for (int m = 0; m < 8; ++m) acc[m] = fmaf(dd, (float)lane[m], acc[m]);
     }
-    float sumf = 0.0f;
-    for (int l = 0; l < 8; ++l) sumf += sums[l];
-    return sumf;
+    const float r0 = acc[0] + acc[4], r1 = acc[1] + acc[5], r2 = acc[2] + acc[6], r3 = acc[3] + acc[7];
+    return (r0 + r2) + (r1 + r3);
 }
 
 /* the row dot of a weight type, its K-row form where it has one (else *dotk = 0) */
@@ -568,6 +675,22 @@ int qg_gemm(int type, const uint8_t *w, int rows, int n, const uint8_t *xq, int 
     const size_t wrb = (size_t)(n / block) * bytes;
     const size_t arb = qg_act_row_bytes(kind, n);
     (void)nthreads;
+    if (type == QG_Q6_K && rows % 8 == 0) dot = dot_q6_k_repacked; /* repacked by llama.cpp */
+    if (type == QG_Q4_K && rows % 8 == 0) {
+        /* repacked by llama.cpp into 8x8 tiles: activation rows in groups of four (the first
+         * T - T % 4 of a batch of T > 3) take its gemm order, the others its gemv order */
+        const int tg = T > 3 ? T - T % 4 : 0;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (rows >= 64)
+#endif
+        for (int r = 0; r < rows; ++r) {
+            for (int t = 0; t < T; ++t) {
+                const float v = dot_q4_k_repacked(w + wrb * r, xq + arb * t, n, t < tg);
+                y[ldy * t + r] = bias ? v + bias[r] : v;
+            }
+        }
+        return 0;
+    }
     if (T == 1) {
 #ifdef _OPENMP
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (rows >= 64)

@@ -253,6 +253,13 @@ static inline float acc_sum(facc_t a) {
     return _mm_cvtss_f32(r);
 }
 
+static inline int32_t hsum8_i32(__m256i v) {
+    __m128i r = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    r = _mm_add_epi32(r, _mm_shuffle_epi32(r, _MM_SHUFFLE(1, 0, 3, 2)));
+    r = _mm_add_epi32(r, _mm_shuffle_epi32(r, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm_cvtsi128_si32(r);
+}
+
 /* u8 (0..31 or |signed| <= 128) x s8 -> 8 int32 lanes; no int16 saturation for our ranges */
 static inline __m256i madd_us8(__m256i u, __m256i s) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
@@ -500,8 +507,23 @@ static float dot_k45(const uint8_t *restrict w, const uint8_t *restrict a, int n
 static inline void q4k_ints(const uint8_t *restrict w, const int8_t *restrict q, const int16_t *bs,
                             int32_t isub[8], int32_t lane[8], int32_t imin[4]) {
     uint8_t sc[8], mn[8];
-    int8_t aux8[256];
     k_scales(w + 4, sc, mn);
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256i lanes = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) { /* 64 elements: sub-block 2j the low nibbles, 2j+1 the high */
+        const __m256i b = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * j));
+        const __m256i pl = madd_us8(_mm256_and_si256(b, m4), _mm256_loadu_si256((const __m256i *)(q + 64 * j)));
+        const __m256i ph = madd_us8(_mm256_and_si256(_mm256_srli_epi16(b, 4), m4),
+                                    _mm256_loadu_si256((const __m256i *)(q + 64 * j + 32)));
+        isub[2 * j] = sc[2 * j] * hsum8_i32(pl);
+        isub[2 * j + 1] = sc[2 * j + 1] * hsum8_i32(ph);
+        lanes = _mm256_add_epi32(lanes, _mm256_add_epi32(_mm256_mullo_epi32(pl, _mm256_set1_epi32(sc[2 * j])),
+                                                         _mm256_mullo_epi32(ph, _mm256_set1_epi32(sc[2 * j + 1]))));
+    }
+    _mm256_storeu_si256((__m256i *)lane, lanes);
+#else
+    int8_t aux8[256];
     unpack_k4(w + 16, aux8);
     for (int m = 0; m < 8; ++m) lane[m] = 0;
     for (int sb = 0; sb < 8; ++sb) {
@@ -514,6 +536,7 @@ static inline void q4k_ints(const uint8_t *restrict w, const int8_t *restrict q,
         }
         isub[sb] = sc[sb] * tot;
     }
+#endif
     for (int p = 0; p < 4; ++p) {
         imin[p] = mn[2 * p] * (bs[4 * p] + bs[4 * p + 1]) + mn[2 * p + 1] * (bs[4 * p + 2] + bs[4 * p + 3]);
     }
@@ -572,8 +595,37 @@ static float dot_q5_k(const uint8_t *restrict w, const uint8_t *restrict a, int 
     return dot_k45(w, a, n, 176, 48, 16);
 }
 
-/* the 256 values (w - 32) of a Q6_K super-block in element order */
-static inline void q6k_unpack(const uint8_t *restrict w, int8_t *restrict aux8) {
+/* Q6_K's eight int32 lanes of one super-block (ggml's AVX2 order): lane m sums
+ * scale * (w - 32) * q over elements 4m..4m+3 of each 32-element chunk c, the chunk's first 16
+ * elements with scale 2c, the rest with 2c + 1 */
+static inline void q6k_lanes(const uint8_t *restrict w, const int8_t *restrict q, int32_t lane[8]) {
+    const int8_t *scales = (const int8_t *)(w + 192);
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3), k32 = _mm256_set1_epi8(32);
+    __m256i acc = _mm256_setzero_si256();
+    for (int h = 0; h < 2; ++h) {
+        const __m256i l1 = _mm256_loadu_si256((const __m256i *)(w + 64 * h));
+        const __m256i l2 = _mm256_loadu_si256((const __m256i *)(w + 64 * h + 32));
+        const __m256i hb = _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h));
+        __m256i c[4];
+        c[0] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_slli_epi16(_mm256_and_si256(hb, m3), 4));
+        c[1] = _mm256_or_si256(_mm256_and_si256(l2, m4),
+                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), m3), 4));
+        c[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 4), m3), 4));
+        c[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l2, 4), m4),
+                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 6), m3), 4));
+        for (int k = 0; k < 4; ++k) {
+            const __m256i y = _mm256_loadu_si256((const __m256i *)(q + 128 * h + 32 * k));
+            const __m256i p16 = _mm256_sub_epi16(_mm256_maddubs_epi16(c[k], y), _mm256_maddubs_epi16(k32, y));
+            const short s0 = scales[2 * (4 * h + k)], s1 = scales[2 * (4 * h + k) + 1];
+            const __m256i sv = _mm256_setr_epi16(s0, s0, s0, s0, s0, s0, s0, s0, s1, s1, s1, s1, s1, s1, s1, s1);
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p16, sv));
+        }
+    }
+    _mm256_storeu_si256((__m256i *)lane, acc);
+#else
+    int8_t aux8[256];
     for (int h = 0; h < 2; ++h) {
         const uint8_t *ql = w + 64 * h;
         const uint8_t *qh = w + 128 + 32 * h;
@@ -585,6 +637,14 @@ static inline void q6k_unpack(const uint8_t *restrict w, int8_t *restrict aux8) 
             o[l + 96] = (int8_t)(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
         }
     }
+    for (int m = 0; m < 8; ++m) lane[m] = 0;
+    for (int c = 0; c < 8; ++c) {
+        for (int m = 0; m < 8; ++m) {
+            const int8_t *x = aux8 + 32 * c + 4 * m, *y = q + 32 * c + 4 * m;
+            lane[m] += scales[2 * c + (m >> 2)] * (x[0] * y[0] + x[1] * y[1] + x[2] * y[2] + x[3] * y[3]);
+        }
+    }
+#endif
 }
 
 /* Q6_K as llama.cpp's repacked (8x8) kernel computes it for matrices of rows % 8 == 0: per
@@ -596,16 +656,11 @@ static float dot_q6_k_repacked(const uint8_t *restrict w, const uint8_t *restric
     const int16_t *bs = (const int16_t *)(d + nb);
     const int8_t *q = (const int8_t *)(bs + 16 * nb);
     float acc = 0.0f;
-    int8_t aux8[256];
     for (int ib = 0; ib < nb; ++ib, w += 210, q += 256) {
-        const int8_t *scales = (const int8_t *)(w + 192);
-        q6k_unpack(w, aux8);
+        int32_t lane[8];
+        q6k_lanes(w, q, lane);
         int32_t tot = 0;
-        for (int g = 0; g < 16; ++g) {
-            int32_t v = 0;
-            for (int e = 16 * g; e < 16 * g + 16; ++e) v += aux8[e] * q[e];
-            tot += scales[g] * v;
-        }
+        for (int m = 0; m < 8; ++m) tot += lane[m];
         acc = fmaf((float)tot, rdf16(w + 208) * d[ib], acc);
     }
     return acc;
@@ -620,17 +675,9 @@ static float dot_q6_k(const uint8_t *restrict w, const uint8_t *restrict a, int 
     const int16_t *bs = (const int16_t *)(d + nb);
     const int8_t *q = (const int8_t *)(bs + 16 * nb);
     float acc[8] = {0};
-    int8_t aux8[256];
     for (int ib = 0; ib < nb; ++ib, w += 210, q += 256) {
-        const int8_t *scales = (const int8_t *)(w + 192);
-        q6k_unpack(w, aux8);
-        int32_t lane[8] = {0};
-        for (int c = 0; c < 8; ++c) {
-            for (int m = 0; m < 8; ++m) {
-                const int8_t *x = aux8 + 32 * c + 4 * m, *y = q + 32 * c + 4 * m;
-                lane[m] += scales[2 * c + (m >> 2)] * (x[0] * y[0] + x[1] * y[1] + x[2] * y[2] + x[3] * y[3]);
-            }
-        }
+        int32_t lane[8];
+        q6k_lanes(w, q, lane);
         const float dd = d[ib] * rdf16(w + 208);
         for (int m = 0; m < 8; ++m) acc[m] = fmaf(dd, (float)lane[m], acc[m]);
     }

@@ -166,10 +166,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qg_rope.argtypes = [vp, i, i, i, i, vp, vp, i, i]
     lib.qg_attn_f16.restype = i
     lib.qg_attn_f16.argtypes = [vp, i, i, i, vp, vp, i, i, i, i, i, f, vp, i]
-    lib.qg_swiglu.restype = None
-    lib.qg_swiglu.argtypes = [vp, vp, lg, vp, i, i, i]
-    lib.qg_geglu.restype = None
-    lib.qg_geglu.argtypes = [vp, vp, lg, vp, i, i, i]
+    lib.qg_glu.restype = None
+    lib.qg_glu.argtypes = [i, vp, vp, lg, vp, i, i, i]
 
 
 def load_library() -> tuple[ctypes.CDLL | None, str]:
@@ -447,8 +445,8 @@ class NativeOps(NumpyOps):
             return NumpyOps.gated_act(gate, up, kind)
         t, n = gate.shape
         y = np.empty((t, n), dtype=np.float32)
-        fn = self.lib.qg_swiglu if kind == "silu" else self.lib.qg_geglu
-        fn(
+        self.lib.qg_glu(
+            int(kind != "silu"),
             gate.ctypes.data,
             up.ctypes.data,
             gate.strides[0] // 4,

@@ -98,6 +98,8 @@ static uint16_t f32_to_f16_bits(float f) {
 
 static float round_f16(float f) { return g_f16[f32_to_f16_bits(f)]; }
 
+static void gelu_table(void);
+
 int qg_init(void) {
     if (g_ready) return 1;
     for (uint32_t i = 0; i < 65536; ++i) g_f16[i] = f16_bits_to_f32((uint16_t)i);
@@ -108,6 +110,7 @@ int qg_init(void) {
         }
         g_hbits[b] = v; /* little-endian: byte i of v is element i */
     }
+    gelu_table();
     g_ready = 1;
 #ifdef _OPENMP
     return 2; /* 2 = with OpenMP */
@@ -1018,57 +1021,43 @@ static float ggml_v_expf1(float x) {
 }
 
 /* SwiGLU, ggml_vec_swiglu_f32 (AVX2): y = x / (1 + v_expf(-x)) * u in groups of eight, the last
- * n % 8 values with libm expf. g, u: T rows ld apart; y: [T, n]. */
-void qg_swiglu(const float *g, const float *u, long ld, float *y, int T, int n, int nthreads) {
-    (void)nthreads;
-#ifdef _OPENMP
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (T > 4)
-#endif
-    for (int t = 0; t < T; ++t) {
-        const float *gr = g + (long)t * ld, *ur = u + (long)t * ld;
-        float *yr = y + (long)t * n;
-        const int nv = n & ~7;
-        int i = 0;
-        for (; i < nv; ++i) {
-            const float x = gr[i];
-            yr[i] = (x / (1.0f + ggml_v_expf1(0.0f - x))) * ur[i];
-        }
-        for (; i < n; ++i) yr[i] = (gr[i] / (1.0f + expf(-gr[i]))) * ur[i];
-    }
+ * n % 8 values with libm expf */
+static void swiglu_row(const float *g, const float *u, float *y, int n) {
+    const int nv = n & ~7;
+    int i = 0;
+    for (; i < nv; ++i) y[i] = (g[i] / (1.0f + ggml_v_expf1(0.0f - g[i]))) * u[i];
+    for (; i < n; ++i) y[i] = (g[i] / (1.0f + expf(-g[i]))) * u[i];
 }
 
 /* GeGLU with ggml's fp16 GELU table (GGML_GELU_FP16): x <= -10 -> 0, x >= 10 -> x * u, else
- * table[fp16(x)] * u; the table holds fp16(0.5x(1 + tanh(sqrt(2/pi) x (1 + 0.044715 x^2)))). */
+ * table[fp16(x)] * u; the table holds fp16(0.5x(1 + tanh(sqrt(2/pi) x (1 + 0.044715 x^2)))),
+ * built once by qg_init. */
 static uint16_t g_gelu[65536];
-static int g_gelu_ready = 0;
 
 static void gelu_table(void) {
-    if (g_gelu_ready) return;
     for (uint32_t h = 0; h < 65536; ++h) {
         const float x = g_f16[h];
         const float inner = fmaf(0.044715f * x, x, 1.0f);
         const float v = 0.5f * x * (1.0f + tanhf(0.79788456080286535587989211986876f * x * inner));
         g_gelu[h] = f32_to_f16_bits(v);
     }
-    g_gelu_ready = 1;
 }
 
-void qg_geglu(const float *g, const float *u, long ld, float *y, int T, int n, int nthreads) {
-    gelu_table();
+static void geglu_row(const float *g, const float *u, float *y, int n) {
+    for (int i = 0; i < n; ++i) {
+        const float x = g[i];
+        const float a = x <= -10.0f ? 0.0f : x >= 10.0f ? x : g_f16[g_gelu[f32_to_f16_bits(x)]];
+        y[i] = a * u[i];
+    }
+}
+
+/* gated activation of T rows: kind 0 SwiGLU, 1 GeGLU; g, u: T rows ld apart; y: [T, n] */
+void qg_glu(int kind, const float *g, const float *u, long ld, float *y, int T, int n, int nthreads) {
     (void)nthreads;
 #ifdef _OPENMP
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (T > 4)
 #endif
     for (int t = 0; t < T; ++t) {
-        const float *gr = g + (long)t * ld, *ur = u + (long)t * ld;
-        float *yr = y + (long)t * n;
-        for (int i = 0; i < n; ++i) {
-            const float x = gr[i];
-            float a;
-            if (x <= -10.0f) a = 0.0f;
-            else if (x >= 10.0f) a = x;
-            else a = g_f16[g_gelu[f32_to_f16_bits(x)]];
-            yr[i] = a * ur[i];
-        }
+        (kind ? geglu_row : swiglu_row)(g + (long)t * ld, u + (long)t * ld, y + (long)t * n, n);
     }
 }

@@ -351,3 +351,16 @@ def test_ops_keep_blocks_and_fuse(lib) -> None:  # type: ignore[no-untyped-def]
 
 
 # The real models against llama.cpp: tests/test_engine_oracle.py runs both backends.
+
+
+def test_fallback_build_says_why_the_better_one_failed(monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    """When a flag set fails to build, the next one is used and the reason names the failure (and is logged)."""
+    from engine.backends import cpu_native
+
+    good = cpu_native._flag_sets()[-1]
+    monkeypatch.setattr(cpu_native, "_flag_sets", lambda: [good + ["-fno-such-flag-genie"], good])
+    with caplog.at_level("WARNING", logger="engine.backends.cpu_native"):
+        lib, why = cpu_native._build()
+    assert lib is not None
+    assert "after:" in why and "-fno-such-flag-genie" in why
+    assert any("fell back" in r.getMessage() for r in caplog.records)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -130,10 +131,13 @@ def build_library(flags: list[str]) -> tuple[ctypes.CDLL | None, str]:
 
 
 def _build() -> tuple[ctypes.CDLL | None, str]:
-    errors = []
+    errors: list[str] = []
     for flags in _flag_sets():
         lib, why = build_library(flags)
         if lib is not None:
+            if errors:  # a fallback build: slower (and it says why the better one failed)
+                why += " after: " + "; ".join(e[:300] for e in errors)
+                logging.getLogger(__name__).warning("native kernels: fell back to %s", why)
             return lib, why
         errors.append(why)
         if why.startswith(("no C compiler", "kernel source missing")):

@@ -128,7 +128,10 @@ def read_spec(gf: GGUFFile) -> ModelSpec:
     rope_scale = 1.0
     if gf.get(key("rope.scaling.type"), "none") == "linear":
         rope_scale = float(gf.get(key("rope.scaling.factor"), 1.0)) or 1.0
-    attn_scale = 1.0 / math.sqrt(head_dim)  # gemma3's query_pre_attn_scalar equals head_dim
+    attn_scale = 1.0 / math.sqrt(head_dim)
+    if arch == "gemma3" and int(gf.require(key("block_count"))) == 62:
+        # gemma3 27B's query_pre_attn_scalar is n_embd / n_heads, not head_dim (llama.cpp: LLM_TYPE_27B)
+        attn_scale = 1.0 / math.sqrt(n_embd / n_heads)
     if n_heads % n_kv:
         raise ModelFormatError(
             gf.path, key("attention.head_count_kv"), f"{n_heads} heads not divisible by {n_kv}"

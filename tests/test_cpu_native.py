@@ -262,6 +262,8 @@ def native_gemm(lib, type_name: str, raw: np.ndarray, x: np.ndarray, threads: in
 
 
 TYPES = sorted(GGML_TYPE)
+PORTABLE_FLAGS = ["-O2", "-std=gnu99", "-ffp-contract=off", "-shared", "-fPIC"]
+"""The kernels for the baseline ISA: portable C loops, fmaf from libm, no SIMD paths, no OpenMP."""
 
 
 @pytest.fixture(scope="module")
@@ -274,7 +276,7 @@ def lib():  # type: ignore[no-untyped-def]
 @pytest.fixture(scope="module")
 def portable_lib():  # type: ignore[no-untyped-def]
     """The same source built for the baseline ISA (portable C loops, no SIMD paths, no OpenMP)."""
-    lib, why = build_library(["-O2", "-std=gnu99", "-ffp-contract=off", "-shared", "-fPIC"])
+    lib, why = build_library(PORTABLE_FLAGS)
     if lib is None:
         pytest.skip(why)
     return lib

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from engine.backends.cpu_native import NativeOps, build_library, native_available
-from tests.test_cpu_native import fma32
+from tests.test_cpu_native import PORTABLE_FLAGS, fma32
 
 OK, WHY = native_available()
 pytestmark = pytest.mark.skipif(not OK, reason=f"native kernels unavailable: {WHY}")
@@ -186,7 +186,7 @@ def ops() -> NativeOps:
 @pytest.fixture(scope="module")
 def portable() -> NativeOps:
     """NativeOps on the baseline-ISA build (portable C, fmaf from libm, no OpenMP)."""
-    lib, why = build_library(["-O2", "-std=gnu99", "-ffp-contract=off", "-shared", "-fPIC"])
+    lib, why = build_library(PORTABLE_FLAGS)
     if lib is None:
         pytest.skip(why)
     o = NativeOps(threads=1)

@@ -506,7 +506,8 @@ static float dot_k45(const uint8_t *restrict w, const uint8_t *restrict a, int n
 /* Q4_K's eight 32-element sub-block integer dots of one super-block, each times its scale
  * (isub[s] = sc[s] * sum w*q over sub-block s), split by the eight AVX2 lanes too
  * (lane[m] = sum_s sc[s] * sum over elements 4m..4m+3 of sub-block s), and the mins term
- * imin[p] = mn[2p] * bsum32[2p] + mn[2p+1] * bsum32[2p+1] (bsum32: sum of a sub-block's q). */
+ * imin[p] = mn[2p] * bsum32[2p] + mn[2p+1] * bsum32[2p+1] (bsum32: sum of a sub-block's q).
+ * isub or lane may be NULL when the caller's order does not use them. */
 static inline void q4k_ints(const uint8_t *restrict w, const int8_t *restrict q, const int16_t *bs,
                             int32_t isub[8], int32_t lane[8], int32_t imin[4]) {
     uint8_t sc[8], mn[8];
@@ -519,26 +520,31 @@ static inline void q4k_ints(const uint8_t *restrict w, const int8_t *restrict q,
         const __m256i pl = madd_us8(_mm256_and_si256(b, m4), _mm256_loadu_si256((const __m256i *)(q + 64 * j)));
         const __m256i ph = madd_us8(_mm256_and_si256(_mm256_srli_epi16(b, 4), m4),
                                     _mm256_loadu_si256((const __m256i *)(q + 64 * j + 32)));
-        isub[2 * j] = sc[2 * j] * hsum8_i32(pl);
-        isub[2 * j + 1] = sc[2 * j + 1] * hsum8_i32(ph);
-        lanes = _mm256_add_epi32(lanes, _mm256_add_epi32(_mm256_mullo_epi32(pl, _mm256_set1_epi32(sc[2 * j])),
-                                                         _mm256_mullo_epi32(ph, _mm256_set1_epi32(sc[2 * j + 1]))));
+        if (isub) {
+            isub[2 * j] = sc[2 * j] * hsum8_i32(pl);
+            isub[2 * j + 1] = sc[2 * j + 1] * hsum8_i32(ph);
+        }
+        if (lane) {
+            lanes = _mm256_add_epi32(lanes, _mm256_add_epi32(_mm256_mullo_epi32(pl, _mm256_set1_epi32(sc[2 * j])),
+                                                             _mm256_mullo_epi32(ph, _mm256_set1_epi32(sc[2 * j + 1]))));
+        }
     }
-    _mm256_storeu_si256((__m256i *)lane, lanes);
+    if (lane) _mm256_storeu_si256((__m256i *)lane, lanes);
 #else
     int8_t aux8[256];
     unpack_k4(w + 16, aux8);
-    for (int m = 0; m < 8; ++m) lane[m] = 0;
+    int32_t lanes[8] = {0};
     for (int sb = 0; sb < 8; ++sb) {
         int32_t tot = 0;
         for (int m = 0; m < 8; ++m) {
             const int8_t *x = aux8 + 32 * sb + 4 * m, *y = q + 32 * sb + 4 * m;
             const int32_t v = x[0] * y[0] + x[1] * y[1] + x[2] * y[2] + x[3] * y[3];
-            lane[m] += sc[sb] * v;
+            lanes[m] += sc[sb] * v;
             tot += v;
         }
-        isub[sb] = sc[sb] * tot;
+        if (isub) isub[sb] = sc[sb] * tot;
     }
+    if (lane) memcpy(lane, lanes, sizeof(lanes));
 #endif
     for (int p = 0; p < 4; ++p) {
         imin[p] = mn[2 * p] * (bs[4 * p] + bs[4 * p + 1]) + mn[2 * p + 1] * (bs[4 * p + 2] + bs[4 * p + 3]);
@@ -555,8 +561,8 @@ static float dot_q4_k(const uint8_t *restrict w, const uint8_t *restrict a, int 
     const int8_t *q = (const int8_t *)(bs + 16 * nb);
     float acc[8] = {0}, accm[4] = {0};
     for (int ib = 0; ib < nb; ++ib, w += 144) {
-        int32_t isub[8], lane[8], imin[4];
-        q4k_ints(w, q + 256 * ib, bs + 16 * ib, isub, lane, imin);
+        int32_t lane[8], imin[4];
+        q4k_ints(w, q + 256 * ib, bs + 16 * ib, NULL, lane, imin);
         const float dd = d[ib] * rdf16(w), dmin = -d[ib] * rdf16(w + 2);
         for (int p = 0; p < 4; ++p) accm[p] = fmaf(dmin, (float)imin[p], accm[p]);
         for (int m = 0; m < 8; ++m) acc[m] = fmaf(dd, (float)lane[m], acc[m]);
@@ -576,8 +582,8 @@ static float dot_q4_k_repacked(const uint8_t *restrict w, const uint8_t *restric
     const int8_t *q = (const int8_t *)(bs + 16 * nb);
     float acc = 0.0f, accmin = 0.0f;
     for (int ib = 0; ib < nb; ++ib, w += 144) {
-        int32_t isub[8], lane[8], imin[4];
-        q4k_ints(w, q + 256 * ib, bs + 16 * ib, isub, lane, imin);
+        int32_t isub[8], imin[4];
+        q4k_ints(w, q + 256 * ib, bs + 16 * ib, isub, NULL, imin);
         const float dd = rdf16(w) * d[ib], dm = rdf16(w + 2) * d[ib];
         if (gemm) {
             for (int p = 0; p < 4; ++p) {
@@ -797,7 +803,7 @@ int qg_max_threads(void) {
 /* ========================================================================================== */
 
 /* RMSNorm: double sum of float squares, mean rounded to float, y = (x * (1 / sqrtf(mean + eps))) * w.
- * x: T rows of n, ldx apart; y: T rows of n (contiguous); w may be NULL. */
+ * x: T rows of n, ldx apart; y: T rows of n (contiguous). */
 void qg_rms_norm(const float *x, long ldx, const float *w, float *y, int T, int n, float eps,
                  int nthreads) {
     (void)nthreads;
@@ -811,11 +817,7 @@ void qg_rms_norm(const float *x, long ldx, const float *w, float *y, int T, int 
         for (int i = 0; i < n; ++i) sum += (double)(xr[i] * xr[i]);
         const float mean = (float)(sum / n);
         const float scale = 1.0f / sqrtf(mean + eps);
-        if (w) {
-            for (int i = 0; i < n; ++i) yr[i] = (xr[i] * scale) * w[i];
-        } else {
-            for (int i = 0; i < n; ++i) yr[i] = xr[i] * scale;
-        }
+        for (int i = 0; i < n; ++i) yr[i] = (xr[i] * scale) * w[i];
     }
 }
 

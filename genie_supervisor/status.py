@@ -8,6 +8,8 @@ from typing import Any
 
 import httpx
 
+from .urls import redact_url
+
 
 def _mb(value: Any) -> str:
     return f"{value:.1f} MiB" if isinstance(value, (int, float)) else "-"
@@ -78,7 +80,18 @@ def format_status(s: dict[str, Any], url: str) -> str:
         lines.append(f"voice: stt {'active' if voice.get('stt_active') else 'idle'}, "
                      f"tts {'active' if voice.get('tts_active') else 'idle'}")
     mqtt = s.get("mqtt") or {}
-    lines.append(f"mqtt: {mqtt.get('url') or 'off'}")
+    if not mqtt.get("url"):
+        lines.append("mqtt: off")
+    else:
+        where = redact_url(mqtt.get("broker") or mqtt.get("url"))  # an older daemon may show credentials
+        state = "connected" if mqtt.get("connected") else "NOT CONNECTED"
+        line = f"mqtt: {where} {state}" + (f" since {mqtt['since']}" if mqtt.get("since") else "")
+        if not mqtt.get("connected") and mqtt.get("last_error"):
+            line += f" ({mqtt['last_error']})"
+        refusal = mqtt.get("last_command_error")
+        if refusal:
+            line += f"; last refused command: {refusal.get('topic')} {refusal.get('payload')!r}: {refusal.get('reason')}"
+        lines.append(line)
     return "\n".join(lines)
 
 

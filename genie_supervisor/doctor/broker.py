@@ -12,8 +12,9 @@ import socket
 import ssl
 import struct
 import time
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
+from ..urls import redact_url
 from .checks import Check
 
 CONNACK_CODES = {
@@ -63,12 +64,20 @@ def _read_exact(sock: socket.socket, n: int) -> bytes:
 
 
 def mqtt_ping(url: str, *, username: str | None = None, password: str | None = None,
-              tls: bool = False, ca_file: str | None = None, timeout_s: float = 2.0) -> tuple[bool, str]:
-    """(True, "CONNACK accepted in N ms") when the broker at `url` accepts a CONNECT, else (False, why)."""
+              tls: bool = False, ca_file: str | None = None, cert_file: str | None = None,
+              key_file: str | None = None, timeout_s: float = 2.0) -> tuple[bool, str]:
+    """(True, "CONNACK accepted in N ms") when the broker at `url` accepts a CONNECT, else (False, why).
+
+    User name and password default to the URL's (``mqtt://user:pass@host``), as the daemon's.
+    """
     parts = urlsplit(url)
     host = parts.hostname or "127.0.0.1"
     secure = tls or parts.scheme == "mqtts"
     port = parts.port or (8883 if secure else 1883)
+    if username is None and parts.username:
+        username = unquote(parts.username)
+    if password is None and parts.password:
+        password = unquote(parts.password)
     started = time.perf_counter()
     try:
         raw = socket.create_connection((host, port), timeout=timeout_s)
@@ -80,6 +89,8 @@ def mqtt_ping(url: str, *, username: str | None = None, password: str | None = N
     try:
         if secure:
             context = ssl.create_default_context(cafile=ca_file)
+            if cert_file is not None:
+                context.load_cert_chain(cert_file, key_file)
             sock = context.wrap_socket(raw, server_hostname=host)
         sock.settimeout(max(0.05, timeout_s - (time.perf_counter() - started)))
         sock.sendall(connect_packet(f"genie-doctor-{os.getpid()}", username, password))
@@ -107,6 +118,7 @@ def check_broker(url: str | None, ping: tuple[bool, str] | None) -> Check:
     """The broker verdict: `ping` is mqtt_ping's answer (None when MQTT is disabled)."""
     if url is None or ping is None:
         return Check("broker", "ok", "MQTT disabled (mqtt.url is null)")
+    url = redact_url(url) or ""  # never show a password given in the URL
     up, why = ping
     if up:
         return Check("broker", "ok", f"{url}: {why}")

@@ -5,7 +5,14 @@
 what is stale -> publish discovery and every state -> ``online`` -> work until the connection
 drops. On an error it logs, backs off (0.5 s doubling to ``reconnect_max_s``, starting over after
 a connection that got online) and retries; cancellation always propagates, after publishing
-``offline`` and disconnecting cleanly (bounded by a short deadline).
+``offline`` and disconnecting cleanly (bounded by a short deadline). ``online`` is re-published
+with every periodic refresh (a heartbeat); a frozen daemon stops sending keepalives, and the
+broker publishes the will after 1.5 x ``keepalive``.
+
+Commands wait in ``PendingCommands`` (one per topic, the latest value wins) and run one after the
+other; voice hints run at once. A refused command (bad payload, or the app's callback raising
+ValueError) is published on the ``command_error`` sensor and the control's state is sent again, so
+Home Assistant's number, select or switch snaps back to the value in force.
 
 Readiness: ``task_status.started()`` is called once the first connection is online, or after
 ``startup_wait_s`` when the broker cannot be reached: the daemon never waits on the broker; the
@@ -21,6 +28,7 @@ import random
 import secrets
 import time
 from collections.abc import Callable, Iterator
+from datetime import datetime, timezone
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -32,7 +40,16 @@ from anyio.abc import TaskStatus
 from .. import __version__
 from ..config import MqttConfig
 from ..state import StateStore
-from .commands import COMMAND_PATHS, Command, CommandError, MqttCommands, parse_command
+from ..urls import redact_url
+from .commands import (
+    COMMAND_PATHS,
+    Command,
+    CommandError,
+    MqttCommands,
+    PendingCommands,
+    parse_command,
+    quote,
+)
 from .discovery import (
     DeviceInfo,
     device_config,
@@ -41,7 +58,7 @@ from .discovery import (
     plan_cleanup,
     signature,
 )
-from .entities import Entity, Inputs, Topics, entities
+from .entities import CommandRefusal, Entity, Inputs, Topics, entities
 from .publisher import Message, StatePublisher, render
 
 log = structlog.get_logger(__name__)
@@ -54,8 +71,6 @@ SCAN_TIMEOUT_S = 3.0
 """Longest the start-up scan for our own retained discovery waits."""
 HA_BIRTH_DELAY_S = (0.5, 2.5)
 """Discovery and state are re-sent this long (uniformly jittered) after Home Assistant comes online."""
-COMMAND_QUEUE = 16
-"""Commands waiting to run; more are dropped with a warning."""
 RENDER_COALESCE_S = 0.05
 """Store changes closer together than this are rendered once (engine stats can change per token)."""
 
@@ -82,6 +97,11 @@ class MqttBridge:
         """Connections that got online since start."""
         self.last_error: str | None = None
         """Why the last connection ended or failed, None before the first failure."""
+        self.since: str | None = None
+        """When ``connected`` last changed (ISO 8601, UTC); None before the first attempt ended."""
+        self.last_command_error: CommandRefusal | None = None
+        """The last refused command (published on the ``command_error`` sensor)."""
+        self._pending = PendingCommands()
         self._publisher = StatePublisher(min_interval_s=min_publish_interval_s, clock=clock)
         self._online = anyio.Event()
         self._wake = anyio.Event()
@@ -110,15 +130,25 @@ class MqttBridge:
     @property
     def broker(self) -> str:
         """The broker URL without credentials (for logs and /status)."""
-        parts = urlsplit(self._config.url or "")
-        host = parts.hostname or ""
-        return f"{parts.scheme}://{host}:{parts.port}" if parts.port else f"{parts.scheme}://{host}"
+        try:
+            parts = urlsplit(self._config.url or "")
+            host = parts.hostname or ""
+            return f"{parts.scheme}://{host}:{parts.port}" if parts.port else f"{parts.scheme}://{host}"
+        except ValueError:
+            return redact_url(self._config.url) or ""
 
     def status(self) -> dict[str, Any]:
-        """Connection state for /status."""
-        return {"broker": self.broker if self._config.url else None, "connected": self.connected,
-                "connections": self.connections, "last_error": self.last_error,
-                "availability_topic": self.topics.availability}
+        """Connection state for /status (no credentials)."""
+        refusal = self.last_command_error
+        return {"url": redact_url(self._config.url), "enabled": self._config.url is not None,
+                "broker": self.broker if self._config.url else None, "connected": self.connected,
+                "since": self.since, "connections": self.connections, "last_error": self.last_error,
+                "availability_topic": self.topics.availability,
+                "last_command_error": refusal.__dict__ if refusal is not None else None}
+
+    def _set_connected(self, up: bool) -> None:
+        self.connected = up
+        self.since = _now_iso()
 
     async def _reconnect_loop(self) -> None:
         delay = BACKOFF_START_S
@@ -158,8 +188,12 @@ class MqttBridge:
 
     async def _connection(self) -> None:
         client = self._client()
-        await client.__aenter__()  # connect; the exit below is shielded so it runs on cancellation
-        self.connected = True
+        try:
+            await client.__aenter__()  # connect; the exit below is shielded so it runs on cancellation
+        except BaseException:
+            self.since = self.since or _now_iso()
+            raise
+        self._set_connected(True)
         try:
             await self._session(client)
         except BaseException:
@@ -169,7 +203,7 @@ class MqttBridge:
                     log.info("mqtt_offline", broker=self.broker)
             raise
         finally:
-            self.connected = False
+            self._set_connected(False)
             with anyio.CancelScope(shield=True), anyio.move_on_after(SHUTDOWN_TIMEOUT_S):
                 try:
                     await client.__aexit__(None, None, None)
@@ -200,12 +234,11 @@ class MqttBridge:
         self._online.set()
         log.info("mqtt_online", broker=self.broker, entities=len(ents), connections=self.connections,
                  discovery="per_entity" if self._config.per_entity_discovery else "device")
-        send, receive = anyio.create_memory_object_stream[Command](COMMAND_QUEUE)
-        async with send, receive, anyio.create_task_group() as tg:  # tasks end before the streams close
+        async with anyio.create_task_group() as tg:
             tg.start_soon(self._watch_store)
-            tg.start_soon(self._run_commands, receive)
+            tg.start_soon(self._run_commands)
             tg.start_soon(self._publish_loop, client)
-            await self._receive(client, send)
+            await self._receive(client)
             tg.cancel_scope.cancel()  # the message stream ended: the connection is gone
         raise aiomqtt.MqttError("message stream ended")
 
@@ -235,7 +268,8 @@ class MqttBridge:
         return Inputs(snapshot=self._store.snapshot(), gate=self._gate_metrics(),
                       policy_options=tuple(c.policy_options()), active_policy=c.active_policy(),
                       llm_enabled=c.llm_enabled(), thermal_soft_limit=c.thermal_soft_limit(),
-                      thermal_limit_range=c.thermal_limit_range)
+                      thermal_limit_range=c.thermal_limit_range,
+                      command_error=self.last_command_error)
 
     def notify(self) -> None:
         """Something outside the store changed (e.g. the arbiter applied a decision): publish changes now."""
@@ -274,6 +308,7 @@ class MqttBridge:
                 await self._publish_discovery(client, ents)
             if now >= next_refresh:
                 await self._send(client, self._publisher.refresh(messages))
+                await client.publish(self.topics.availability, "online", qos=1, retain=True)  # heartbeat
                 next_refresh, due = now + interval, None
             else:
                 out, due = self._publisher.changes(messages)
@@ -307,50 +342,72 @@ class MqttBridge:
             log.info("mqtt_entities_removed", entities=sorted(gone))
         self._published, self._signature = current, sig
 
-    async def _receive(self, client: aiomqtt.Client, commands: Any) -> None:
-        t = self.topics
-        prefix = t.base + "/"
+    async def _receive(self, client: aiomqtt.Client) -> None:
         async for msg in client.messages:
             topic, body = msg.topic.value, _bytes(msg.payload)
-            if topic in (t.ha_status, "homeassistant/status"):
-                if body.strip().lower() == b"online":
-                    self._birth_at = self._clock() + self._random.uniform(*HA_BIRTH_DELAY_S)
-                    self.notify()
-                continue
-            path = topic[len(prefix):] if topic.startswith(prefix) else ""
-            if path not in COMMAND_PATHS:
-                continue
-            if msg.retain:
-                log.warning("mqtt_command_ignored", topic=topic, why="retained command messages are not acted on")
-                continue
             try:
-                cmd = parse_command(path, topic, body, self._inputs())
-            except CommandError as exc:
-                log.warning("mqtt_command_rejected", topic=topic, payload=body[:200].decode("utf-8", "replace"),
-                            error=exc.message)
-                continue
-            if cmd.action == "voice_hint":  # the voice path never waits behind a slow command
-                await self._call(cmd)
-                continue
-            try:
-                commands.send_nowait(cmd)
-            except anyio.WouldBlock:
-                log.warning("mqtt_command_dropped", topic=topic, why="too many commands waiting")
+                await self._handle(topic, body, retained=msg.retain)
+            except Exception:  # one bad message never ends the connection
+                log.exception("mqtt_message_crashed", topic=topic, payload=quote(body))
 
-    async def _run_commands(self, receive: Any) -> None:
-        async for cmd in receive:
+    async def _handle(self, topic: str, body: bytes, *, retained: bool) -> None:
+        t = self.topics
+        prefix = t.base + "/"
+        if topic in (t.ha_status, "homeassistant/status"):
+            if body.strip().lower() == b"online":
+                self._birth_at = self._clock() + self._random.uniform(*HA_BIRTH_DELAY_S)
+                self.notify()
+            return
+        path = topic[len(prefix):] if topic.startswith(prefix) else ""
+        if path not in COMMAND_PATHS:
+            return
+        if retained:
+            log.warning("mqtt_command_ignored", topic=topic, why="retained command messages are not acted on")
+            return
+        try:
+            cmd = parse_command(path, topic, body, self._inputs())
+        except CommandError as exc:
+            log.warning("mqtt_command_rejected", topic=topic, payload=quote(body), error=exc.message)
+            self._refuse(topic, path, quote(body), exc.message)
+            return
+        if cmd.action == "voice_hint":  # the voice path never waits behind a slow command
             await self._call(cmd)
+            return
+        if self._pending.put(path, cmd):
+            log.debug("mqtt_command_coalesced", topic=topic, why="a newer command on this topic replaced it")
+
+    async def _run_commands(self) -> None:
+        while True:
+            await self._call(await self._pending.get())
 
     async def _call(self, cmd: Command) -> None:
         try:
             await cmd.run(self._commands)
         except ValueError as exc:
             log.warning("mqtt_command_failed", action=cmd.action, arg=cmd.arg, error=str(exc))
-        except Exception:
+            self._refuse_command(cmd, str(exc))
+        except Exception as exc:
             log.exception("mqtt_command_crashed", action=cmd.action, arg=cmd.arg)
+            self._refuse_command(cmd, f"internal error: {type(exc).__name__}")
         else:
             log.info("mqtt_command", action=cmd.action, arg=cmd.arg)
         self.notify()
+
+    def _refuse_command(self, cmd: Command, reason: str) -> None:
+        prefix = self.topics.base + "/"
+        self._refuse(cmd.topic, cmd.topic[len(prefix):] if cmd.topic.startswith(prefix) else "", cmd.payload, reason)
+
+    def _refuse(self, topic: str, path: str, payload: str, reason: str) -> None:
+        """Publish the refusal, and send the refused control's state again so Home Assistant snaps back."""
+        self.last_command_error = CommandRefusal(topic, payload, reason, _now_iso())
+        for e in entities(self._inputs()):
+            if e.command == path and e.state is not None:
+                self._publisher.forget(self.topics.state(e.state))
+        self.notify()
+
+
+def _now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def _bytes(payload: Any) -> bytes:

@@ -2,7 +2,9 @@
 
 The app hands the bridge an ``MqttCommands``: async callbacks that act, and plain getters that
 report the controls' state. ``parse_command`` turns a message on a command topic into a
-``Command`` or raises ``CommandError`` (logged and ignored by the bridge: nothing is called).
+``Command`` or raises ``CommandError`` (the bridge logs it, publishes it as the last command
+error and calls nothing). ``PendingCommands`` holds what waits to run: one command per topic,
+the latest value winning, so a burst of toggles never loses its last word.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import anyio
 
 from ..errors import SupervisorError
 from .entities import OFF, ON, PRESS, Inputs, policy_choices
@@ -71,6 +75,10 @@ class Command:
     ``set_thermal_soft_limit`` or ``voice_hint``."""
     arg: Any = None
     """The callback's argument (None for the buttons)."""
+    topic: str = ""
+    """Topic it arrived on (for the refusal, should the callback refuse it)."""
+    payload: str = ""
+    """What arrived, as text, cut to ``QUOTE_CHARS`` (for the refusal)."""
 
     async def run(self, commands: MqttCommands) -> None:
         """Call the callback."""
@@ -91,6 +99,54 @@ COMMAND_PATHS = {
 }
 """Command topic path under ``<base_topic>/<node_id>/`` -> action."""
 
+MAX_PAYLOAD_BYTES = 4096
+"""Longest command payload read; longer ones are refused unread (a voice hint is ~80 bytes)."""
+MAX_JSON_DEPTH = 8
+"""Deepest nesting of arrays and objects a voice hint may have (a valid one has depth 1)."""
+QUOTE_CHARS = 200
+"""Most characters of a payload quoted in logs and refusals."""
+
+
+def quote(payload: bytes) -> str:
+    """A payload as text for logs and refusals, cut to ``QUOTE_CHARS``."""
+    text = payload[:QUOTE_CHARS * 4].decode("utf-8", "replace")
+    return text if len(text) <= QUOTE_CHARS else text[:QUOTE_CHARS] + "…"
+
+
+def json_depth(raw: bytes, limit: int) -> int:
+    """Nesting depth of arrays and objects in `raw`, counting stops past `limit`: no recursion, no parse."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for byte in raw:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:  # quote
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):  # [ {
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if deepest > limit:
+                    break
+        elif byte in (0x5D, 0x7D):  # ] }
+            depth -= 1
+    return deepest
+
+
+def loads_bounded(raw: bytes, limit: int) -> Any:
+    """``json.loads`` that refuses nesting deeper than `limit` before parsing; raises ValueError."""
+    if json_depth(raw, limit) > limit:
+        raise ValueError(f"JSON nested deeper than {limit} levels")
+    try:
+        return json.loads(raw)
+    except RecursionError:  # unreachable after the depth check; never let it end the connection
+        raise ValueError(f"JSON nested deeper than {limit} levels") from None
+
 
 def _text(topic: str, payload: bytes) -> str:
     try:
@@ -104,33 +160,67 @@ def parse_command(path: str, topic: str, payload: bytes, inputs: Inputs) -> Comm
     action = COMMAND_PATHS.get(path)
     if action is None:
         raise CommandError(topic, payload, "not a command topic")
+    if len(payload) > MAX_PAYLOAD_BYTES:
+        raise CommandError(topic, payload, f"payload of {len(payload)} bytes; at most {MAX_PAYLOAD_BYTES} are read")
+    quoted = quote(payload)
     if action == "voice_hint":
         try:
-            hint = json.loads(payload)
+            hint = loads_bounded(payload, MAX_JSON_DEPTH)
         except (ValueError, UnicodeDecodeError) as exc:
             raise CommandError(topic, payload, f"a voice hint must be JSON: {exc}") from None
         if not isinstance(hint, dict):
             raise CommandError(topic, payload, f"a voice hint must be a JSON object, got {type(hint).__name__}")
-        return Command(action, hint)
+        return Command(action, hint, topic, quoted)
     text = _text(topic, payload)
     if action == "select_policy":
         options = policy_choices(inputs) if inputs.policy_options else []
         if text not in options:
-            raise CommandError(topic, payload, f"unknown policy {text!r}; expected one of {options}")
-        return Command(action, text)
-    if action == "set_llm_enabled":
+            raise CommandError(topic, payload, f"unknown policy {quote(text.encode())!r}; expected one of {options}")
+        return Command(action, text, topic, quoted)
+    if action == "set_llm_enabled":  # like PRESS, case-insensitive: ON, on, On
         if text.upper() not in (ON, OFF):
-            raise CommandError(topic, payload, f"expected {ON} or {OFF}, got {text!r}")
-        return Command(action, text.upper() == ON)
-    if action in ("reload_policy", "unload_model"):
+            raise CommandError(topic, payload, f"expected {ON} or {OFF}, got {quote(text.encode())!r}")
+        return Command(action, text.upper() == ON, topic, quoted)
+    if action in ("reload_policy", "unload_model"):  # PRESS in any case (docs/mqtt.md)
         if text.upper() != PRESS:
-            raise CommandError(topic, payload, f"expected {PRESS}, got {text!r}")
-        return Command(action)
+            raise CommandError(topic, payload, f"expected {PRESS}, got {quote(text.encode())!r}")
+        return Command(action, None, topic, quoted)
     low, high = inputs.thermal_limit_range
     try:
         value = float(text)
     except ValueError:
-        raise CommandError(topic, payload, f"expected a temperature in °C, got {text!r}") from None
+        raise CommandError(topic, payload, f"expected a temperature in °C, got {quote(text.encode())!r}") from None
     if not math.isfinite(value) or not low <= value <= high:
-        raise CommandError(topic, payload, f"thermal soft limit must be {low:g}-{high:g} °C, got {text}")
-    return Command(action, value)
+        raise CommandError(topic, payload, f"thermal soft limit must be {low:g}-{high:g} °C, got {quote(text.encode())}")
+    return Command(action, value, topic, quoted)
+
+
+class PendingCommands:
+    """Commands waiting to run, at most one per topic: a newer command replaces the waiting one.
+
+    The latest value wins and keeps the place in line of the first one still waiting, so commands
+    run in the order their topics first became pending. Bounded by the number of command topics:
+    nothing is ever dropped.
+    """
+
+    def __init__(self) -> None:
+        self._waiting: dict[str, Command] = {}
+        self._ready = anyio.Event()
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def put(self, key: str, cmd: Command) -> bool:
+        """Queue `cmd` under `key` (its topic); True when it replaced a waiting command."""
+        replaced = key in self._waiting
+        self._waiting[key] = cmd
+        self._ready.set()
+        return replaced
+
+    async def get(self) -> Command:
+        """The oldest waiting command (waits for one)."""
+        while not self._waiting:
+            self._ready = anyio.Event()
+            await self._ready.wait()
+        key = next(iter(self._waiting))
+        return self._waiting.pop(key)

@@ -14,8 +14,10 @@ from typing import Any
 
 from ..state import Snapshot
 
-LLM_STATES = ("idle", "loading", "prefill", "decoding", "paused", "throttled", "error", "disabled")
-"""Values of the LLM state sensor."""
+LLM_STATES = ("idle", "loading", "prefill", "decoding", "paused", "throttled", "error", "disabled", "unloaded")
+"""Values of the LLM state sensor (every state the engine host and the model manager report)."""
+NO_MODEL_STATES = ("unloaded", "disabled")
+"""LLM states in which the model sensor reads ``none``."""
 GATE_MODES = ("open", "throttled", "paused")
 """Values of the decode gate sensor."""
 KNOWN_PAUSE_REASONS = ("stt", "tts", "thermal", "memory")
@@ -77,6 +79,20 @@ class Topics:
 
 
 @dataclass(frozen=True)
+class CommandRefusal:
+    """A command that was refused: what Home Assistant's ``command_error`` sensor shows."""
+
+    topic: str
+    """Command topic it arrived on."""
+    payload: str
+    """What arrived, as text (cut short)."""
+    reason: str
+    """Why it was refused."""
+    time: str
+    """When, ISO 8601 in UTC."""
+
+
+@dataclass(frozen=True)
 class Inputs:
     """What the entities are computed from at one moment."""
 
@@ -94,6 +110,8 @@ class Inputs:
     """The thermal soft limit in °C, None where unknown."""
     thermal_limit_range: tuple[float, float] = (40.0, 105.0)
     """Bounds of the thermal soft limit number."""
+    command_error: CommandRefusal | None = None
+    """The last refused command, None since start if none was refused."""
 
 
 Render = Callable[[Inputs], Any]
@@ -179,6 +197,23 @@ def _llm_state(i: Inputs) -> str | None:
     return engine.state if engine is not None and engine.state in LLM_STATES else None
 
 
+def _model(i: Inputs) -> str:
+    engine = i.snapshot.engine
+    if engine is None or engine.state in NO_MODEL_STATES:
+        return "none"
+    return engine.model or "none"
+
+
+def _command_error(i: Inputs) -> str:
+    e = i.command_error
+    return "none" if e is None else e.reason[:255]  # Home Assistant keeps at most 255 characters
+
+
+def _command_error_attributes(i: Inputs) -> dict[str, Any]:
+    e = i.command_error
+    return {} if e is None else {"topic": e.topic, "payload": e.payload, "reason": e.reason, "time": e.time}
+
+
 def _llm_enabled(i: Inputs) -> bool:
     if i.llm_enabled is not None:
         return i.llm_enabled
@@ -239,7 +274,7 @@ STATIC: tuple[Entity, ...] = (
            _engine("requests_queued"), state_class=_MEASURE, icon="mdi:tray-full"),
     Entity("tokens_total", "sensor", "Tokens generated", "llm/tokens_total", _engine("tokens_total"),
            state_class="total_increasing", unit="tokens", icon="mdi:counter"),
-    Entity("model", "sensor", "Model", "llm/model", lambda i: _engine("model")(i) or "none",
+    Entity("model", "sensor", "Model", "llm/model", _model,
            attributes=lambda i: {"backend": _engine("backend")(i)}, icon="mdi:file-cog"),
     Entity("model_memory", "sensor", "Model memory", "llm/weights_mb", lambda i: _round(_engine("weights_mb")(i)),
            device_class="data_size", state_class=_MEASURE, unit="MiB", icon="mdi:memory",
@@ -296,6 +331,8 @@ STATIC: tuple[Entity, ...] = (
            category="config", extra={"pl_prs": PRESS}),
     Entity("unload_model", "button", "Unload model", command="llm/unload", icon="mdi:eject",
            category="config", extra={"pl_prs": PRESS}),
+    Entity("command_error", "sensor", "Last command error", "command/last_error", _command_error,
+           attributes=_command_error_attributes, icon="mdi:alert-circle-outline", category=_DIAG),
 )
 
 

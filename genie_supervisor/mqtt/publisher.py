@@ -54,6 +54,10 @@ class StatePublisher:
         """Forget what was sent (a new connection starts from nothing)."""
         self._sent.clear()
 
+    def forget(self, topic: str) -> None:
+        """Forget what was sent on `topic`: its next ``changes()`` sends it at once, even unchanged."""
+        self._sent.pop(topic, None)
+
     def refresh(self, messages: dict[str, Message]) -> list[Message]:
         """Every message, recorded as sent now."""
         now = self._clock()

@@ -426,7 +426,7 @@ async def test_upstream_dying_mid_request_closes_client_and_reports_down_then_up
                     assert await client.read_event() is None
             off = await published.wait_for(
                 lambda o: isinstance(o, VoiceActivity) and not o.active, start=mark)
-            assert off.event == "close"
+            assert off.event == "upstream-closed"
             down = await published.wait_for(
                 lambda o: isinstance(o, ServiceObservation) and o.up is False, start=mark)
             assert "mid-request" in down.reason or "connect failed" in down.reason

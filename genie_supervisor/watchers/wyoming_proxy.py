@@ -1,11 +1,17 @@
-"""A byte-transparent Wyoming proxy that knows, to the event, when STT or TTS runs.
+"""A Wyoming proxy that knows, to the event, when STT or TTS runs.
 
 Home Assistant opens one TCP connection per STT/TTS request. Put this proxy between Home Assistant
-and the real server (wyoming-faster-whisper, wyoming-piper): every byte is forwarded unchanged in
-both directions, while a copy of each stream is scanned for event headers (a JSON line, then
-``data_length`` bytes of data, then ``payload_length`` bytes of payload). From those events it
-publishes `VoiceActivity` (one session per connection) and the upstream's health as
-`ServiceObservation`.
+and the real server (wyoming-faster-whisper, wyoming-piper). What the client sends is parsed into
+events and each complete, well-formed event is forwarded unchanged (its bytes exactly as received);
+a malformed one closes that client's connection, so the upstream never sees a malformed event from
+the proxy. What the server sends back is forwarded byte for byte while a copy is scanned for event
+types. From those events it publishes `VoiceActivity` (one session per connection) and the
+upstream's health as `ServiceObservation`.
+
+Each connection is bounded: `idle_timeout_s` without a complete event from the client and without
+bytes from the server closes it (a trickled partial header included), and at most
+`max_connections` are open at once (more get a Wyoming `error` event and are closed). The
+upstream is connected only once the client's first well-formed event has arrived.
 
 Optionally it holds `audio-stop` -- the moment batch STT starts its heavy work -- until the LLM
 engine reports parked (bounded by `hold_max_s`).
@@ -13,6 +19,7 @@ engine reports parked (bounded by `hold_max_s`).
 
 from __future__ import annotations
 
+import ipaddress
 import itertools
 import json
 import time
@@ -20,12 +27,16 @@ from dataclasses import dataclass
 from typing import Literal
 
 import anyio
+import anyio.lowlevel
 import structlog
-from anyio.abc import SocketAttribute, SocketStream, TaskStatus
+from anyio.abc import SocketAttribute, SocketStream, TaskGroup, TaskStatus
 
 from genie_supervisor.events import ServiceObservation, VoiceActivity
 
 from .base import Publish, WaitParked
+from .wyoming_events import EventParser, EventScanner
+
+__all__ = ["EventScanner", "ProxyStats", "WyomingProxy", "probe_wyoming"]
 
 log = structlog.get_logger(__name__)
 
@@ -43,55 +54,24 @@ TTS_END_STREAMING = frozenset({"synthesize-stopped", "error"})
 """Server events that end a streaming (`synthesize-start`) request."""
 
 _DESCRIBE = b'{"type": "describe"}\n'
-_MAX_HEADER = 1 << 20
 _READ_SIZE = 65536
+_SOCKET_ERRORS = (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError)
 
 
-class EventScanner:
-    """Follows one direction of a Wyoming byte stream and finds where each event header ends.
+def _error_event(text: str, code: str) -> bytes:
+    """A Wyoming `error` event as bytes (what `wyoming.error.Error` writes)."""
+    data = json.dumps({"text": text, "code": code}).encode()
+    return json.dumps({"type": "error", "data_length": len(data)}).encode() + b"\n" + data
 
-    `feed` takes bytes as they arrive and returns ``(index, type)`` for every header line that
-    ends in them, ``index`` being the position of its newline in the chunk. Data and payload bytes
-    are skipped without copying. A stream that is not Wyoming sets `broken` and is no longer scanned
-    (forwarding goes on regardless).
-    """
 
-    def __init__(self) -> None:
-        self._header = bytearray()
-        self._skip = 0
-        self.broken = False
-
-    def feed(self, chunk: bytes) -> list[tuple[int, str]]:
-        found: list[tuple[int, str]] = []
-        pos, end = 0, len(chunk)
-        while pos < end and not self.broken:
-            if self._skip:
-                step = min(self._skip, end - pos)
-                self._skip -= step
-                pos += step
-                continue
-            newline = chunk.find(b"\n", pos)
-            if newline < 0:
-                self._header += chunk[pos:]
-                self.broken = len(self._header) > _MAX_HEADER
-                break
-            self._header += chunk[pos:newline]
-            pos = newline + 1
-            line = bytes(self._header)
-            self._header.clear()
-            if not line.strip():
-                continue
-            try:
-                header = json.loads(line)
-                event_type = str(header["type"])
-                data_length = int(header.get("data_length") or 0)
-                payload_length = int(header.get("payload_length") or 0)
-            except (ValueError, KeyError, TypeError):
-                self.broken = True
-                break
-            self._skip = max(data_length, 0) + max(payload_length, 0)
-            found.append((newline, event_type))
-        return found
+def is_loopback(host: str) -> bool:
+    """Whether `host` is a loopback address (``localhost`` counts)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass
@@ -108,6 +88,12 @@ class ProxyStats:
     """Holds that ended because `hold_max_s` passed before the engine parked."""
     last_hold_ms: float | None = None
     """How long the last hold took."""
+    bad_input: int = 0
+    """Client connections closed because they sent something that is not a well-formed event."""
+    idle_timeouts: int = 0
+    """Client connections closed after `idle_timeout_s` without progress."""
+    refused: int = 0
+    """Client connections refused because `max_connections` were open."""
 
 
 class _UpstreamEnded(Exception):
@@ -163,7 +149,7 @@ class _Session:
 
 
 class WyomingProxy:
-    """Listens on `listen_port`, forwards each connection byte-for-byte to the upstream server."""
+    """Listens on `listen_host:listen_port`, forwards each connection's events to the upstream."""
 
     def __init__(
         self,
@@ -181,9 +167,13 @@ class WyomingProxy:
         health_interval_s: float | None = 5.0,
         health_timeout_s: float = 1.0,
         connect_timeout_s: float = 2.0,
+        idle_timeout_s: float = 90.0,
+        max_connections: int = 32,
     ) -> None:
         if service not in ("stt", "tts"):
             raise ValueError(f"service must be 'stt' or 'tts', got {service!r}")
+        if idle_timeout_s <= 0 or max_connections < 1:
+            raise ValueError("idle_timeout_s must be > 0 and max_connections >= 1")
         self.name = name
         self.listen_host = listen_host
         self.listen_port = listen_port
@@ -197,11 +187,15 @@ class WyomingProxy:
         self.health_interval_s = health_interval_s
         self.health_timeout_s = health_timeout_s
         self.connect_timeout_s = connect_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.max_connections = max_connections
         self.stats = ProxyStats()
         self.port: int | None = None
         """The port actually bound (set once `serve` is ready)."""
         self.up: bool | None = None
         """Upstream state as last published."""
+        self.open_connections = 0
+        """Client connections open now."""
         self._restarts = 0
         self._ids = itertools.count(1)
 
@@ -225,6 +219,9 @@ class WyomingProxy:
                         "connections": self.stats.connections,
                         "upstream_failures": self.stats.upstream_failures,
                         "hold_timeouts": self.stats.hold_timeouts,
+                        "bad_input": self.stats.bad_input,
+                        "idle_timeouts": self.stats.idle_timeouts,
+                        "refused": self.stats.refused,
                     },
                 )
             )
@@ -255,8 +252,11 @@ class WyomingProxy:
             log.info(
                 "wyoming_proxy_listening",
                 proxy=self.name,
-                port=self.port,
+                listen=f"{self.listen_host}:{self.port}",
+                loopback_only=is_loopback(self.listen_host),
                 upstream=f"{self.upstream_host}:{self.upstream_port}",
+                idle_timeout_s=self.idle_timeout_s,
+                max_connections=self.max_connections,
             )
             if self.health_interval_s is not None:
                 tg.start_soon(self._health_loop)
@@ -266,100 +266,30 @@ class WyomingProxy:
     run = serve
 
     async def _handle(self, client: SocketStream) -> None:
+        if self.open_connections >= self.max_connections:
+            self.stats.refused += 1
+            log.warning("wyoming_proxy_refused", proxy=self.name, open=self.open_connections,
+                        max_connections=self.max_connections)
+            async with client:
+                with anyio.move_on_after(1.0):
+                    try:
+                        await client.send(_error_event(
+                            f"too many connections (max_connections {self.max_connections})", "busy"))
+                    except _SOCKET_ERRORS:
+                        pass
+            return
+        self.open_connections += 1
         self.stats.connections += 1
         session = _Session(self, f"{self.name}:{next(self._ids)}")
+        end_event = "close"
         try:
             async with client:
-                try:
-                    with anyio.fail_after(self.connect_timeout_s):
-                        upstream = await anyio.connect_tcp(self.upstream_host, self.upstream_port)
-                except (OSError, TimeoutError) as exc:
-                    self.stats.upstream_failures += 1
-                    self._set_up(False, f"connect failed: {exc or 'timeout'}")
-                    return
-                self._set_up(True, "connected", always=False)
-                async with upstream:
-                    await self._relay(client, upstream, session)
+                end_event = await _Connection(self, client, session).run()
         except Exception as exc:  # one broken connection must not stop the proxy
             log.warning("wyoming_proxy_connection_failed", proxy=self.name, error=repr(exc))
         finally:
-            session.set_active(False, "close")
-
-    async def _relay(self, client: SocketStream, upstream: SocketStream, session: _Session) -> None:
-        ended: list[_UpstreamEnded] = []
-
-        async def client_to_upstream() -> None:
-            scanner = EventScanner()
-            while True:
-                try:
-                    chunk = await client.receive(_READ_SIZE)
-                except anyio.EndOfStream:
-                    try:
-                        await upstream.send_eof()
-                    except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError):
-                        pass
-                    return  # keep relaying the answer until the server closes
-                except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError):
-                    tg.cancel_scope.cancel()
-                    return
-                start = 0
-                for newline, event in scanner.feed(chunk):
-                    session.from_client(event)
-                    if event == "audio-stop" and self.hold_audio_stop:
-                        await self._send_upstream(upstream, chunk[start:newline])
-                        start = newline
-                        await self._hold()
-                await self._send_upstream(upstream, chunk[start:])
-
-        async def upstream_to_client() -> None:
-            scanner = EventScanner()
-            while True:
-                try:
-                    chunk = await upstream.receive(_READ_SIZE)
-                except anyio.EndOfStream:
-                    raise _UpstreamEnded(True, "upstream closed") from None
-                except (OSError, anyio.BrokenResourceError) as exc:
-                    raise _UpstreamEnded(False, f"upstream error: {exc!r}") from None
-                for _, event in scanner.feed(chunk):
-                    session.from_server(event)
-                try:
-                    await client.send(chunk)
-                except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError):
-                    tg.cancel_scope.cancel()
-                    return
-
-        async def run_down() -> None:
-            try:
-                await upstream_to_client()
-            except _UpstreamEnded as end:
-                ended.append(end)
-            tg.cancel_scope.cancel()
-
-        async def run_up() -> None:
-            try:
-                await client_to_upstream()
-            except _UpstreamEnded as end:
-                ended.append(end)
-                tg.cancel_scope.cancel()
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(run_down)
-            tg.start_soon(run_up)
-
-        if ended:
-            end = ended[0]
-            if session.active or not end.clean:
-                self.stats.upstream_failures += 1
-                what = "mid-request" if session.active else "idle"
-                self._set_up(False, f"{end.detail} ({what})")
-
-    async def _send_upstream(self, upstream: SocketStream, data: bytes) -> None:
-        if not data:
-            return
-        try:
-            await upstream.send(data)
-        except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
-            raise _UpstreamEnded(False, f"upstream send failed: {exc!r}") from None
+            self.open_connections -= 1
+            session.set_active(False, end_event)
 
     async def _hold(self) -> None:
         """Wait (bounded) for the engine to park before `audio-stop` goes upstream."""
@@ -374,6 +304,159 @@ class WyomingProxy:
             self.stats.hold_timeouts += 1
         self.stats.last_hold_ms = (time.perf_counter() - started) * 1000
         log.debug("audio_stop_held", proxy=self.name, parked=parked, ms=self.stats.last_hold_ms)
+
+
+class _Connection:
+    """One client connection: parse and forward the client's events, relay the server's answer."""
+
+    def __init__(self, proxy: WyomingProxy, client: SocketStream, session: _Session) -> None:
+        self.proxy = proxy
+        self.client = client
+        self.session = session
+        self.upstream: SocketStream | None = None
+        self.ended: _UpstreamEnded | None = None
+        self.end_event = "close"
+        self.last_progress = time.monotonic()
+        self._tg: TaskGroup | None = None
+
+    def _stop(self, end_event: str | None = None) -> None:
+        if end_event is not None and self.end_event == "close":
+            self.end_event = end_event
+        assert self._tg is not None
+        self._tg.cancel_scope.cancel()
+
+    async def run(self) -> str:
+        """Relay until either side is done; returns the `event` that ends an active session."""
+        try:
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                tg.start_soon(self._watchdog)
+                tg.start_soon(self._client_to_upstream)
+        finally:
+            if self.upstream is not None:
+                await self.upstream.aclose()
+        end = self.ended
+        if end is not None and (self.session.active or not end.clean):
+            await self.client.aclose()  # the client need not wait for the probe
+            await self._upstream_dropped(end)
+        return self.end_event
+
+    async def _upstream_dropped(self, end: _UpstreamEnded) -> None:
+        """The upstream ended this connection mid-request: end the session, then ask whether the
+        server is down or only dropped this connection (it may refuse one client's request)."""
+        proxy = self.proxy
+        proxy.stats.upstream_failures += 1
+        what = "mid-request" if self.session.active else "idle"
+        self.session.set_active(False, "upstream-closed")
+        up, reason = await probe_wyoming(proxy.upstream_host, proxy.upstream_port,
+                                         proxy.health_timeout_s)
+        if up:
+            log.warning("wyoming_upstream_dropped_connection", proxy=proxy.name,
+                        session=self.session.id, detail=f"{end.detail} ({what})", probe=reason)
+            proxy._set_up(True, reason, always=False)
+        else:
+            proxy._set_up(False, f"{end.detail} ({what}); {reason}")
+
+    async def _watchdog(self) -> None:
+        """Close the connection once `idle_timeout_s` passes without progress on either side."""
+        idle = self.proxy.idle_timeout_s
+        while True:  # progress moves the deadline: sleep until the latest one has passed
+            left = self.last_progress + idle - time.monotonic()
+            if left <= 0:
+                break
+            await anyio.sleep(left)
+        self.proxy.stats.idle_timeouts += 1
+        log.info("wyoming_client_idle_timeout", proxy=self.proxy.name, session=self.session.id,
+                 idle_timeout_s=idle, stt_active=self.session.active)
+        self._stop("idle-timeout")
+
+    async def _connect(self) -> bool:
+        proxy = self.proxy
+        try:
+            with anyio.fail_after(proxy.connect_timeout_s):
+                self.upstream = await anyio.connect_tcp(proxy.upstream_host, proxy.upstream_port)
+        except (OSError, TimeoutError) as exc:
+            proxy.stats.upstream_failures += 1
+            proxy._set_up(False, f"connect failed: {exc or 'timeout'}")
+            return False
+        proxy._set_up(True, "connected", always=False)
+        assert self._tg is not None
+        self._tg.start_soon(self._upstream_to_client)
+        return True
+
+    async def _client_to_upstream(self) -> None:
+        parser = EventParser()
+        proxy, session = self.proxy, self.session
+        while True:
+            try:
+                chunk = await self.client.receive(_READ_SIZE)
+            except anyio.EndOfStream:
+                if parser.pending:
+                    log.info("wyoming_client_truncated", proxy=proxy.name, session=session.id,
+                             detail="closed mid-event; the partial event was not forwarded")
+                if self.upstream is None:
+                    self._stop()
+                    return
+                try:
+                    await self.upstream.send_eof()
+                except _SOCKET_ERRORS:
+                    pass
+                return  # keep relaying the answer until the server closes
+            except _SOCKET_ERRORS:
+                self._stop()
+                return
+            events = parser.feed(chunk)
+            out = bytearray()
+            for event in events:
+                self.last_progress = time.monotonic()
+                if self.upstream is None and not await self._connect():
+                    self._stop()
+                    return
+                session.from_client(event.type)
+                if event.type == "audio-stop" and proxy.hold_audio_stop:
+                    await self._send_upstream(bytes(out))
+                    out.clear()
+                    await proxy._hold()
+                out += event.raw
+            await self._send_upstream(bytes(out))
+            if parser.error is not None:
+                proxy.stats.bad_input += 1
+                log.warning("wyoming_client_bad_input", proxy=proxy.name, session=session.id,
+                            error=parser.error, stt_active=session.active)
+                self._stop("bad-input")
+                return
+
+    async def _send_upstream(self, data: bytes) -> None:
+        if not data:
+            return
+        assert self.upstream is not None
+        try:
+            await self.upstream.send(data)
+        except _SOCKET_ERRORS as exc:
+            self.ended = _UpstreamEnded(False, f"upstream send failed: {exc!r}")
+            self._stop()
+            await anyio.lowlevel.checkpoint()
+
+    async def _upstream_to_client(self) -> None:
+        assert self.upstream is not None
+        scanner = EventScanner()
+        while True:
+            try:
+                chunk = await self.upstream.receive(_READ_SIZE)
+            except anyio.EndOfStream:
+                self.ended = _UpstreamEnded(True, "upstream closed")
+                break
+            except _SOCKET_ERRORS as exc:
+                self.ended = _UpstreamEnded(False, f"upstream error: {exc!r}")
+                break
+            self.last_progress = time.monotonic()
+            for _, event in scanner.feed(chunk):
+                self.session.from_server(event)
+            try:
+                await self.client.send(chunk)
+            except _SOCKET_ERRORS:
+                break
+        self._stop()
 
 
 async def probe_wyoming(host: str, port: int, timeout_s: float = 1.0) -> tuple[bool, str]:

@@ -36,12 +36,14 @@ from .arbiter import Arbiter, DecodeGate
 from .backends import BackendContext
 from .config import Config, parse_hostport
 from .errors import ConfigErrors, PolicyErrors, SupervisorError
+from .exit_deadline import ExitDeadline
 from .models import ModelManager
 from .policy import Policy, PolicyWatcher
 from .policy.schema import builtin_policy, with_thermal_soft_limit
 from .state import StateStore
 from .systemd import Notifier
 from .telemetry import TelemetrySource, create_source, run_sampler
+from .urls import redact_url
 from .voice import VoiceHints
 from .watchers import WatcherSettings, build_watchers
 
@@ -79,11 +81,14 @@ class Supervisor:
         handle_signals: bool = False,
         environ: Mapping[str, str] | None = None,
         model_loader: Any = None,
-        shutdown_timeout_s: float = 5.0,
+        shutdown_timeout_s: float | None = None,
+        exit_deadline: ExitDeadline | None = None,
     ) -> None:
         """Fakes come in here: a telemetry source (e.g. SimulatedSource), a notifier, a bound
         HTTP socket (tests bind port 0), a model loader. `handle_signals` makes this process's
-        SIGTERM/SIGINT/SIGHUP ours (the CLI does; tests usually do not)."""
+        SIGTERM/SIGINT/SIGHUP ours (the CLI does; tests usually do not). `exit_deadline` (the CLI's)
+        ends the process once a stop has taken `shutdown_timeout_s` (default ``api.shutdown_timeout_s``),
+        even with a worker thread stuck in one long call."""
         self.cfg = cfg
         """The validated config."""
         self.version = __version__
@@ -126,8 +131,10 @@ class Supervisor:
         """The MQTT bridge when configured and available."""
         self.ready = False
         """True once every component has started."""
-        self.shutdown_timeout_s = shutdown_timeout_s
+        self.shutdown_timeout_s = cfg.api.shutdown_timeout_s if shutdown_timeout_s is None else shutdown_timeout_s
         """Graceful shutdown must finish within this."""
+        self.exit_deadline = exit_deadline
+        """Armed when a stop begins: the process is gone `shutdown_timeout_s` later (None in-process)."""
         self._source = telemetry_source
         self._owns_source = telemetry_source is None
         self._http_socket = http_socket
@@ -226,7 +233,9 @@ class Supervisor:
             "decision": jsonable(snap.decision),
             "memory_plan": self.engine.describe()["memory_plan"],
             "http": {"listen": self.http.address if self.http else None},
-            "mqtt": {"url": self.cfg.mqtt.url, "enabled": self.mqtt is not None},
+            "mqtt": self.mqtt.status() if self.mqtt is not None else {
+                "url": redact_url(self.cfg.mqtt.url), "enabled": False, "broker": None, "connected": False,
+                "since": None, "last_error": None},
             "systemd": {"notify_socket": self.notifier.socket_path, "watchdog_s": self.notifier.watchdog_s},
         }
 
@@ -261,6 +270,8 @@ class Supervisor:
         """Begin a graceful shutdown (during start-up: cancel the start)."""
         if self._stop_reason is None:
             self._stop_reason = reason
+        if self.exit_deadline is not None:
+            self.exit_deadline.arm(self.shutdown_timeout_s, reason)
         if self._stop is not None:
             self._stop.set()
         if not self.ready and self._tg is not None:
@@ -346,7 +357,7 @@ class Supervisor:
         try:
             from .mqtt import MqttBridge, MqttCommands
         except ImportError as exc:  # pragma: no cover - the package ships with mqtt/
-            log.warning("mqtt_unavailable", url=self.cfg.mqtt.url, reason=str(exc))
+            log.warning("mqtt_unavailable", url=redact_url(self.cfg.mqtt.url), reason=str(exc))
             return
 
         async def voice_hint(payload: dict[str, Any]) -> None:
@@ -444,11 +455,8 @@ async def _main(sup: Supervisor) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """``genie-supervisor run``: load the config (flags override it) and run until SIGTERM."""
-    from engine.errors import EngineError
-
     from .config import load_config
     from .logging import configure_logging
-    from .telemetry import TelemetryError
 
     overrides = {k: getattr(args, k, None) for k in ("model", "policy", "mqtt", "listen", "platform")}
     try:
@@ -457,7 +465,19 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(str(exc), file=sys.stderr)
         return 1
     configure_logging(cfg.log.level, cfg.log.format)
-    sup = Supervisor(cfg, handle_signals=True)
+    deadline = ExitDeadline()
+    sup = Supervisor(cfg, handle_signals=True, exit_deadline=deadline)
+    rc = _serve(sup)
+    deadline.finish(rc, sup.shutdown_timeout_s)  # a worker thread stuck in a long call: exit anyway
+    return rc
+
+
+def _serve(sup: Supervisor) -> int:
+    """Run the daemon's loop to the end; the exit status."""
+    from engine.errors import EngineError
+
+    from .telemetry import TelemetryError
+
     backend = "asyncio"
     options: dict[str, Any] = {}
     try:
@@ -479,5 +499,6 @@ def cmd_run(args: argparse.Namespace) -> int:
             return 1
         if isinstance(err, KeyboardInterrupt):
             return 130
-        raise
+        log.critical("supervisor_crashed", exc_info=err)  # the traceback (no locals), then exit 1
+        return 1
     return 0

@@ -5,6 +5,9 @@
 structlog's own loggers and the stdlib loggers of our neighbours (uvicorn, aiomqtt/paho, httpx)
 go through the same processors and the same handler, so journald gets one JSON object per line
 whoever logged it. Our code logs events, not sentences: ``log.info("decode_paused", reason=...)``.
+
+Tracebacks never show local variables (structlog's and rich's default is to show them): a frame of a
+request handler holds the prompt, the config holds the API key and the MQTT password.
 """
 
 from __future__ import annotations
@@ -24,6 +27,15 @@ FOREIGN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access", "aiomqtt", "pah
 
 _QUIET = {"httpx": logging.WARNING, "httpcore": logging.WARNING, "uvicorn.access": logging.WARNING}
 """Chatty loggers held at WARNING unless the level is debug (one line per HTTP request is noise)."""
+
+
+def _exception_formatter() -> Any:
+    """The console's traceback renderer: rich's when installed, plain otherwise; never with locals."""
+    try:
+        import rich  # noqa: F401
+    except ImportError:
+        return structlog.dev.plain_traceback
+    return structlog.dev.RichTracebackFormatter(show_locals=False)
 
 
 def _drop_color_message(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, Any]:
@@ -55,10 +67,12 @@ def configure_logging(level: str = "info", fmt: str = "auto", stream: TextIO | N
     ]
     renderer: Any
     if as_json:
-        shared.append(structlog.processors.dict_tracebacks)
+        shared.append(structlog.processors.ExceptionRenderer(
+            structlog.tracebacks.ExceptionDictTransformer(show_locals=False)))  # no prompts, no secrets
         renderer = structlog.processors.JSONRenderer()
     else:
-        renderer = structlog.dev.ConsoleRenderer(colors=bool(getattr(stream, "isatty", lambda: False)()))
+        renderer = structlog.dev.ConsoleRenderer(colors=bool(getattr(stream, "isatty", lambda: False)()),
+                                                 exception_formatter=_exception_formatter())
     structlog.configure(
         processors=[structlog.stdlib.filter_by_level, *shared,
                     structlog.stdlib.ProcessorFormatter.wrap_for_formatter],

@@ -13,7 +13,15 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    SecretStr,
+    field_validator,
+    model_validator,
+)
 
 from .errors import ConfigError, ConfigErrors
 from .yamlsrc import KeyedValueError, LineMap, load_yaml, validate
@@ -51,8 +59,31 @@ class HttpConfig(_Section):
     """The HTTP API."""
 
     listen: str = Field("127.0.0.1:8080", description="HOST:PORT the API listens on")
+    cors_origins: list[str] = Field(default_factory=list, description="browser origins (scheme://host[:port]) allowed to call the API cross-origin; \"*\" allows any (never with credentials); none by default")
+    allowed_hosts: list[str] = Field(default_factory=list, description="extra Host header names accepted (LAN names the API is reached by); \"*\" accepts any; loopback names, IP addresses and the listen host are always accepted")
 
     _v = field_validator("listen")(classmethod(lambda cls, v: _hostport(v)))
+
+    @field_validator("cors_origins")
+    @classmethod
+    def _origins(cls, origins: list[str]) -> list[str]:
+        out = []
+        for origin in origins:
+            norm = origin.strip().rstrip("/").lower()
+            parts = urlsplit(norm)
+            if norm != "*" and (parts.scheme not in ("http", "https") or not parts.hostname or parts.path
+                                or parts.query or parts.fragment or parts.username is not None):
+                raise ValueError(f"expected an origin like http://HOST[:PORT] (no path) or \"*\", got {origin!r}")
+            out.append(norm)
+        return out
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _hosts(cls, hosts: list[str]) -> list[str]:
+        for host in hosts:
+            if host != "*" and not re.fullmatch(r"[A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\]|[0-9A-Fa-f:.]+", host):
+                raise ValueError(f"expected a host name or IP address without port or scheme, or \"*\", got {host!r}")
+        return [h.strip("[]").lower() for h in hosts]
 
 
 class MqttConfig(_Section):
@@ -148,7 +179,7 @@ class LlamaCppConfig(_Section):
 
 
 class ApiConfig(_Section):
-    """Limits of the OpenAI-compatible API."""
+    """Limits of the OpenAI-compatible API, and its key."""
 
     max_running: int = Field(2, ge=1, le=256, description="requests generating at once (the engine runs one per model at a time)")
     max_queue: int = Field(16, ge=0, le=10000, description="requests waiting for a slot, all classes together; more get 429")
@@ -157,6 +188,50 @@ class ApiConfig(_Section):
     drain_timeout_s: float = Field(120, gt=0, le=3600, description="how long a swap waits for running requests of the model it evicts")
     default_max_tokens: int = Field(256, ge=1, le=1_048_576, description="max_tokens of requests that name none")
     warmup: bool = Field(True, description="after start, time a one-token request per resident model (the first-reply banner)")
+    api_key: SecretStr | None = Field(None, description="key every HTTP route but /health asks for (Authorization: Bearer KEY or x-api-key: KEY); null: no key")
+    api_key_file: str | None = Field(None, description="file holding the key (trailing newline stripped; $VARS expanded, e.g. ${CREDENTIALS_DIRECTORY}/api-key); read at start")
+    metrics_public: bool = Field(False, description="serve GET /metrics without the key (for a Prometheus scraper)")
+
+    _key: str | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _read_key(self) -> ApiConfig:
+        if self.api_key is not None and self.api_key_file is not None:
+    shutdown_timeout_s: float = Field(5.0, ge=1, le=300, description="SIGTERM/SIGINT: the process is gone within this (generations cut at their next step, HTTP drained; a worker thread stuck in one long call is left behind by a forced exit)")
+            raise KeyedValueError("api_key_file", "give api_key or api_key_file, not both")
+        if self.api_key is not None:
+            self._key = self.api_key.get_secret_value()
+            if not self._key.strip():
+                raise KeyedValueError("api_key", "the API key is empty (null turns the key off)")
+        elif self.api_key_file is not None:
+            self._key = read_key_file(self.api_key_file)
+        return self
+
+    def key(self) -> str | None:
+        """The API key in force (from api_key or api_key_file), or None when none is configured."""
+        return self._key
+
+
+def read_key_file(name: str) -> str:
+    """The key in file `name` ($VARS expanded, trailing newline stripped); KeyedValueError naming the file if unusable."""
+    unset = [v for v in re.findall(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)", name) if v not in os.environ]
+    if unset:
+        raise KeyedValueError("api_key_file", f"{name}: ${unset[0]} is not set (systemd sets $CREDENTIALS_DIRECTORY only with LoadCredential=)")
+    path = os.path.expandvars(name)
+    try:
+        with open(path, "rb") as f:  # bounded: a key is short, /dev/zero must not fill memory
+            raw = f.read(4097)
+    except OSError as exc:
+        raise KeyedValueError("api_key_file", f"cannot read the API key file {path}: {exc.strerror or exc}") from None
+    if len(raw) > 4096:
+        raise KeyedValueError("api_key_file", f"the API key file {path} is larger than 4096 bytes: not a key")
+    try:
+        key = raw.decode("utf-8").rstrip("\r\n")
+    except UnicodeDecodeError:
+        raise KeyedValueError("api_key_file", f"the API key file {path} is not UTF-8 text") from None
+    if not key.strip():
+        raise KeyedValueError("api_key_file", f"the API key file {path} is empty")
+    return key
 
 
 class PolicyConfig(_Section):
@@ -210,7 +285,7 @@ class MatchConfig(_Section):
 class WyomingProxy(_Section):
     """A byte-transparent Wyoming proxy that tells the supervisor when STT/TTS runs."""
 
-    listen: str = Field(..., description="HOST:PORT clients (Home Assistant) connect to")
+    listen: str = Field(..., description="HOST:PORT clients (Home Assistant) connect to; a bare PORT binds 127.0.0.1")
     upstream: str = Field(..., description="HOST:PORT (or tcp://HOST:PORT) of the real Wyoming server")
     hold_audio_stop_until_parked: bool = Field(True, description="hold `audio-stop` until the LLM is parked (bounded by hold_max_ms)")
     hold_max_ms: int = Field(250, ge=0, le=10000, description="longest `audio-stop` is held")
@@ -226,6 +301,16 @@ class ServiceConfig(_Section):
 
     kind: ServiceKind = Field(..., description="what it is; decides the watcher and its signals")
     match: MatchConfig = Field(default_factory=MatchConfig, description="how to find it")
+    idle_timeout_s: float = Field(90.0, ge=1, le=3600, description="close a connection with no complete client event and no server bytes for this long")
+    max_connections: int = Field(32, ge=1, le=1024, description="client connections open at once; more are refused")
+    health_interval_s: float = Field(5.0, gt=0, le=600, description="seconds between `describe` probes of the upstream")
+
+    @field_validator("listen", mode="before")
+    @classmethod
+    def _listen(cls, v: Any) -> Any:
+        if isinstance(v, int) or (isinstance(v, str) and v.strip().isdigit()):
+            return f"127.0.0.1:{str(v).strip()}"
+        return v
     proxy: WyomingProxy | None = Field(None, description="Wyoming proxy in front of it (wyoming_stt / wyoming_tts only)")
     interval_s: float = Field(2.0, gt=0, le=600, description="seconds between checks")
     timeout_s: float = Field(2.0, gt=0, le=60, description="deadline of one health check")
@@ -269,6 +354,8 @@ class VoiceConfig(_Section):
     """Voice hints."""
 
     hint_timeout_s: float = Field(30.0, gt=0, le=3600, description="an STT/TTS start with no stop expires after this")
+                "idle_timeout_s": self.proxy.idle_timeout_s, "max_connections": self.proxy.max_connections,
+                "health_interval_s": self.proxy.health_interval_s,
 
 
 class SystemdConfig(_Section):
@@ -290,7 +377,7 @@ class Config(_Section):
     fallback: BackendName | None = Field(None, description="backend used when `backend` cannot start a model (missing binary, model refused by the memory plan)")
     llama_cpp: LlamaCppConfig = Field(default_factory=LlamaCppConfig, description="the llama_cpp backend")
     models: dict[str, ModelEntry] = Field(default_factory=dict, description="models by id; empty: engine.model is the one model")
-    api: ApiConfig = Field(default_factory=ApiConfig, description="OpenAI-compatible API limits")
+    api: ApiConfig = Field(default_factory=ApiConfig, description="OpenAI-compatible API limits and key")
     policy: PolicyConfig = Field(default_factory=PolicyConfig, description="policy")
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig, description="platform telemetry")
     services: dict[str, ServiceConfig] = Field(default_factory=dict, description="watched services by name")
@@ -379,9 +466,11 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: dict[str,
 
 
 def _resolve_paths(data: dict[str, Any], base: Path) -> None:
-    for section, key in (("engine", "model"), ("policy", "path"), ("llama_cpp", "binary")):
+    for section, key in (("engine", "model"), ("policy", "path"), ("llama_cpp", "binary"), ("api", "api_key_file"),
+                         ("mqtt", "ca_file"), ("mqtt", "cert_file"), ("mqtt", "key_file")):
         sec = data.get(section)
-        if isinstance(sec, dict) and isinstance(sec.get(key), str) and not os.path.isabs(sec[key]):
+        if isinstance(sec, dict) and isinstance(sec.get(key), str) and not os.path.isabs(sec[key]) \
+                and not sec[key].startswith("$"):  # ${CREDENTIALS_DIRECTORY}/... is expanded later
             if section != "llama_cpp" or "/" in sec[key]:  # a bare binary name is looked up on PATH
                 sec[key] = str(base / sec[key])
     models = data.get("models")

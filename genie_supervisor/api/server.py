@@ -107,7 +107,7 @@ def get_supervisor(request: Request) -> Supervisor:
 
 def create_app(supervisor: Supervisor) -> Any:
     """The app with the ops, OpenAI-compatible, llama-server and management routes."""
-    from . import llama_routes, manage, openai_routes, ops
+    from . import llama_routes, manage, openai_routes, ops, security
 
     app = FastAPI(title="genie-supervisor", version=__version__, docs_url=None, redoc_url=None,
                   openapi_url=None)
@@ -137,7 +137,8 @@ def create_app(supervisor: Supervisor) -> Any:
     app.include_router(llama_routes.router)
     app.include_router(manage.router)
     limit = getattr(getattr(supervisor, "cfg", None), "api", None)
-    return BodyLimit(app, limit.max_body_bytes if limit is not None else 1_048_576)
+    return security.guard(BodyLimit(app, limit.max_body_bytes if limit is not None else 1_048_576),
+                          getattr(supervisor, "cfg", None))
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

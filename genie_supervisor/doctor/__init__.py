@@ -38,6 +38,7 @@ from .checks import (
     OpenModel,
     ProbeHttp,
     ProbeTcp,
+    check_api_access,
     check_config,
     check_cuda,
     check_http,
@@ -151,6 +152,7 @@ def audit(config_path: str | None, overrides: dict[str, Any] | None = None,
         checks += check_model(cfg, policy, sample, probes.open_model)
         checks.append(check_thermal(sample, policy))
     checks.append(check_http(cfg.http.listen, probes.bindable))
+    checks.append(check_api_access(cfg))
     checks.append(check_broker(cfg.mqtt.url, probes.broker(cfg) if cfg.mqtt.url else None))
     cgroup_root = probes.cgroup_root or f"{probes.root.rstrip('/')}/sys/fs/cgroup"
     for name, svc in cfg.services.items():

@@ -7,6 +7,7 @@ function), so tests drive them without the real machine. `fail` means the daemon
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import socket
@@ -216,6 +217,26 @@ def check_http(listen: str, bindable: ProbeTcp = port_free) -> Check:
     return Check("http", "warn", f"{listen} cannot be bound now: {why}",
                  "fine if genie-supervisor is already running (systemctl status genie-supervisor); "
                  "otherwise change http.listen or stop what holds the port (ss -ltnp)")
+
+
+def check_api_access(cfg: Config) -> Check:
+    """Is the API reachable beyond loopback without a key (anyone on the LAN could unload the model)?"""
+    host, _port = parse_hostport(cfg.http.listen)
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host.lower() == "localhost"
+    keyed = cfg.api.key() is not None
+    how = "key required" if keyed else "no key"
+    cors = f", CORS for {', '.join(cfg.http.cors_origins)}" if cfg.http.cors_origins else ""
+    if loopback or keyed:
+        where = "loopback only" if loopback else f"beyond loopback ({cfg.http.listen})"
+        return Check("api access", "ok", f"{where}, {how}{cors}")
+    return Check("api access", "warn",
+                 f"the API listens beyond loopback ({cfg.http.listen}) without a key: anyone who can reach "
+                 f"it can unload the model, pause the LLM and read /status{cors}",
+                 "set api.api_key_file (deploy/setup-jetson.sh creates /etc/genie-supervisor/api-key), "
+                 "or listen on 127.0.0.1 (docs/security.md)")
 
 
 # --- model and memory --------------------------------------------------------------------------

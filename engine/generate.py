@@ -97,6 +97,14 @@ class _StopMatcher:
         return out
 
 
+def check_prompt_ids(ids: Sequence[int], n_vocab: int) -> None:
+    """ValueError naming the first id outside 0..n_vocab-1 (no embedding row; negative ones would wrap)."""
+    for i, t in enumerate(ids):
+        if not 0 <= t < n_vocab:
+            shown = str(t) if abs(t) < 10**18 else f"{str(t)[:19]}... ({len(str(t))} digits)"
+            raise ValueError(f"prompt[{i}]: token id {shown} is outside the vocabulary (0..{n_vocab - 1})")
+
+
 class Generation:
     """An async iterator of TokenEvent with `finish_reason` and `stats` once it ends."""
 
@@ -117,6 +125,7 @@ class Generation:
         self._running_cm: Any = None
         self._holding = False
         self.prompt_ids = [int(t) for t in prompt_ids]
+        check_prompt_ids(self.prompt_ids, model.info.n_vocab)
         self.sampling = sampling
         self.gate: Gate = gate if gate is not None else OpenGate()
         ops = getattr(getattr(model, "transformer", None), "ops", None)

@@ -28,6 +28,7 @@ from engine import SamplingParams
 from engine.errors import EngineError
 
 from ..engine_host import AdmissionError
+from .schemas import check_token_ids
 from .server import admission_response, error_body, error_response
 
 if TYPE_CHECKING:
@@ -82,6 +83,20 @@ class Job:
     """Answer with server-sent events."""
     fmt: Formatter
     """The route's wire format."""
+    prompt_param: str = "prompt"
+    """The request field token ids came in (errors name ``prompt_param[i]``)."""
+
+
+def _token_ids(prompt: Any) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], int)
+
+
+def _n_vocab(backend: Any) -> int | None:
+    """The vocabulary size of a loaded backend's tokenizer (None where the backend does not say)."""
+    tokenizer = getattr(backend, "tokenizer", None)
+    tok = tokenizer() if callable(tokenizer) else None
+    n = getattr(tok, "n_vocab", None)
+    return n if isinstance(n, int) else None
 
 
 def new_id(prefix: str) -> str:
@@ -126,6 +141,8 @@ class GenerationResponse(Response):
             cls = sup.admission.resolve(job.priority)
             model = sup.models.resolve(job.model)
             async with sup.admission.slot(cls), sup.models.lease(model) as lease:
+                if _token_ids(job.prompt):
+                    check_token_ids(job.prompt, _n_vocab(lease.backend), job.prompt_param)
                 stream = await lease.backend.generate(job.prompt, job.sampling, cls)
                 result = Result(model.id, prompt_tokens=stream.prompt_tokens)
                 try:

@@ -9,7 +9,7 @@ from fastapi.responses import Response
 
 from ..admission import PRIORITY_HEADER
 from .generation import GenerationResponse, Job, Result
-from .schemas import LlamaCompletionRequest, parse_body
+from .schemas import BadRequest, LlamaCompletionRequest, parse_body
 from .server import get_supervisor
 
 router = APIRouter()
@@ -66,8 +66,6 @@ async def completion(request: Request) -> Response:
     req = parse_body(await request.body(), LlamaCompletionRequest)
     prompt: Any = req.prompt
     if not prompt:
-        from .schemas import BadRequest
-
         raise BadRequest("the prompt is empty", "prompt")
     job = Job(req.model, request.headers.get(PRIORITY_HEADER) or req.priority, prompt,
               req.sampling(sup.cfg.api.default_max_tokens), req.stream, LlamaFormat(req))

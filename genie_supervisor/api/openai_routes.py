@@ -119,8 +119,9 @@ async def completions(request: Request) -> Response:
     req = parse_body(await request.body(), CompletionRequest)
     req.check_n()
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    job = Job(req.model, _priority(request, req.priority), req.text_prompt(), req.sampling(req.max_tokens or 16),
-              req.stream, CompletionFormat(include_usage))
+    prompt, name = req.text_prompt()
+    job = Job(req.model, _priority(request, req.priority), prompt, req.sampling(req.max_tokens or 16),
+              req.stream, CompletionFormat(include_usage), prompt_param=name)
     return GenerationResponse(sup, job)
 
 

@@ -1,13 +1,15 @@
 """Request bodies of the generation routes (OpenAI and llama-server shapes), validated strictly.
 
-Unknown fields are ignored (clients send many we do not use); a known field of the wrong type is
-a 400 in OpenAI's error shape naming the field (``param``). ``parse_body`` turns raw bytes into
-one of these models or raises ``BadRequest``.
+Unknown fields are ignored (clients send many we do not use); a known field of the wrong type or
+out of its range (NaN and infinities included) is a 400 in OpenAI's error shape naming the field
+(``param``). ``parse_body`` turns raw bytes into one of these models or raises ``BadRequest``.
+Token ids are checked against the vocabulary once the model is known (`check_token_ids`).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -15,10 +17,20 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from engine import SamplingParams
 
 from ..engine_host import AdmissionError
+from ..jsonlimits import MAX_DEPTH, loads_bounded
 
 T = TypeVar("T", bound=BaseModel)
 
 _TYPE_WORDS = {"str", "int", "float", "bool", "list", "dict", "none", "literal", "tagged-union"}
+
+SEED_MAX = 2**64 - 1
+"""Largest seed (the samplers' generators take 64 bits)."""
+MAX_STOPS = 16
+"""Most stop strings a request may give."""
+MAX_STOP_CHARS = 1024
+"""Longest stop string."""
+NAME_CHARS = 256
+"""Longest model id / priority name (they are echoed in errors)."""
 
 
 class BadRequest(AdmissionError):
@@ -34,7 +46,7 @@ class BadRequest(AdmissionError):
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class ContentPart(_Body):
@@ -73,17 +85,19 @@ class StreamOptions(_Body):
 
 
 class _Sampling(_Body):
-    model: str | None = Field(None, description="model id or role (default: the first resident model)")
+    model: str | None = Field(None, max_length=NAME_CHARS,
+                              description="model id or role (default: the first resident model)")
     temperature: float | None = Field(None, ge=0, le=2, description="0 = greedy")
     top_p: float | None = Field(None, ge=0, le=1, description="nucleus sampling")
     top_k: int | None = Field(None, ge=0, le=100_000, description="keep the k most likely tokens (0 = all)")
     min_p: float | None = Field(None, ge=0, le=1, description="drop tokens below min_p x the best one")
-    seed: int | None = Field(None, description="random seed")
+    seed: int | None = Field(None, ge=-1, le=SEED_MAX, description="random seed (-1: random)")
     stop: str | list[str] | None = Field(None, description="stop strings (not included in the output)")
     stream: bool = Field(False, description="stream the answer as server-sent events")
     stream_options: StreamOptions | None = Field(None, description="streaming options")
-    n: int | None = Field(None, description="choices to generate: only 1")
-    priority: str | None = Field(None, description="request class (voice, tool, background); or header X-Genie-Priority")
+    n: int | None = Field(None, ge=1, le=128, description="choices to generate: only 1")
+    priority: str | None = Field(None, max_length=NAME_CHARS,
+                                 description="request class (voice, tool, background); or header X-Genie-Priority")
 
     def check_n(self) -> None:
         if self.n is not None and self.n != 1:
@@ -92,10 +106,7 @@ class _Sampling(_Body):
     def stops(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
-        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-        if len(stops) > 16:
-            raise BadRequest("at most 16 stop strings", "stop")
-        return tuple(s for s in stops if s)
+        return check_stops((self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
 
     def sampling(self, max_tokens: int) -> SamplingParams:
         """The engine's sampling parameters (defaults: llama-server's)."""
@@ -106,7 +117,7 @@ class _Sampling(_Body):
         return SamplingParams(
             max_tokens=max_tokens, temperature=self.temperature if self.temperature is not None else 0.8,
             top_k=top_k, top_p=top_p, min_p=self.min_p if self.min_p is not None else 0.05,
-            seed=self.seed, stop=self.stops())
+            seed=None if self.seed is None or self.seed < 0 else self.seed, stop=self.stops())
 
 
 class ChatRequest(_Sampling):
@@ -130,39 +141,41 @@ class ChatRequest(_Sampling):
 class CompletionRequest(_Sampling):
     """``POST /v1/completions``."""
 
-    prompt: str | list[str] | list[int] = Field(..., description="text, one text in a list, or token ids")
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        ..., description="text, one text in a list, token ids, or one list of token ids in a list")
     max_tokens: int | None = Field(None, ge=1, le=1_048_576, description="most tokens to generate (default 16)")
 
-    def text_prompt(self) -> str | list[int]:
+    def text_prompt(self) -> tuple[str | list[int], str]:
+        """The one prompt (text or token ids) and the name its token ids are reported under."""
         p = self.prompt
-        if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+        if isinstance(p, list) and p and not isinstance(p[0], int):
             if len(p) != 1:
-                raise BadRequest("one prompt per request (a list of exactly one string)", "prompt")
-            return str(p[0])
-        if isinstance(p, list) and not p:
-            raise BadRequest("the prompt is empty", "prompt")
-        if isinstance(p, str) and not p:
-            raise BadRequest("the prompt is empty", "prompt")
-        return p  # type: ignore[return-value]
+                raise BadRequest(f"one prompt per request (a list of exactly one prompt, got {len(p)})", "prompt")
+            p, name = p[0], "prompt[0]"
+        else:
+            name = "prompt"
+        if not p:
+            raise BadRequest("the prompt is empty", name)
+        return p, name  # type: ignore[return-value]
 
 
 class LlamaCompletionRequest(_Body):
     """``POST /completion`` (llama-server's native shape)."""
 
-    prompt: str | list[int] = Field(..., description="text or token ids")
+    prompt: str | list[int] = Field(..., description="text or token ids (not both mixed)")
     n_predict: int = Field(-1, ge=-1, le=1_048_576, description="most tokens to generate (-1: api.default_max_tokens)")
     temperature: float = Field(0.8, ge=0, le=2)
     top_k: int = Field(40, ge=0, le=100_000)
     top_p: float = Field(0.95, ge=0, le=1)
     min_p: float = Field(0.05, ge=0, le=1)
-    seed: int = Field(-1, description="-1: random")
-    stop: list[str] = Field(default_factory=list)
+    seed: int = Field(-1, ge=-1, le=SEED_MAX, description="-1: random")
+    stop: list[str] = Field(default_factory=list, description=f"stop strings (at most {MAX_STOPS})")
     stream: bool = False
     repeat_penalty: float = Field(1.0, gt=0, le=10)
     repeat_last_n: int = Field(64, ge=0, le=1_048_576)
     ignore_eos: bool = False
-    model: str | None = Field(None, description="model id or role (an extension)")
-    priority: str | None = Field(None, description="request class (an extension)")
+    model: str | None = Field(None, max_length=NAME_CHARS, description="model id or role (an extension)")
+    priority: str | None = Field(None, max_length=NAME_CHARS, description="request class (an extension)")
 
     def sampling(self, default_max: int) -> SamplingParams:
         top_p, top_k = self.top_p, self.top_k
@@ -172,7 +185,27 @@ class LlamaCompletionRequest(_Body):
             max_tokens=default_max if self.n_predict < 0 else self.n_predict, temperature=self.temperature,
             top_k=top_k, top_p=top_p, min_p=self.min_p, repeat_penalty=self.repeat_penalty,
             repeat_last_n=self.repeat_last_n, seed=None if self.seed < 0 else self.seed,
-            stop=tuple(s for s in self.stop if s), ignore_eos=self.ignore_eos)
+            stop=check_stops(tuple(self.stop)), ignore_eos=self.ignore_eos)
+
+
+def check_stops(stops: tuple[str, ...]) -> tuple[str, ...]:
+    """The non-empty stop strings; BadRequest when there are too many or one is too long."""
+    if len(stops) > MAX_STOPS:
+        raise BadRequest(f"at most {MAX_STOPS} stop strings (got {len(stops)})", "stop")
+    for i, s in enumerate(stops):
+        if len(s) > MAX_STOP_CHARS:
+            raise BadRequest(f"stop[{i}]: a stop string has at most {MAX_STOP_CHARS} characters (got {len(s)})",
+                             f"stop[{i}]")
+    return tuple(s for s in stops if s)
+
+
+def check_token_ids(ids: list[int], n_vocab: int | None, name: str = "prompt") -> None:
+    """BadRequest naming the first id outside 0..n_vocab-1 (only negatives when n_vocab is unknown)."""
+    for i, t in enumerate(ids):
+        if t < 0 or (n_vocab is not None and t >= n_vocab):
+            shown = str(t) if abs(t) < 10**18 else f"{str(t)[:19]}... ({len(str(t))} digits)"
+            vocab = f"0..{n_vocab - 1}" if n_vocab is not None else "0..n_vocab-1"
+            raise BadRequest(f"{name}[{i}]: token id {shown} is outside the vocabulary ({vocab})", f"{name}[{i}]")
 
 
 def _param(loc: tuple[Any, ...]) -> str:
@@ -184,14 +217,38 @@ def _param(loc: tuple[Any, ...]) -> str:
     return ".".join(parts)
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _surrogate(data: Any, where: str = "") -> str | None:
+    """The dotted path of the first string holding a lone UTF-16 surrogate (depth is bounded)."""
+    if isinstance(data, str):
+        try:
+            data.encode("utf-8")
+        except UnicodeEncodeError:
+            return where or "(body)"
+        return None
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    for key, value in items:
+        found = _surrogate(key, where) if isinstance(key, str) else None
+        found = found or _surrogate(value, f"{where}.{key}" if where else str(key))
+        if found:
+            return found
+    return None
+
+
 def parse_body(raw: bytes, model: type[T]) -> T:
-    """Bytes -> a request model; BadRequest (malformed JSON, not an object, wrong types)."""
+    """Bytes -> a request model; BadRequest (malformed or too deep JSON, not an object, wrong types)."""
     try:
-        data = json.loads(raw)
+        data = loads_bounded(raw, MAX_DEPTH)
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadRequest(f"the body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise BadRequest(f"the body must be a JSON object, got {type(data).__name__}")
+    where = _surrogate(data) if _SURROGATE_ESCAPE.search(raw) else None  # UTF-8 itself cannot hold one
+    if where is not None:
+        raise BadRequest(f"{where}: a string holds a lone UTF-16 surrogate (\\ud800-\\udfff), not Unicode text",
+                         where)
     try:
         return model.model_validate(data)
     except ValidationError as exc:

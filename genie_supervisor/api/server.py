@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from ..engine_host import AdmissionError
+from ..jsonlimits import MAX_DEPTH, JsonDepthError, check_depth
 
 if TYPE_CHECKING:
     from ..app import Supervisor
@@ -54,11 +55,16 @@ def admission_response(exc: AdmissionError) -> JSONResponse:
 
 
 class BodyLimit:
-    """ASGI middleware: bodies over `limit` bytes get 413 before any route sees them."""
+    """ASGI middleware: bodies over `limit` bytes get 413, bodies nested deeper than `max_depth` 400.
 
-    def __init__(self, app: Any, limit: int) -> None:
+    Both before any route sees them: every POST route takes JSON, and Python's parser (and
+    pydantic) recurse once per level, so a body of 100,000 ``[`` would be a RecursionError.
+    """
+
+    def __init__(self, app: Any, limit: int, max_depth: int = MAX_DEPTH) -> None:
         self.app = app
         self.limit = limit
+        self.max_depth = max_depth
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
@@ -83,6 +89,14 @@ class BodyLimit:
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
+        try:
+            if len(body) > 262_144:  # a few ms per 100 KiB: keep big scans off the loop
+                await anyio.to_thread.run_sync(check_depth, body, self.max_depth)
+            else:
+                check_depth(body, self.max_depth)
+        except JsonDepthError as exc:
+            await error_response(400, f"the body is {exc}", code="json_too_deep")(scope, receive, send)
+            return
         replayed = False
 
         async def replay() -> Any:
@@ -129,9 +143,14 @@ def create_app(supervisor: Supervisor) -> Any:
         assert isinstance(exc, AdmissionError)
         return admission_response(exc)
 
+    async def internal_error(_request: Request, exc: Exception) -> JSONResponse:
+        # a bug, not bad input: still JSON in the OpenAI shape (starlette logs the traceback)
+        return error_response(500, f"internal error: {type(exc).__name__}", code="internal_error")
+
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(AdmissionError, admission_error)
+    app.add_exception_handler(Exception, internal_error)
     app.include_router(ops.router)
     app.include_router(openai_routes.router)
     app.include_router(llama_routes.router)

@@ -7,6 +7,7 @@ sizes). Its `GGUFReader` builds a Python object per array element, which takes ~
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -15,9 +16,15 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from .errors import ModelFormatError
+from .errors import ModelFormatError, cap_text
 
 GGUF_MAGIC = b"GGUF"
+MAX_DIMS = 4
+"""ggml's GGML_MAX_DIMS: a tensor with more dimensions is refused."""
+MAX_ARRAY_DEPTH = 4
+"""Deepest nesting of metadata arrays accepted (real files use 1)."""
+MAX_KEY_BYTES = 65_535
+"""Longest metadata key or tensor name (llama.cpp's own writer never comes close)."""
 
 # Tensor types the engine can compute with (names as in ggml / gguf.GGMLQuantizationType).
 SUPPORTED_TYPES = frozenset(
@@ -73,6 +80,28 @@ class GGUFFile:
             raise ModelFormatError(self.path, key, "required metadata key is missing")
         return self.metadata[key]
 
+    def number(self, key: str, default: Any = None, *, integer: bool = True,
+               lo: float = 0, hi: float = float(1 << 40)) -> Any:
+        """Metadata `key` as an int (or float) in [lo, hi]; a missing key gives `default` (None: required).
+
+        A value of the wrong type or out of range is a ModelFormatError naming the key and the value.
+        """
+        if key not in self.metadata:
+            if default is None:
+                raise ModelFormatError(self.path, key, "required metadata key is missing")
+            return default
+        value = self.metadata[key]
+        if isinstance(value, np.generic):
+            value = value.item()
+        ok_type = isinstance(value, int) and not isinstance(value, bool) if integer else \
+            isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not ok_type:
+            want = "an integer" if integer else "a number"
+            raise ModelFormatError(self.path, key, f"expected {want}, found {cap_text(repr(value), 80)}")
+        if not (lo <= value <= hi):  # also refuses NaN
+            raise ModelFormatError(self.path, key, f"value {value} is outside [{lo:g}, {hi:g}]")
+        return int(value) if integer else float(value)
+
 
 class _Cursor:
     """Bounds-checked reader over the memory-mapped header."""
@@ -96,20 +125,33 @@ class _Cursor:
     def unpack(self, fmt: str, what: str) -> Any:
         return struct.unpack(fmt, self.take(struct.calcsize(fmt), what))[0]
 
-    def string(self, what: str) -> str:
+    def string(self, what: str, limit: int | None = None) -> str:
         n = self.unpack("<Q", what)
+        if limit is not None and n > limit:
+            raise ModelFormatError(self.path, what, f"string of {n} bytes is longer than the limit of {limit}")
         return bytes(self.take(n, what)).decode("utf-8", errors="replace")
 
-    def value(self, vtype: int, what: str) -> Any:
+    def count(self, n: int, min_bytes: int, what: str) -> int:
+        """`n` items of at least `min_bytes` each must fit in the rest of the file (no huge list is built)."""
+        left = len(self.buf) - self.pos
+        if n * min_bytes > left:
+            raise ModelFormatError(
+                self.path, what, f"count {n} cannot fit: {n} items of >= {min_bytes} bytes, {left} bytes left"
+            )
+        return n
+
+    def value(self, vtype: int, what: str, depth: int = 0) -> Any:
         if vtype == GGUFValueType.STRING:
             return self.string(what)
         if vtype == GGUFValueType.ARRAY:
+            if depth >= MAX_ARRAY_DEPTH:
+                raise ModelFormatError(self.path, what, f"arrays nested deeper than {MAX_ARRAY_DEPTH} levels")
             etype = self.unpack("<I", what)
             count = self.unpack("<Q", what)
             if etype == GGUFValueType.STRING:
-                return [self.string(what) for _ in range(count)]
+                return [self.string(what) for _ in range(self.count(count, 8, what))]
             if etype == GGUFValueType.ARRAY:
-                return [self.value(GGUFValueType.ARRAY, what) for _ in range(count)]
+                return [self.value(GGUFValueType.ARRAY, what, depth + 1) for _ in range(self.count(count, 12, what))]
             if etype not in _SCALAR:
                 raise ModelFormatError(self.path, what, f"unknown array element type {etype}")
             fmt, dtype = _SCALAR[GGUFValueType(etype)]
@@ -141,19 +183,32 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:
     n_tensors = cur.unpack("<Q", "tensor_count")
     n_kv = cur.unpack("<Q", "kv_count")
     metadata: dict[str, Any] = {}
-    for _ in range(n_kv):
-        key = cur.string("metadata key")
+    for _ in range(cur.count(n_kv, 13, "kv_count")):  # key length 8 + type 4 + >= 1 byte of value
+        key = cur.string("metadata key", MAX_KEY_BYTES)
+        if key in metadata:
+            raise ModelFormatError(p, key, "duplicate metadata key")
         vtype = cur.unpack("<I", key)
         metadata[key] = cur.value(vtype, key)
     infos = []
-    for _ in range(n_tensors):
-        name = cur.string("tensor name")
+    names: set[str] = set()
+    for _ in range(cur.count(n_tensors, 24, "tensor_count")):  # name length 8 + dims 4 + type 4 + offset 8
+        name = cur.string("tensor name", MAX_KEY_BYTES)
+        if name in names:
+            raise ModelFormatError(p, name, "duplicate tensor name")
+        names.add(name)
         n_dims = cur.unpack("<I", name)
+        if n_dims > MAX_DIMS:
+            raise ModelFormatError(p, name, f"{n_dims} dimensions (at most {MAX_DIMS})")
         dims = [cur.unpack("<Q", name) for _ in range(n_dims)]
         ttype = cur.unpack("<I", name)
         offset = cur.unpack("<Q", name)
         infos.append((name, dims, ttype, offset))
-    align = int(metadata.get("general.alignment", 32))
+    align = metadata.get("general.alignment", 32)
+    if isinstance(align, (bool, np.ndarray, list, str, float)) or not 0 < int(align) <= 1 << 20 \
+            or int(align) & (int(align) - 1):
+        raise ModelFormatError(p, "general.alignment",
+                               f"expected a power of two up to 1 MiB, found {cap_text(repr(align), 80)}")
+    align = int(align)
     data_start = (cur.pos + align - 1) // align * align
     tensors: dict[str, TensorInfo] = {}
     for name, dims, ttype, offset in infos:
@@ -162,8 +217,10 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:
         except ValueError:
             raise ModelFormatError(p, name, f"unknown tensor type id {ttype}") from None
         shape = tuple(int(d) for d in reversed(dims))  # ggml lists the fastest dimension first
+        if qtype not in GGML_QUANT_SIZES:
+            raise ModelFormatError(p, name, f"tensor type {qtype.name} has no known block size")
         block, type_size = GGML_QUANT_SIZES[qtype]
-        n_elems = int(np.prod(shape)) if shape else 1
+        n_elems = math.prod(shape)  # Python ints: no int64 overflow that could make a huge tensor look small
         cols = shape[-1] if shape else 1
         if cols % block:
             raise ModelFormatError(p, name, f"row length {cols} is not a multiple of {block}")

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from .errors import ModelFormatError
+from .errors import ModelFormatError, cap_text
 from .gguf_file import GGUFFile
 
 RopeStyle = Literal["interleaved", "neox"]
@@ -105,31 +105,35 @@ def read_spec(gf: GGUFFile) -> ModelSpec:
     arch = gf.get("general.architecture")
     if arch is None:
         raise ModelFormatError(gf.path, "general.architecture", "required metadata key is missing")
-    if arch not in ARCHITECTURES:
+    if not isinstance(arch, str) or arch not in ARCHITECTURES:
         known = ", ".join(sorted(ARCHITECTURES))
         raise ModelFormatError(
-            gf.path, "general.architecture", f"unknown architecture {arch!r} (supported: {known})"
+            gf.path, "general.architecture", f"unknown architecture {cap_text(repr(arch), 80)} (supported: {known})"
         )
     traits = ARCHITECTURES[arch]
 
     def key(k: str) -> str:
         return f"{arch}.{k}"
 
-    n_embd = int(gf.require(key("embedding_length")))
-    n_heads = int(gf.require(key("attention.head_count")))
-    n_kv = int(gf.get(key("attention.head_count_kv"), n_heads))
-    head_dim = int(gf.get(key("attention.key_length"), n_embd // n_heads))
-    v_head_dim = int(gf.get(key("attention.value_length"), head_dim))
+    dim = float(1 << 20)  # no real model has a dimension near a million
+    n_embd = gf.number(key("embedding_length"), lo=1, hi=dim)
+    n_heads = gf.number(key("attention.head_count"), lo=1, hi=4096)
+    n_kv = gf.number(key("attention.head_count_kv"), n_heads, lo=1, hi=4096)
+    head_dim = gf.number(key("attention.key_length"), max(n_embd // n_heads, 1), lo=1, hi=65536)
+    v_head_dim = gf.number(key("attention.value_length"), head_dim, lo=1, hi=65536)
     emb = gf.tensors.get("token_embd.weight")
     if emb is None:
         raise ModelFormatError(gf.path, "token_embd.weight", "required tensor is missing")
-    n_vocab = int(gf.get(key("vocab_size"), emb.shape[0]))
-    eps = float(gf.require(key("attention.layer_norm_rms_epsilon")))
+    if len(emb.shape) != 2:
+        raise ModelFormatError(gf.path, "token_embd.weight", f"expected 2 dimensions, found shape {emb.shape}")
+    n_vocab = gf.number(key("vocab_size"), emb.shape[0], lo=1, hi=float(1 << 24))
+    eps = gf.number(key("attention.layer_norm_rms_epsilon"), integer=False, lo=0, hi=1)
+    n_layers = gf.number(key("block_count"), lo=1, hi=4096)
     rope_scale = 1.0
     if gf.get(key("rope.scaling.type"), "none") == "linear":
-        rope_scale = float(gf.get(key("rope.scaling.factor"), 1.0)) or 1.0
+        rope_scale = gf.number(key("rope.scaling.factor"), 1.0, integer=False, lo=0, hi=1e6) or 1.0
     attn_scale = 1.0 / math.sqrt(head_dim)
-    if arch == "gemma3" and int(gf.require(key("block_count"))) == 62:
+    if arch == "gemma3" and n_layers == 62:
         # gemma3 27B's query_pre_attn_scalar is n_embd / n_heads, not head_dim (llama.cpp: LLM_TYPE_27B)
         attn_scale = 1.0 / math.sqrt(n_embd / n_heads)
     if n_heads % n_kv:
@@ -138,21 +142,21 @@ def read_spec(gf: GGUFFile) -> ModelSpec:
         )
     return ModelSpec(
         arch=arch,
-        name=str(gf.get("general.name", gf.path.rsplit("/", 1)[-1])),
-        n_layers=int(gf.require(key("block_count"))),
+        name=cap_text(str(gf.get("general.name", gf.path.rsplit("/", 1)[-1]))),
+        n_layers=n_layers,
         n_embd=n_embd,
-        n_ff=int(gf.require(key("feed_forward_length"))),
+        n_ff=gf.number(key("feed_forward_length"), lo=1, hi=dim),
         n_heads=n_heads,
         n_kv_heads=n_kv,
         head_dim=head_dim,
         v_head_dim=v_head_dim,
         n_vocab=n_vocab,
-        n_ctx_train=int(gf.get(key("context_length"), 2048)),
+        n_ctx_train=gf.number(key("context_length"), 2048, lo=1, hi=float(1 << 24)),
         norm_eps=eps,
-        rope_base=float(gf.get(key("rope.freq_base"), 10000.0)),
-        rope_dim=int(gf.get(key("rope.dimension_count"), head_dim)),
+        rope_base=gf.number(key("rope.freq_base"), 10000.0, integer=False, lo=0, hi=1e12),
+        rope_dim=gf.number(key("rope.dimension_count"), head_dim, lo=0, hi=head_dim),
         rope_scale=rope_scale,
         attn_scale=attn_scale,
-        sliding_window=int(gf.get(key("attention.sliding_window"), 0) or 0),
+        sliding_window=gf.number(key("attention.sliding_window"), 0, lo=0, hi=float(1 << 24)),
         traits=traits,
     )

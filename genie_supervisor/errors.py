@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from engine.errors import cap_text
+
 
 class SupervisorError(Exception):
     """Base class of every error the supervisor raises on purpose."""
@@ -13,6 +15,7 @@ class SourceError(SupervisorError):
     """One problem at a place in a YAML file: prints as ``file:line key.path: message``."""
 
     def __init__(self, path: str, line: int | None, key: str, message: str) -> None:
+        key, message = cap_text(key), cap_text(message, 1000)  # a file's own text never floods a log
         self.path = path
         """File the problem is in."""
         self.line = line

@@ -3,11 +3,19 @@
 ``load_yaml`` returns the plain data plus a ``LineMap`` (key path -> 1-based line).
 ``validate`` runs a pydantic model over the data and turns a ``ValidationError`` into
 ``file:line key.path: message`` issues that name the offending value and what was expected.
+``read_source`` reads a config or policy file with bounds: a regular file only (never a FIFO or a
+device such as ``/dev/zero`` behind a symlink), at most ``MAX_SOURCE_BYTES``, UTF-8.
+
+Untrusted YAML is bounded before anything walks it: control characters are one issue (not an
+exception), and a document whose aliases expand past ``MAX_NODES`` nodes (an alias bomb), that
+refers to itself, or that nests deeper than ``MAX_DEPTH`` is refused before it is constructed.
 """
 
 from __future__ import annotations
 
 import difflib
+import os
+import stat
 import types
 import typing
 from collections.abc import Callable, Sequence
@@ -17,7 +25,18 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from engine.errors import cap_text
+
 from .errors import SourceError
+
+MAX_SOURCE_BYTES = 1_048_576
+"""Largest config or policy file read (bytes); real ones are a few KiB."""
+MAX_NODES = 100_000
+"""Most YAML nodes a document may have once its aliases are expanded."""
+MAX_DEPTH = 64
+"""Deepest nesting of mappings and sequences a document may have."""
+QUOTE_CHARS = 80
+"""Longest value quoted in an error message (longer ones are cut, with their length)."""
 
 Path = tuple[str | int, ...]
 M = TypeVar("M", bound=BaseModel)
@@ -80,11 +99,110 @@ def _walk(node: yaml.Node, path: Path, lines: dict[Path, int], issues: list[tupl
             _walk(item, path + (i,), lines, issues)
 
 
-def load_yaml(text: str, path: str, make: IssueFactory) -> tuple[Any, LineMap, list[SourceError]]:
-    """Parse `text` (from file `path`); returns (data, line map, issues). Malformed YAML is one issue."""
-    loader = yaml.SafeLoader(text)
+def quote(value: Any) -> str:
+    """``repr(value)`` cut to QUOTE_CHARS characters, saying how long it was (errors never copy big values)."""
+    return cap_text(repr(value), QUOTE_CHARS)
+
+
+def read_source(path: str, max_bytes: int = MAX_SOURCE_BYTES) -> str:
+    """The text of file `path`; OSError or ValueError say why it is refused (not a regular file, too big, not UTF-8).
+
+    Opened non-blocking so that a FIFO cannot hang the caller; only regular files are read, and
+    never more than `max_bytes` + 1 bytes (so ``/dev/zero`` or a growing file cannot exhaust memory).
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"not a regular file ({_file_kind(st.st_mode)}); only regular files are read")
+        if st.st_size > max_bytes:
+            raise ValueError(f"file is {st.st_size} bytes, more than the limit of {max_bytes}")
+        chunks: list[bytes] = []
+        size = 0
+        while size <= max_bytes:
+            chunk = os.read(fd, max_bytes + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > max_bytes:
+            raise ValueError(f"file grew past the limit of {max_bytes} bytes while it was read")
+    finally:
+        os.close(fd)
+    raw = b"".join(chunks)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise ValueError(f"line {line}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start})") from None
+
+
+def _file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a plain file"
+
+
+def _check_size(root: yaml.Node) -> tuple[int | None, str] | None:
+    """None when `root` expands to a bounded tree; else (line, why) for an alias bomb, a cycle or deep nesting."""
+    sizes: dict[int, int] = {}
+    depths: dict[int, int] = {}
+    active: set[int] = set()
+    # Iterative post-order walk over distinct nodes: an alias is the same node object again, so each
+    # node is measured once and its expanded size comes from its children's memoised sizes.
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        key = id(node)
+        if done:
+            active.discard(key)
+            kids = _children(node)
+            size = 1 + sum(sizes[id(k)] for k in kids)
+            depth = 1 + max((depths[id(k)] for k in kids), default=0)
+            if size > MAX_NODES:
+                return node.start_mark.line + 1, (
+                    f"document expands to more than {MAX_NODES} nodes through its aliases (an alias bomb?)")
+            if depth > MAX_DEPTH:
+                return node.start_mark.line + 1, f"nesting deeper than {MAX_DEPTH} levels"
+            sizes[key], depths[key] = size, depth
+            continue
+        if key in sizes:
+            continue
+        if key in active:
+            return node.start_mark.line + 1, "an alias refers to a node that contains it (recursive document)"
+        active.add(key)
+        stack.append((node, True))
+        for kid in _children(node):
+            if id(kid) in active:
+                return kid.start_mark.line + 1, "an alias refers to a node that contains it (recursive document)"
+            if id(kid) not in sizes:
+                stack.append((kid, False))
+        if len(active) > MAX_DEPTH + 1:
+            return node.start_mark.line + 1, f"nesting deeper than {MAX_DEPTH} levels"
+    return None
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    return []
+
+
+def load_yaml(text: str, path: str, make: IssueFactory) -> tuple[Any, LineMap, list[SourceError]]:
+    """Parse `text` (from file `path`); returns (data, line map, issues). Malformed or unbounded YAML is one issue."""
+    loader: yaml.SafeLoader | None = None
+    try:
+        loader = yaml.SafeLoader(text)  # checks every character: control bytes raise ReaderError here
         node = loader.get_single_node()
+        if node is not None:
+            bad = _check_size(node)
+            if bad is not None:
+                return None, LineMap(), [make(path, bad[0], "", bad[1])]
         data = loader.construct_document(node) if node is not None else None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
@@ -93,10 +211,18 @@ def load_yaml(text: str, path: str, make: IssueFactory) -> tuple[Any, LineMap, l
         if exc.context:
             what = f"{exc.context}, {what}"
         return None, LineMap(), [make(path, line, "", f"malformed YAML: {what}")]
+    except yaml.reader.ReaderError as exc:
+        line = text.count("\n", 0, exc.position) + 1
+        char = exc.character if isinstance(exc.character, str) else chr(exc.character)
+        return None, LineMap(), [make(path, line, "", f"malformed YAML: control character {ord(char):#04x} "
+                                                        f"at offset {exc.position} is not allowed")]
     except yaml.YAMLError as exc:
         return None, LineMap(), [make(path, None, "", f"malformed YAML: {exc}")]
+    except RecursionError:
+        return None, LineMap(), [make(path, None, "", f"malformed YAML: nesting deeper than {MAX_DEPTH} levels")]
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
     lines: dict[Path, int] = {(): 1}
     dup: list[tuple[int, str, str]] = []
     if node is not None:
@@ -145,7 +271,7 @@ def _issue(model: type[BaseModel], err: Any, data: Any, lines: LineMap, path: st
     elif kind != "value_error":
         value = err.get("input")
         if not isinstance(value, (dict, list)):
-            msg = f"{msg} (got {value!r})"
+            msg = f"{msg} (got {quote(value)})"
     return make(path, lines.line_of(real), format_path(real), msg)
 
 

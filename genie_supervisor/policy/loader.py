@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from pathlib import Path
 
 import anyio
 import structlog
 from anyio.abc import TaskStatus
 
 from ..errors import PolicyError, PolicyErrors
-from ..yamlsrc import load_yaml, validate
+from ..yamlsrc import load_yaml, read_source, validate
 from .schema import Policy
 
 log = structlog.get_logger(__name__)
@@ -36,10 +35,21 @@ def load_policy(path: str | os.PathLike[str]) -> Policy:
     """Read and validate a policy file; raises PolicyErrors (also for a missing file)."""
     name = os.fspath(path)
     try:
-        text = Path(name).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise PolicyErrors([PolicyError(name, None, "", f"cannot read: {exc}")]) from exc
+        text = read_source(name)
+    except (OSError, ValueError) as exc:
+        raise PolicyErrors([PolicyError(name, None, "", f"cannot read: {exc}")]) from None
     return parse_policy(text, name)
+
+
+def _load_guarded(path: str) -> Policy:
+    """`load_policy`, with any unexpected failure turned into PolicyErrors (a reload never crashes the daemon)."""
+    try:
+        return load_policy(path)
+    except PolicyErrors:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a bad file must be reported, never fatal
+        log.exception("policy_load_failed", path=path)
+        raise PolicyErrors([PolicyError(path, None, "", f"cannot load: {type(exc).__name__}: {exc}")]) from None
 
 
 Listener = Callable[[Policy, "PolicyErrors | None"], None]
@@ -76,7 +86,7 @@ class PolicyWatcher:
     async def load(self) -> Policy:
         """First load: raises PolicyErrors when the file is invalid (the daemon must not start)."""
         self._stamp = await self._stat()
-        policy = await anyio.to_thread.run_sync(load_policy, self.path)
+        policy = await anyio.to_thread.run_sync(_load_guarded, self.path)
         self.policy, self.last_error = policy, None
         self.generation += 1
         self._notify()
@@ -86,7 +96,7 @@ class PolicyWatcher:
         """Reload now; True if a new policy is in force, False if the file was rejected."""
         self._stamp = await self._stat()
         try:
-            policy = await anyio.to_thread.run_sync(load_policy, self.path)
+            policy = await anyio.to_thread.run_sync(_load_guarded, self.path)
         except PolicyErrors as exc:
             self.last_error = exc
             log.error("policy_rejected", path=self.path, errors=[i.format() for i in exc.issues],
@@ -104,7 +114,7 @@ class PolicyWatcher:
         """Put another policy file in force; on a bad file keep the current one (and its path)."""
         new = os.fspath(path)
         try:
-            policy = await anyio.to_thread.run_sync(load_policy, new)
+            policy = await anyio.to_thread.run_sync(_load_guarded, new)
         except PolicyErrors as exc:
             self.last_error = exc
             log.error("policy_rejected", path=new, errors=[i.format() for i in exc.issues],

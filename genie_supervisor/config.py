@@ -186,6 +186,7 @@ class ApiConfig(_Section):
     max_body_bytes: int = Field(1_048_576, ge=1024, le=256 * 1_048_576, description="request bodies larger than this get 413")
     load_wait_s: float = Field(120, gt=0, le=3600, description="how long a request waits for its model to load or swap in")
     drain_timeout_s: float = Field(120, gt=0, le=3600, description="how long a swap waits for running requests of the model it evicts")
+    shutdown_timeout_s: float = Field(5.0, ge=1, le=300, description="SIGTERM/SIGINT: the process is gone within this (generations cut at their next step, HTTP drained; a worker thread stuck in one long call is left behind by a forced exit)")
     default_max_tokens: int = Field(256, ge=1, le=1_048_576, description="max_tokens of requests that name none")
     warmup: bool = Field(True, description="after start, time a one-token request per resident model (the first-reply banner)")
     api_key: SecretStr | None = Field(None, description="key every HTTP route but /health asks for (Authorization: Bearer KEY or x-api-key: KEY); null: no key")
@@ -197,7 +198,6 @@ class ApiConfig(_Section):
     @model_validator(mode="after")
     def _read_key(self) -> ApiConfig:
         if self.api_key is not None and self.api_key_file is not None:
-    shutdown_timeout_s: float = Field(5.0, ge=1, le=300, description="SIGTERM/SIGINT: the process is gone within this (generations cut at their next step, HTTP drained; a worker thread stuck in one long call is left behind by a forced exit)")
             raise KeyedValueError("api_key_file", "give api_key or api_key_file, not both")
         if self.api_key is not None:
             self._key = self.api_key.get_secret_value()
@@ -289,6 +289,16 @@ class WyomingProxy(_Section):
     upstream: str = Field(..., description="HOST:PORT (or tcp://HOST:PORT) of the real Wyoming server")
     hold_audio_stop_until_parked: bool = Field(True, description="hold `audio-stop` until the LLM is parked (bounded by hold_max_ms)")
     hold_max_ms: int = Field(250, ge=0, le=10000, description="longest `audio-stop` is held")
+    idle_timeout_s: float = Field(90.0, ge=1, le=3600, description="close a connection with no complete client event and no server bytes for this long")
+    max_connections: int = Field(32, ge=1, le=1024, description="client connections open at once; more are refused")
+    health_interval_s: float = Field(5.0, gt=0, le=600, description="seconds between `describe` probes of the upstream")
+
+    @field_validator("listen", mode="before")
+    @classmethod
+    def _listen(cls, v: Any) -> Any:
+        if isinstance(v, int) or (isinstance(v, str) and v.strip().isdigit()):
+            return f"127.0.0.1:{str(v).strip()}"
+        return v
 
     _v = field_validator("listen", "upstream")(classmethod(lambda cls, v: _hostport(v)))
 
@@ -301,16 +311,6 @@ class ServiceConfig(_Section):
 
     kind: ServiceKind = Field(..., description="what it is; decides the watcher and its signals")
     match: MatchConfig = Field(default_factory=MatchConfig, description="how to find it")
-    idle_timeout_s: float = Field(90.0, ge=1, le=3600, description="close a connection with no complete client event and no server bytes for this long")
-    max_connections: int = Field(32, ge=1, le=1024, description="client connections open at once; more are refused")
-    health_interval_s: float = Field(5.0, gt=0, le=600, description="seconds between `describe` probes of the upstream")
-
-    @field_validator("listen", mode="before")
-    @classmethod
-    def _listen(cls, v: Any) -> Any:
-        if isinstance(v, int) or (isinstance(v, str) and v.strip().isdigit()):
-            return f"127.0.0.1:{str(v).strip()}"
-        return v
     proxy: WyomingProxy | None = Field(None, description="Wyoming proxy in front of it (wyoming_stt / wyoming_tts only)")
     interval_s: float = Field(2.0, gt=0, le=600, description="seconds between checks")
     timeout_s: float = Field(2.0, gt=0, le=60, description="deadline of one health check")
@@ -342,6 +342,8 @@ class ServiceConfig(_Section):
                 "service": "stt" if self.kind == "wyoming_stt" else "tts",
                 "hold_audio_stop_until_parked": self.proxy.hold_audio_stop_until_parked,
                 "hold_max_s": self.proxy.hold_max_ms / 1000.0,
+                "idle_timeout_s": self.proxy.idle_timeout_s, "max_connections": self.proxy.max_connections,
+                "health_interval_s": self.proxy.health_interval_s,
             }
         return out
 
@@ -354,8 +356,6 @@ class VoiceConfig(_Section):
     """Voice hints."""
 
     hint_timeout_s: float = Field(30.0, gt=0, le=3600, description="an STT/TTS start with no stop expires after this")
-                "idle_timeout_s": self.proxy.idle_timeout_s, "max_connections": self.proxy.max_connections,
-                "health_interval_s": self.proxy.health_interval_s,
 
 
 class SystemdConfig(_Section):

@@ -49,8 +49,9 @@ class ProxySettings:
     """Port the proxy listens on (0 picks a free one)."""
     upstream_host: str = "127.0.0.1"
     """Host of the real Wyoming server."""
-    listen_host: str = "0.0.0.0"
-    """Address the proxy binds (Home Assistant in Docker with host networking reaches 127.0.0.1)."""
+    listen_host: str = "127.0.0.1"
+    """Address the proxy binds: loopback by default (Home Assistant on the same box, or in Docker
+    with host networking); ``0.0.0.0`` or a LAN address only for Home Assistant on another host."""
     service: Literal["stt", "tts"] | None = None
     """``stt`` or ``tts``; None takes it from the kind (whisper: stt, piper: tts)."""
     hold_audio_stop_until_parked: bool = True
@@ -61,6 +62,10 @@ class ProxySettings:
     """Seconds between `describe` probes of the upstream (None: no probes)."""
     health_timeout_s: float = 1.0
     """Deadline for the `info` answer."""
+    idle_timeout_s: float = 90.0
+    """A connection with no complete client event and no server bytes for this long is closed."""
+    max_connections: int = 32
+    """Client connections open at once; more are refused with a Wyoming `error` event."""
 
 
 @dataclass(frozen=True)
@@ -181,6 +186,7 @@ def build_watcher(
             s.name, p.listen_host, p.listen_port, p.upstream_host, p.upstream_port,
             service, proxy_publish, wait_parked, p.hold_audio_stop_until_parked, p.hold_max_s,
             health_interval_s=p.health_interval_s, health_timeout_s=p.health_timeout_s,
+            idle_timeout_s=p.idle_timeout_s, max_connections=p.max_connections,
         ))
     return out
 

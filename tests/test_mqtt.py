@@ -247,10 +247,12 @@ def free_port() -> int:
 class Mosquitto:
     """A Mosquitto process on a fixed loopback port that can be stopped and started again."""
 
-    def __init__(self, workdir: Path, *, persistence: bool = False) -> None:
+    def __init__(self, workdir: Path, *, persistence: bool = False, anonymous: bool = True,
+                 extra: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         self.conf = workdir / "mosquitto.conf"
-        lines = [f"listener {self.port} {HOST}", "allow_anonymous true", f"persistence {str(persistence).lower()}"]
+        lines = [f"listener {self.port} {HOST}", *extra, f"allow_anonymous {str(anonymous).lower()}",
+                 f"persistence {str(persistence).lower()}"]
         if os.geteuid() == 0:
             lines.append("user root")  # started as root it would switch users and lose the temp folder
         if persistence:
@@ -336,10 +338,10 @@ class Recorder:
 
 
 @asynccontextmanager
-async def subscriber(port: int, *filters: str) -> AsyncIterator[tuple[Recorder, aiomqtt.Client]]:
+async def subscriber(port: int, *filters: str, **client_kw: Any) -> AsyncIterator[tuple[Recorder, aiomqtt.Client]]:
     """A second client that records everything on `filters` (subscribed before this yields)."""
     rec = Recorder()
-    async with aiomqtt.Client(HOST, port) as client, anyio.create_task_group() as tg:
+    async with aiomqtt.Client(HOST, port, **client_kw) as client, anyio.create_task_group() as tg:
         await client.subscribe([(f, 1) for f in filters])
 
         async def pump() -> None:
@@ -420,13 +422,14 @@ def mqtt_config(url: str, **kw: Any) -> MqttConfig:
 
 
 @asynccontextmanager
-async def running_bridge(config: MqttConfig, store: StateStore | None = None
+async def running_bridge(config: MqttConfig, store: StateStore | None = None, *,
+                         make_app: Callable[[StateStore], FakeApp] = FakeApp,
                          ) -> AsyncIterator[tuple[MqttBridge, StateStore, FakeApp]]:
     """A bridge (with a real gate and arbiter on the built-in policy) started as the daemon starts it."""
     store = store or StateStore()
     store.publish(TelemetrySample("simulated", temps_c={"cpu": 45.0, "gpu": 44.0}, mem_available_mb=5000.0))
     store.set_policy("default", None)
-    app = FakeApp(store)
+    app = make_app(store)
     arbiter = Arbiter(DecodeGate())
     policy = builtin_policy()
     bridge = MqttBridge(config, NODE, store, gate_metrics=arbiter.gate.metrics, commands=app.commands())

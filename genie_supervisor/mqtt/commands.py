@@ -9,7 +9,6 @@ the latest value winning, so a burst of toggles never loses its last word.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from typing import Any
 import anyio
 
 from ..errors import SupervisorError
+from ..jsonlimits import loads_bounded
 from .entities import OFF, ON, PRESS, Inputs, policy_choices
 
 
@@ -111,41 +111,6 @@ def quote(payload: bytes) -> str:
     """A payload as text for logs and refusals, cut to ``QUOTE_CHARS``."""
     text = payload[:QUOTE_CHARS * 4].decode("utf-8", "replace")
     return text if len(text) <= QUOTE_CHARS else text[:QUOTE_CHARS] + "…"
-
-
-def json_depth(raw: bytes, limit: int) -> int:
-    """Nesting depth of arrays and objects in `raw`, counting stops past `limit`: no recursion, no parse."""
-    depth = deepest = 0
-    in_string = escaped = False
-    for byte in raw:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif byte == 0x5C:  # backslash
-                escaped = True
-            elif byte == 0x22:  # quote
-                in_string = False
-        elif byte == 0x22:
-            in_string = True
-        elif byte in (0x5B, 0x7B):  # [ {
-            depth += 1
-            if depth > deepest:
-                deepest = depth
-                if deepest > limit:
-                    break
-        elif byte in (0x5D, 0x7D):  # ] }
-            depth -= 1
-    return deepest
-
-
-def loads_bounded(raw: bytes, limit: int) -> Any:
-    """``json.loads`` that refuses nesting deeper than `limit` before parsing; raises ValueError."""
-    if json_depth(raw, limit) > limit:
-        raise ValueError(f"JSON nested deeper than {limit} levels")
-    try:
-        return json.loads(raw)
-    except RecursionError:  # unreachable after the depth check; never let it end the connection
-        raise ValueError(f"JSON nested deeper than {limit} levels") from None
 
 
 def _text(topic: str, payload: bytes) -> str:

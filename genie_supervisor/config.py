@@ -24,6 +24,7 @@ from pydantic import (
 )
 
 from .errors import ConfigError, ConfigErrors
+from .urls import redact_url
 from .yamlsrc import KeyedValueError, LineMap, load_yaml, validate
 
 _HOSTPORT = re.compile(r"^(?:tcp://)?(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
@@ -98,7 +99,7 @@ class MqttConfig(_Section):
     base_topic: str = Field("genie", min_length=1, description="state topics live under <base_topic>/<node_id>/")
     per_entity_discovery: bool = Field(False, description="one discovery message per entity instead of one device message")
     publish_interval_s: float = Field(5.0, gt=0, le=3600, description="how often state is published (changes go out at once)")
-    keepalive: int = Field(60, ge=5, le=3600, description="MQTT keepalive in seconds")
+    keepalive: int = Field(10, ge=5, le=3600, description="MQTT keepalive in seconds; the broker publishes the offline will 1.5 x this after the daemon goes silent")
     protocol: Literal["3.1.1", "5"] = Field("3.1.1", description="MQTT protocol version")
     ca_file: str | None = Field(None, description="CA certificate file for TLS (default: the system's CAs)")
     cert_file: str | None = Field(None, description="client certificate file for TLS client authentication")
@@ -113,12 +114,22 @@ class MqttConfig(_Section):
             return v
         parts = urlsplit(v)
         if parts.scheme not in ("mqtt", "mqtts") or not parts.hostname:
-            raise ValueError(f"expected mqtt://HOST[:PORT] or mqtts://HOST[:PORT], got {v!r}")
+            raise ValueError(f"expected mqtt://HOST[:PORT] or mqtts://HOST[:PORT], got {redact_url(v)!r}")
         try:
             parts.port  # noqa: B018 - raises on a bad port
         except ValueError as exc:
-            raise ValueError(f"bad port in {v!r}") from exc
+            raise ValueError(f"bad port in {redact_url(v)!r}") from exc
         return v
+
+    @model_validator(mode="after")
+    def _tls_files(self) -> MqttConfig:
+        secure = self.tls or (self.url or "").startswith("mqtts://")
+        for key in ("ca_file", "cert_file", "key_file"):
+            if getattr(self, key) is not None and not secure:
+                raise KeyedValueError(key, f"{key} is only used with TLS: set mqtt.tls: true or use an mqtts:// URL")
+        if self.key_file is not None and self.cert_file is None:
+            raise KeyedValueError("key_file", "key_file is the private key of cert_file: set cert_file too")
+        return self
 
 
 class EngineConfig(_Section):

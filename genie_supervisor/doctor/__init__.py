@@ -79,7 +79,8 @@ class Probes:
     """Whether CUDA works, and why not."""
     broker: Callable[[Config], tuple[bool, str]] = field(default=lambda cfg: mqtt_ping(
         cfg.mqtt.url or "", username=cfg.mqtt.username, password=cfg.mqtt.password,
-        tls=cfg.mqtt.tls, ca_file=cfg.mqtt.ca_file, timeout_s=2.0))
+        tls=cfg.mqtt.tls, ca_file=cfg.mqtt.ca_file, cert_file=cfg.mqtt.cert_file, key_file=cfg.mqtt.key_file,
+        timeout_s=2.0))
     """MQTT CONNECT round trip to the configured broker."""
     wyoming: ProbeTcp = _wyoming
     """Wyoming `describe` round trip to a proxy's upstream."""

@@ -316,6 +316,7 @@ class _Connection:
         self.upstream: SocketStream | None = None
         self.ended: _UpstreamEnded | None = None
         self.end_event = "close"
+        self.client_eof = False
         self.last_progress = time.monotonic()
         self._tg: TaskGroup | None = None
 
@@ -336,7 +337,8 @@ class _Connection:
             if self.upstream is not None:
                 await self.upstream.aclose()
         end = self.ended
-        if end is not None and (self.session.active or not end.clean):
+        # A clean close after the client's own EOF is the normal end of a request, even mid-session.
+        if end is not None and (not end.clean or (self.session.active and not self.client_eof)):
             await self.client.aclose()  # the client need not wait for the probe
             await self._upstream_dropped(end)
         return self.end_event
@@ -391,6 +393,7 @@ class _Connection:
             try:
                 chunk = await self.client.receive(_READ_SIZE)
             except anyio.EndOfStream:
+                self.client_eof = True
                 if parser.pending:
                     log.info("wyoming_client_truncated", proxy=proxy.name, session=session.id,
                              detail="closed mid-event; the partial event was not forwarded")

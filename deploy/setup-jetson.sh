@@ -259,9 +259,29 @@ install_file() {
 }
 if [ -n "$MODEL_FILE" ]; then MODEL_LINE="  model: /var/cache/genie-supervisor/models/$MODEL_FILE"; else MODEL_LINE="  model: null"; fi
 [ "$CPU_ONLY" = 1 ] && BACKEND_EXPR='s#^  backend: auto#  backend: native#' || BACKEND_EXPR=''
+KEY_FILE="$ETC/api-key"
+NEW_CONFIG=0; [ -f "$ETC/supervisor.yaml" ] || NEW_CONFIG=1
 install_file "$SRC_DIR/deploy/config/orin-nano-8gb.yaml" "$ETC/supervisor.yaml" 0600 user \
-  "s#^  model: .*#$MODEL_LINE#;$BACKEND_EXPR"
+  "s#^  model: .*#$MODEL_LINE#;s|^  #api_key_file: api-key|  api_key_file: api-key|;$BACKEND_EXPR"
 install_file "$SRC_DIR/policies/orin-nano-8gb.yaml" "$ETC/policy.yaml" 0644 root
+
+step "API key $KEY_FILE"
+# write_key PATH: a random key (32 bytes from the kernel, as hex), readable by nobody else.
+write_key() {
+  ( umask 077 && printf 'gs-%s\n' "$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')" > "$1" )
+}
+if [ -f "$KEY_FILE" ]; then
+  ok "$KEY_FILE exists: kept (not overwritten)"
+  if [ "$(stat -c %a "$KEY_FILE")" != 600 ]; then act "set mode 0600 on $KEY_FILE" chmod 0600 "$KEY_FILE"; fi
+else
+  act "create a random API key $KEY_FILE (mode 0600)" write_key "$KEY_FILE"
+fi
+give "$KEY_FILE"
+if [ "$NEW_CONFIG" = 1 ]; then
+  ok "the API asks for this key (api.api_key_file in $ETC/supervisor.yaml); read it with: sudo cat $KEY_FILE"
+elif ! grep -q '^ *api_key_file:' "$ETC/supervisor.yaml" 2>/dev/null; then
+  note "$ETC/supervisor.yaml (kept) has no api.api_key_file: add 'api: {api_key_file: api-key}' to require the key"
+fi
 
 step "model"
 if [ -z "$MODEL_FILE" ]; then

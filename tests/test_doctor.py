@@ -299,6 +299,19 @@ def test_service_found_by_pid_file_with_a_healthy_upstream(tmp_path: Path) -> No
         proc.wait()
 
 
+def test_api_beyond_loopback_without_a_key_warns(tmp_path: Path) -> None:
+    """doctor warns (a --strict failure) when the API listens on 0.0.0.0 with no key; with a key file, or on loopback, ok."""
+    checks = by_name(audit(str(write_config(tmp_path)), {"listen": "0.0.0.0:18080"}))
+    access = checks["api access"]
+    assert access.status == "warn" and "without a key" in access.detail and "api_key_file" in access.fix
+    assert exit_code(list(checks.values()), strict=True) == 1
+    (tmp_path / "api-key").write_text("k" * 40 + "\n")
+    keyed = by_name(audit(str(write_config(tmp_path, extra="api:\n  api_key_file: api-key\n")),
+                          {"listen": "0.0.0.0:18080"}))["api access"]
+    assert keyed.status == "ok" and "key required" in keyed.detail and "k" * 40 not in keyed.detail
+    assert by_name(audit(str(write_config(tmp_path))))["api access"].status == "ok"
+
+
 def test_render_is_one_line_per_check_then_fixes_and_verdict() -> None:
     text = render([Check("a", "ok", "fine"), Check("b", "fail", "broken", "do x")])
     lines = text.splitlines()

@@ -164,7 +164,8 @@ def test_dry_run_prints_every_step_and_changes_nothing(tmp_path: Path) -> None:
     assert "jtop service absent" in out and "sysfs" in out
     would = [line for line in out.splitlines() if line.startswith("  would  ")]
     for what in ("create system user genie", "create the venv", "install genie-supervisor[jetson,cuda]",
-                 "supervisor.yaml (mode 0600)", "fetch the gemma3 demo model", "enable genie-supervisor.service"):
+                 "supervisor.yaml (mode 0600)", "create a random API key", "fetch the gemma3 demo model",
+                 "enable genie-supervisor.service"):
         assert any(what in line for line in would), what
     assert "nothing was changed" in out
     assert snapshot(root) == before
@@ -278,6 +279,43 @@ def test_installed_config_loads(tmp_path: Path) -> None:
     assert setup(tmp_path, root, "--cpu-only").returncode == 0
     cfg = load_config(root / "etc/genie-supervisor/supervisor.yaml")
     assert cfg.engine.backend == "native" and cfg.engine.model is not None
+
+
+def test_api_key_is_created_once_private_and_required_by_the_installed_config(tmp_path: Path) -> None:
+    """A fresh install writes a random key (mode 0600, never printed) that the installed config loads; reruns keep it."""
+    from genie_supervisor.config import load_config
+
+    root = make_root(tmp_path)
+    first = setup(tmp_path, root, "--cpu-only")
+    assert first.returncode == 0, first.stderr + first.stdout
+    key_file = root / "etc/genie-supervisor/api-key"
+    key = key_file.read_text()
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    assert key.endswith("\n") and len(key.strip()) >= 40 and key.strip() not in first.stdout + first.stderr
+    if os.geteuid() == 0:
+        assert (key_file.stat().st_uid, key_file.stat().st_gid) == (999, 999)
+    cfg = load_config(root / "etc/genie-supervisor/supervisor.yaml")
+    assert cfg.api.key() == key.strip()
+    key_file.chmod(0o644)
+    second = setup(tmp_path, root, "--cpu-only")
+    assert second.returncode == 0 and key_file.read_text() == key
+    assert key_file.stat().st_mode & 0o777 == 0o600 and "api-key exists: kept" in second.stdout
+
+    other = make_root(tmp_path / "other")
+    assert setup(tmp_path, other, "--cpu-only").returncode == 0
+    assert (other / "etc/genie-supervisor/api-key").read_text() != key  # random, not a shipped constant
+
+
+def test_kept_config_without_a_key_line_gets_a_note(tmp_path: Path) -> None:
+    """An existing config is not edited to require the key; the script says how to turn it on."""
+    root = make_root(tmp_path)
+    etc = root / "etc/genie-supervisor"
+    etc.mkdir(parents=True)
+    (etc / "supervisor.yaml").write_text("node_id: mine\n")
+    result = setup(tmp_path, root, "--model", "none")
+    assert result.returncode == 0, result.stderr + result.stdout
+    assert (etc / "supervisor.yaml").read_text() == "node_id: mine\n" and (etc / "api-key").exists()
+    assert "has no api.api_key_file" in result.stdout
 
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")

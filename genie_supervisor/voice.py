@@ -36,7 +36,7 @@ class VoiceHints:
         if service not in ("stt", "tts"):
             raise ValueError(f"service must be 'stt' or 'tts', got {service!r}")
         event = payload.get("event")
-        if event not in _EVENTS:
+        if not isinstance(event, str) or event not in _EVENTS:  # a list or object is not hashable
             raise ValueError(f"event must be 'start' or 'stop', got {event!r}")
         session = payload.get("session")
         if session is not None and not isinstance(session, str):

@@ -3,12 +3,16 @@ files removed or replaced, caches that cannot be written, and what tracebacks le
 
 from __future__ import annotations
 
+import json
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import anyio
 import httpx
+import openai
 import pytest
 
 from tests.daemon_process import DaemonProcess
@@ -17,11 +21,14 @@ from tests.models import SMOLLM2, require
 pytestmark = pytest.mark.timeout(90)
 
 
-async def _wait_engine(api: httpx.AsyncClient, state: str, within_s: float = 30) -> None:
-    """Poll /status (a process we do not control) until the engine reports `state`."""
-    with anyio.fail_after(within_s):
-        while (await api.get("/status")).json()["engine"]["state"] != state:
-            await anyio.sleep(0.05)
+async def _wait_status(d: DaemonProcess, pred: Callable[[dict[str, Any]], bool], within_s: float = 30) -> None:
+    """Poll /status (a process we do not control: no event to await) until `pred` holds."""
+    async with httpx.AsyncClient(base_url=d.url, timeout=10) as api:
+        with anyio.fail_after(within_s):
+            while True:
+                if pred((await api.get("/status")).json()):
+                    return
+                await anyio.sleep(0.05)
 
 
 async def test_sigterm_exits_within_bound_while_a_worker_thread_is_stuck(tmp_path: Path) -> None:
@@ -40,7 +47,7 @@ async def test_sigterm_exits_within_bound_while_a_worker_thread_is_stuck(tmp_pat
             except httpx.HTTPError:
                 pass  # the connection goes with the process
         tg.start_soon(request)
-        await _wait_engine(api, "prefill")
+        await _wait_status(d, lambda s: s["engine"]["state"] == "prefill")
         t0 = time.monotonic()
         d.signal(signal.SIGTERM)
         rc = await d.wait(within_s=3 + 2)
@@ -49,3 +56,49 @@ async def test_sigterm_exits_within_bound_while_a_worker_thread_is_stuck(tmp_pat
     assert rc == 0 and elapsed < 5, (rc, elapsed)
     assert any("AnyIO worker thread" in t for t in forced["threads"]), forced
     assert forced["bound_s"] == 3
+
+
+async def test_sigterm_mid_generation_ends_streams_with_a_finish_reason(tmp_path: Path) -> None:
+    """SIGTERM while the official openai client streams one answer and waits for another: the stream
+    ends with a finish_reason chunk and [DONE], the waiting request gets a 503 JSON, exit 0 within bound."""
+    model = require(SMOLLM2)
+    async with DaemonProcess(tmp_path, model=model, n_ctx=1024) as d, \
+            openai.AsyncOpenAI(base_url=f"{d.url}/v1", api_key="x", max_retries=0, timeout=90) as client:
+        messages: Any = [{"role": "user", "content": "Tell me a very long story about a lighthouse."}]
+        args: Any = dict(model="default", messages=messages, max_tokens=900, extra_body={"ignore_eos": True})
+        got_chunks = anyio.Event()
+        events: list[Any] = []
+        other: list[Any] = []
+
+        async def streaming() -> None:
+            async with client.chat.completions.with_streaming_response.create(stream=True, **args) as raw:
+                async for line in raw.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
+                    if len(events) == 5:
+                        got_chunks.set()
+
+        async def waiting() -> None:
+            try:
+                other.append(await client.chat.completions.create(**args))
+            except openai.APIStatusError as exc:
+                other.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(streaming)
+            await got_chunks.wait()
+            tg.start_soon(waiting)
+            await _wait_status(d, lambda s: s["engine"]["stats"]["requests_in_flight"] == 2)
+            t0 = time.monotonic()
+            d.signal(signal.SIGTERM)
+            rc = await d.wait(within_s=5 + 2)
+            elapsed = time.monotonic() - t0
+    assert rc == 0 and elapsed < 5, (rc, elapsed)
+    assert events[-1] == "[DONE]", events[-3:]
+    assert events[-2]["choices"][0]["finish_reason"] == "cancelled", events[-2]
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-2])
+    (answer,) = other
+    assert isinstance(answer, openai.APIStatusError) and answer.status_code == 503, answer
+    assert "shutting down" in answer.message
+    assert (await d.event("supervisor_stopped", within_s=1))["reason"] == "SIGTERM"
+    assert not any(e.get("event") == "shutdown_forced" for e in d.log.items)

@@ -27,7 +27,7 @@ from starlette.responses import Response
 from engine import SamplingParams
 from engine.errors import EngineError
 
-from ..engine_host import AdmissionError
+from ..engine_host import AdmissionError, EngineUnavailable
 from .schemas import check_token_ids
 from .server import admission_response, error_body, error_response
 
@@ -166,6 +166,9 @@ class GenerationResponse(Response):
                 for event in job.fmt.end(result):
                     await self._send_event(send, event)
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
+            elif result.finish_reason == "cancelled" and sup.models.closing:  # cut short by SIGTERM: retry later
+                raise EngineUnavailable(f"the supervisor is shutting down; the generation was stopped after "
+                                        f"{result.completion_tokens} tokens")
             else:
                 body = json.dumps(job.fmt.whole(result), ensure_ascii=False).encode()
                 await send({"type": "http.response.start", "status": 200,

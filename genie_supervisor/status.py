@@ -1,8 +1,12 @@
-"""``genie-supervisor status [--url URL]``: the running daemon's state (from ``GET /status``), for people."""
+"""``genie-supervisor status [--url URL]``: the running daemon's state (from ``GET /status``), for people.
+
+With an API key configured, pass it in ``$GENIE_API_KEY``.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -98,11 +102,18 @@ def format_status(s: dict[str, Any], url: str) -> str:
 def cmd_status(args: argparse.Namespace) -> int:
     """Print the daemon's state; exit 1 with one clear line when it cannot be reached."""
     url = str(getattr(args, "url", None) or "http://127.0.0.1:8080").rstrip("/")
+    key = os.environ.get("GENIE_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
-        r = httpx.get(f"{url}/status", timeout=5.0)
+        r = httpx.get(f"{url}/status", timeout=5.0, headers=headers)
         r.raise_for_status()
         data = r.json()
     except httpx.HTTPStatusError as exc:
+        if exc.response.status_code == 401:
+            print(f"error: {url}/status wants the API key: GENIE_API_KEY=$(sudo cat /etc/genie-supervisor/api-key) "
+                  "genie-supervisor status" + (" (the key in GENIE_API_KEY was refused)" if key else ""),
+                  file=sys.stderr)
+            return 1
         print(f"error: {url}/status answered {exc.response.status_code}; is that a genie-supervisor?", file=sys.stderr)
         return 1
     except httpx.HTTPError as exc:

@@ -7,6 +7,7 @@ names, key files) are also tested without a daemon.
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import subprocess
@@ -23,6 +24,7 @@ import pytest
 from genie_supervisor.api.security import Guarded
 from genie_supervisor.config import load_config
 from genie_supervisor.errors import ConfigErrors
+from genie_supervisor.status import cmd_status
 from tests.daemon import write_policy
 from tests.models import SMOLLM2, require
 from tests.test_daemon import _free_port, _Lines
@@ -230,6 +232,19 @@ def test_a_host_that_is_not_this_daemon_is_refused(daemon: Daemon) -> None:
                      "192.168.1.20:8080"):
             assert http.get("/v1/models", headers={"Host": host}).status_code == 200, host
         assert http.get("/running").json()["running"][0]["state"] == "ready"
+
+
+def test_status_command_sends_the_key_from_the_environment(daemon: Daemon, monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """`genie-supervisor status` passes $GENIE_API_KEY; without it, it exits 1 saying how to give the key."""
+    args = argparse.Namespace(url=daemon.base)
+    monkeypatch.delenv("GENIE_API_KEY", raising=False)
+    assert cmd_status(args) == 1
+    assert "wants the API key: GENIE_API_KEY=" in capsys.readouterr().err
+    monkeypatch.setenv("GENIE_API_KEY", KEY)
+    assert cmd_status(args) == 0
+    out = capsys.readouterr().out
+    assert f"at {daemon.base}: ready" in out and KEY not in out
 
 
 def test_zz_the_key_is_never_in_the_log(daemon: Daemon) -> None:

@@ -4,6 +4,7 @@ files removed or replaced, caches that cannot be written, and what tracebacks le
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -15,6 +16,8 @@ import httpx
 import openai
 import pytest
 
+from tests.apitools import synth
+from tests.daemon import write_policy
 from tests.daemon_process import DaemonProcess
 from tests.models import SMOLLM2, require
 
@@ -102,3 +105,45 @@ async def test_sigterm_mid_generation_ends_streams_with_a_finish_reason(tmp_path
     assert "shutting down" in answer.message
     assert (await d.event("supervisor_stopped", within_s=1))["reason"] == "SIGTERM"
     assert not any(e.get("event") == "shutdown_forced" for e in d.log.items)
+
+
+async def test_sighup_reloads_a_changed_policy_without_watching(tmp_path: Path) -> None:
+    """With policy.watch false, an edited policy file takes effect on SIGHUP: logged and shown by /status."""
+    async with DaemonProcess(tmp_path, model=None) as d, httpx.AsyncClient(base_url=d.url, timeout=10) as api:
+        before = (await api.get("/status")).json()["policy"]
+        assert before["name"] == "faults" and before["generation"] == 1
+        write_policy(d.policy, "edited", cap=7)
+        mark = d.mark()
+        d.signal(signal.SIGHUP)
+        loaded = await d.event("policy_loaded", lambda e: e["name"] == "edited", start=mark)
+        assert loaded["previous"] == "faults"
+        after = (await api.get("/status")).json()
+        assert after["policy"]["name"] == "edited" and after["policy"]["error"] is None
+        assert after["policy"]["generation"] == 2
+        assert (await api.get("/health")).json()["policy"] == "edited"
+
+
+async def test_model_file_removed_or_replaced_while_loaded(tmp_path: Path) -> None:
+    """A loaded model keeps serving when its file is removed or replaced by rename; a reload after the
+    removal is a 503 naming the missing file (the daemon stays up), and the renamed-in file loads next."""
+    path = tmp_path / "model.gguf"
+    os.link(require(SMOLLM2), path)  # a second name for the cached file: removing it leaves the cache alone
+    chat: Any = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+    async with DaemonProcess(tmp_path, model=path) as d, httpx.AsyncClient(base_url=d.url, timeout=60) as api:
+        path.unlink()
+        assert (await api.post("/v1/chat/completions", json=chat)).status_code == 200  # still mapped
+        assert (await api.post("/unload", json={})).json()["unloaded"] == ["model"]
+        gone = await api.post("/v1/chat/completions", json=chat)
+        assert gone.status_code == 503, gone.text
+        assert str(path) in gone.json()["error"]["message"], gone.json()
+        assert (await d.event("model_load_failed"))["model"] == "model"
+
+        os.replace(synth(tmp_path, "tiny"), path)  # the fix: a new file renamed into place
+        assert (await api.post("/v1/chat/completions", json=chat)).status_code == 200
+        assert (await api.get("/status")).json()["engine"]["model"] == "tiny"
+        spare = tmp_path / "spare.gguf"
+        os.link(SMOLLM2, spare)
+        os.replace(spare, path)  # replaced by rename while "tiny" is loaded: "tiny" keeps serving
+        assert (await api.post("/v1/chat/completions", json=chat)).status_code == 200
+        assert (await api.get("/status")).json()["engine"]["model"] == "tiny"
+        assert (await api.get("/health")).json()["status"] == "ok"

@@ -26,6 +26,7 @@ import logging
 import math
 import random
 import secrets
+import ssl
 import time
 from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
@@ -65,6 +66,9 @@ log = structlog.get_logger(__name__)
 
 BACKOFF_START_S = 0.5
 """First wait after a failed or lost connection."""
+BROKER_TIMEOUT_S = 10.0
+"""Longest wait on the broker (CONNACK, SUBACK, PUBACK); a connection refused after the TLS
+handshake (a missing client certificate under TLS 1.3) is seen when the CONNACK wait runs out."""
 SHUTDOWN_TIMEOUT_S = 2.0
 """Longest a clean shutdown spends publishing ``offline`` and disconnecting."""
 SCAN_TIMEOUT_S = 3.0
@@ -102,6 +106,7 @@ class MqttBridge:
         self.last_command_error: CommandRefusal | None = None
         """The last refused command (published on the ``command_error`` sensor)."""
         self._pending = PendingCommands()
+        self._status_changed = anyio.Event()
         self._publisher = StatePublisher(min_interval_s=min_publish_interval_s, clock=clock)
         self._online = anyio.Event()
         self._wake = anyio.Event()
@@ -146,9 +151,20 @@ class MqttBridge:
                 "availability_topic": self.topics.availability,
                 "last_command_error": refusal.__dict__ if refusal is not None else None}
 
+    async def wait_status(self, pred: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+        """``status()`` once `pred` holds for it (checked at every connect, disconnect and failure)."""
+        while not pred(status := self.status()):
+            await self._status_changed.wait()
+        return status
+
+    def _status_change(self) -> None:
+        self._status_changed.set()
+        self._status_changed = anyio.Event()
+
     def _set_connected(self, up: bool) -> None:
         self.connected = up
         self.since = _now_iso()
+        self._status_change()
 
     async def _reconnect_loop(self) -> None:
         delay = BACKOFF_START_S
@@ -158,6 +174,7 @@ class MqttBridge:
                 await self._connection()
             except Exception as exc:  # cancellation is not an Exception: it always propagates
                 self.last_error = _describe(exc)
+                self._status_change()
                 if self.connections > got_online:
                     delay = BACKOFF_START_S
                 unexpected = [e for e in _leaves(exc) if not isinstance(e, aiomqtt.MqttError)]
@@ -172,8 +189,6 @@ class MqttBridge:
         cfg = self._config
         parts = urlsplit(cfg.url or "")
         tls = cfg.tls or parts.scheme == "mqtts"
-        tls_params = aiomqtt.TLSParameters(ca_certs=cfg.ca_file, certfile=cfg.cert_file,
-                                           keyfile=cfg.key_file) if tls else None
         username = cfg.username if cfg.username is not None else (unquote(parts.username) if parts.username else None)
         password = cfg.password if cfg.password is not None else (unquote(parts.password) if parts.password else None)
         return aiomqtt.Client(
@@ -182,7 +197,7 @@ class MqttBridge:
             identifier=cfg.client_id or f"genie-{self.topics.node_id}",
             protocol=aiomqtt.ProtocolVersion.V5 if cfg.protocol == "5" else aiomqtt.ProtocolVersion.V311,
             will=aiomqtt.Will(self.topics.availability, "offline", qos=1, retain=True),
-            keepalive=cfg.keepalive, tls_params=tls_params,
+            keepalive=cfg.keepalive, tls_context=tls_context(cfg) if tls else None, timeout=BROKER_TIMEOUT_S,
             logger=logging.getLogger("genie_supervisor.mqtt.paho"),
         )
 
@@ -408,6 +423,27 @@ class MqttBridge:
 
 def _now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+class _ClosingSSLSocket(ssl.SSLSocket):
+    """Closes itself when the handshake fails (paho leaves that socket to the garbage collector)."""
+
+    def do_handshake(self, block: bool = False) -> None:
+        try:
+            super().do_handshake(block)
+        except BaseException:
+            self.close()
+            raise
+
+
+def tls_context(cfg: MqttConfig) -> ssl.SSLContext:
+    """The client's TLS context: the broker's certificate checked against ``ca_file`` (default: the
+    system's CAs) and its host name; ``cert_file`` / ``key_file`` as the client certificate."""
+    context = ssl.create_default_context(cafile=cfg.ca_file)
+    if cfg.cert_file is not None:
+        context.load_cert_chain(cfg.cert_file, cfg.key_file)
+    context.sslsocket_class = _ClosingSSLSocket
+    return context
 
 
 def _bytes(payload: Any) -> bytes:

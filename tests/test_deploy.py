@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -120,33 +121,77 @@ def test_voice_units_listen_where_the_proxies_forward() -> None:
         assert after == ["genie-supervisor.service"]
 
 
-@pytest.mark.skipif(MOSQUITTO is None, reason="the mosquitto binary is not installed")
-def test_mosquitto_accepts_the_broker_config(tmp_path: Path) -> None:
-    """deploy/mosquitto/genie.conf, moved to a free loopback port, starts and takes anonymous clients."""
+def _free_port() -> int:
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    text = (DEPLOY / "mosquitto" / "genie.conf").read_text()
-    assert re.search(r"^listener 1883$", text, flags=re.M)
+        return int(s.getsockname()[1])
+
+
+def _run_mosquitto(tmp_path: Path, conf_text: str, probes: list[dict[str, Any]]) -> list[tuple[bool, str]]:
+    """Start Mosquitto on `conf_text` and return mqtt_ping's answer for each probe (url + kwargs)."""
     conf = tmp_path / "genie.conf"
-    conf.write_text(re.sub(r"^listener 1883$", f"listener {port} 127.0.0.1", text, flags=re.M)
-                    + ("user root\n" if os.geteuid() == 0 else ""))
+    conf.write_text(conf_text + ("user root\n" if os.geteuid() == 0 else ""))
     assert MOSQUITTO is not None
     with (tmp_path / "log").open("wb") as log:
         proc = subprocess.Popen([MOSQUITTO, "-c", str(conf)], stdout=log, stderr=subprocess.STDOUT)
     try:
+        first = dict(probes[0])
         deadline = time.monotonic() + 10
         while True:  # readiness of a process we do not control: poll, bounded
-            up, why = mqtt_ping(f"mqtt://127.0.0.1:{port}", timeout_s=1)
-            if up or proc.poll() is not None or time.monotonic() > deadline:
+            up, why = mqtt_ping(first.pop("url"), timeout_s=1, **first)
+            first = dict(probes[0])
+            if "TCP connect" not in why or proc.poll() is not None or time.monotonic() > deadline:
                 break
             time.sleep(0.02)
-        assert up, why + (tmp_path / "log").read_text()
+        assert proc.poll() is None, (tmp_path / "log").read_text()
+        return [mqtt_ping(p.pop("url"), timeout_s=2, **p) for p in map(dict, probes)]
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+@pytest.mark.skipif(MOSQUITTO is None, reason="the mosquitto binary is not installed")
+def test_mosquitto_accepts_the_broker_config_on_loopback_only(tmp_path: Path) -> None:
+    """deploy/mosquitto/genie.conf listens on 127.0.0.1 only (no LAN listener active) and takes local clients."""
+    port = _free_port()
+    text = (DEPLOY / "mosquitto" / "genie.conf").read_text()
+    active = [line for line in text.splitlines() if line.strip() and not line.startswith("#")]
+    assert [line for line in active if line.startswith("listener")] == ["listener 1883 127.0.0.1"]
+    [(up, why)] = _run_mosquitto(tmp_path, text.replace("listener 1883 127.0.0.1", f"listener {port} 127.0.0.1"),
+                                 [{"url": f"mqtt://127.0.0.1:{port}"}])
+    assert up, why + (tmp_path / "log").read_text()
+
+
+@pytest.mark.skipif(MOSQUITTO is None or shutil.which("mosquitto_passwd") is None or shutil.which("openssl") is None,
+                    reason="mosquitto, mosquitto_passwd and openssl are needed")
+def test_the_documented_lan_and_tls_sections_of_the_broker_config_work(tmp_path: Path) -> None:
+    """Switched to its LAN and TLS sections, the broker config refuses anonymous clients and takes the user, over TLS too."""
+    from tests.test_mqtt_security import make_pki
+
+    pki = make_pki(tmp_path)
+    passwd = tmp_path / "passwd"
+    subprocess.run(["mosquitto_passwd", "-b", "-c", str(passwd), "genie", "pw"], check=True, capture_output=True,
+                   timeout=10)
+    plain, tls = _free_port(), _free_port()
+    text = (DEPLOY / "mosquitto" / "genie.conf").read_text()
+    text = text.replace("\nlistener 1883 127.0.0.1\nallow_anonymous true\n", "\n")
+    text = re.sub(r"^#(LAN|TLS) ", "", text, flags=re.M)
+    for old, new in (("listener 1883", f"listener {plain} 127.0.0.1"), ("listener 8883", f"listener {tls} 127.0.0.1"),
+                     ("/etc/mosquitto/passwd", str(passwd)), ("/etc/mosquitto/certs/ca.crt", str(pki["ca"])),
+                     ("/etc/mosquitto/certs/server.crt", str(pki["server"])),
+                     ("/etc/mosquitto/certs/server.key", str(pki["server_key"]))):
+        assert re.search(rf"^{re.escape(old)}$|^\S+ {re.escape(old)}$", text, flags=re.M), old
+        text = text.replace(old, new)
+    user = {"username": "genie", "password": "pw"}
+    anonymous, ok, anonymous_tls, ok_tls = _run_mosquitto(tmp_path, text, [
+        {"url": f"mqtt://127.0.0.1:{plain}"}, {"url": f"mqtt://127.0.0.1:{plain}", **user},
+        {"url": f"mqtts://127.0.0.1:{tls}", "ca_file": str(pki["ca"])},
+        {"url": f"mqtts://127.0.0.1:{tls}", "ca_file": str(pki["ca"]), **user}])
+    assert not anonymous[0] and "refused the connection" in anonymous[1], anonymous
+    assert not anonymous_tls[0] and "refused the connection" in anonymous_tls[1], anonymous_tls
+    assert ok[0] and ok_tls[0], (ok, ok_tls)
 
 
 def test_compose_file_is_consistent() -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from .chat_template import probe_chat_template
 from .chat_template import render_chat as _render_chat
 from .errors import ContextOverflowError, EngineError, ModelFormatError, TemplateError
 from .gate import Gate, OpenGate
@@ -61,6 +62,9 @@ class Model:
         self.spec: ModelSpec = read_spec(gf)
         self.tokenizer = Tokenizer.from_gguf(gf)
         self.chat_template: str | None = gf.get("tokenizer.chat_template")
+        if self.chat_template is not None:  # untrusted: refuse one that cannot render a small chat
+            bos, eos = self._bos_eos_text()
+            probe_chat_template(self.chat_template, path=self.path, bos_token=bos, eos_token=eos)
         self.memory_plan: MemoryPlan = plan_memory(
             gf, self.spec, n_ctx, kv_dtype, quantized=backend == "native", backend=backend
         )
@@ -98,13 +102,17 @@ class Model:
     # --- text ---------------------------------------------------------------------------
     def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """The conversation as prompt text, through the model's own template (sandboxed)."""
-        tok = self.tokenizer
-        bos = tok.decode([tok.bos_id]) if tok.bos_id is not None else ""
-        eos = tok.decode([tok.eos_id]) if tok.eos_id is not None else ""
+        bos, eos = self._bos_eos_text()
         return _render_chat(
             self.chat_template, list(messages), add_generation_prompt=add_generation_prompt,
             bos_token=bos, eos_token=eos, arch=self.spec.arch,
         )
+
+    def _bos_eos_text(self) -> tuple[str, str]:
+        tok = self.tokenizer
+        bos = tok.decode([tok.bos_id]) if tok.bos_id is not None else ""
+        eos = tok.decode([tok.eos_id]) if tok.eos_id is not None else ""
+        return bos, eos
 
     def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         """Render and tokenize a conversation (special tokens parsed, BOS as the model wants)."""

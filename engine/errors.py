@@ -42,19 +42,6 @@ class TemplateBudgetError(TemplateError):
         super().__init__(message)
 
 
-class TemplateBudgetError(TemplateError):
-    """A chat template that ran past its render budget; `limit` names which one.
-
-    `limit` is "steps" (loop iterations and calls), "seconds" (wall clock), "chars" (the size of
-    the output or of one value it builds) or "depth" (nested macro calls); `value` is the bound.
-    """
-
-    def __init__(self, limit: str, value: float, message: str) -> None:
-        self.limit = limit
-        self.value = value
-        super().__init__(message)
-
-
 class ContextOverflowError(EngineError):
     """A prompt (plus requested tokens) longer than the context the KV cache was sized for."""
 

@@ -16,10 +16,12 @@ import httpx
 import openai
 import pytest
 
+from genie_supervisor.mqtt.entities import Topics
 from tests.apitools import synth
 from tests.daemon import write_policy
 from tests.daemon_process import DaemonProcess
 from tests.models import SMOLLM2, require
+from tests.test_mqtt import Mosquitto, is_, needs_broker, subscriber
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -147,3 +149,50 @@ async def test_model_file_removed_or_replaced_while_loaded(tmp_path: Path) -> No
         assert (await api.post("/v1/chat/completions", json=chat)).status_code == 200
         assert (await api.get("/status")).json()["engine"]["model"] == "tiny"
         assert (await api.get("/health")).json()["status"] == "ok"
+
+
+@needs_broker
+async def test_broker_killed_mid_generation(tmp_path: Path) -> None:
+    """Mosquitto SIGKILLed during a streamed generation: the generation completes, the disconnect is
+    logged, and once the broker is back on its port the daemon republishes discovery and `online`."""
+    broker = Mosquitto(tmp_path)
+    await broker.start()
+    topics = Topics.make("genie", "homeassistant", "genie")
+    extra = f"mqtt: {{url: '{broker.url}', reconnect_max_s: 1}}"
+    try:
+        async with DaemonProcess(tmp_path, model=require(SMOLLM2), extra=extra) as d, \
+                httpx.AsyncClient(base_url=d.url, timeout=60) as api:
+            await d.event("mqtt_online", lambda e: e["connections"] == 1)
+            body = {"messages": [{"role": "user", "content": "Tell me a very long story about a lighthouse."}],
+                    "max_tokens": 24, "temperature": 0, "stream": True}
+            events: list[Any] = []
+            async with api.stream("POST", "/v1/chat/completions", json=body) as resp:
+                lines = resp.aiter_lines()
+                async for line in lines:
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        if '"content":"' in line and '"content":""' not in line:
+                            break  # the first token: the generation runs
+                assert broker.proc is not None
+                mark = d.mark()
+                broker.proc.kill()
+                await broker.proc.wait()
+                await d.event("mqtt_connection_lost", start=mark)
+                after = len(events)
+                async for line in lines:
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+            assert events[-1] == "[DONE]" and len(events) > after + 2
+            assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+            assert (await d.event("generation_done", start=mark))["completion_tokens"] == 24
+
+            await broker.start()  # the same port, no retained state: everything seen now is republished
+            async with subscriber(broker.port, "homeassistant/#", "genie/#") as (rec, _):
+                await d.event("mqtt_online", lambda e: e["connections"] == 2, start=mark)
+                await rec.wait_for(topics.availability, is_("online"), within_s=10)
+                device = json.loads(await rec.wait_for(topics.device_config, lambda p: bool(p), within_s=10))
+                assert device["cmps"], device
+            status = (await api.get("/status")).json()["mqtt"]
+            assert status["connected"] is True and status["connections"] == 2, status
+    finally:
+        await broker.stop()

@@ -92,3 +92,58 @@ async def test_select_switch_and_soft_limit_act_on_the_daemon(tmp_path: Path) ->
                 await api.aclose()
     finally:
         await broker.stop()
+
+
+async def test_a_burst_of_toggles_during_a_generation_ends_in_the_last_value(tmp_path: Path) -> None:
+    """200 OFF/ON toggles of the LLM switch, ending in ON, while OFF waits for a generation to drain:
+    none is dropped, the LLM ends ON and serves the next request."""
+    import json
+
+    import httpx
+
+    broker = Mosquitto(tmp_path)
+    await broker.start()
+    try:
+        async with subscriber(broker.port, f"{BASE}/#") as (rec, client):
+            async with _supervisor(tmp_path, broker.url, SimulatedSource(temps_c={"cpu": 50.0})) as sup, \
+                    anyio.create_task_group() as tg:
+                assert sup.http is not None
+                api = httpx.AsyncClient(base_url=f"http://127.0.0.1:{sup.http.port}", timeout=60)
+                await rec.wait_for(f"{BASE}/availability", is_("online"), within_s=10)
+                body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+                # STT pauses decoding (the policy), so the generation stays in flight until STT stops
+                assert (await api.post("/v1/voice/events", json={"service": "stt", "event": "start"})).status_code < 300
+                done = anyio.Event()
+
+                async def generate() -> None:
+                    r = await api.post("/v1/chat/completions", json=body)
+                    assert r.status_code == 200, r.text
+                    done.set()
+
+                tg.start_soon(generate)
+                with anyio.fail_after(20):
+                    while (sup.store.snapshot().engine is None
+                           or sup.store.snapshot().engine.requests_in_flight == 0):
+                        await sup.store.wait_changed(sup.store.version)
+                for n in range(200):
+                    await client.publish(f"{BASE}/llm/enabled/set", "OFF" if n % 2 == 0 else "ON", qos=1)
+                # handled as it arrives: once TTS shows active, every toggle before it was received
+                await client.publish(f"{BASE}/voice/events", json.dumps({"service": "tts", "event": "start"}), qos=1)
+                with anyio.fail_after(10):
+                    while not sup.store.snapshot().voice.tts_active:
+                        await sup.store.wait_changed(sup.store.version)
+                assert not done.is_set() and sup.models.enabled is False  # OFF runs, waiting for the drain
+                assert (await api.post("/v1/voice/events", json={"service": "stt", "event": "stop"})).status_code < 300
+                with anyio.fail_after(30):
+                    await done.wait()
+                    while not sup.models.enabled:
+                        await sup.store.wait_changed(sup.store.version)
+                await rec.wait_for(f"{BASE}/llm/enabled", is_("ON"), start=rec.mark(), within_s=8)
+                assert sup.models.enabled
+                with anyio.fail_after(30):
+                    while (r := await api.post("/v1/chat/completions", json=body)).status_code == 503:
+                        await sup.store.wait_changed(sup.store.version)
+                assert r.status_code == 200
+                await api.aclose()
+    finally:
+        await broker.stop()

@@ -196,3 +196,18 @@ async def test_broker_killed_mid_generation(tmp_path: Path) -> None:
             assert status["connected"] is True and status["connections"] == 2, status
     finally:
         await broker.stop()
+
+
+async def test_unwritable_kernel_cache_is_a_warning_and_the_daemon_serves(tmp_path: Path) -> None:
+    """A kernel cache folder that cannot be created (a file where the folder should be) is logged as a
+    warning; the native kernels are built for the process anyway and the daemon answers requests."""
+    blocker = tmp_path / "cache"
+    blocker.write_text("a file where ~/.cache should be a folder\n")
+    daemon = DaemonProcess(tmp_path, model=require(SMOLLM2), env={"XDG_CACHE_HOME": str(blocker)})
+    async with daemon as d, httpx.AsyncClient(base_url=d.url, timeout=60) as api:
+        warning = next(e for e in d.log.items if "cannot be written" in str(e.get("event")))
+        assert warning["level"] == "warning" and str(blocker) in warning["event"]
+        assert (await d.event("model_loaded"))["backend"] == "native"
+        chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+        assert (await api.post("/v1/chat/completions", json=chat)).status_code == 200
+    assert blocker.read_text().startswith("a file")

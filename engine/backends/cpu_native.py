@@ -11,7 +11,9 @@ models such as SmolLM2 the logits are llama.cpp's bit for bit. The rest (embeddi
 residual adds, other caches' attention) is NumPy (inherited from `NumpyOps`).
 
 Without a working compiler `native_available()` returns ``(False, reason)`` and `auto` falls
-back to the NumPy backend.
+back to the NumPy backend. A cache folder that cannot be written (read-only, not a directory, disk
+full) is a warning, not a failure: the kernels are compiled into a temporary folder for this
+process and loaded from there.
 """
 
 from __future__ import annotations
@@ -103,31 +105,63 @@ def build_library(flags: list[str]) -> tuple[ctypes.CDLL | None, str]:
         )
     ).hexdigest()[:20]
     out = cache_dir() / f"qgemv-{key}.so"
-    if not out.exists():
-        try:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-            os.close(fd)
-            r = subprocess.run(
-                [cc, *flags, "-o", tmp, str(SOURCE), "-lm"],
-                capture_output=True,
-                text=True,
-                timeout=300,
-            )
-            if r.returncode != 0:
-                os.unlink(tmp)
-                last = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
-                return None, f"{' '.join(flags)}: {last}"
-            os.replace(tmp, out)  # atomic: concurrent builders never load a partial file
-        except (OSError, subprocess.SubprocessError) as exc:
-            return None, f"{' '.join(flags)}: {exc}"
+    scratch: str | None = None
     try:
-        lib = ctypes.CDLL(str(out))
-    except OSError as exc:
-        return None, f"load {out}: {exc}"
+        if not out.exists():
+            try:
+                out.parent.mkdir(parents=True, exist_ok=True)
+                fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+                os.close(fd)
+            except OSError as exc:  # read-only, not a directory, disk full: build for this process only
+                _warn_uncached(out.parent, exc)
+                try:
+                    scratch = tempfile.mkdtemp(prefix="genie-kernels-")
+                except OSError as exc2:
+                    return None, f"{' '.join(flags)}: no writable folder for the build: {exc}; {exc2}"
+                tmp = os.path.join(scratch, out.name + ".part")
+                out = Path(scratch) / out.name
+            try:
+                r = subprocess.run(
+                    [cc, *flags, "-o", tmp, str(SOURCE), "-lm"],
+                    capture_output=True,
+                    text=True,
+                    timeout=300,
+                )
+                if r.returncode != 0:
+                    _unlink(tmp)
+                    last = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
+                    return None, f"{' '.join(flags)}: {last}"
+                os.replace(tmp, out)  # atomic: concurrent builders never load a partial file
+            except (OSError, subprocess.SubprocessError) as exc:
+                _unlink(tmp)
+                return None, f"{' '.join(flags)}: {exc}"
+        try:
+            lib = ctypes.CDLL(str(out))
+        except OSError as exc:
+            return None, f"load {out}: {exc}"
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)  # once loaded, the mapping outlives the file
     _declare(lib)
     mode = lib.qg_init()
-    return lib, f"{out.name} ({' '.join(flags)}; {'OpenMP' if mode == 2 else 'one thread'})"
+    where = " (not cached: the cache folder cannot be written)" if scratch is not None else ""
+    return lib, f"{out.name} ({' '.join(flags)}; {'OpenMP' if mode == 2 else 'one thread'}){where}"
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _warn_uncached(folder: Path, exc: OSError) -> None:
+    """Say once per process that the kernel cache cannot be written (each start compiles again)."""
+    if not _state.get("warned_uncached"):
+        _state["warned_uncached"] = True
+        logging.getLogger(__name__).warning(
+            "native kernels: cache %s cannot be written (%s); compiling into a temporary folder "
+            "for this process (every start compiles again)", folder, exc)
 
 
 def _build() -> tuple[ctypes.CDLL | None, str]:

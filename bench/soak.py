@@ -37,21 +37,26 @@ if __package__ in (None, ""):  # `python bench/soak.py`
 import httpx
 import psutil
 
-from bench.soak_ops import CONTROL_OPS, Ctx, OpResult, run_op
+from bench.soak_ops import Ctx, OpResult, run_op
 from bench.soak_report import analyse, plot, summary_md
 from bench.soak_stack import HOST, ROOT, Daemon, Mosquitto, log_problems, write_files
 
 CACHE = Path(os.environ.get("GENIE_MODELS_DIR") or Path.home() / ".cache" / "genie-supervisor" / "models")
 WEIGHTS = {"chat": 25, "completion": 15, "chat_stream": 15, "completion_stream": 8, "disconnect": 10,
-           "voice_http": 10, "voice_mqtt": 5, "policy_reload": 5, "policy_select": 2, "llm_toggle": 1}
-"""Share of each operation in the schedule (each at least once); swaps and the unload come on top."""
+           "voice_http": 10, "voice_mqtt": 5, "policy_reload": 5, "policy_select": 2}
+"""Share of each operation in the random mix (each at least once)."""
+LOAD_OPS = ("swap", "llm_toggle", "unload")
+"""Operations that unload or load a model, placed at fixed points (`--load-window`), not drawn at random."""
 
 
-def schedule(n: int, swaps: int, seed: int) -> list[str]:
-    """`n` operations (a few more when `n` is too small to hold one of each), shuffled with `seed`; swaps spread over 15-40 % and the unload at 45 % of the run,
-    so the second half (where the slopes are taken) sees steady state after them."""
+def schedule(n: int, seed: int, *, swaps: int = 2, toggles: int = 4, window: tuple[float, float] = (0.1, 0.45)) -> list[str]:
+    """About `n` operations (more when `n` is too small to hold one of each) shuffled with `seed`, with the
+    model-load events spread evenly over `window` (fractions of the run) and the unload at its end.
+
+    By default the window ends before the second half, where the slopes are fitted: each load cycle
+    moves RSS by tens of MiB (freed weights the allocator keeps), which is not what requests leave behind."""
     rng = random.Random(seed)
-    fixed = swaps + 1
+    fixed = swaps + toggles + 1
     total = sum(WEIGHTS.values())
     ops: list[str] = []
     for op, w in WEIGHTS.items():
@@ -59,7 +64,10 @@ def schedule(n: int, swaps: int, seed: int) -> list[str]:
             ops += [op] * max(round((n - fixed) * w / total), 1)
     ops += ["chat"] * max(n - fixed - len(ops), 1)
     rng.shuffle(ops)
-    at = [(0.15 + 0.25 * k / max(swaps - 1, 1) if swaps > 1 else 0.25, "swap") for k in range(swaps)] + [(0.45, "unload")]
+    lo, hi = window
+    at = [(lo + (hi - lo) * (k + 0.5) / swaps, "swap") for k in range(swaps)]
+    at += [(lo + (hi - lo) * (k + 0.25) / toggles, "llm_toggle") for k in range(toggles)]
+    at.append((hi, "unload"))
     for frac, op in sorted(at):
         ops.insert(min(int(frac * n), len(ops)), op)
     return ops
@@ -172,7 +180,7 @@ async def _soak(args: argparse.Namespace, daemon: Daemon, mqtt_port: int, say: C
             if not res.ok:
                 raise RuntimeError(f"warm-up request failed: {res.status} {res.detail}")
         before = await probe(ctx, args.probes)
-        ops = schedule(args.requests, args.swaps, args.seed)
+        ops = schedule(args.requests, args.seed, swaps=args.swaps, toggles=args.toggles, window=args.load_window)
         done = [0]
         sampler = Sampler(daemon.pid, args.interval, lambda: done[0])
         sampler.sample()
@@ -206,11 +214,22 @@ def _machine() -> str:
     return f"{platform.system()} {platform.machine()} ({cpu}), {os.cpu_count()} CPUs, Python {platform.python_version()}"
 
 
+def _window(text: str) -> tuple[float, float]:
+    lo, hi = (float(x) for x in text.split(","))
+    if not 0 <= lo <= hi <= 1:
+        raise argparse.ArgumentTypeError(f"expected A,B with 0 <= A <= B <= 1, got {text!r}")
+    return lo, hi
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench.soak", description=__doc__.split("\n")[0])
     p.add_argument("--requests", type=int, default=2000, help="operations in the schedule (default 2000)")
     p.add_argument("--concurrency", type=int, default=4, help="operations at once (default 4)")
     p.add_argument("--swaps", type=int, default=2, help="model swaps to Gemma-3 (default 2)")
+    p.add_argument("--toggles", type=int, default=4, help="MQTT LLM OFF/ON bursts (20 commands each, ending ON; default 4)")
+    p.add_argument("--load-window", type=_window, default=(0.1, 0.45), metavar="A,B",
+                   help="fractions of the run over which swaps, bursts and the unload are spread (default 0.1,0.45; "
+                        "0.05,0.95 puts model loads into the fitted second half too)")
     p.add_argument("--warmup", type=int, default=10, help="untimed requests before the schedule (default 10)")
     p.add_argument("--probes", type=int, default=8, help="isolated speed probes before and after the schedule (default 8)")
     p.add_argument("--interval", type=float, default=1.0, help="sampling interval in s (default 1)")
@@ -253,14 +272,13 @@ def main(argv: list[str] | None = None, say: Callable[[str], None] = print) -> d
             rc = daemon.stop()
             broker.stop()
     rows = [asdict(r) for r in results]
-    analysis = analyse(samples, rows, args.requests, end, rc)
+    analysis = analyse(samples, rows, len(rows), end, rc)
     t_first = min((r.t0 for r in results), default=0.0)
-    marks = [(sum(1 for q in results if q.t1 <= r.t0), r.op) for r in results if r.op in CONTROL_OPS and r.op != "policy_reload"
-             and r.op != "policy_select"]
+    marks = [(sum(1 for q in results if q.t1 <= r.t0), r.op) for r in results if r.op in LOAD_OPS]
     meta = {
         "started": stamp, "command": "python -m bench.soak " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": _machine(), "daemon": f"genie-supervisor (builtin engine, backend auto, threads {args.threads or 'all'})",
-        "requests": args.requests, "concurrency": args.concurrency, "seed": args.seed,
+        "requests": len(results), "concurrency": args.concurrency, "seed": args.seed,
         "duration_s": duration, "ops_per_s": len(results) / duration if duration else 0.0,
         "counters": counters, "log_problems": log_problems(out / "daemon.log"),
         "args": {k: str(v) for k, v in vars(args).items() if k != "api_key"},
@@ -270,7 +288,8 @@ def main(argv: list[str] | None = None, say: Callable[[str], None] = print) -> d
     (out / "results.json").write_text(json.dumps({"meta": meta, "analysis": analysis, "samples": samples,
                                                   "results": rows}, indent=1) + "\n", encoding="utf-8")
     (out / "summary.md").write_text(summary_md(meta, analysis), encoding="utf-8")
-    plot(samples, marks, out / "soak.png", f"genie-supervisor soak: {args.requests} ops x{args.concurrency} ({stamp})")
+    plot(samples, marks, out / "soak.png", f"genie-supervisor soak: {len(results)} ops x{args.concurrency} ({stamp})",
+         len(results))
     for name, g in analysis["goals"].items():
         say(f"{'PASS' if g['pass'] else 'FAIL'}  {name}: {g['value']}")
     say(f"results in {out}")

@@ -219,12 +219,12 @@ async def _reload_to(ctx: Ctx, text: str, trigger: str, *, valid: bool, name: st
 
 
 async def policy_reload(ctx: Ctx, res: OpResult) -> OpResult:
-    """Rewrite the policy file with the other valid variant (every 5th time an invalid one first, which
+    """Rewrite the policy file with the other valid variant (the 1st, 6th, 11th ... time an invalid one first, which
     must be rejected with the old policy kept); reloaded by the file watcher, SIGHUP or MQTT in turn."""
     k = ctx.reloads
     ctx.reloads += 1
     trigger = ("watch", "sighup", "mqtt")[k % 3]
-    if k % 5 == 4:
+    if k % 5 == 0:
         if not await _reload_to(ctx, POLICY_INVALID, trigger, valid=False, name=ctx.policy_name):
             return res.fail("invalid_not_rejected", f"trigger {trigger}: no policy error within 15 s")
         ctx.bump("policy_rejected")

@@ -37,6 +37,8 @@ def trend(samples: list[dict[str, Any]], n: int, key: str, scale: float = 1.0) -
         "min": round(min(vals), 3) if vals else None, "max": round(max(vals), 3) if vals else None,
         "slope_per_1000": _r(slope_per_1000([float(s["done"]) for s in half], [s[key] / scale for s in half])),
         "second_half_samples": len(half),
+        "second_half_first": round(half[0][key] / scale, 3) if half else None,
+        "second_half_last": round(half[-1][key] / scale, 3) if half else None,
     }
 
 
@@ -127,8 +129,10 @@ def summary_md(meta: dict[str, Any], a: dict[str, Any]) -> str:
         f"{meta['duration_s']:.0f} s ({meta['ops_per_s']:.2f} ops/s; 2,000 would take ~{2000 / meta['ops_per_s'] / 60:.0f} min).", "",
         "| goal | result | value |", "|---|---|---|",
         *[f"| {name} | {'PASS' if v['pass'] else 'FAIL'} | {v['value']} |" for name, v in g.items()], "",
-        "| sampled | first | last | min | max | slope / 1,000 req (2nd half) |", "|---|---|---|---|---|---|",
-        *[f"| {label} | {t['first']} | {t['last']} | {t['min']} | {t['max']} | {t['slope_per_1000']} |"
+        "| sampled | first | last | min | max | 2nd half: first | last | slope / 1,000 req |",
+        "|---|---|---|---|---|---|---|---|",
+        *[f"| {label} | {t['first']} | {t['last']} | {t['min']} | {t['max']} | {t['second_half_first']} | "
+          f"{t['second_half_last']} | {t['slope_per_1000']} |"
           for label, t in (("RSS (MiB)", a["rss_mb"]), ("open FDs", a["fds"]), ("threads", a["threads"]))], "",
         "| decode speed (tok/s, median) | first decile | last decile | last/first | requests |", "|---|---|---|---|---|",
         *[f"| {label} | {d['first']} | {d['last']} | {d['ratio']} | {d['n']} |"
@@ -145,8 +149,9 @@ def summary_md(meta: dict[str, Any], a: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(samples: list[dict[str, Any]], marks: list[tuple[int, str]], path: Path, title: str) -> None:
-    """RSS, open FDs and threads against requests done; control operations as vertical lines."""
+def plot(samples: list[dict[str, Any]], marks: list[tuple[int, str]], path: Path, title: str, n: int) -> None:
+    """RSS, open FDs and threads against requests done; model-load operations as vertical lines, the
+    second half (where the slopes are fitted) shaded with its least-squares line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -157,6 +162,15 @@ def plot(samples: list[dict[str, Any]], marks: list[tuple[int, str]], path: Path
     for ax, key, label, scale in ((axes[0], "rss", "RSS (MiB)", MB), (axes[1], "fds", "open FDs", 1),
                                   (axes[2], "threads", "threads", 1)):
         ax.plot(xs, [s[key] / scale for s in samples], lw=1)
+        half = second_half(samples, n)
+        hx, hy = [float(s["done"]) for s in half], [s[key] / scale for s in half]
+        k = slope_per_1000(hx, hy)
+        if k is not None:
+            mx, my = statistics.fmean(hx), statistics.fmean(hy)
+            ax.axvspan(n / 2, max(hx), color="tab:green", alpha=0.06)
+            ax.plot([hx[0], hx[-1]], [my + k / 1000 * (hx[0] - mx), my + k / 1000 * (hx[-1] - mx)],
+                    color="tab:green", lw=1, ls="--", label=f"2nd-half slope {k:+.2f} / 1,000")
+            ax.legend(loc="lower right", fontsize=8)
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
         colours = {"swap": "tab:red", "unload": "tab:purple", "llm_toggle": "tab:orange"}

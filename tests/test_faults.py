@@ -3,7 +3,9 @@ files removed or replaced, caches that cannot be written, and what tracebacks le
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import os
 import signal
 import time
@@ -15,10 +17,13 @@ import anyio
 import httpx
 import openai
 import pytest
+import structlog
 
+from engine import load_model
+from genie_supervisor.logging import FOREIGN_LOGGERS, configure_logging
 from genie_supervisor.mqtt.entities import Topics
 from tests.apitools import synth
-from tests.daemon import write_policy
+from tests.daemon import client, make_supervisor, write_policy
 from tests.daemon_process import DaemonProcess
 from tests.models import SMOLLM2, require
 from tests.test_mqtt import Mosquitto, is_, needs_broker, subscriber
@@ -211,3 +216,53 @@ async def test_unwritable_kernel_cache_is_a_warning_and_the_daemon_serves(tmp_pa
         chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
         assert (await api.post("/v1/chat/completions", json=chat)).status_code == 200
     assert blocker.read_text().startswith("a file")
+
+
+class _ExplodingTemplate:
+    """A loaded model whose chat template raises (a bug's stand-in) while its frames hold the prompt."""
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        rendered = "".join(m["content"] for m in messages)  # a local that holds the prompt text
+        raise RuntimeError(f"template engine exploded after {len(rendered)} characters")
+
+
+async def test_a_crashing_request_logs_its_traceback_without_the_prompt(tmp_path: Path) -> None:
+    """A request whose handler raises gets a 500 and a JSON traceback in the log, with no local
+    variables: the prompt text (and whatever else the frames held) is not in the captured log."""
+    secret = "PROMPT-TEXT-7f3a9c the user's private words"
+    root = logging.getLogger()
+    saved_root = (list(root.handlers), root.level)
+    saved_foreign = {n: (list(logging.getLogger(n).handlers), logging.getLogger(n).level,
+                         logging.getLogger(n).propagate) for n in FOREIGN_LOGGERS}
+    saved_structlog = structlog.get_config()
+    captured = io.StringIO()
+    configure_logging("info", "json", captured)
+    try:
+        def loader(path: str, **kwargs: Any) -> Any:
+            return _ExplodingTemplate(load_model(path, **kwargs))
+
+        sup = make_supervisor(tmp_path, policy=write_policy(tmp_path / "p.yaml"), model=synth(tmp_path, "tiny"),
+                              model_loader=loader)
+        with anyio.fail_after(30):
+            async with sup, client(sup) as http:
+                r = await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": secret}]})
+    finally:
+        structlog.configure(**saved_structlog)
+        root.handlers[:] = saved_root[0]
+        root.setLevel(saved_root[1])
+        for name, (handlers, level, propagate) in saved_foreign.items():
+            foreign = logging.getLogger(name)
+            foreign.handlers[:], foreign.level, foreign.propagate = handlers, level, propagate
+    assert r.status_code == 500 and secret not in r.text
+    lines = [json.loads(line) for line in captured.getvalue().splitlines()]
+    (failed,) = [e for e in lines if e["event"] == "request_failed"]
+    frames = [f for exc in failed["exception"] for f in exc["frames"]]
+    assert any(f["name"] == "encode_chat" for f in frames), failed  # the traceback is there ...
+    assert not any("locals" in f for f in frames)                   # ... without its locals
+    assert "PROMPT-TEXT-7f3a9c" not in captured.getvalue()

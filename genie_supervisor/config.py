@@ -25,7 +25,7 @@ from pydantic import (
 
 from .errors import ConfigError, ConfigErrors
 from .urls import redact_url
-from .yamlsrc import KeyedValueError, LineMap, load_yaml, validate
+from .yamlsrc import KeyedValueError, LineMap, load_yaml, read_source, validate
 
 _HOSTPORT = re.compile(r"^(?:tcp://)?(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
 
@@ -451,9 +451,9 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: dict[str,
     lines = LineMap()
     if path is not None:
         try:
-            text = Path(name).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigErrors([ConfigError(name, None, "", f"cannot read: {exc}")]) from exc
+            text = read_source(name)
+        except (OSError, ValueError) as exc:
+            raise ConfigErrors([ConfigError(name, None, "", f"cannot read: {exc}")]) from None
         data, lines, issues = load_yaml(text, name, ConfigError)
         if issues:
             raise ConfigErrors(issues)

@@ -279,7 +279,7 @@ fi
 give "$KEY_FILE"
 if [ "$NEW_CONFIG" = 1 ]; then
   ok "the API asks for this key (api.api_key_file in $ETC/supervisor.yaml); read it with: sudo cat $KEY_FILE"
-elif ! grep -q '^ *api_key_file:' "$ETC/supervisor.yaml" 2>/dev/null; then
+elif ! grep -Eq '^ *api_key(_file)?:' "$ETC/supervisor.yaml" 2>/dev/null; then
   note "$ETC/supervisor.yaml (kept) has no api.api_key_file: add 'api: {api_key_file: api-key}' to require the key"
 fi
 

@@ -6,7 +6,7 @@ GENIE  := $(VENV)/bin/genie-supervisor
 STAMP  := $(VENV)/.installed
 APT_GET := $(shell command -v apt-get 2>/dev/null)
 
-.PHONY: run test deps system-deps models lint bench bench-engine bench-gate bench-voice clean
+.PHONY: run test deps system-deps models lint bench bench-engine bench-gate bench-voice bench-soak clean
 
 $(STAMP): pyproject.toml
 	@$(PY) -m pip --version >/dev/null 2>&1 || $(PYTHON) -m venv $(VENV) || { \
@@ -56,6 +56,12 @@ bench-gate: $(STAMP) models
 # Extra arguments: make bench-voice VOICE_ARGS="--rounds 3"
 bench-voice: $(STAMP) models
 	$(PY) -m bench.voice_path $(VOICE_ARGS)
+
+# Soak: 2,000 mixed operations against the real daemon (SmolLM2 + Gemma-3, Mosquitto); RSS/FD slopes,
+# decode-speed deciles, slots at the end. ~25-30 min on 2 cores; results in bench/results/soak-<date>/.
+# Extra arguments: make bench-soak SOAK_ARGS="--requests 5000"
+bench-soak: $(STAMP) system-deps models
+	$(PY) -m bench.soak $(SOAK_ARGS)
 
 bench: bench-engine bench-gate
 

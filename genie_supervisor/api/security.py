@@ -183,7 +183,7 @@ class Guard:
         async def refuse(status: int, message: str, code: str, type_: str = "invalid_request_error",
                          extra: dict[str, str] | None = None) -> None:
             log.warning("http_refused", status=status, code=code, method=method, path=path,
-                        origin=origin, host=host[:200])
+                        origin=origin[:200] if origin is not None else None, host=host[:200])
             response = error_response(status, message, type_, code, headers={**(extra or {}), **cors})
             await response(scope, receive, send)
 

@@ -7,8 +7,10 @@
 
 Start order (each with ``await tg.start``, so READY=1 means all of them are up): signals, state
 expiry, policy (first load; a bad file stops the start), arbiter, telemetry sampler, watchers,
-HTTP server, engine (model load), MQTT. SIGTERM/SIGINT shut down within ``shutdown_timeout_s``;
-SIGHUP reloads the policy (a bad file keeps the old one, and says so in /status).
+HTTP server, engine (model load), MQTT. SIGTERM/SIGINT shut down within ``api.shutdown_timeout_s``
+(under ``genie-supervisor run`` an `ExitDeadline` ends the process at that bound even when a worker
+thread is stuck in one long call); SIGHUP reloads the policy (a bad file keeps the old one, and says
+so in /status).
 """
 
 from __future__ import annotations

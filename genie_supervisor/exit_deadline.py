@@ -73,6 +73,7 @@ class ExitDeadline:
         self._exit_fn = exit_fn
         self._lock = threading.Lock()
         self._forced = False
+        self._disarmed = threading.Event()
 
     def arm(self, seconds: float, reason: str = "stop") -> None:
         """Start the clock (the first call only): after `seconds` the process exits, done or not."""
@@ -83,8 +84,15 @@ class ExitDeadline:
             self.bound_s = seconds
         threading.Thread(target=self._watch, args=(reason,), name="exit-deadline", daemon=True).start()
 
+    def disarm(self) -> None:
+        """Stop the clock (tests; the daemon never takes a stop back)."""
+        self._disarmed.set()
+
     def finish(self, rc: int, seconds: float) -> None:
-        """The loop has ended: give worker threads until the deadline (armed now if it was not), then exit."""
+        """The loop has ended: give worker threads until the deadline (armed now if it was not), then exit.
+
+        The interpreter's own exit stays covered: the armed clock still ends a process that hangs after this."""
+        self.exit_code = rc
         self.arm(seconds, reason="loop ended")
         assert self.deadline is not None
         for thread in stuck_threads():
@@ -94,8 +102,8 @@ class ExitDeadline:
 
     def _watch(self, reason: str) -> None:
         assert self.deadline is not None
-        time.sleep(max(0.0, self.deadline - time.monotonic()))
-        self.force(self.exit_code, reason=reason)
+        if not self._disarmed.wait(max(0.0, self.deadline - time.monotonic())):
+            self.force(self.exit_code, reason=reason)
 
     def force(self, rc: int, reason: str = "stop") -> None:
         """Log what is still running, flush the log and leave now (once)."""

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +21,7 @@ import pytest
 import structlog
 
 from engine import load_model
+from genie_supervisor.exit_deadline import ExitDeadline, describe, stuck_threads
 from genie_supervisor.logging import FOREIGN_LOGGERS, configure_logging
 from genie_supervisor.mqtt.entities import Topics
 from tests.apitools import synth
@@ -266,3 +268,31 @@ async def test_a_crashing_request_logs_its_traceback_without_the_prompt(tmp_path
     assert any(f["name"] == "encode_chat" for f in frames), failed  # the traceback is there ...
     assert not any("locals" in f for f in frames)                   # ... without its locals
     assert "PROMPT-TEXT-7f3a9c" not in captured.getvalue()
+
+
+def test_exit_deadline_waits_for_threads_then_forces_the_exit() -> None:
+    """ExitDeadline.finish returns once worker threads end, and forces the exit (with the status) when
+    one is still running at the deadline; the forced exit names the thread and happens once."""
+    exits: list[int] = []
+    quick = threading.Thread(target=time.sleep, args=(0.05,), name="quick worker")
+    quick.start()
+    calm = ExitDeadline(exit_fn=exits.append)
+    calm.finish(0, seconds=5)
+    calm.disarm()
+    assert exits == [] and not quick.is_alive()
+
+    release = threading.Event()
+    stuck = threading.Thread(target=release.wait, args=(30,), name="stuck worker")
+    stuck.start()
+    try:
+        assert [t.name for t in stuck_threads()] == ["stuck worker"]
+        assert describe(stuck).startswith("stuck worker in threading.")
+        deadline = ExitDeadline(exit_fn=exits.append)
+        t0 = time.monotonic()
+        deadline.finish(3, seconds=0.2)
+        assert exits == [3] and 0.15 < time.monotonic() - t0 < 5
+        deadline.force(4)
+        assert exits == [3]
+    finally:
+        release.set()
+        stuck.join()

@@ -31,6 +31,12 @@ MAX_STOP_CHARS = 1024
 """Longest stop string."""
 NAME_CHARS = 256
 """Longest model id / priority name (they are echoed in errors)."""
+GREEDY_BELOW = 1e-30
+"""Temperatures under this are 0 (greedy): sampling is greedy there anyway, and logits / T overflows."""
+
+
+def _temperature(t: float) -> float:
+    return 0.0 if t < GREEDY_BELOW else t
 
 
 class BadRequest(AdmissionError):
@@ -87,7 +93,7 @@ class StreamOptions(_Body):
 class _Sampling(_Body):
     model: str | None = Field(None, max_length=NAME_CHARS,
                               description="model id or role (default: the first resident model)")
-    temperature: float | None = Field(None, ge=0, le=2, description="0 = greedy")
+    temperature: float | None = Field(None, ge=0, le=2, description="0 = greedy (so is anything below 1e-30)")
     top_p: float | None = Field(None, ge=0, le=1, description="nucleus sampling")
     top_k: int | None = Field(None, ge=0, le=100_000, description="keep the k most likely tokens (0 = all)")
     min_p: float | None = Field(None, ge=0, le=1, description="drop tokens below min_p x the best one")
@@ -115,7 +121,7 @@ class _Sampling(_Body):
         if top_p == 0:
             top_p, top_k = 1.0, 1
         return SamplingParams(
-            max_tokens=max_tokens, temperature=self.temperature if self.temperature is not None else 0.8,
+            max_tokens=max_tokens, temperature=_temperature(self.temperature if self.temperature is not None else 0.8),
             top_k=top_k, top_p=top_p, min_p=self.min_p if self.min_p is not None else 0.05,
             seed=None if self.seed is None or self.seed < 0 else self.seed, stop=self.stops())
 
@@ -164,14 +170,14 @@ class LlamaCompletionRequest(_Body):
 
     prompt: str | list[int] = Field(..., description="text or token ids (not both mixed)")
     n_predict: int = Field(-1, ge=-1, le=1_048_576, description="most tokens to generate (-1: api.default_max_tokens)")
-    temperature: float = Field(0.8, ge=0, le=2)
+    temperature: float = Field(0.8, ge=0, le=2, description="0 = greedy (so is anything below 1e-30)")
     top_k: int = Field(40, ge=0, le=100_000)
     top_p: float = Field(0.95, ge=0, le=1)
     min_p: float = Field(0.05, ge=0, le=1)
     seed: int = Field(-1, ge=-1, le=SEED_MAX, description="-1: random")
     stop: list[str] = Field(default_factory=list, description=f"stop strings (at most {MAX_STOPS})")
     stream: bool = False
-    repeat_penalty: float = Field(1.0, gt=0, le=10)
+    repeat_penalty: float = Field(1.0, ge=1e-6, le=10, description="1 = off; logits / it must not overflow")
     repeat_last_n: int = Field(64, ge=0, le=1_048_576)
     ignore_eos: bool = False
     model: str | None = Field(None, max_length=NAME_CHARS, description="model id or role (an extension)")
@@ -182,7 +188,7 @@ class LlamaCompletionRequest(_Body):
         if top_p == 0:
             top_p, top_k = 1.0, 1
         return SamplingParams(
-            max_tokens=default_max if self.n_predict < 0 else self.n_predict, temperature=self.temperature,
+            max_tokens=default_max if self.n_predict < 0 else self.n_predict, temperature=_temperature(self.temperature),
             top_k=top_k, top_p=top_p, min_p=self.min_p, repeat_penalty=self.repeat_penalty,
             repeat_last_n=self.repeat_last_n, seed=None if self.seed < 0 else self.seed,
             stop=check_stops(tuple(self.stop)), ignore_eos=self.ignore_eos)

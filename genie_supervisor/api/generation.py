@@ -185,7 +185,8 @@ class GenerationResponse(Response):
         except Exception as exc:
             log.exception("request_failed", error=f"{type(exc).__name__}: {exc}")
             await self._fail(scope, receive, send, 500,
-                             error_response(500, f"internal error: {type(exc).__name__}: {exc}"), exc)
+                             error_response(500, f"internal error: {type(exc).__name__}: {exc}",
+                                            code="internal_error"), exc)
 
     async def _start_stream(self, send: Any) -> None:
         self.started = True

@@ -54,7 +54,7 @@ def schedule(n: int, seed: int, *, swaps: int = 2, toggles: int = 4, window: tup
     model-load events spread evenly over `window` (fractions of the run) and the unload at its end.
 
     By default the window ends before the second half, where the slopes are fitted: each load cycle
-    moves RSS by tens of MiB (freed weights the allocator keeps), which is not what requests leave behind."""
+    moves RSS by tens of MB (freed weights the allocator keeps), which is not what requests leave behind."""
     rng = random.Random(seed)
     fixed = swaps + toggles + 1
     total = sum(WEIGHTS.values())
@@ -191,7 +191,7 @@ async def _soak(args: argparse.Namespace, daemon: Daemon, mqtt_port: int, say: C
             done[0] = n
             if n % step == 0:
                 s = sampler.samples[-1] if sampler.samples else {}
-                say(f"{n}/{len(ops)} ops, {time.monotonic() - t0:.0f} s, RSS {s.get('rss', 0) / 2**20:.1f} MiB, "
+                say(f"{n}/{len(ops)} ops, {time.monotonic() - t0:.0f} s, RSS {s.get('rss', 0) / 1e6:.1f} MB, "
                     f"FDs {s.get('fds')}, threads {s.get('threads')}")
 
         t0 = time.monotonic()
@@ -221,6 +221,13 @@ def _window(text: str) -> tuple[float, float]:
     return lo, hi
 
 
+def _env(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    return name, value
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench.soak", description=__doc__.split("\n")[0])
     p.add_argument("--requests", type=int, default=2000, help="operations in the schedule (default 2000)")
@@ -236,6 +243,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=15, help="schedule seed (default 15)")
     p.add_argument("--threads", type=int, default=None, help="engine.threads of the daemon (default: all cores)")
     p.add_argument("--max-running", type=int, default=2, help="api.max_running of the daemon (default 2)")
+    p.add_argument("--env", type=_env, action="append", default=[], metavar="NAME=VALUE",
+                   help="extra environment of the daemon, repeatable (e.g. MALLOC_ARENA_MAX=1)")
     p.add_argument("--request-timeout", type=float, default=180, help="deadline of one HTTP request in s (default 180)")
     p.add_argument("--api-key", default=os.environ.get("GENIE_SOAK_API_KEY"),
                    help="set api.api_key in the daemon's config and send it (default $GENIE_SOAK_API_KEY; none)")
@@ -262,7 +271,7 @@ def main(argv: list[str] | None = None, say: Callable[[str], None] = print) -> d
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
         files = write_files(work, broker.port, smollm2=args.smollm2, gemma3=args.gemma3, threads=args.threads,
                             api_key=args.api_key, max_running=args.max_running)
-        daemon = Daemon(files, out / "daemon.log", headers)
+        daemon = Daemon(files, out / "daemon.log", headers, dict(args.env))
         rc: int | None = None
         try:
             daemon.start()
@@ -277,7 +286,8 @@ def main(argv: list[str] | None = None, say: Callable[[str], None] = print) -> d
     marks = [(sum(1 for q in results if q.t1 <= r.t0), r.op) for r in results if r.op in LOAD_OPS]
     meta = {
         "started": stamp, "command": "python -m bench.soak " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "machine": _machine(), "daemon": f"genie-supervisor (builtin engine, backend auto, threads {args.threads or 'all'})",
+        "machine": _machine(), "daemon": f"genie-supervisor (builtin engine, backend auto, threads {args.threads or 'all'}"
+                  + "".join(f", {k}={v}" for k, v in args.env) + ")",
         "requests": len(results), "concurrency": args.concurrency, "seed": args.seed,
         "duration_s": duration, "ops_per_s": len(results) / duration if duration else 0.0,
         "counters": counters, "log_problems": log_problems(out / "daemon.log"),

@@ -238,9 +238,12 @@ async def policy_reload(ctx: Ctx, res: OpResult) -> OpResult:
 
 async def policy_select(ctx: Ctx, res: OpResult) -> OpResult:
     """MQTT `policy/set` to soak-alt and back to soak; each confirmed in /status."""
+    def in_force(name: str) -> Callable[[dict[str, Any]], bool]:
+        return lambda s: bool(s["policy"]["name"] == name and not s["policy"]["error"])
+
     for option, name in (("soak-alt", "soak-alt"), ("soak", ctx.policy_name)):
         ctx.publish("policy/set", option)
-        if await ctx.wait_status(lambda s, n=name: s["policy"]["name"] == n and not s["policy"]["error"]) is None:
+        if await ctx.wait_status(in_force(name)) is None:
             return res.fail("not_selected", f"policy {option} not in force within 15 s")
     return res
 

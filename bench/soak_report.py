@@ -7,7 +7,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-MB = 1024 * 1024
+MB = 1_000_000
+"""RSS is reported in MB (10^6 bytes), the unit of the goal."""
 RSS_SLOPE_GOAL_MB = 1.0
 """RSS may grow by less than this per 1,000 requests (second half)."""
 SPEED_GOAL = 0.10
@@ -133,7 +134,7 @@ def summary_md(meta: dict[str, Any], a: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|",
         *[f"| {label} | {t['first']} | {t['last']} | {t['min']} | {t['max']} | {t['second_half_first']} | "
           f"{t['second_half_last']} | {t['slope_per_1000']} |"
-          for label, t in (("RSS (MiB)", a["rss_mb"]), ("open FDs", a["fds"]), ("threads", a["threads"]))], "",
+          for label, t in (("RSS (MB)", a["rss_mb"]), ("open FDs", a["fds"]), ("threads", a["threads"]))], "",
         "| decode speed (tok/s, median) | first decile | last decile | last/first | requests |", "|---|---|---|---|---|",
         *[f"| {label} | {d['first']} | {d['last']} | {d['ratio']} | {d['n']} |"
           for label, d in (("server timings", a["decode_speed_server"]), ("client view", a["decode_speed_client"]),
@@ -159,7 +160,7 @@ def plot(samples: list[dict[str, Any]], marks: list[tuple[int, str]], path: Path
 
     xs = [s["done"] for s in samples]
     fig, axes = plt.subplots(3, 1, figsize=(10, 8), sharex=True)
-    for ax, key, label, scale in ((axes[0], "rss", "RSS (MiB)", MB), (axes[1], "fds", "open FDs", 1),
+    for ax, key, label, scale in ((axes[0], "rss", "RSS (MB)", MB), (axes[1], "fds", "open FDs", 1),
                                   (axes[2], "threads", "threads", 1)):
         ax.plot(xs, [s[key] / scale for s in samples], lw=1)
         half = second_half(samples, n)

@@ -137,8 +137,10 @@ def write_files(workdir: Path, mqtt_port: int, *, smollm2: Path, gemma3: Path, t
 class Daemon:
     """`genie-supervisor run --config FILE` as a subprocess, its log (JSON lines) in `log_path`."""
 
-    def __init__(self, files: SoakFiles, log_path: Path, headers: dict[str, str]) -> None:
+    def __init__(self, files: SoakFiles, log_path: Path, headers: dict[str, str],
+                 env: dict[str, str] | None = None) -> None:
         self.files = files
+        self.env = env or {}
         self.url = f"http://{HOST}:{files.http_port}"
         self.log_path = log_path
         self.headers = headers
@@ -149,7 +151,8 @@ class Daemon:
         """Start and wait until /health answers ok."""
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen([sys.executable, "-m", "genie_supervisor", "run", "--config", str(self.files.config)],
-                                     stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT)
+                                     stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                     env={**os.environ, **self.env})
         wait_port(self.files.http_port, self.proc, "genie-supervisor", timeout)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -27,7 +27,7 @@ def test_soak_runs_every_operation_and_writes_the_report(tmp_path: Path) -> None
     out = tmp_path / "out"
     # One engine thread: on a busy 2-core machine two OpenMP threads can slow decode twentyfold.
     got = main(["--requests", "30", "--warmup", "1", "--probes", "2", "--swaps", "1", "--toggles", "1",
-                "--threads", "1", "--interval", "0.25", "--smollm2", str(smol), "--gemma3", str(gemma), "--out", str(out), "--workdir", str(tmp_path / "w")],
+                "--threads", "1", "--interval", "0.25", "--api-key", "soak-smoke-key", "--smollm2", str(smol), "--gemma3", str(gemma), "--out", str(out), "--workdir", str(tmp_path / "w")],
                say=lambda m: None)
     data = json.loads((out / "results.json").read_text())
     a = data["analysis"]

@@ -139,6 +139,7 @@ def summary_md(meta: dict[str, Any], a: dict[str, Any]) -> str:
         *[f"| {label} | {d['first']} | {d['last']} | {d['ratio']} | {d['n']} |"
           for label, d in (("server timings", a["decode_speed_server"]), ("client view", a["decode_speed_client"]),
                            ("isolated probes (before / after)", a["decode_speed_isolated"]))], "",
+        _drift(a), "",
         f"Operations: {', '.join(f'{k} {v}' for k, v in sorted(a['ops'].items()))}.", "",
         f"Events: {', '.join(f'{k} {v}' for k, v in sorted(meta['counters'].items()))}.", "",
         f"Status counts: {a['errors']['status_counts']}; unexpected failures by status "
@@ -148,6 +149,16 @@ def summary_md(meta: dict[str, Any], a: dict[str, Any]) -> str:
         f"Daemon log: {meta['log_problems']}.", "",
     ]
     return "\n".join(lines)
+
+
+def _drift(a: dict[str, Any]) -> str:
+    """One sentence on whether a speed change is the daemon's or the machine's (the isolated probes)."""
+    dec, iso = a["decode_speed_server"]["ratio"], a["decode_speed_isolated"]["ratio"]
+    if dec is None or iso is None:
+        return "Speed drift check: not enough samples."
+    return (f"Speed drift check: the isolated probes (one request at a time, before and after) moved by "
+            f"{iso - 1:+.0%}, the deciles by {dec - 1:+.0%}; when both move together the machine's load changed, "
+            f"not the daemon (decile ratio / probe ratio {dec / iso:.3f}).")
 
 
 def plot(samples: list[dict[str, Any]], marks: list[tuple[int, str]], path: Path, title: str, n: int) -> None:

@@ -97,12 +97,26 @@ class _StopMatcher:
         return out
 
 
-def check_prompt_ids(ids: Sequence[int], n_vocab: int) -> None:
-    """ValueError naming the first id outside 0..n_vocab-1 (no embedding row; negative ones would wrap)."""
+class TokenIdError(ValueError):
+    """A prompt token id outside the vocabulary (negative ones would index from the end)."""
+
+    def __init__(self, name: str, index: int, token: int, n_vocab: int | None) -> None:
+        self.param = f"{name}[{index}]"
+        """Where it is: ``prompt[3]``."""
+        self.token = token
+        """The id."""
+        self.n_vocab = n_vocab
+        """The vocabulary size (None: not known, only a negative id was found)."""
+        shown = str(token) if abs(token) < 10**18 else f"{str(token)[:19]}... ({len(str(token))} digits)"
+        vocab = f"0..{n_vocab - 1}" if n_vocab is not None else "0..n_vocab-1"
+        super().__init__(f"{self.param}: token id {shown} is outside the vocabulary ({vocab})")
+
+
+def check_prompt_ids(ids: Sequence[int], n_vocab: int | None, name: str = "prompt") -> None:
+    """TokenIdError for the first id outside 0..n_vocab-1 (only negative ones when n_vocab is None)."""
     for i, t in enumerate(ids):
-        if not 0 <= t < n_vocab:
-            shown = str(t) if abs(t) < 10**18 else f"{str(t)[:19]}... ({len(str(t))} digits)"
-            raise ValueError(f"prompt[{i}]: token id {shown} is outside the vocabulary (0..{n_vocab - 1})")
+        if t < 0 or (n_vocab is not None and t >= n_vocab):
+            raise TokenIdError(name, i, t, n_vocab)
 
 
 class Generation:

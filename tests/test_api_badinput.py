@@ -50,16 +50,18 @@ FEWER = settings(GENERATED, max_examples=50)
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Supervisor]:
-    """The daemon on SmolLM2 (requests naming no max_tokens get 2), run by a thread of its own."""
-    model = shared_model(require(SMOLLM2))
+    """The daemon on SmolLM2 (requests naming no max_tokens get 2), run by a thread of its own.
+
+    It loads the model itself, not the session's shared one: generated ``/unload`` requests close it.
+    """
+    require(SMOLLM2)
     tmp = tmp_path_factory.mktemp("badinput")
     cfg = write_config(tmp / "supervisor.yaml", write_policy(tmp / "p.yaml"), model=SMOLLM2,
                        extra="api: {warmup: false, default_max_tokens: 2}")
 
     def build() -> Supervisor:
         return Supervisor(load_config(cfg), telemetry_source=SimulatedSource(),
-                          http_socket=bind_socket("127.0.0.1", 0), environ={},
-                          model_loader=lambda *_a, **_k: model)
+                          http_socket=bind_socket("127.0.0.1", 0), environ={})
 
     with anyio.from_thread.start_blocking_portal() as portal, \
             portal.wrap_async_context_manager(portal.call(build)) as sup:

@@ -178,7 +178,7 @@ class GenerationResponse(Response):
         except AdmissionError as exc:
             await self._fail(scope, receive, send, exc.status, admission_response(exc), exc)
         except (ValueError, EngineError) as exc:  # an empty prompt, a template that cannot render it
-            err = error_response(400, str(exc), code="invalid_request")
+            err = error_response(400, str(exc), code="invalid_request", param=getattr(exc, "param", None))
             await self._fail(scope, receive, send, 400, err, exc)
         except OSError:  # the client's socket went away while we wrote to it
             self.disconnected = True

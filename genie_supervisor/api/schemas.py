@@ -15,6 +15,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine import SamplingParams
+from engine.generate import TokenIdError, check_prompt_ids
 
 from ..engine_host import AdmissionError
 from ..jsonlimits import MAX_DEPTH, loads_bounded
@@ -207,11 +208,10 @@ def check_stops(stops: tuple[str, ...]) -> tuple[str, ...]:
 
 def check_token_ids(ids: list[int], n_vocab: int | None, name: str = "prompt") -> None:
     """BadRequest naming the first id outside 0..n_vocab-1 (only negatives when n_vocab is unknown)."""
-    for i, t in enumerate(ids):
-        if t < 0 or (n_vocab is not None and t >= n_vocab):
-            shown = str(t) if abs(t) < 10**18 else f"{str(t)[:19]}... ({len(str(t))} digits)"
-            vocab = f"0..{n_vocab - 1}" if n_vocab is not None else "0..n_vocab-1"
-            raise BadRequest(f"{name}[{i}]: token id {shown} is outside the vocabulary ({vocab})", f"{name}[{i}]")
+    try:
+        check_prompt_ids(ids, n_vocab, name)
+    except TokenIdError as exc:
+        raise BadRequest(str(exc), exc.param) from None
 
 
 def _param(loc: tuple[Any, ...]) -> str:

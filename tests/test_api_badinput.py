@@ -298,7 +298,7 @@ def test_token_ids_outside_the_vocabulary_are_a_400_naming_the_id(api: httpx.Cli
 
 
 def test_parseable_but_invalid_values_are_named_400s(api: httpx.Client) -> None:
-    """NaN and infinities, out-of-range seeds, too many or too long stops, lone surrogates: each a 400 naming the field."""
+    """NaN and infinities, out-of-range seeds, too many or too long stops, lone surrogates, mixed prompts: named 400s."""
     chat: dict[str, Any] = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
     cases: list[tuple[str, bytes | dict[str, Any], str | None, str]] = [
         ("/v1/completions", b'{"prompt": "Hi", "max_tokens": 1, "temperature": 1e999}', "temperature", "finite"),
@@ -319,6 +319,9 @@ def test_parseable_but_invalid_values_are_named_400s(api: httpx.Client) -> None:
         ("/v1/completions", {"prompt": [[1], [2]], "max_tokens": 1}, "prompt", "one prompt per request"),
         ("/v1/completions", {"prompt": "Hi", "max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
         ("/v1/completions", {"prompt": "Hi " * 4200, "max_tokens": 1}, None, "context"),
+        ("/completion", {"prompt": [1, "x"], "n_predict": 1}, "prompt",
+         "a list prompt holds token ids (integers), all of one kind; got strings and token ids (integers)"),
+        ("/v1/completions", {"prompt": [[1], 2], "max_tokens": 1}, "prompt", "all of one kind"),
         ("/completion", {"prompt": "Hi", "n_predict": 1, "repeat_penalty": 5e-324}, "repeat_penalty",
          "greater than or equal to 0.000001"),
     ]

@@ -12,7 +12,8 @@ import json
 import re
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 
 from engine import SamplingParams
 from engine.generate import TokenIdError, check_prompt_ids
@@ -38,6 +39,22 @@ GREEDY_BELOW = 1e-30
 
 def _temperature(t: float) -> float:
     return 0.0 if t < GREEDY_BELOW else t
+
+
+def _one_kind(items: Any, allowed: str) -> Any:
+    """A list prompt holds one kind of item (a clearer 400 than each union member's complaint)."""
+    if isinstance(items, list) and items:
+        kinds = {"int" if type(x) is int else "str" if isinstance(x, str) else "list" if isinstance(x, list)
+                 else type(x).__name__ for x in items}
+        if len(kinds) > 1 or not kinds <= set(allowed.split()):
+            raise PydanticCustomError("prompt_items", "a list prompt holds {allowed}, all of one kind; got {got}",
+                                      {"allowed": " or ".join(_KIND_WORDS[k] for k in allowed.split()),
+                                       "got": " and ".join(sorted(_KIND_WORDS.get(k, k) for k in kinds))})
+    return items
+
+
+_KIND_WORDS = {"int": "token ids (integers)", "str": "strings", "list": "lists of token ids", "bool": "booleans",
+               "float": "numbers", "dict": "objects", "NoneType": "nulls"}
 
 
 class BadRequest(AdmissionError):
@@ -152,6 +169,11 @@ class CompletionRequest(_Sampling):
         ..., description="text, one text in a list, token ids, or one list of token ids in a list")
     max_tokens: int | None = Field(None, ge=1, le=1_048_576, description="most tokens to generate (default 16)")
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_items(cls, v: Any) -> Any:
+        return _one_kind(v, "int str list")
+
     def text_prompt(self) -> tuple[str | list[int], str]:
         """The one prompt (text or token ids) and the name its token ids are reported under."""
         p = self.prompt
@@ -170,6 +192,11 @@ class LlamaCompletionRequest(_Body):
     """``POST /completion`` (llama-server's native shape)."""
 
     prompt: str | list[int] = Field(..., description="text or token ids (not both mixed)")
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_items(cls, v: Any) -> Any:
+        return _one_kind(v, "int")
     n_predict: int = Field(-1, ge=-1, le=1_048_576, description="most tokens to generate (-1: api.default_max_tokens)")
     temperature: float = Field(0.8, ge=0, le=2, description="0 = greedy (so is anything below 1e-30)")
     top_k: int = Field(40, ge=0, le=100_000)
@@ -263,4 +290,5 @@ def parse_body(raw: bytes, model: type[T]) -> T:
         got = first.get("input")
         shown = json.dumps(got)[:60] if isinstance(got, (str, int, float, bool)) or got is None else type(got).__name__
         more = f" (and {exc.error_count() - 1} more problems)" if exc.error_count() > 1 else ""
-        raise BadRequest(f"{param}: {first.get('msg', 'invalid')}, got {shown}{more}", param or None) from None
+        said = "" if first.get("type") == "prompt_items" else f", got {shown}"  # the message says what it got
+        raise BadRequest(f"{param}: {first.get('msg', 'invalid')}{said}{more}", param or None) from None

@@ -17,6 +17,8 @@ wrap ``generate`` (the model itself runs one generation at a time; later ones wa
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import os
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
@@ -38,6 +40,21 @@ from .errors import BudgetError, SupervisorError
 from .events import EngineStats, Observation
 
 log = structlog.get_logger(__name__)
+
+
+def release_freed_memory() -> None:
+    """Collect garbage and give freed heap back to the OS (glibc ``malloc_trim``), after a model unload.
+
+    Without it the worker threads' malloc arenas keep a model's freed scratch: measured, six
+    load/unload cycles of SmolLM2 and Gemma 3 left 145-225 MiB resident unloaded, with it 82-115.
+    A no-op where the C library has no ``malloc_trim`` (musl, macOS).
+    """
+    gc.collect()
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
 
 MiB = 1024 * 1024
 Prompt = Sequence[int] | str | Sequence[Mapping[str, Any]]
@@ -384,6 +401,8 @@ class EngineHost:
         close = getattr(model, "close", None)
         if close is not None:
             close()
+        del model
+        await anyio.to_thread.run_sync(release_freed_memory)
         self._load_state = "unloaded"
         self.closing = False
         self._changed()

@@ -18,13 +18,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-
+from bench.voice_path.daemon import wait_healthy
 from bench.voice_path.stack import HOST, free_port, wait_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -153,17 +151,7 @@ class Daemon:
         self.proc = subprocess.Popen([sys.executable, "-m", "genie_supervisor", "run", "--config", str(self.files.config)],
                                      stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
                                      env={**os.environ, **self.env})
-        wait_port(self.files.http_port, self.proc, "genie-supervisor", timeout)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            self.check_alive()
-            try:
-                if httpx.get(self.url + "/health", headers=self.headers, timeout=2).json().get("status") == "ok":
-                    return
-            except (httpx.HTTPError, ValueError):
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"genie-supervisor not healthy within {timeout:.0f} s; see {self.log_path}")
+        wait_healthy(self.url, self.files.http_port, self.proc, self.log_path, timeout, self.headers)
 
     @property
     def pid(self) -> int:

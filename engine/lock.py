@@ -3,15 +3,16 @@
 The KV cache holds one sequence, so one generation runs at a time. Waiters are served by
 priority (higher first, FIFO within a priority). A holder checks `should_yield()` between two
 steps; when a waiter outranks it, it releases the lock, queues again behind that waiter, and on
-return rebuilds its context from the prefix cache (see `generate.py`).
+return rebuilds its context from the prefix cache (see `generate.py`). A holder that waits between
+two steps (parked at the gate) registers `on_outranked` to be told at once.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import anyio
@@ -25,6 +26,7 @@ class PriorityLock:
         self._holder_priority = 0
         self._waiters: list[tuple[int, int, anyio.Event, Any, int]] = []
         self._seq = itertools.count()
+        self._outranked: tuple[Any, Callable[[], None]] | None = None
 
     @property
     def locked(self) -> bool:
@@ -41,6 +43,10 @@ class PriorityLock:
         event = anyio.Event()
         entry = (-priority, next(self._seq), event, owner, priority)
         heapq.heappush(self._waiters, entry)
+        if self._outranked is not None and priority > self._holder_priority:
+            holder, notify = self._outranked
+            if holder is self._holder:
+                notify()
         try:
             await event.wait()
         except BaseException:
@@ -65,6 +71,15 @@ class PriorityLock:
         """True when `owner` holds the lock and a waiter has a higher priority."""
         top = self._top_priority()
         return self._holder is owner and top is not None and top > self._holder_priority
+
+    @contextmanager
+    def on_outranked(self, owner: Any, notify: Callable[[], None]) -> Iterator[None]:
+        """While in the block, call `notify()` when a waiter that outranks `owner` (the holder) arrives."""
+        prev, self._outranked = self._outranked, (owner, notify)
+        try:
+            yield
+        finally:
+            self._outranked = prev
 
     @asynccontextmanager
     async def hold(self, priority: int = 0) -> AsyncIterator[None]:

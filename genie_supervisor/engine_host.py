@@ -103,29 +103,31 @@ PRIORITY_RANK = {"voice": 2, "tool": 1, "background": 0}
 
 
 class _HostGate:
-    """The DecodeGate, plus a way out: during shutdown every wait raises instead of parking."""
+    """The DecodeGate for one generation of class `priority`, plus a way out: during shutdown
+    every wait raises instead of parking."""
 
-    def __init__(self, host: EngineHost) -> None:
+    def __init__(self, host: EngineHost, priority: str | None) -> None:
         self._host = host
+        self._priority = priority
 
     def running(self) -> Any:
         """Entered by the engine while the generation holds the model (see DecodeGate.parked)."""
-        return self._host.gate.generation()
+        return self._host.gate.generation(self._priority)
 
     async def wait(self, phase: Any) -> None:
-        host = self._host
+        host, cls = self._host, self._priority
         if host.closing:
             raise _Shutdown
-        if host.gate.mode == "paused":  # parked: an unload must still be able to stop it
+        if host.gate.mode_for(cls)[0] == "paused":  # parked: an unload must still be able to stop it
             async with anyio.create_task_group() as tg:
                 async def step() -> None:
-                    await host.gate.wait(phase)
+                    await host.gate.wait(phase, cls)
                     tg.cancel_scope.cancel()
                 tg.start_soon(step)
                 await host.closed_event().wait()
                 tg.cancel_scope.cancel()
         else:
-            await host.gate.wait(phase)
+            await host.gate.wait(phase, cls)
         if host.closing:
             raise _Shutdown
 
@@ -194,7 +196,7 @@ class HostedGeneration:
         model = host.model
         if model is None:
             raise EngineUnavailable(f"the engine is {host.state}")
-        gen = model.generate(self.prompt_ids, self.sampling, gate=_HostGate(host),
+        gen = model.generate(self.prompt_ids, self.sampling, gate=_HostGate(host, self.priority),
                              prefill_chunk=host.arbiter.prefill_chunk_tokens,
                              priority=PRIORITY_RANK.get(self.priority or "", 0))
         self.stats = gen.stats
@@ -278,11 +280,12 @@ class EngineHost:
             return self._load_state
         if not self._live:
             return "idle"
-        if self.gate.mode == "paused":
+        passing = [g for g in self._live if self.gate.mode_for(g.priority)[0] != "paused"]
+        if not passing:  # a voice generation passes a pause that protects the voice path
             return "paused"
-        if self.gate.mode == "throttled":
+        if self.gate.mode_for(passing[0].priority)[0] == "throttled":
             return "throttled"
-        return "decoding" if any(g.decoding for g in self._live) else "prefill"
+        return "decoding" if any(g.decoding for g in passing) else "prefill"
 
     @property
     def in_flight(self) -> int:

@@ -80,11 +80,19 @@ class Decision:
     """Every rule that fired, in policy order."""
     next_eval_at: float | None = None
     """When the decision changes with no new observation (a hold-off ends, telemetry goes stale)."""
+    voice_passes: frozenset[str] = frozenset()
+    """Pause and throttle reasons that protect the voice path (``stt``, ``tts``, ``stt_unknown``):
+    a generation of the voice class is not held by them."""
+    voice_gate: GateMode = "open"
+    """Decode gate mode for a generation of the voice class (held only by the other reasons)."""
+    voice_throttle_tps: float | None = None
+    """Decode cap for the voice class: the lowest throttle of the other reasons, None when not throttled."""
 
     def effect(self) -> tuple[Any, ...]:
         """What the arbiter acts on; two decisions with equal effects need no action."""
         return (self.gate, self.pause_reasons, self.throttle_tps, self.admission, self.max_context,
-                self.unload_llm, self.thermal_level, self.prefill_chunk_tokens)
+                self.unload_llm, self.thermal_level, self.prefill_chunk_tokens, self.voice_gate,
+                self.voice_throttle_tps)
 
     def action_text(self) -> str:
         """The effect as a short text, e.g. ``paused(stt,thermal) refuse_new max_context=1024``."""
@@ -102,6 +110,9 @@ class Decision:
             parts.append("unload_llm")
         if self.thermal_level:
             parts.append(f"thermal={self.thermal_level}")
+        if (self.voice_gate, self.voice_throttle_tps) != (self.gate, self.throttle_tps):
+            parts.append(f"voice={self.voice_gate}" + (f"({self.voice_throttle_tps:g}tps)"
+                                                       if self.voice_gate == "throttled" else ""))
         return " ".join(parts)
 
 
@@ -181,6 +192,7 @@ class StateStore:
         self._decision: Decision | None = None
         self._version = 0
         self._event: anyio.Event | None = None
+        self._listeners: list[Callable[[], None]] = []
 
     # -- writing ---------------------------------------------------------------------------
     def publish(self, obs: Observation) -> None:
@@ -259,11 +271,19 @@ class StateStore:
         """Record the latest decision (does not wake subscribers: it is derived from the snapshot)."""
         self._decision = decision
 
+    def add_listener(self, fn: Callable[[], None]) -> Callable[[], None]:
+        """Call `fn()` synchronously after every change, before `publish` returns (the arbiter
+        decides in the same loop turn as the observation); returns the function that removes it."""
+        self._listeners.append(fn)
+        return lambda: self._listeners.remove(fn)
+
     def _changed(self) -> None:
         self._version += 1
         if self._event is not None:
             self._event.set()
             self._event = None
+        for fn in list(self._listeners):
+            fn()
 
     # -- reading ---------------------------------------------------------------------------
     @property

@@ -3,13 +3,19 @@
 No I/O and no clock: the time is ``snapshot.ts``. Hysteresis state (thermal level, memory
 thresholds) is read from the previous decision, so calling it twice with the same arguments
 gives the same answer. Rules combine as: any pause wins; otherwise the lowest throttle wins;
-memory actions add up (unloading implies refusing new requests).
+memory actions add up (unloading implies refusing new requests). The pauses and throttles that
+protect the voice path (``VOICE_REASONS``) do not hold a generation of the voice class: the
+decision carries that class's own gate mode.
 """
 
 from __future__ import annotations
 
 from ..state import Decision, FiredRule, GateMode, Snapshot
 from .schema import Policy
+
+VOICE_REASONS = frozenset({"stt", "tts", "stt_unknown"})
+"""Reasons that exist to protect the voice path (voice.stt, voice.tts, their hold-offs,
+failsafe.stt_unknown): the voice turn's own generation passes them."""
 
 
 def evaluate(policy: Policy, snapshot: Snapshot, prev: Decision | None = None) -> Decision:
@@ -27,6 +33,10 @@ def evaluate(policy: Policy, snapshot: Snapshot, prev: Decision | None = None) -
     throttles = [f for f in fired if f.action == "throttle"]
     tps = min((f.throttle_tps for f in throttles if f.throttle_tps), default=None)
     gate: GateMode = "paused" if pauses else ("throttled" if tps is not None else "open")
+    held = pauses - VOICE_REASONS
+    voice_tps = min((f.throttle_tps for f in throttles if f.throttle_tps and f.reason not in VOICE_REASONS),
+                    default=None)
+    voice_gate: GateMode = "paused" if held else ("throttled" if voice_tps is not None else "open")
     actions = {f.action for f in fired}
     contexts = [int(f.inputs["context_tokens"]) for f in fired if f.action == "shrink_context"]
     return Decision(
@@ -45,6 +55,10 @@ def evaluate(policy: Policy, snapshot: Snapshot, prev: Decision | None = None) -
         llm_budget_mb=policy.memory.llm_budget_mb,
         fired=tuple(fired),
         next_eval_at=min((w for w in wake if w > snapshot.ts), default=None),
+        voice_passes=frozenset(f.reason for f in fired if f.reason in VOICE_REASONS
+                               and f.action in ("pause", "throttle")),
+        voice_gate=voice_gate,
+        voice_throttle_tps=voice_tps if voice_gate == "throttled" else None,
     )
 
 

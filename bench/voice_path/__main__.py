@@ -8,7 +8,13 @@
 (4) starts the daemon (SmolLM2, CPU engine) with the Wyoming proxy in front of both servers,
 (5) runs idle / contention / arbitration, interleaved, `--rounds` times, after a warm-up, and
 writes summary.md, results.json and timeline.png under bench/results/voice_path-<date>/.
-Every figure is explained in docs/benchmarks.md.
+
+    python -m bench.voice_path --gpu [--preset qwen3-4b-q4_k_m] [--stt-size small]
+
+runs the same on a CUDA machine (bench/voice_path/gpu.py): the whisper-shaped GPU STT server
+(bench/gpu_stt) in its own process, the daemon's engine on CuPy with an `engine.synth` model,
+long-prompt background clients, STT-only; results under bench/results/voice_path_gpu-<date>/,
+with summary.json. Every figure is explained in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from .daemon import (
     write_config,
 )
 from .pipeline import synthesize, transcribe, tts_audio, tts_streaming_supported
-from .report import machine, markdown, plot, summarize
+from .report import machine, markdown, plot, summarize, summary_json
 from .runner import RunTarget, ScenarioSpec, run_scenario
 from .stack import VoiceHome, VoiceStack, start_servers
 from .utterances import RATE, UTTERANCES, Utterance, cache_key, read_wav, resample, write_wav
@@ -77,9 +83,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--nice", type=int, default=0,
                    help="run the bench, servers and daemon at this nice value (e.g. -10 on a shared box; needs root)")
     p.add_argument("--quick", action="store_true", help="1 round x 4 turns, short load: checks the setup")
+    g = p.add_argument_group("GPU (--gpu)")
+    g.add_argument("--gpu", action="store_true",
+                   help="GPU STT server (bench/gpu_stt), CuPy engine, synthetic model and speech, STT-only")
+    g.add_argument("--preset", default="qwen3-4b-q4_k_m", help="engine.synth preset of the LLM (--gpu without --model)")
+    g.add_argument("--stt-size", default="small", help="whisper shape of the GPU STT server: tiny, base, small, medium")
+    g.add_argument("--stt-device", default="cuda", help="the GPU STT server's torch device")
+    g.add_argument("--load-prompt-chars", type=int, default=None,
+                   help="context characters in each background prompt (--gpu default 2400, ~1,800 tokens; CPU default 0)")
+    g.add_argument("--label", default="", help="a word for the report (e.g. mps-8sm)")
     args = p.parse_args(argv)
     if args.quick:
         args.rounds, args.turns, args.load_tokens, args.warmup = 1, 4, 64, 1
+    if args.load_prompt_chars is None:
+        args.load_prompt_chars = 2400 if args.gpu else 0
+    if args.gpu and args.backend == "auto":
+        args.backend = "cupy"
     return args
 
 
@@ -108,7 +127,25 @@ async def warm_up(target: RunTarget, audio: list[tuple[Utterance, bytes]], turns
             utt, pcm = audio[i % len(audio)]
             turn = Turn(utt, stt=await transcribe(target.stt_port, pcm, realtime=0))
             await ask_llm(client, turn, max_tokens=8, deadline_s=60)
-            await synthesize(target.tts_port, turn.spoken, streaming=target.tts_streaming)
+            if target.tts_port:
+                await synthesize(target.tts_port, turn.spoken, streaming=target.tts_streaming)
+
+
+async def engine_probe(url: str, prompt_chars: int, max_tokens: int) -> dict[str, Any]:
+    """One background-shaped request with nothing else running (non-streaming): the engine's own
+    prefill speed and decode step (llama-server timings), the reference beside the pause figures."""
+    import httpx
+
+    from .pipeline import long_prompt
+
+    body = {"model": "default", "max_tokens": min(max_tokens, 128), "temperature": 0.0,
+            "messages": [{"role": "user", "content": "Probe. " + long_prompt(prompt_chars)}]}
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+        resp = await client.post("/v1/chat/completions", json=body, headers={"X-Genie-Priority": "background"})
+    t = dict(resp.json().get("timings") or {})
+    if t.get("predicted_n"):
+        t["decode_step_ms"] = t["predicted_ms"] / t["predicted_n"]
+    return t
 
 
 def _hold_counters(daemon: Daemon) -> dict[str, int]:
@@ -127,10 +164,19 @@ def main(argv: list[str] | None = None, *,
     if args.nice:  # set before anything starts: every process and thread below inherits it
         os.setpriority(os.PRIO_PROCESS, 0, args.nice)
     date = datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = args.out or ROOT / "bench" / "results" / f"voice_path-{date}"
+    out = args.out or ROOT / "bench" / "results" / (f"voice_path_gpu-{date}" if args.gpu else f"voice_path-{date}")
     work = args.workdir or Path(tempfile.mkdtemp(prefix="genie-voice-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     home = VoiceHome.default()
+    gpu_audio: list[tuple[Utterance, bytes]] | None = None
+    if args.gpu:
+        from .gpu import speech_for, start_gpu_stt, write_transcripts
+
+        gpu_audio = speech_for(utterances)
+        transcripts = write_transcripts(work / "transcripts.json", gpu_audio)
+        if stack_factory is None:
+            def stack_factory(w: Path) -> AbstractContextManager[VoiceStack]:
+                return start_gpu_stt(w, transcripts, size=args.stt_size, device=args.stt_device)
     if stack_factory is None:
         home.ensure()
 
@@ -138,7 +184,10 @@ def main(argv: list[str] | None = None, *,
             return start_servers(home, w, cpu_threads=args.cpu_threads, whisper_device=args.whisper_device,
                                  compute_type=args.compute_type)
     model = args.model
-    if model is None:
+    if model is None and args.gpu:
+        from .gpu import synth_model
+        model = synth_model(work, args.preset)
+    elif model is None:
         from genie_supervisor.fetch import fetch
         model = fetch("smollm2")
     names = [n.strip() for n in args.scenarios.split(",") if n.strip()]
@@ -146,20 +195,23 @@ def main(argv: list[str] | None = None, *,
     runs: list[dict[str, Any]] = []
     with stack_factory(work) as stack:
         say(f"[bench] voice stack up: {stack.describe}")
-        audio = prepare_audio(stack, audio_cache or home.audio_cache, utterances)
+        audio = gpu_audio if gpu_audio is not None else prepare_audio(stack, audio_cache or home.audio_cache, utterances)
         say(f"[bench] {len(audio)} utterances, {sum(len(p) for _, p in audio) / (2 * RATE):.1f} s of speech")
         policy_file = work / "policy-active.yaml"
         policy_file.write_text(args.policy_off.read_text(encoding="utf-8"), encoding="utf-8")
         cfg, http, stt, tts = write_config(work / "supervisor.yaml", stack, model=model, policy=policy_file,
                                            backend=args.backend, threads=args.threads, proxy=proxy)
         daemon = Daemon(cfg, http, policy_file, work / "daemon.log")
-        daemon.start()
+        daemon.start(timeout=600 if args.gpu else 120)
         try:
             say(f"[bench] daemon up at {daemon.url} (log {daemon.log_path})")
-            streaming = anyio.run(tts_streaming_supported, tts)
+            streaming = anyio.run(tts_streaming_supported, tts) if tts else False
             target = RunTarget(daemon.url, stt, tts, streaming,
                                pids={**stack.pids, "supervisor": daemon.pid})
             anyio.run(warm_up, target, audio, args.warmup)
+            probe = anyio.run(engine_probe, daemon.url, args.load_prompt_chars, args.load_tokens)
+            say(f"[bench] engine alone: prompt {probe.get('prompt_n')} tokens at {probe.get('prompt_per_second', 0):.0f} tok/s, "
+                f"decode step {probe.get('decode_step_ms', 0):.2f} ms")
             for rnd in range(args.rounds):
                 for name in names:
                     policy = args.policy if name == "arbitration" else args.policy_off
@@ -168,7 +220,8 @@ def main(argv: list[str] | None = None, *,
                                         load_clients=0 if name == "idle" else args.load_clients,
                                         load_tokens=args.load_tokens, llm=name != "idle",
                                         voice_max_tokens=args.voice_max_tokens, llm_deadline_s=args.llm_deadline,
-                                        realtime=args.realtime, load_settle_s=args.load_settle)
+                                        realtime=args.realtime, load_settle_s=args.load_settle,
+                                        load_prompt_chars=args.load_prompt_chars)
                     say(f"[bench] round {rnd + 1}/{args.rounds}: {name} (policy {in_force})")
                     before = _hold_counters(daemon)
                     result = anyio.run(run_scenario, spec, target, audio)
@@ -185,6 +238,10 @@ def main(argv: list[str] | None = None, *,
         finally:
             daemon.stop()
     summary = summarize(runs)
+    stt_server: list[dict[str, Any]] = []
+    if args.gpu:
+        from .gpu import stt_log
+        stt_server = stt_log(work)
     meta = {
         "date": date,
         "machine": machine(),
@@ -196,13 +253,16 @@ def main(argv: list[str] | None = None, *,
         "turns": args.turns, "period_s": args.period, "realtime": args.realtime,
         "load_clients": args.load_clients, "load_tokens": args.load_tokens,
         "rounds": args.rounds, "order": names, "wall_s": time.time() - started, "nice": args.nice,
+        "gpu": args.gpu, "label": args.label, "load_prompt_chars": args.load_prompt_chars, "engine_probe": probe,
+        "stt_server": next((e for e in stt_server if e.get("event") == "stt_ready"), None),
     }
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.md").write_text(markdown(summary, meta), encoding="utf-8")
     (out / "results.json").write_text(json.dumps({"meta": meta, "summary": summary, "final_gate": final_status.get("gate"),
                                                   "runs": runs}, indent=1), encoding="utf-8")
+    (out / "summary.json").write_text(json.dumps(summary_json(summary, meta, stt_server, runs), indent=1), encoding="utf-8")
     plot(runs, out / "timeline.png", window_s=args.window)
-    say(f"[bench] wrote {out}/summary.md, timeline.png, results.json (logs in {work})")
+    say(f"[bench] wrote {out}/summary.md, summary.json, timeline.png, results.json (logs in {work})")
     return out
 
 

@@ -62,7 +62,7 @@ def write_config(path: Path, stack: VoiceStack, *, model: Path, policy: Path, ba
                  threads: int | None, proxy: ProxySettings, max_running: int = 3) -> tuple[Path, int, int, int]:
     """A daemon config for the bench; returns (path, http port, STT proxy port, TTS proxy port)."""
     http, stt, tts = free_port(), free_port(), free_port()
-    cfg = {
+    cfg: dict[str, Any] = {
         "log": {"level": "info", "format": "json"},
         "http": {"listen": f"{HOST}:{http}"},
         "engine": {"model": str(model), "backend": backend, "threads": threads},
@@ -80,6 +80,9 @@ def write_config(path: Path, stack: VoiceStack, *, model: Path, policy: Path, ba
                                 "hold_audio_stop_until_parked": False, "hold_max_ms": 0}},
         },
     }
+    if not stack.tts_port:  # STT-only (the GPU bench): no Piper to watch or proxy
+        del cfg["services"]["piper"]
+        tts = 0
     for name in ("whisper", "piper"):
         pid = stack.pids.get(name)
         (path.parent / f"{name}.pid").write_text(f"{pid if pid else os.getpid()}\n")

@@ -256,11 +256,31 @@ async def ask_llm(client: httpx.AsyncClient, turn: Turn, *, max_tokens: int, dea
     turn.spoken = text.strip() if turn.llm_status == "ok" and text.strip() else turn.utterance.reply
 
 
-async def background_client(client: httpx.AsyncClient, stats: LoadStats, *, max_tokens: int) -> None:
-    """Ask for long stories back to back until cancelled; every token's arrival is recorded."""
-    body = {"model": "default", "stream": True, "max_tokens": max_tokens, "temperature": 0.8, "seed": 1,
-            "messages": [{"role": "user", "content": STORY}]}
+CONTEXT = ("The keeper wrote in the log every night: the wind, the sea, the ships that passed, the lamp's "
+           "oil, the state of the lens and the letters he meant to send. ")
+"""A paragraph repeated to make a long background prompt (a document to summarise, a long chat)."""
+
+
+def long_prompt(chars: int) -> str:
+    """STORY after `chars` characters of context (0: STORY alone)."""
+    if chars <= 0:
+        return STORY
+    return (CONTEXT * (chars // len(CONTEXT) + 1))[:chars] + "\n\n" + STORY
+
+
+async def background_client(client: httpx.AsyncClient, stats: LoadStats, *, max_tokens: int,
+                            prompt_chars: int = 0, client_id: int = 0) -> None:
+    """Ask for long stories back to back until cancelled; every token's arrival is recorded.
+
+    With `prompt_chars`, each request opens with its own number, so no two share a cached prefix
+    and every request pays its whole prefill."""
+    text = long_prompt(prompt_chars)
+    n = 0
     while True:
+        n += 1
+        content = f"Request {client_id}-{n}. {text}" if prompt_chars else text
+        body = {"model": "default", "stream": True, "max_tokens": max_tokens, "temperature": 0.8, "seed": 1,
+                "messages": [{"role": "user", "content": content}]}
         try:
             async for _ in sse_pieces(client, body, "background"):
                 stats.token_times.append(time.time())

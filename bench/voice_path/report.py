@@ -27,6 +27,26 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+PHASES = ("decode", "prefill", "idle")
+
+
+def reactions_by_phase(gate_log: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """Pause reaction times (ms) split by what the engine was running when the pause came: the
+    kind of the last step it was let through (the daemon's `decode_parked` `after`), or `idle`
+    when no generation was running (`decode_paused` `generations` 0: nothing had to stop; a later
+    request parks at its first step, which is no reaction time and is left out)."""
+    out: dict[str, list[float]] = {}
+    idle_pause = False
+    for e in sorted(gate_log, key=lambda e: e["t"]):
+        if e["event"] == "decode_paused":
+            idle_pause = not e.get("generations")
+            if idle_pause:
+                out.setdefault("idle", [])
+        elif e["event"] == "decode_parked" and e.get("reaction_ms") is not None and not idle_pause:
+            out.setdefault(str(e.get("after") or "unknown"), []).append(float(e["reaction_ms"]))
+    return out
+
+
 def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Pool the rounds of each scenario into one figure set."""
     out: dict[str, dict[str, Any]] = {}
@@ -43,6 +63,13 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         rtt = [p[2] for p in probe if p[1] != "error"]
         reactions = [float(e["reaction_ms"]) for r in mine for e in r.get("gate_log", [])
                      if e["event"] == "decode_parked" and e.get("reaction_ms") is not None]
+        by_phase: dict[str, list[float]] = {}
+        idle_pauses = 0
+        for r in mine:
+            log = r.get("gate_log", [])
+            idle_pauses += sum(1 for e in log if e["event"] == "decode_paused" and not e.get("generations"))
+            for ph, xs in reactions_by_phase(log).items():
+                by_phase.setdefault(ph, []).extend(xs)
         llm = [t["llm"] for t in turns if t["llm"]["status"] != "skipped"]
         ttft = [(x["first_token"] - x["start"]) * 1000 for x in llm if x["first_token"]]
         cpu_keys = sorted({k for r in mine for k in r["cpu_cores"]})
@@ -63,6 +90,9 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "paused_fraction": (sum(1 for p in probe if p[1] == "paused") / len(probe)) if probe else None,
             "pauses": len(reactions),
             "reaction_p50": pct(reactions, 0.5), "reaction_p99": pct(reactions, 0.99),
+            "reaction_by_phase": {ph: {"n": len(xs), "p50": pct(xs, 0.5), "p99": pct(xs, 0.99), "max": max(xs, default=None)}
+                                  for ph, xs in sorted(by_phase.items())},
+            "idle_pauses": idle_pauses,
             "lag_p50": pct(rtt, 0.5), "lag_p99": pct(rtt, 0.99),
             "cpu_cores": {k: statistics.fmean([r["cpu_cores"][k] for r in mine if k in r["cpu_cores"]]) for k in cpu_keys},
             "wer": wer([(t["reference"], t["stt"]["text"]) for t in turns if t["stt"]]),
@@ -84,6 +114,63 @@ def _f(v: Any, digits: int = 0, unit: str = "") -> str:
     if isinstance(v, float):
         return f"{v:.{digits}f}{unit}"
     return f"{v}{unit}"
+
+
+def _phase_cell(s: dict[str, Any], phase: str) -> str:
+    r = s.get("reaction_by_phase", {}).get(phase)
+    return f"{r['n']} / {_f(r['p50'], 1)} / {_f(r['p99'], 1)}" if r and r["n"] else "–"
+
+
+def stt_server_by_scenario(runs_t: dict[str, list[tuple[float, float]]],
+                           events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The GPU STT server's own timings (encoder, decoder, whole request) per scenario, p50."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, spans in runs_t.items():
+        mine = [e for e in events if e.get("event") == "stt_done"
+                and any(t0 <= float(e["t"]) <= t1 + 1 for t0, t1 in spans)]
+        out[name] = {k: pct([float(e[k]) for e in mine], 0.5) for k in ("mel_ms", "encoder_ms", "decoder_ms", "wall_ms")}
+        out[name]["n"] = len(mine)
+        out[name]["steps_p50"] = pct([float(e["steps"]) for e in mine], 0.5)
+    return out
+
+
+def summary_json(summary: dict[str, dict[str, Any]], meta: dict[str, Any],
+                 stt_events: list[dict[str, Any]] | None = None,
+                 runs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The headline figures, machine-readable (the keys docs/benchmarks.md names)."""
+    names = [n for n in SCENARIOS if n in summary]
+    arb = summary.get("arbitration", {})
+    phases: dict[str, Any] = {}
+    for ph in PHASES:
+        r = arb.get("reaction_by_phase", {}).get(ph)
+        phases[ph] = r["p99"] if r else None
+    probe = meta.get("engine_probe") or {}
+    out: dict[str, Any] = {
+        "date": meta["date"], "label": meta.get("label", ""), "gpu": meta.get("gpu", False),
+        "model": meta["model"], "backend": meta["backend"], "stack": meta["stack"],
+        "stt_p50_ms": {n: summary[n]["stt_p50"] for n in names},
+        "stt_p95_ms": {n: summary[n]["stt_p95"] for n in names},
+        "stt_p99_ms": {n: summary[n]["stt_p99"] for n in names},
+        "stt_p95_ratio_contention": summary.get("contention", {}).get("ratios", {}).get("stt_p95"),
+        "stt_p95_ratio_arbitration": arb.get("ratios", {}).get("stt_p95"),
+        "pause_reaction_p50_ms": {ph: (arb.get("reaction_by_phase", {}).get(ph) or {}).get("p50") for ph in PHASES},
+        "pause_reaction_p99_ms": phases,
+        "pause_reaction_n": {ph: (arb.get("reaction_by_phase", {}).get(ph) or {}).get("n", 0) for ph in PHASES},
+        "idle_pauses": arb.get("idle_pauses"),
+        "decode_step_ms": probe.get("decode_step_ms"),
+        "prefill_tokens_per_s": probe.get("prompt_per_second"),
+        "background_prompt_tokens": probe.get("prompt_n"),
+        "background_decode_tps": {n: summary[n]["decode_tps"] for n in names},
+        "voice_llm_ttft_p50_ms": {n: summary[n]["llm_ttft_p50"] for n in names},
+        "hold_timeouts": {n: summary[n]["hold_timeouts"] for n in names},
+        "stt_server": meta.get("stt_server"),
+    }
+    if stt_events and runs:
+        spans: dict[str, list[tuple[float, float]]] = {}
+        for r in runs:
+            spans.setdefault(r["spec"]["name"], []).append((r["t0"], r["t1"]))
+        out["stt_server_p50_ms"] = stt_server_by_scenario(spans, stt_events)
+    return out
 
 
 def machine() -> str:
@@ -115,6 +202,8 @@ def markdown(summary: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
         ("decode paused (share of the run)", lambda s: _f(None if s["paused_fraction"] is None else s["paused_fraction"] * 100, 1, " %")),
         ("pauses / reaction p50 (ms)", lambda s: f"{s['pauses']} / {_f(s['reaction_p50'], 1)}"),
         ("pause reaction p99 (ms)", lambda s: _f(s["reaction_p99"], 1)),
+        *[(f"pause reaction in {ph}: n / p50 / p99 (ms)", lambda s, ph=ph: _phase_cell(s, ph)) for ph in ("decode", "prefill")],
+        ("pauses that met an idle engine", lambda s: _f(s.get("idle_pauses"))),
         ("audio-stop holds that timed out (engine not parked)", lambda s: _f(s["hold_timeouts"])),
         ("loop lag probe: GET /health p50 (ms)", lambda s: _f(s["lag_p50"], 1)),
         ("loop lag probe: GET /health p99 (ms)", lambda s: _f(s["lag_p99"], 1)),
@@ -149,6 +238,7 @@ def markdown(summary: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
         f"{meta['load_tokens']}-token stories. Rounds: {meta['rounds']} (order {' → '.join(meta['order'])}), "
         f"pooled per scenario. Wall time {meta['wall_s']:.0f} s."
         + (f" All bench processes ran at nice {meta['nice']}." if meta.get("nice") else ""),
+        *_gpu_lines(meta),
         "",
         *lines,
         "",
@@ -159,6 +249,25 @@ def markdown(summary: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
     if errors:
         parts += ["", "Errors:", *errors]
     return "\n".join(parts) + "\n"
+
+
+def _gpu_lines(meta: dict[str, Any]) -> list[str]:
+    """The engine's own speed (measured alone, same run) and the GPU STT server, when known."""
+    out = []
+    p = meta.get("engine_probe") or {}
+    if p.get("predicted_n"):
+        out.append(f"Engine alone (one background-shaped request, nothing else running): prompt {p.get('prompt_n')} tokens "
+                   f"at {_f(p.get('prompt_per_second'), 0)} tok/s, decode step {_f(p.get('decode_step_ms'), 2)} ms.")
+    srv = meta.get("stt_server")
+    if srv:
+        out.append(f"STT server: whisper-{srv.get('size')} shape, random weights, {srv.get('device')} {srv.get('dtype')}, "
+                   f"{srv.get('sms', '?')} SMs visible to it.")
+    if meta.get("label"):
+        out.append(f"Label: {meta['label']}.")
+    if meta.get("load_prompt_chars"):
+        out.append(f"Background prompts: {meta['load_prompt_chars']} characters of context + the story request "
+                   "(each request numbered, so no cached prefix).")
+    return [""] + out if out else []
 
 
 def _bins(times: Iterable[float], t0: float, t1: float, width: float = 1.0) -> tuple[list[float], list[float]]:

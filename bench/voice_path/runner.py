@@ -53,6 +53,8 @@ class ScenarioSpec:
     """Audio streaming speed (1: like a live microphone)."""
     load_settle_s: float = 3.0
     """Seconds the load runs before the first turn (so every turn meets a decoding engine)."""
+    load_prompt_chars: int = 0
+    """Context characters before each background request's question (0: the short STORY prompt)."""
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,7 @@ class RunTarget:
     stt_port: int
     """The whisper proxy."""
     tts_port: int
-    """The Piper proxy."""
+    """The Piper proxy (0: none, STT-only)."""
     tts_streaming: bool
     pids: dict[str, int] = field(default_factory=dict)
     """Processes to account CPU to."""
@@ -95,8 +97,9 @@ async def run_scenario(spec: ScenarioSpec, target: RunTarget, utterances: list[t
     async with httpx.AsyncClient(base_url=target.url, timeout=httpx.Timeout(30, read=600)) as client, \
             anyio.create_task_group() as tg:
         tg.start_soon(health_probe, target.url, probe)
-        for _ in range(spec.load_clients):
-            tg.start_soon(lambda: background_client(client, load, max_tokens=spec.load_tokens))
+        for k in range(spec.load_clients):
+            tg.start_soon(lambda k=k: background_client(client, load, max_tokens=spec.load_tokens,
+                                                         prompt_chars=spec.load_prompt_chars, client_id=k))
         if spec.load_clients:
             await anyio.sleep(spec.load_settle_s)
         cpu0, t0 = _cpu_seconds(pids), time.time()
@@ -113,7 +116,8 @@ async def run_scenario(spec: ScenarioSpec, target: RunTarget, utterances: list[t
                     await ask_llm(client, turn, max_tokens=spec.voice_max_tokens, deadline_s=spec.llm_deadline_s)
                 else:
                     turn.spoken = utt.reply
-                turn.tts = await synthesize(target.tts_port, turn.spoken, streaming=target.tts_streaming)
+                if target.tts_port:  # 0: STT-only (the GPU bench has no TTS server)
+                    turn.tts = await synthesize(target.tts_port, turn.spoken, streaming=target.tts_streaming)
             except (OSError, RuntimeError, TimeoutError, ConnectionError) as exc:
                 errors.append(f"turn {i}: {type(exc).__name__}: {exc}"[:300])
         t1 = time.time()

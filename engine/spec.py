@@ -153,7 +153,7 @@ def read_spec(gf: GGUFFile) -> ModelSpec:
         n_vocab=n_vocab,
         n_ctx_train=gf.number(key("context_length"), 2048, lo=1, hi=float(1 << 24)),
         norm_eps=eps,
-        rope_base=gf.number(key("rope.freq_base"), 10000.0, integer=False, lo=0, hi=1e12),
+        rope_base=gf.number(key("rope.freq_base"), 10000.0, integer=False, lo=1, hi=1e12),
         rope_dim=gf.number(key("rope.dimension_count"), head_dim, lo=0, hi=head_dim),
         rope_scale=rope_scale,
         attn_scale=attn_scale,

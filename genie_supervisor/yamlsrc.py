@@ -101,6 +101,8 @@ def _walk(node: yaml.Node, path: Path, lines: dict[Path, int], issues: list[tupl
 
 def quote(value: Any) -> str:
     """``repr(value)`` cut to QUOTE_CHARS characters, saying how long it was (errors never copy big values)."""
+    if isinstance(value, str) and len(value) > QUOTE_CHARS:
+        return f"{value[:QUOTE_CHARS]!r}... ({len(value)} characters)"
     return cap_text(repr(value), QUOTE_CHARS)
 
 

@@ -7,7 +7,6 @@ import struct
 import subprocess
 import sys
 import tracemalloc
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -173,12 +172,15 @@ def _parse_config(text: str) -> None:
 
 # --- GGUF headers -----------------------------------------------------------------------------
 
-@dataclass(repr=False)
 class _Header:
-    """A GGUF file written field by field, remembering where each length, count, type and offset is."""
+    """A GGUF file written field by field, remembering where each length, count, type and offset is.
 
-    out: bytearray = field(default_factory=bytearray)
-    fields: dict[str, list[tuple[int, str]]] = field(default_factory=dict)
+    Not a dataclass: hypothesis prints a dataclass argument field by field (250 kB here).
+    """
+
+    def __init__(self) -> None:
+        self.out = bytearray()
+        self.fields: dict[str, list[tuple[int, str]]] = {}
 
     def __repr__(self) -> str:
         return f"<GGUF header of {len(self.out)} bytes>"

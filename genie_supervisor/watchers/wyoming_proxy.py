@@ -412,10 +412,10 @@ class _Connection:
             out = bytearray()
             for event in events:
                 self.last_progress = time.monotonic()
+                session.from_client(event.type)  # before the upstream connect: the pause starts now
                 if self.upstream is None and not await self._connect():
                     self._stop()
                     return
-                session.from_client(event.type)
                 if event.type == "audio-stop" and proxy.hold_audio_stop:
                     await self._send_upstream(bytes(out))
                     out.clear()

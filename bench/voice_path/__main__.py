@@ -60,6 +60,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--turns", type=int, default=10, help="voice turns per run")
     p.add_argument("--period", type=float, default=6.0, help="seconds between the starts of two turns")
     p.add_argument("--scenarios", default="idle,contention,arbitration", help="which runs, in round order")
+    p.add_argument("--idle-llm", action="store_true",
+                   help="the idle run's voice turns ask the LLM too (the reference for the voice LLM's time to "
+                        "first token with no background load); without it they speak the canned reply")
     p.add_argument("--load-clients", type=int, default=2, help="background LLM clients in the load runs")
     p.add_argument("--load-tokens", type=int, default=400, help="max_tokens of each background request")
     p.add_argument("--load-settle", type=float, default=3.0, help="seconds the load runs before the first turn")
@@ -218,7 +221,7 @@ def main(argv: list[str] | None = None, *,
                     in_force = daemon.use_policy(policy)
                     spec = ScenarioSpec(name, args.turns, args.period,
                                         load_clients=0 if name == "idle" else args.load_clients,
-                                        load_tokens=args.load_tokens, llm=name != "idle",
+                                        load_tokens=args.load_tokens, llm=name != "idle" or args.idle_llm,
                                         voice_max_tokens=args.voice_max_tokens, llm_deadline_s=args.llm_deadline,
                                         realtime=args.realtime, load_settle_s=args.load_settle,
                                         load_prompt_chars=args.load_prompt_chars)

@@ -104,7 +104,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     if idle:
         for s in out.values():
             s["ratios"] = {k: _ratio(s.get(k), idle.get(k)) for k in
-                           ("stt_p50", "stt_p95", "stt_p99", "tts_ttfa_p50", "lag_p50")}
+                           ("stt_p50", "stt_p95", "stt_p99", "tts_ttfa_p50", "llm_ttft_p50", "lag_p50")}
     return out
 
 
@@ -218,7 +218,8 @@ def markdown(summary: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
     ratio_lines = ["| ratio to idle | " + " | ".join(n for n in names if n != "idle") + " |",
                    "|---|" + "---|" * (len(names) - 1)]
     for key, label in (("stt_p50", "STT p50"), ("stt_p95", "STT p95"), ("stt_p99", "STT p99"),
-                       ("tts_ttfa_p50", "TTS first audio p50"), ("lag_p50", "loop lag p50")):
+                       ("tts_ttfa_p50", "TTS first audio p50"), ("llm_ttft_p50", "voice LLM time to first token p50"),
+                       ("lag_p50", "loop lag p50")):
         ratio_lines.append(f"| {label} | " + " | ".join(
             _f(summary[n].get("ratios", {}).get(key), 2, "x") for n in names if n != "idle") + " |")
     errors = [f"- {n}: {e}" for n in names for e in summary[n]["errors"] + summary[n]["load_errors"]]

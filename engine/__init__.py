@@ -25,7 +25,7 @@ from .generate import Generation, GenerationStats, TokenEvent
 from .gguf_file import GGUFFile, read_gguf
 from .kv_cache import check_kv_dtype, kv_bytes
 from .lock import PriorityLock
-from .model import MemoryPlan, Transformer, plan_memory
+from .model import MemoryPlan, Pass, Transformer, plan_memory
 from .sampler import Sampler, SamplingParams
 from .spec import ModelSpec, read_spec
 from .tokenizer import StreamDecoder, Tokenizer
@@ -167,6 +167,37 @@ class Model:
             tf.kv.tokens.extend(int(t) for t in ids)
             return np.asarray(out, dtype=np.float32)
 
+    def prefill_pass(self, ids: Sequence[int], pos: int, n_layers: int) -> Pass | None:
+        """Start prefilling `ids` at `pos` in pieces (cache must hold exactly `pos` tokens): the
+        embedding and the first `n_layers` layers, finished on the device when this returns;
+        continue with `prefill_layers`. None where the backend replays this chunk as one graph
+        (`ops.prefill_graphs`): run it whole with `step_logits`."""
+        with self._thread_lock:
+            tf = self.transformer
+            graphs = getattr(tf.ops, "prefill_graphs", None)
+            if graphs is not None and graphs.bucket_for(len(ids), pos, 1, tf.n_ctx) is not None:
+                return None
+            del tf.kv.tokens[pos:]
+            p = tf.begin(list(ids), pos, last_n=1)
+            p.tokens = [int(t) for t in ids]
+        self.prefill_layers(p, n_layers)
+        return p
+
+    def prefill_layers(self, p: Pass, n_layers: int) -> np.ndarray | None:
+        """The pass's next `n_layers` layers, finished on the device when this returns (nothing
+        stays queued); once the last layer ran, its logits (the chunk's K/V now in the cache)."""
+        with self._thread_lock:
+            tf = self.transformer
+            tf.run_layers(p, p.layer, p.layer + max(1, n_layers))
+            if p.layer < len(tf.layers):
+                sync = getattr(tf.ops, "synchronize", None)
+                if sync is not None:
+                    sync()
+                return None
+            out = tf.ops.to_host(tf.end(p))[0]
+            tf.kv.tokens.extend(p.tokens)
+            return np.asarray(out, dtype=np.float32)
+
     def step_sample(self, token: int, pos: int, sampler: Sampler, history: Sequence[int]) -> int:
         """One decode step: feed `token` at `pos`, sample the next one (on the device when the
         backend's decoder can: its argmax for plain greedy, its sampler otherwise - the same
@@ -193,13 +224,16 @@ class Model:
         gate: Gate | None = None,
         prefill_chunk: int | None = None,
         priority: int = 0,
+        prefill_layer_group: int | None = None,
     ) -> Generation:
-        """An async iterator of TokenEvent; awaits `gate` before every step and prefill chunk.
+        """An async iterator of TokenEvent; awaits `gate` before every step and prefill chunk
+        (and, with `prefill_layer_group` G, between groups of G layers inside a chunk).
 
         Generations share the model by `priority`: a running one yields to a more urgent one
         between two steps and resumes afterwards (its context rebuilt from the prefix cache).
         """
-        return Generation(self, prompt_ids, sampling or SamplingParams(), gate, prefill_chunk, priority)
+        return Generation(self, prompt_ids, sampling or SamplingParams(), gate, prefill_chunk, priority,
+                          prefill_layer_group)
 
     def close(self) -> None:
         """Drop the weights and the KV cache."""

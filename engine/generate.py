@@ -1,7 +1,10 @@
 """Generation: chunked prefill, then one decode step at a time, each in a worker thread.
 
 The gate is awaited before every prefill chunk and every decode step, so a pause takes effect
-before the next forward pass. Cancelling the consumer stops the generation within one step.
+before the next forward pass; with a layer group G (`prefill_layer_group`) also between groups of
+G layers inside a chunk, the activations kept on the device while paused. Every piece ends with
+its device work finished, so a parked generation has nothing queued. Cancelling the consumer
+stops the generation within one step.
 """
 
 from __future__ import annotations
@@ -130,6 +133,7 @@ class Generation:
         gate: Gate | None,
         prefill_chunk: int | None,
         priority: int = 0,
+        prefill_layer_group: int | None = None,
     ) -> None:
         self.model = model
         self.priority = priority
@@ -147,6 +151,11 @@ class Generation:
                  or getattr(ops, "prefill_chunk", None) or DEFAULT_PREFILL_CHUNK)
         self.prefill_chunk = max(1, int(chunk))
         """Prompt tokens per forward pass: the caller's, else the gate's, else the backend's."""
+        group = prefill_layer_group if prefill_layer_group is not None else getattr(gate, "prefill_layer_group", None)
+        self.prefill_layer_group = max(0, int(group or 0))
+        """Layers per prefill piece, the gate awaited between two (0: whole chunks): the caller's,
+        else the gate's `prefill_layer_group`. A chunk the backend replays as one CUDA graph
+        (`ops.prefill_graphs`) stays one piece."""
         self.finish_reason: str | None = None
         self.stats = GenerationStats(prompt_tokens=len(self.prompt_ids))
         self.completion_ids: list[int] = []
@@ -196,17 +205,41 @@ class Generation:
 
     async def _prefill(self, seq: list[int]) -> Any:
         """Make the KV cache hold `seq` (reusing its cached prefix); logits of the last token."""
-        model, tf = self.model, self.model.transformer
+        tf = self.model.transformer
         logits: Any = None
         while True:
             await self._checkpoint("prefill")
             pos = min(tf.kv.common_prefix(seq), len(seq) - 1)  # re-read: a yield may have changed it
             chunk = seq[pos : pos + self.prefill_chunk]
-            t0 = time.perf_counter()
+            logits = await self._chunk(chunk, pos)
+            if logits is not None and pos + len(chunk) >= len(seq):
+                return logits
+
+    async def _chunk(self, chunk: list[int], pos: int) -> Any:
+        """One prefill chunk (the gate passed before it): whole, or in layer groups with the gate
+        awaited between two; None when it was given up (the model went to a more urgent
+        generation between two groups: the caller starts the chunk again from the cache)."""
+        model, group = self.model, self.prefill_layer_group
+        n_layers = len(model.transformer.layers)
+        t0 = time.perf_counter()
+        p = None
+        if 0 < group < n_layers and len(chunk) > 1:
+            p = await anyio.to_thread.run_sync(model.prefill_pass, chunk, pos, group)
+        if p is None:
             logits = await anyio.to_thread.run_sync(model.step_logits, chunk, pos)
             self.stats.prefill_s += time.perf_counter() - t0
-            if pos + len(chunk) >= len(seq):
-                return logits
+            return logits
+        self.stats.prefill_s += time.perf_counter() - t0
+        while True:
+            before = self.preemptions
+            await self._checkpoint("prefill")
+            if self.preemptions != before:
+                return None  # another generation wrote the cache meanwhile
+            t0 = time.perf_counter()
+            out = await anyio.to_thread.run_sync(model.prefill_layers, p, group)
+            self.stats.prefill_s += time.perf_counter() - t0
+            if out is not None:
+                return out
 
     async def _run(self) -> AsyncGenerator[TokenEvent, None]:
         model, tf = self.model, self.model.transformer

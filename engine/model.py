@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -143,6 +143,23 @@ def plan_memory(
                       backend="native" if quantized else "numpy")
 
 
+@dataclass
+class Pass:
+    """A forward pass between two pieces (`Transformer.begin` / `run_layers` / `end`): the
+    activations after `layer` layers, kept on the device while the pass is paused."""
+
+    x: Any
+    """[T, E] (or [keep, E] past the last layer's row cut) after `layer` layers."""
+    t: int
+    start: int
+    keep: int
+    hidden: bool
+    layer: int = 0
+    """Layers run so far."""
+    tokens: list[int] = field(default_factory=list)
+    """The pass's token ids, where a caller keeps them with it (`Model.prefill_pass`)."""
+
+
 class Transformer:
     """Weights + KV cache + forward pass. Not thread-safe: callers hold `lock`."""
 
@@ -233,63 +250,93 @@ class Transformer:
         graphs (`ops.prefill_graphs`, CuPy) replays the pass where it can unless `graph` is False;
         `ids` may then also be a device array.
         """
-        s, ops = self.spec, self.ops
         t = len(ids)
         if start + t > self.n_ctx:
             raise ContextOverflowError(start + t, self.n_ctx)
-        graphs = getattr(ops, "prefill_graphs", None) if graph and not hidden else None
+        graphs = getattr(self.ops, "prefill_graphs", None) if graph and not hidden else None
         if graphs is not None:
             bucket = graphs.bucket_for(t, start, last_n, self.n_ctx)
             if bucket is not None:
                 out = graphs.run(self, ids, bucket)
                 if out is not None:
                     return out
+        p = self.begin(ids, start, last_n, hidden)
+        self.run_layers(p, 0, len(self.layers))
+        return self.end(p)
+
+    # A pass in pieces: `begin` (embedding), `run_layers` over consecutive groups of layers,
+    # `end` (head). `forward` is the three at once; the same ops run in the same order either
+    # way, so a pass run in pieces - with pauses between them - gives the same bits.
+    def begin(self, ids: Sequence[int], start: int, last_n: int | None = 1, hidden: bool = False) -> Pass:
+        """A forward pass of `ids` at `start` up to its first layer (the embedding), to be
+        continued with `run_layers` and finished with `end`; no graph replay."""
+        s, ops = self.spec, self.ops
+        t = len(ids)
+        if start + t > self.n_ctx:
+            raise ContextOverflowError(start + t, self.n_ctx)
         idx = ids if hasattr(ids, "__cuda_array_interface__") else np.asarray(ids, dtype=np.int64)
         x = ops.embed_rows(self.embed_table, idx, s.n_embd)  # [T, E]
         if s.traits.embed_scale:
             x = x * np.float32(math.sqrt(s.n_embd))
-        hd, vd, nh, nkv = s.head_dim, s.v_head_dim, s.n_heads, s.n_kv_heads
         keep = t if hidden or last_n is None else max(1, min(last_n, t))
+        return Pass(x=x, t=t, start=start, keep=keep, hidden=hidden)
+
+    def run_layers(self, p: Pass, lo: int, hi: int) -> None:
+        """Layers lo..hi-1 of pass `p` (they must follow the layers it has run)."""
+        if lo != p.layer:
+            raise ValueError(f"pass is at layer {p.layer}, not {lo}")
+        for i in range(lo, min(hi, len(self.layers))):
+            p.x = self._layer(i, p)
+            p.layer = i + 1
+
+    def end(self, p: Pass) -> Any:
+        """The pass's result once every layer ran: logits of its last `keep` rows, or hidden."""
+        if p.layer != len(self.layers):
+            raise ValueError(f"pass stopped at layer {p.layer} of {len(self.layers)}")
+        return p.x if p.hidden else self.head(p.x)
+
+    def _layer(self, i: int, p: Pass) -> Any:
+        """Block i on the pass's x [T, E]: K/V into the cache; returns the block's output."""
+        s, ops, lw, t, start, keep = self.spec, self.ops, self.layers[i], p.t, p.start, p.keep
+        x, p.x = p.x, None  # the input is dropped once used (a chunk's peak stays one step's)
+        hd, vd, nh, nkv = s.head_dim, s.v_head_dim, s.n_heads, s.n_kv_heads
         last_layer = len(self.layers) - 1 if keep < t else -1
-        for i, lw in enumerate(self.layers):
-            h = ops.rms_norm(x, lw.attn_norm, s.norm_eps)
-            qkv = ops.linear(h, lw.wqkv, lw.bqkv, lw.aq["qkv"])  # [T, (H + KV) * D + KV * Dv]
-            q = qkv[:, : nh * hd].reshape(t, nh, hd)
-            k = qkv[:, nh * hd : (nh + nkv) * hd].reshape(t, nkv, hd)
-            v = qkv[:, (nh + nkv) * hd :].reshape(t, nkv, vd)
-            if lw.q_norm is not None:
-                q = ops.rms_norm(q, lw.q_norm, s.norm_eps)
-                k = ops.rms_norm(k, lw.k_norm, s.norm_eps)
-            cos, sin = self.rope[s.layer_rope_base(i)]
-            q = ops.rope(q, cos[start : start + t], sin[start : start + t], s.traits.rope_style)
-            k = ops.rope(k, cos[start : start + t], sin[start : start + t], s.traits.rope_style)
-            ops.kv_store(self.kv.k[i], start, k)
-            ops.kv_store(self.kv.v[i], start, v)
-            window = s.sliding_window if s.is_swa_layer(i) else 0
-            scale = s.attn_scale
-            if s.traits.scale_q:
-                q, scale = q * np.float32(scale), 1.0
-            a = ops.attention(q, self.kv.k[i], self.kv.v[i], start, window, scale)  # [T, H*Dv]
-            del qkv, q, k, v, h  # each intermediate is dropped once used: a chunk's peak stays one step's
-            a = ops.linear(a, lw.wo, None, lw.aq["o"])  # [T, E]
-            if i == last_layer:  # only the rows whose logits are wanted go on (llama.cpp's inp_out_ids)
-                a, x = a[-keep:], x[-keep:]
-            if lw.post_attn_norm is not None:
-                a = ops.rms_norm(a, lw.post_attn_norm, s.norm_eps)
-            x = x + a
-            h = ops.rms_norm(x, lw.ffn_norm, s.norm_eps)
-            gu = ops.linear(h, lw.w_gate_up, None, lw.aq["gate_up"])  # [T, 2F]
-            act = ops.gated_act(gu[:, : s.n_ff], gu[:, s.n_ff :], s.traits.activation)
-            del gu, h
-            f = ops.linear(act, lw.w_down, None, lw.aq["down"])
-            del act
-            if lw.post_ffn_norm is not None:
-                f = ops.rms_norm(f, lw.post_ffn_norm, s.norm_eps)
-            x = x + f
-            del a, f
-        if hidden:
-            return x
-        return self.head(x)
+        h = ops.rms_norm(x, lw.attn_norm, s.norm_eps)
+        qkv = ops.linear(h, lw.wqkv, lw.bqkv, lw.aq["qkv"])  # [T, (H + KV) * D + KV * Dv]
+        q = qkv[:, : nh * hd].reshape(t, nh, hd)
+        k = qkv[:, nh * hd : (nh + nkv) * hd].reshape(t, nkv, hd)
+        v = qkv[:, (nh + nkv) * hd :].reshape(t, nkv, vd)
+        if lw.q_norm is not None:
+            q = ops.rms_norm(q, lw.q_norm, s.norm_eps)
+            k = ops.rms_norm(k, lw.k_norm, s.norm_eps)
+        cos, sin = self.rope[s.layer_rope_base(i)]
+        q = ops.rope(q, cos[start : start + t], sin[start : start + t], s.traits.rope_style)
+        k = ops.rope(k, cos[start : start + t], sin[start : start + t], s.traits.rope_style)
+        ops.kv_store(self.kv.k[i], start, k)
+        ops.kv_store(self.kv.v[i], start, v)
+        window = s.sliding_window if s.is_swa_layer(i) else 0
+        scale = s.attn_scale
+        if s.traits.scale_q:
+            q, scale = q * np.float32(scale), 1.0
+        a = ops.attention(q, self.kv.k[i], self.kv.v[i], start, window, scale)  # [T, H*Dv]
+        del qkv, q, k, v, h  # each intermediate is dropped once used: a chunk's peak stays one step's
+        a = ops.linear(a, lw.wo, None, lw.aq["o"])  # [T, E]
+        if i == last_layer:  # only the rows whose logits are wanted go on (llama.cpp's inp_out_ids)
+            a, x = a[-keep:], x[-keep:]
+        if lw.post_attn_norm is not None:
+            a = ops.rms_norm(a, lw.post_attn_norm, s.norm_eps)
+        x = x + a
+        h = ops.rms_norm(x, lw.ffn_norm, s.norm_eps)
+        gu = ops.linear(h, lw.w_gate_up, None, lw.aq["gate_up"])  # [T, 2F]
+        act = ops.gated_act(gu[:, : s.n_ff], gu[:, s.n_ff :], s.traits.activation)
+        del gu, h
+        f = ops.linear(act, lw.w_down, None, lw.aq["down"])
+        del act
+        if lw.post_ffn_norm is not None:
+            f = ops.rms_norm(f, lw.post_ffn_norm, s.norm_eps)
+        x = x + f
+        del a, f
+        return x
 
     def head(self, x: Any) -> Any:
         """Logits [n, vocab] of last-layer outputs x [n, E]: output norm, then the output matrix."""

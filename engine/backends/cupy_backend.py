@@ -160,6 +160,12 @@ class CupyOps:
     def to_host(self, x: cp.ndarray) -> np.ndarray:
         return cp.asnumpy(x)
 
+    @staticmethod
+    def synchronize() -> None:
+        """Wait until the calling thread's stream has finished its work (a prefill piece ends
+        with this, so a generation parked between two pieces leaves nothing queued)."""
+        cp.cuda.get_current_stream().synchronize()
+
     # --- matrices ------------------------------------------------------------------------
     @staticmethod
     def act_quant(x: cp.ndarray, kind: str | None) -> cp.ndarray:

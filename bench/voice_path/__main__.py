@@ -50,7 +50,7 @@ from .runner import RunTarget, ScenarioSpec, run_scenario
 from .stack import VoiceHome, VoiceStack, start_servers
 from .utterances import RATE, UTTERANCES, Utterance, cache_key, read_wav, resample, write_wav
 
-GATE_EVENTS = {"decode_parked", "decode_paused", "decode_resumed", "audio_stop_held"}
+GATE_EVENTS = {"decode_parked", "decode_paused", "decode_resumed", "audio_stop_held", "generation_done"}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -211,6 +211,10 @@ def main(argv: list[str] | None = None, *,
             streaming = anyio.run(tts_streaming_supported, tts) if tts else False
             target = RunTarget(daemon.url, stt, tts, streaming,
                                pids={**stack.pids, "supervisor": daemon.pid})
+            sampler = None
+            if args.gpu:
+                from .gpu import GpuSampler
+                sampler = GpuSampler(work / "pmon.log").__enter__()
             anyio.run(warm_up, target, audio, args.warmup)
             probe = anyio.run(engine_probe, daemon.url, args.load_prompt_chars, args.load_tokens)
             say(f"[bench] engine alone: prompt {probe.get('prompt_n')} tokens at {probe.get('prompt_per_second', 0):.0f} tok/s, "
@@ -238,6 +242,8 @@ def main(argv: list[str] | None = None, *,
                         f"{len(result['load']['token_times'])} background tokens, errors {len(result['errors'])}")
                     runs.append(result)
             final_status = daemon.status()
+            if sampler is not None:
+                sampler.__exit__(None, None, None)
         finally:
             daemon.stop()
     summary = summarize(runs)
@@ -265,6 +271,8 @@ def main(argv: list[str] | None = None, *,
                                                   "runs": runs}, indent=1), encoding="utf-8")
     (out / "summary.json").write_text(json.dumps(summary_json(summary, meta, stt_server, runs), indent=1), encoding="utf-8")
     plot(runs, out / "timeline.png", window_s=args.window)
+    if (work / "pmon.log").exists():
+        (out / "gpu_pmon.txt").write_bytes((work / "pmon.log").read_bytes()[:2_000_000])
     say(f"[bench] wrote {out}/summary.md, summary.json, timeline.png, results.json (logs in {work})")
     return out
 

@@ -47,6 +47,23 @@ def reactions_by_phase(gate_log: list[dict[str, Any]]) -> dict[str, list[float]]
     return out
 
 
+def generations(run: dict[str, Any], priority: str) -> list[dict[str, Any]]:
+    """The daemon's `generation_done` lines of one class that ended inside the run."""
+    return [e for e in run.get("gate_log", []) if e["event"] == "generation_done" and e.get("priority") == priority]
+
+
+def logged_token_times(run: dict[str, Any]) -> list[float]:
+    """Background tokens as the daemon counted them (a synthetic model's tokens are mostly text-less,
+    so the stream shows few): each generation's tokens spread evenly over its decode time."""
+    out: list[float] = []
+    for e in generations(run, "background"):
+        n, tps = int(e.get("completion_tokens") or 0), float(e.get("decode_tps") or 0)
+        if n and tps:
+            start = e["t"] - n / tps
+            out += [start + (i + 1) / tps for i in range(n)]
+    return out
+
+
 def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Pool the rounds of each scenario into one figure set."""
     out: dict[str, dict[str, Any]] = {}
@@ -59,6 +76,9 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         ttfa = [t["tts"]["ttfa_ms"] for t in turns if t["tts"] and t["tts"]["ttfa_ms"] is not None]
         wall = sum(r["t1"] - r["t0"] for r in mine)
         tokens = sum(len(r["load"]["token_times"]) for r in mine)
+        logged = sum(int(e.get("completion_tokens") or 0) for r in mine for e in generations(r, "background"))
+        voice_ttft = [float(e["first_token_ms"]) for r in mine for e in generations(r, "voice")
+                      if e.get("first_token_ms") is not None and e.get("completion_tokens")]
         probe = [p for r in mine for p in r["probe"]]
         rtt = [p[2] for p in probe if p[1] != "error"]
         reactions = [float(e["reaction_ms"]) for r in mine for e in r.get("gate_log", [])
@@ -87,6 +107,9 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "llm_ttft_p50": pct(ttft, 0.5),
             "decode_tokens": tokens,
             "decode_tps": tokens / wall if wall > 0 else None,
+            "decode_tokens_logged": logged,
+            "decode_tps_logged": logged / wall if wall > 0 else None,
+            "voice_ttft_daemon_p50": pct(voice_ttft, 0.5), "voice_ttft_daemon_p95": pct(voice_ttft, 0.95),
             "paused_fraction": (sum(1 for p in probe if p[1] == "paused") / len(probe)) if probe else None,
             "pauses": len(reactions),
             "reaction_p50": pct(reactions, 0.5), "reaction_p99": pct(reactions, 0.99),
@@ -160,7 +183,10 @@ def summary_json(summary: dict[str, dict[str, Any]], meta: dict[str, Any],
         "decode_step_ms": probe.get("decode_step_ms"),
         "prefill_tokens_per_s": probe.get("prompt_per_second"),
         "background_prompt_tokens": probe.get("prompt_n"),
-        "background_decode_tps": {n: summary[n]["decode_tps"] for n in names},
+        "background_decode_tps": {n: summary[n]["decode_tps_logged"] if meta.get("gpu") else summary[n]["decode_tps"]
+                                  for n in names},
+        "background_tps_kept_arbitration": _ratio(arb.get("decode_tps_logged"), summary.get("contention", {}).get("decode_tps_logged")),
+        "voice_ttft_daemon_p50_ms": {n: summary[n].get("voice_ttft_daemon_p50") for n in names},
         "voice_llm_ttft_p50_ms": {n: summary[n]["llm_ttft_p50"] for n in names},
         "hold_timeouts": {n: summary[n]["hold_timeouts"] for n in names},
         "stt_server": meta.get("stt_server"),
@@ -199,6 +225,9 @@ def markdown(summary: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
         ("voice LLM time to first token p50 (ms)", lambda s: _f(s["llm_ttft_p50"])),
         ("background decode tokens/s", lambda s: _f(s["decode_tps"], 2)),
         ("background decode tokens (total)", lambda s: _f(s["decode_tokens"])),
+        ("background tokens/s, daemon's count (generations ended in the run)", lambda s: _f(s.get("decode_tps_logged"), 1)),
+        ("voice LLM first token p50 / p95, daemon's count (ms)",
+         lambda s: f"{_f(s.get('voice_ttft_daemon_p50'), 0)} / {_f(s.get('voice_ttft_daemon_p95'), 0)}"),
         ("decode paused (share of the run)", lambda s: _f(None if s["paused_fraction"] is None else s["paused_fraction"] * 100, 1, " %")),
         ("pauses / reaction p50 (ms)", lambda s: f"{s['pauses']} / {_f(s['reaction_p50'], 1)}"),
         ("pause reaction p99 (ms)", lambda s: _f(s["reaction_p99"], 1)),
@@ -318,7 +347,7 @@ def plot(runs: list[dict[str, Any]], path: Path, window_s: float = 40.0) -> None
         ax_act.set_ylim(0, 3)
         ax_act.set_title(f"{run['spec']['name']}: STT (cyan: audio streaming, blue: audio-stop → transcript), "
                          f"voice LLM (gray), TTS (green), gate paused (red) / throttled (orange)", fontsize=9)
-        xs, ys = _bins(run["load"]["token_times"], t0, t1)
+        xs, ys = _bins(run["load"]["token_times"] or logged_token_times(run), t0, t1)
         ax_tps.plot(xs, ys, drawstyle="steps-mid", color="tab:purple")
         ax_tps.set_xlim(0, t1 - t0)
         ax_tps.set_ylim(bottom=0)

@@ -55,7 +55,7 @@ def test_simulate_prints_timeline(tmp_path: Path, capsys: pytest.CaptureFixture[
     lines = [re.sub(r"\s+", " ", x.strip()) for x in out.splitlines()]
     assert lines[0] == f"policy 'orin-nano-8gb' ({ORIN}) over {t}: 7 events"
     assert lines[1].startswith("0.000s open <- no rule")
-    assert lines[2].startswith('1.000s paused(stt) <- voice.stt {"sessions": 1}')
+    assert lines[2].startswith('1.000s paused(stt) voice=open <- voice.stt {"sessions": 1}')
     assert lines[3].startswith("2.150s open")
     assert lines[4].startswith("3.000s throttled(6tps:thermal) thermal=warm <- thermal.levels[warm]")
     assert lines[5].startswith("5.000s open")

@@ -347,7 +347,8 @@ def plot(runs: list[dict[str, Any]], path: Path, window_s: float = 40.0) -> None
         ax_act.set_ylim(0, 3)
         ax_act.set_title(f"{run['spec']['name']}: STT (cyan: audio streaming, blue: audio-stop → transcript), "
                          f"voice LLM (gray), TTS (green), gate paused (red) / throttled (orange)", fontsize=9)
-        xs, ys = _bins(run["load"]["token_times"] or logged_token_times(run), t0, t1)
+        streamed, logged = run["load"]["token_times"], logged_token_times(run)
+        xs, ys = _bins(logged if len(logged) > len(streamed) else streamed, t0, t1)
         ax_tps.plot(xs, ys, drawstyle="steps-mid", color="tab:purple")
         ax_tps.set_xlim(0, t1 - t0)
         ax_tps.set_ylim(bottom=0)

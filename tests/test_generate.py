@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 import pytest
 
@@ -132,6 +133,48 @@ async def test_streamed_text_handles_multibyte_characters() -> None:
     g = model.generate(ids, SamplingParams(temperature=0, max_tokens=24))
     text = "".join(t.text for t in await _collect(g))
     assert text == model.tokenizer.decode(g.completion_ids)
+
+
+async def test_layer_groups_await_the_gate_inside_chunks_and_keep_the_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With prefill_layer_group G the gate is awaited between groups of G layers inside every
+    chunk (a pause there parks with the activations kept), and the prompt's logits and the
+    generated tokens equal a whole-chunk prefill's exactly."""
+    model = _model()
+    n_layers = len(model.transformer.layers)
+    ids = model.tokenizer.encode("The kitchen lights are on and the oven is warm", add_special=True)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    model.transformer.kv.tokens = []
+    want = None
+    for pos in range(0, len(ids), 4):
+        want = model.step_logits(ids[pos : pos + 4], pos)
+    model.transformer.kv.tokens = []
+    want_tokens = [t.id for t in await _collect(model.generate(ids, params, None, 4))]
+    got: list[np.ndarray] = []
+    layers = model.prefill_layers
+
+    def record(*a):  # type: ignore[no-untyped-def]
+        out = layers(*a)
+        if out is not None:
+            got.append(out)
+        return out
+
+    monkeypatch.setattr(model, "prefill_layers", record)
+    calls: list[tuple[str, int]] = []
+
+    class CountingGate:
+        async def wait(self, phase: str) -> None:
+            calls.append((phase, len(model.transformer.kv.tokens)))
+            await anyio.lowlevel.checkpoint()  # a park between two groups: the loop runs, nothing is lost
+
+    model.transformer.kv.tokens = []
+    g = model.generate(ids, params, CountingGate(), 4, prefill_layer_group=8)
+    tokens = [t.id for t in await _collect(g)]
+    chunks = -(-len(ids) // 4)
+    groups = -(-n_layers // 8)
+    # the cache counts a chunk's tokens once all its groups ran
+    assert [n for p, n in calls if p == "prefill"] == [4 * c for c in range(chunks) for _ in range(groups)]
+    assert got and np.array_equal(got[-1], want)
+    assert tokens == want_tokens
 
 
 async def test_urgent_generation_preempts_a_running_one() -> None:

@@ -272,6 +272,11 @@ class Arbiter:
         """Prefill chunk size for new generations."""
         return self.decision.prefill_chunk_tokens if self.decision else 64
 
+    @property
+    def prefill_layer_group(self) -> int:
+        """Layers between two gate checks inside a prefill chunk for new generations (0: whole chunks)."""
+        return self.decision.prefill_layer_group if self.decision else 0
+
     def add_listener(self, fn: Callable[[Decision], None]) -> None:
         """Call `fn(decision)` after every decision change (admission, model manager, MQTT)."""
         self._listeners.append(fn)

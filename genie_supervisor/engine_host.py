@@ -198,6 +198,7 @@ class HostedGeneration:
             raise EngineUnavailable(f"the engine is {host.state}")
         gen = model.generate(self.prompt_ids, self.sampling, gate=_HostGate(host, self.priority),
                              prefill_chunk=host.arbiter.prefill_chunk_tokens,
+                             prefill_layer_group=host.arbiter.prefill_layer_group,
                              priority=PRIORITY_RANK.get(self.priority or "", 0))
         self.stats = gen.stats
         host._started(self)

@@ -74,6 +74,8 @@ class Decision:
     """Indices of the memory thresholds that fire (hysteresis state)."""
     prefill_chunk_tokens: int = 64
     """Prefill chunk size for new generations."""
+    prefill_layer_group: int = 0
+    """Layers between two gate checks inside a prefill chunk for new generations (0: whole chunks)."""
     llm_budget_mb: float | None = None
     """The LLM's memory budget from the policy."""
     fired: tuple[FiredRule, ...] = ()
@@ -91,7 +93,7 @@ class Decision:
     def effect(self) -> tuple[Any, ...]:
         """What the arbiter acts on; two decisions with equal effects need no action."""
         return (self.gate, self.pause_reasons, self.throttle_tps, self.admission, self.max_context,
-                self.unload_llm, self.thermal_level, self.prefill_chunk_tokens, self.voice_gate,
+                self.unload_llm, self.thermal_level, self.prefill_chunk_tokens, self.prefill_layer_group, self.voice_gate,
                 self.voice_throttle_tps)
 
     def action_text(self) -> str:

@@ -206,3 +206,31 @@ async def test_shutdown_cancels_a_parked_generation(tmp_path: Path, model_loader
             assert time.monotonic() - t0 < 5.0
     assert c.gen.finish_reason == "cancelled"
     assert sup.store.snapshot().engine.state == "disabled"  # type: ignore[union-attr]
+
+
+async def test_policy_layer_group_reaches_the_engine_and_follows_reloads(tmp_path: Path) -> None:
+    """`voice.prefill_layer_group` from the policy is the layer group of the next generation, and a reload changes it."""
+    model = shared_model(require(SMOLLM2))
+    groups: list[Any] = []
+
+    class Recording:
+        """The real model, noting the layer group each generation is started with."""
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(model, name)
+
+        def generate(self, *args: Any, **kwargs: Any) -> Any:
+            groups.append(kwargs.get("prefill_layer_group"))
+            return model.generate(*args, **kwargs)
+
+    policy = write_policy(tmp_path / "p.yaml", "grouped")
+    policy.write_text(policy.read_text().replace("prefill_chunk_tokens: 16", "prefill_chunk_tokens: 16\n"
+                                                 "  prefill_layer_group: 5"), encoding="utf-8")
+    async with make_supervisor(tmp_path, policy=policy, model=SMOLLM2,
+                               model_loader=lambda *_a, **_k: Recording()) as sup:
+        short = SamplingParams(max_tokens=2, temperature=0.0)
+        await (await sup.engine.generate(PROMPT, short)).collect()
+        write_policy(policy, "whole-chunks")
+        assert await sup.reload_policy()
+        await (await sup.engine.generate(PROMPT, short)).collect()
+    assert groups == [5, 0]

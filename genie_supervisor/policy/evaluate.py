@@ -52,6 +52,7 @@ def evaluate(policy: Policy, snapshot: Snapshot, prev: Decision | None = None) -
         thermal_level=thermal_level,
         memory_active=memory_active,
         prefill_chunk_tokens=policy.voice.prefill_chunk_tokens,
+        prefill_layer_group=policy.voice.prefill_layer_group,
         llm_budget_mb=policy.memory.llm_budget_mb,
         fired=tuple(fired),
         next_eval_at=min((w for w in wake if w > snapshot.ts), default=None),

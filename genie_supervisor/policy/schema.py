@@ -55,6 +55,11 @@ class VoicePolicy(_Strict):
     prefill_chunk_tokens: int = Field(
         64, ge=1, le=8192, description="prefill runs in chunks this long with a gate check between chunks"
     )
+    prefill_layer_group: int = Field(
+        0, ge=0, le=1024,
+        description="0: a gate check between prefill chunks only; G: also between groups of G layers inside a chunk "
+                    "(a pause then lands within one group; costs prefill speed for small G on the GPU)",
+    )
     hint_timeout_s: float | None = Field(
         None, gt=0, le=3600,
         description="an STT/TTS start with no stop expires after this (overrides the daemon config)",

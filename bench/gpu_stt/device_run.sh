@@ -39,6 +39,14 @@ if [ "$MODE" = smoke ]; then
   exit 0
 fi
 
+if [ "$MODE" = decode ]; then  # decode-heavy load: short prompts, long answers (the LLM decodes most of the time)
+  timeout ${T1:-150} python3 -m bench.voice_path --gpu --preset qwen3-4b-q4_k_m --stt-size small --turns 6 --period 3 \
+    --load-clients 2 --load-tokens 400 --load-prompt-chars 0 --warmup 1 --rounds 1 --label h200-decode-heavy \
+    --out $RES/decode --workdir /tmp/w-decode 2>&1 | tail -12
+  cat $RES/decode/summary.json
+  exit 0
+fi
+
 # full: H200 whole, then the 8-SM share (MPS), Qwen3-4B shape
 ARGS="--gpu --preset qwen3-4b-q4_k_m --stt-size small --turns ${TURNS:-6} --period ${PERIOD:-3} --load-clients 2 --load-tokens 160 --warmup 2"
 mkdir -p /tmp/w-full

@@ -49,7 +49,7 @@ LOAD_OPS = ("swap", "llm_toggle", "unload")
 """Operations that unload or load a model, placed at fixed points (`--load-window`), not drawn at random."""
 
 
-def schedule(n: int, seed: int, *, swaps: int = 2, toggles: int = 4, window: tuple[float, float] = (0.1, 0.45)) -> list[str]:
+def schedule(n: int, seed: int, *, swaps: int = 2, toggles: int = 4, window: tuple[float, float] = (0.1, 0.35)) -> list[str]:
     """About `n` operations (more when `n` is too small to hold one of each) shuffled with `seed`, with the
     model-load events spread evenly over `window` (fractions of the run) and the unload at its end.
 
@@ -234,8 +234,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=4, help="operations at once (default 4)")
     p.add_argument("--swaps", type=int, default=2, help="model swaps to Gemma-3 (default 2)")
     p.add_argument("--toggles", type=int, default=4, help="MQTT LLM OFF/ON bursts (20 commands each, ending ON; default 4)")
-    p.add_argument("--load-window", type=_window, default=(0.1, 0.45), metavar="A,B",
-                   help="fractions of the run over which swaps, bursts and the unload are spread (default 0.1,0.45; "
+    p.add_argument("--load-window", type=_window, default=(0.1, 0.35), metavar="A,B",
+                   help="fractions of the run over which swaps, bursts and the unload are spread (default 0.1,0.35, so that RSS settles after the last model load before the fitted half; "
                         "0.05,0.95 puts model loads into the fitted second half too)")
     p.add_argument("--warmup", type=int, default=10, help="untimed requests before the schedule (default 10)")
     p.add_argument("--probes", type=int, default=8, help="isolated speed probes before and after the schedule (default 8)")

@@ -136,6 +136,18 @@ def _recorder(m: Model, mp: pytest.MonkeyPatch) -> list[np.ndarray]:
     return got
 
 
+async def _watch_parked(model: Model, state: dict[str, Any]) -> None:
+    """Let the event loop run while the engine is parked; note in `state` whether every stream stayed
+    idle (`idle`), how many backend calls (`calls`) and pool allocations (`mallocs`) happened."""
+    state["idle"] = _streams_idle(model)
+    with pytest.MonkeyPatch.context() as mp, AllocCounter() as alloc:
+        calls = _Calls(model, mp)
+        for _ in range(20):  # the event loop runs while parked: nothing reaches the GPU
+            await anyio.sleep(0.005)
+            state["idle"] = state["idle"] and _streams_idle(model)
+        state["calls"], state["mallocs"] = calls.n, alloc.mallocs
+
+
 def test_pause_during_long_prefill_parks_before_it_completes_and_launches_nothing(
     model: Model, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -165,13 +177,7 @@ def test_pause_during_long_prefill_parks_before_it_completes_and_launches_nothin
                 assert await gate.wait_parked(60)
             state["cached"] = len(model.transformer.kv.tokens)
             state["first_token"] = gen.stats.first_token_s
-            state["idle"] = _streams_idle(model)
-            with pytest.MonkeyPatch.context() as mp, AllocCounter() as alloc:
-                calls = _Calls(model, mp)
-                for _ in range(20):  # the event loop runs while parked: nothing reaches the GPU
-                    await anyio.sleep(0.005)
-                    state["idle"] = state["idle"] and _streams_idle(model)
-                state["calls"], state["mallocs"] = calls.n, alloc.mallocs
+            await _watch_parked(model, state)
             gate.open()
         state["waits"] = gate.prefill_waits
 
@@ -258,13 +264,7 @@ def test_paused_decode_launches_nothing(model: Model) -> None:
             with anyio.fail_after(30):
                 await tenth.wait()
                 assert await gate.wait_parked(30)
-            state["idle"] = _streams_idle(model)
-            with pytest.MonkeyPatch.context() as mp, AllocCounter() as alloc:
-                calls = _Calls(model, mp)
-                for _ in range(20):  # the event loop runs while parked: nothing reaches the GPU
-                    await anyio.sleep(0.005)
-                    state["idle"] = state["idle"] and _streams_idle(model)
-                state["calls"], state["mallocs"] = calls.n, alloc.mallocs
+            await _watch_parked(model, state)
             gate.open()
         state["tokens"] = gen.stats.completion_tokens
 

@@ -184,19 +184,36 @@ class Model:
         return p
 
     def prefill_layers(self, p: Pass, n_layers: int) -> np.ndarray | None:
-        """The pass's next `n_layers` layers, finished on the device when this returns (nothing
-        stays queued); once the last layer ran, its logits (the chunk's K/V now in the cache)."""
+        """The pass's next `n_layers` layers; once the last layer ran, its logits (the chunk's K/V
+        now in the cache). On a device backend this piece stays queued when it returns (the piece
+        before it has finished), so the device never idles between two pieces while the host
+        checks the gate; `prefill_settle` waits for it (before parking: a parked pass leaves
+        nothing queued). A backend without events finishes the piece before returning."""
         with self._thread_lock:
             tf = self.transformer
             tf.run_layers(p, p.layer, p.layer + max(1, n_layers))
             if p.layer < len(tf.layers):
-                sync = getattr(tf.ops, "synchronize", None)
-                if sync is not None:
-                    sync()
+                mark = getattr(tf.ops, "mark", None)
+                if mark is not None:
+                    ahead, p.queued = p.queued, mark()
+                    if ahead is not None:
+                        ahead.synchronize()
+                else:
+                    sync = getattr(tf.ops, "synchronize", None)
+                    if sync is not None:
+                        sync()
                 return None
+            p.queued = None
             out = tf.ops.to_host(tf.end(p))[0]
             tf.kv.tokens.extend(p.tokens)
             return np.asarray(out, dtype=np.float32)
+
+    def prefill_settle(self, p: Pass) -> None:
+        """Wait until the pass's queued piece has finished on the device (nothing stays queued)."""
+        with self._thread_lock:
+            queued, p.queued = p.queued, None
+            if queued is not None:
+                queued.synchronize()
 
     def step_sample(self, token: int, pos: int, sampler: Sampler, history: Sequence[int]) -> int:
         """One decode step: feed `token` at `pos`, sample the next one (on the device when the

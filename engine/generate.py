@@ -189,6 +189,14 @@ class Generation:
         self._holding = False
         self.model.lock.release(self)
 
+    def _would_wait(self, phase: Phase) -> bool:
+        """Whether the next checkpoint may not return at once (a more urgent generation waits, or
+        the gate's `blocks` says it would park); a gate without that hook always may."""
+        if self.model.lock.should_yield(self):
+            return True
+        blocks = getattr(self.gate, "blocks", None)
+        return True if blocks is None else bool(blocks(phase))
+
     async def _checkpoint(self, phase: Phase) -> None:
         """Between two steps: yield the model to a more urgent generation, then pass the gate. One
         that asks for the model while this one waits at the gate (parked) gets it first."""
@@ -232,6 +240,8 @@ class Generation:
         self.stats.prefill_s += time.perf_counter() - t0
         while True:
             before = self.preemptions
+            if p.queued is not None and self._would_wait("prefill"):
+                await anyio.to_thread.run_sync(model.prefill_settle, p)  # park with nothing queued
             await self._checkpoint("prefill")
             if self.preemptions != before:
                 return None  # another generation wrote the cache meanwhile

@@ -158,6 +158,9 @@ class Pass:
     """Layers run so far."""
     tokens: list[int] = field(default_factory=list)
     """The pass's token ids, where a caller keeps them with it (`Model.prefill_pass`)."""
+    queued: Any = None
+    """An event after the pass's newest piece while that piece may still run on the device
+    (`Model.prefill_layers` keeps one piece queued ahead; `Model.prefill_settle` waits for it)."""
 
 
 class Transformer:

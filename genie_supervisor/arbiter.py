@@ -146,6 +146,11 @@ class DecodeGate:
 
     running = generation  # the engine's optional Gate hook
 
+    def blocks(self, phase: str, priority: str | None = None) -> bool:
+        """Whether `wait(phase, priority)` would park now (the engine's optional Gate hook: it
+        finishes queued GPU work before a park). Throttling paces decode steps, never parks."""
+        return self.mode_for(priority)[0] == "paused"
+
     async def wait(self, phase: str, priority: str | None = None) -> None:
         """Return when the next step of a generation of class `priority` may run: park while its
         mode is paused, pace decode while throttled."""

@@ -114,6 +114,10 @@ class _HostGate:
         """Entered by the engine while the generation holds the model (see DecodeGate.parked)."""
         return self._host.gate.generation(self._priority)
 
+    def blocks(self, phase: Any) -> bool:
+        """Whether `wait` would park or raise now (the engine finishes queued GPU work first)."""
+        return self._host.closing or self._host.gate.blocks(phase, self._priority)
+
     async def wait(self, phase: Any) -> None:
         host, cls = self._host, self._priority
         if host.closing:

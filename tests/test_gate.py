@@ -144,6 +144,20 @@ async def test_pause_interrupts_throttle_sleep() -> None:
     assert len(steps) == 2
 
 
+def test_blocks_says_whether_wait_would_park_for_each_class() -> None:
+    """`blocks` is true exactly while a class's wait would park: never open or throttled, and
+    not for the voice class that a voice gate lets through a pause."""
+    gate = DecodeGate()
+    assert not gate.blocks("prefill")
+    gate.throttle(5.0)
+    assert not gate.blocks("decode") and not gate.blocks("prefill")
+    gate.set_mode("paused", reasons=frozenset({"stt_active"}), voice=("open", None))
+    assert gate.blocks("prefill") and gate.blocks("decode", "background")
+    assert not gate.blocks("prefill", "voice")
+    gate.pause({"thermal"})
+    assert gate.blocks("prefill", "voice")
+
+
 def test_throttle_needs_positive_rate() -> None:
     """Throttling to zero tokens/s is refused (that is a pause)."""
     with pytest.raises(ValueError):

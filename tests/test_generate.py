@@ -177,6 +177,61 @@ async def test_layer_groups_await_the_gate_inside_chunks_and_keep_the_bits(monke
     assert tokens == want_tokens
 
 
+async def test_layer_groups_keep_one_piece_queued_and_finish_it_before_a_park(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a backend with device events, a layer-group prefill keeps the newest piece queued while
+    the gate stays open (a piece is waited for only once the next one is queued behind it), waits
+    for the queued piece before it parks (a parked engine leaves nothing queued), and generates
+    the tokens of a whole-chunk prefill."""
+    model = _model()
+    ids = model.tokenizer.encode("The kitchen lights are on and the oven is warm", add_special=True)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    model.transformer.kv.tokens = []
+    want_tokens = [t.id for t in await _collect(model.generate(ids, params, None, 4))]
+    log: list[str] = []
+    made: list[int] = []
+
+    class Event:
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def synchronize(self) -> None:
+            log.append(f"wait {self.n}")
+
+    def mark() -> Event:
+        made.append(len(made))
+        log.append(f"queue {made[-1]}")
+        return Event(made[-1])
+
+    monkeypatch.setattr(model.transformer.ops, "mark", mark, raising=False)
+
+    class PausingGate:
+        """Open, except once: paused at the checkpoint after the second event was queued."""
+
+        paused = False
+
+        def blocks(self, phase: str) -> bool:
+            if phase == "prefill" and len(made) == 2 and "park" not in log:
+                self.paused = True
+            return self.paused
+
+        async def wait(self, phase: str) -> None:
+            if self.paused:
+                log.append("park")
+                self.paused = False
+            await anyio.lowlevel.checkpoint()
+
+    model.transformer.kv.tokens = []
+    tokens = [t.id for t in await _collect(model.generate(ids, params, PausingGate(), 4, prefill_layer_group=8))]
+    assert tokens == want_tokens
+    assert "park" in log and log[log.index("park") - 1] == "wait 1"  # the queued piece finished first
+    for entry in log:
+        if entry.startswith("wait ") and log.index(entry) < log.index("park") - 1:
+            n = int(entry.split()[1])
+            assert log.index(f"queue {n + 1}") < log.index(entry)  # waited for only behind the next
+    groups = -(-len(model.transformer.layers) // 8)
+    assert len(made) == -(-len(ids) // 4) * (groups - 1)  # every piece but a chunk's last is queued ahead
+
+
 async def test_urgent_generation_preempts_a_running_one() -> None:
     """A higher-priority generation takes the model between two steps; the other resumes after it."""
     model = _model()

@@ -166,6 +166,14 @@ class CupyOps:
         with this, so a generation parked between two pieces leaves nothing queued)."""
         cp.cuda.get_current_stream().synchronize()
 
+    @staticmethod
+    def mark() -> cp.cuda.Event:
+        """An event recorded now on the calling thread's stream: its `synchronize()` returns once
+        the work queued before it has finished (a prefill piece kept queued ahead, `Pass.queued`)."""
+        ev = cp.cuda.Event(disable_timing=True)
+        ev.record()
+        return ev
+
     # --- matrices ------------------------------------------------------------------------
     @staticmethod
     def act_quant(x: cp.ndarray, kind: str | None) -> cp.ndarray:

@@ -1,6 +1,6 @@
 #!/bin/bash
 # The GPU voice-path bench on the device machine (see docs/benchmarks.md, "Voice path on the GPU").
-#   bash bench/gpu_stt/device_run.sh smoke|full   (the project's deps carried as wheels in .whl-gpu-stt)
+#   bash bench/gpu_stt/device_run.sh smoke|full|decode|matrix   (the project's deps carried as wheels in .whl-gpu-stt)
 # Writes logs and results under $OUT (default /tmp/out).
 MODE=${1:-smoke}
 OUT=${OUT:-/tmp/out}
@@ -44,6 +44,24 @@ if [ "$MODE" = decode ]; then  # decode-heavy load: short prompts, long answers 
     --load-clients 2 --load-tokens 400 --load-prompt-chars 0 --warmup 1 --rounds 1 --label h200-decode-heavy \
     --out $RES/decode --workdir /tmp/w-decode 2>&1 | tail -12
   cat $RES/decode/summary.json
+  exit 0
+fi
+
+if [ "$MODE" = matrix ]; then  # the issue-16 matrix, one round each, the idle run asking the LLM too (--idle-llm):
+  # decode-heavy on the whole H200 and on the 8-SM share, prefill-heavy (>= 1,500-token prompts) on the whole H200
+  M="--gpu --preset qwen3-4b-q4_k_m --stt-size small --turns ${TURNS:-6} --period 3 --load-clients 2 --warmup 1 --rounds 1 --idle-llm"
+  mkdir -p /tmp/w-m && python3 -c "from pathlib import Path; from bench.voice_path.gpu import synth_model; synth_model(Path('/tmp/w-m'), 'qwen3-4b-q4_k_m')"
+  timeout ${T1:-170} python3 -m bench.voice_path $M --load-tokens 400 --load-prompt-chars 0 --label h200-decode-heavy \
+    --out $RES/h200-decode-heavy --workdir /tmp/w-m 2>&1 | tail -4
+  timeout ${T2:-170} python3 -m bench.voice_path $M --load-tokens 160 --label h200-prefill-heavy \
+    --out $RES/h200-prefill-heavy --workdir /tmp/w-m 2>&1 | tail -4
+  if [ "${MPS:-1}" = 1 ] && mps_start; then
+    sm_probe
+    timeout ${T3:-220} python3 -m bench.voice_path $M --load-tokens 400 --load-prompt-chars 0 --label mps-8sm-decode-heavy \
+      --out $RES/mps-8sm-decode-heavy --workdir /tmp/w-m 2>&1 | tail -4
+    mps_stop
+  fi
+  for f in $RES/*/summary.json; do echo "== $f"; cat "$f"; done
   exit 0
 fi
 

@@ -127,7 +127,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     if idle:
         for s in out.values():
             s["ratios"] = {k: _ratio(s.get(k), idle.get(k)) for k in
-                           ("stt_p50", "stt_p95", "stt_p99", "tts_ttfa_p50", "llm_ttft_p50", "lag_p50")}
+                           ("stt_p50", "stt_p95", "stt_p99", "tts_ttfa_p50", "llm_ttft_p50",
+                            "voice_ttft_daemon_p50", "lag_p50")}
     return out
 
 
@@ -188,6 +189,7 @@ def summary_json(summary: dict[str, dict[str, Any]], meta: dict[str, Any],
         "background_tps_kept_arbitration": _ratio(arb.get("decode_tps_logged"), summary.get("contention", {}).get("decode_tps_logged")),
         "voice_ttft_daemon_p50_ms": {n: summary[n].get("voice_ttft_daemon_p50") for n in names},
         "voice_llm_ttft_p50_ms": {n: summary[n]["llm_ttft_p50"] for n in names},
+        "voice_ttft_daemon_ratio_arbitration": arb.get("ratios", {}).get("voice_ttft_daemon_p50"),
         "hold_timeouts": {n: summary[n]["hold_timeouts"] for n in names},
         "stt_server": meta.get("stt_server"),
     }
@@ -248,6 +250,7 @@ def markdown(summary: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
                    "|---|" + "---|" * (len(names) - 1)]
     for key, label in (("stt_p50", "STT p50"), ("stt_p95", "STT p95"), ("stt_p99", "STT p99"),
                        ("tts_ttfa_p50", "TTS first audio p50"), ("llm_ttft_p50", "voice LLM time to first token p50"),
+                       ("voice_ttft_daemon_p50", "voice LLM first token p50, daemon's count"),
                        ("lag_p50", "loop lag p50")):
         ratio_lines.append(f"| {label} | " + " | ".join(
             _f(summary[n].get("ratios", {}).get(key), 2, "x") for n in names if n != "idle") + " |")

@@ -23,7 +23,7 @@ from .errors import ContextOverflowError, EngineError, ModelFormatError, Templat
 from .gate import Gate, OpenGate
 from .generate import Generation, GenerationStats, TokenEvent
 from .gguf_file import GGUFFile, read_gguf
-from .kv_cache import check_kv_dtype, kv_bytes
+from .kv_cache import KVSnapshot, check_kv_dtype, kv_bytes
 from .lock import PriorityLock
 from .model import MemoryPlan, Pass, Transformer, plan_memory
 from .sampler import Sampler, SamplingParams
@@ -38,6 +38,9 @@ __all__ = [
 
 DEFAULT_CTX = 4096
 LOGITS_CHUNK = 512  # llama.cpp's default micro-batch (n_ubatch)
+PIN_MAX_BYTES = 64 << 20
+"""Largest pinned prefix copy (`Model.pin_prefix`): ~400 positions of a 4B model's f16 K/V,
+~2,800 of SmolLM2's."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,7 @@ class Model:
         self.lock = PriorityLock()
         """Held by a generation for its whole length: the KV cache holds one sequence."""
         self._thread_lock = threading.Lock()
+        self._pinned: KVSnapshot | None = None
         self.info = ModelInfo(
             name=self.spec.name,
             arch=self.spec.arch,
@@ -215,6 +219,31 @@ class Model:
             if queued is not None:
                 queued.synchronize()
 
+    def pin_prefix(self, ids: Sequence[int], max_bytes: int = PIN_MAX_BYTES) -> int:
+        """Keep a copy of the cached K/V of `ids`' leading tokens (as many as fit `max_bytes`) so
+        that a later generation with the same prefix gets it back after other prompts overwrote
+        the cache (`restore_pinned`); replaces the previous copy. Returns the tokens kept."""
+        with self._thread_lock:
+            kv = self.transformer.kv
+            n = min(kv.common_prefix(list(ids)), len(ids), max_bytes // max(1, kv.token_bytes()))
+            if n <= 0:
+                return 0
+            if self._pinned is None or self._pinned.tokens != tuple(kv.tokens[:n]):
+                self._pinned = kv.snapshot(n)
+            return n
+
+    def restore_pinned(self, ids: Sequence[int]) -> int:
+        """Put the pinned prefix back into the cache when it holds more of `ids`' leading tokens
+        than the cache does (a copy instead of a prefill); returns the tokens the cache now shares."""
+        with self._thread_lock:
+            kv, snap = self.transformer.kv, self._pinned
+            seq = list(ids)
+            have = kv.common_prefix(seq)
+            if snap is not None and snap.common_prefix(seq) > have:
+                kv.restore(snap)
+                have = kv.common_prefix(seq)
+            return have
+
     def step_sample(self, token: int, pos: int, sampler: Sampler, history: Sequence[int]) -> int:
         """One decode step: feed `token` at `pos`, sample the next one (on the device when the
         backend's decoder can: its argmax for plain greedy, its sampler otherwise - the same
@@ -242,15 +271,19 @@ class Model:
         prefill_chunk: int | None = None,
         priority: int = 0,
         prefill_layer_group: int | None = None,
+        pin_prefix: bool = False,
     ) -> Generation:
         """An async iterator of TokenEvent; awaits `gate` before every step and prefill chunk
         (and, with `prefill_layer_group` G, between groups of G layers inside a chunk).
 
         Generations share the model by `priority`: a running one yields to a more urgent one
         between two steps and resumes afterwards (its context rebuilt from the prefix cache).
+        With `pin_prefix` the prompt's K/V are copied aside once prefilled (`pin_prefix`), so the
+        next generation sharing its prefix copies it back instead of prefilling it again, even if
+        other prompts used the cache in between (every generation restores a longer pinned prefix).
         """
         return Generation(self, prompt_ids, sampling or SamplingParams(), gate, prefill_chunk, priority,
-                          prefill_layer_group)
+                          prefill_layer_group, pin_prefix)
 
     def close(self) -> None:
         """Drop the weights and the KV cache."""

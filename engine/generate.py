@@ -134,8 +134,11 @@ class Generation:
         prefill_chunk: int | None,
         priority: int = 0,
         prefill_layer_group: int | None = None,
+        pin_prefix: bool = False,
     ) -> None:
         self.model = model
+        self.pin_prefix = pin_prefix
+        """Copy the prompt's K/V aside once prefilled (`Model.pin_prefix`)."""
         self.priority = priority
         """Higher runs first; a running generation yields to a more urgent one between steps."""
         self.preemptions = 0
@@ -217,6 +220,7 @@ class Generation:
         logits: Any = None
         while True:
             await self._checkpoint("prefill")
+            self.model.restore_pinned(seq)  # a pinned prefix longer than the cached one comes back
             pos = min(tf.kv.common_prefix(seq), len(seq) - 1)  # re-read: a yield may have changed it
             chunk = seq[pos : pos + self.prefill_chunk]
             logits = await self._chunk(chunk, pos)
@@ -265,11 +269,13 @@ class Generation:
         eog = model.tokenizer.eog_ids
         await self._hold()
         try:
-            self.stats.cached_tokens = min(tf.kv.common_prefix(prompt), len(prompt) - 1)
+            self.stats.cached_tokens = min(self.model.restore_pinned(prompt), len(prompt) - 1)
             if params.max_tokens == 0:
                 self.finish_reason = "length"
                 return
             logits = await self._prefill(prompt)
+            if self.pin_prefix:
+                self.model.pin_prefix(prompt)
             history = list(prompt)
             token = sampler(logits, history)
             hit = False

@@ -103,6 +103,27 @@ def kv_write(xp: Any, cache: Any, start: int, x: Any) -> None:
         cache[:, start : start + x.shape[0], :] = x.transpose(1, 0, 2)
 
 
+@dataclass(frozen=True)
+class KVSnapshot:
+    """Copies of a cache's first positions: what `KVCache.restore` puts back."""
+
+    tokens: tuple[int, ...]
+    """The token ids of the copied positions."""
+    k: list[Any]
+    """Per layer, K rows [KV, n, D] (or `Int8Rows`)."""
+    v: list[Any]
+    """Per layer, V rows [KV, n, Dv] (or `Int8Rows`)."""
+
+    def common_prefix(self, ids: list[int]) -> int:
+        """How many leading tokens of `ids` the snapshot holds."""
+        n = 0
+        for a, b in zip(self.tokens, ids, strict=False):
+            if a != b:
+                break
+            n += 1
+        return n
+
+
 @dataclass
 class KVCache:
     """Per-layer K [KV, n_ctx, D] and V [KV, n_ctx, Dv] plus the tokens they hold."""
@@ -132,6 +153,39 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return int(sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v))
+
+    def token_bytes(self) -> int:
+        """Bytes one cached position takes over every layer's K and V."""
+        return self.nbytes // max(1, self.n_ctx)
+
+    def snapshot(self, n: int) -> KVSnapshot:
+        """A copy of positions 0..n-1 (rows and token ids), on the cache's device."""
+        n = max(0, min(n, len(self.tokens)))
+
+        def rows(a: Any) -> Any:
+            if isinstance(a, Int8Rows):
+                return Int8Rows(a.q[:, :n, :].copy(), a.d[:, :n, :].copy())
+            return a[:, :n, :].copy()
+
+        return KVSnapshot(tuple(self.tokens[:n]), [rows(a) for a in self.k], [rows(a) for a in self.v])
+
+    def restore(self, snap: KVSnapshot) -> None:
+        """Put a snapshot's rows back at positions 0..len-1, in place (buffers keep their
+        addresses: captured CUDA graphs stay valid); the cache then holds exactly its tokens."""
+        n = len(snap.tokens)
+
+        def put(a: Any, r: Any) -> None:
+            if isinstance(a, Int8Rows):
+                a.q[:, :n, :] = r.q
+                a.d[:, :n, :] = r.d
+            else:
+                a[:, :n, :] = r
+
+        for a, r in zip(self.k, snap.k, strict=True):
+            put(a, r)
+        for a, r in zip(self.v, snap.v, strict=True):
+            put(a, r)
+        self.tokens = list(snap.tokens)
 
     def common_prefix(self, ids: list[int]) -> int:
         """How many leading tokens of `ids` are already cached."""

@@ -203,7 +203,8 @@ class HostedGeneration:
         gen = model.generate(self.prompt_ids, self.sampling, gate=_HostGate(host, self.priority),
                              prefill_chunk=host.arbiter.prefill_chunk_tokens,
                              prefill_layer_group=host.arbiter.prefill_layer_group,
-                             priority=PRIORITY_RANK.get(self.priority or "", 0))
+                             priority=PRIORITY_RANK.get(self.priority or "", 0),
+                             pin_prefix=self.priority == "voice")
         self.stats = gen.stats
         host._started(self)
         try:

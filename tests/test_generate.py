@@ -232,6 +232,33 @@ async def test_layer_groups_keep_one_piece_queued_and_finish_it_before_a_park(mo
     assert len(made) == -(-len(ids) // 4) * (groups - 1)  # every piece but a chunk's last is queued ahead
 
 
+async def test_pinned_prefix_comes_back_after_another_prompt_used_the_cache() -> None:
+    """A generation with pin_prefix keeps its prompt's K/V aside: after another prompt overwrote the
+    cache, the next prompt sharing that prefix starts from it (cached_tokens) and generates exactly
+    the tokens of a cold run."""
+    model = _model()
+    system = [{"role": "system", "content": "You are a terse home assistant. Answer in one sentence."}]
+    first = model.encode_chat([*system, {"role": "user", "content": "Turn on the kitchen lights."}])
+    other = model.tokenizer.encode("Tell me a long story about a lighthouse keeper.", add_special=True)
+    second = model.encode_chat([*system, {"role": "user", "content": "Is the oven still on?"}])
+    shared = next(i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    model.transformer.kv.tokens = []
+    cold = [t.id for t in await _collect(model.generate(second, params))]
+    model._pinned = None
+    model.transformer.kv.tokens = []
+    await _collect(model.generate(first, params, pin_prefix=True))
+    await _collect(model.generate(other, params))
+    assert model.transformer.kv.common_prefix(second) < shared  # the cache now holds the other prompt
+    g = model.generate(second, params)
+    assert [t.id for t in await _collect(g)] == cold
+    assert g.stats.cached_tokens == shared
+    model.transformer.kv.tokens = []
+    g = model.generate(other, params)
+    await _collect(g)
+    assert g.stats.cached_tokens <= 1  # a prompt the pinned prefix does not share gets nothing back
+
+
 async def test_urgent_generation_preempts_a_running_one() -> None:
     """A higher-priority generation takes the model between two steps; the other resumes after it."""
     model = _model()

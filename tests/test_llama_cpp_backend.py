@@ -96,6 +96,45 @@ api: {{warmup: false}}
     assert proc.returncode is not None  # stopped with the daemon
 
 
+async def test_voice_request_passes_an_stt_pause_on_llama_server_while_background_waits(tmp_path: Path) -> None:
+    """While STT holds the gate paused, a voice-priority request is answered through llama-server (the
+    SIGSTOPped process runs again for it and is stopped again after), and a background request waits
+    until the pause ends."""
+    body = f"""\
+backend: llama_cpp
+llama_cpp: {{binary: {_wrapper(tmp_path)}, pause_with_signals: true, startup_timeout_s: 60}}
+models:
+  brain: {{path: {synth(tmp_path, 'brain')}, roles: [default], resident: true, n_ctx: 128}}
+api: {{warmup: false}}
+"""
+    sup = make_api_supervisor(tmp_path, body)
+    with anyio.fail_after(80):
+        async with sup, http(sup) as client:
+            proc = sup.models.models["brain"].backend.process  # type: ignore[attr-defined]
+            await client.post("/v1/voice/events", json={"service": "stt", "event": "start"})
+            await wait_for(sup, lambda: sup.gate.mode == "paused")
+            await _until(lambda: _proc_state(proc.pid) == "T")
+            done: list[str] = []
+
+            async def background() -> None:
+                r = await client.post("/v1/chat/completions", json={"model": "brain", "messages": HI, "max_tokens": 4},
+                                      headers={"x-genie-priority": "background"})
+                assert r.status_code == 200
+                done.append("background")
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(background)
+                r = await client.post("/v1/chat/completions", json={"model": "brain", "messages": HI, "max_tokens": 4},
+                                      headers={"x-genie-priority": "voice"})
+                assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "".join(REPLY[:4])
+                done.append("voice")
+                await _until(lambda: _proc_state(proc.pid) == "T")  # stopped again once the voice reply ended
+                assert done == ["voice"] and sup.gate.mode == "paused"
+                await client.post("/v1/voice/events", json={"service": "stt", "event": "stop"})
+            assert done == ["voice", "background"]
+            await _until(lambda: _proc_state(proc.pid) != "T")
+
+
 async def test_int8_kv_starts_llama_server_with_q8_0_caches(tmp_path: Path) -> None:
     """kv_dtype int8 starts llama-server with q8_0 K and V caches and plans their smaller KV."""
     argv = tmp_path / "argv"

@@ -3,8 +3,10 @@
 Started: ``<binary> -m <path> --host H --port P -c <n_ctx> --alias <id> <args...>``, one process
 per loaded model (loading starts it, unloading stops it), ready once ``GET /health`` answers 200.
 Attached (``llama_cpp.url``): loading only checks ``/health``; unloading leaves the server alone.
-Gated at admission: a request waits while the decode gate is paused, and forwarding waits between
-chunks. With ``pause_with_signals`` the process we started is SIGSTOPped while the policy pauses.
+Gated at admission: a request waits while the decode gate is paused for its class, and forwarding
+waits between chunks (a ``voice`` request passes the pauses held for the voice path, as on the
+builtin engine). With ``pause_with_signals`` the process we started is SIGSTOPped while the policy
+pauses, except while a voice request that the pause lets through is in flight.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from engine import SamplingParams, open_model_file
 from engine.kv_cache import kv_bytes
 from engine.spec import read_spec
 
+from ..arbiter import VOICE_CLASS
 from ..config import ModelEntry
 from . import BackendContext, BackendUnavailable, Plan, UpstreamError
 
@@ -53,8 +56,10 @@ def _tail(path: str, n: int = 8) -> str:
 class LlamaStream:
     """A streamed llama-server answer (SSE) as text pieces with counts."""
 
-    def __init__(self, backend: LlamaCppBackend, response: httpx.Response, chat: bool, max_tokens: int) -> None:
+    def __init__(self, backend: LlamaCppBackend, response: httpx.Response, chat: bool, max_tokens: int,
+                 priority: str | None = None) -> None:
         self._backend = backend
+        self._priority = priority
         self._response = response
         self._chat = chat
         self._max_tokens = max_tokens
@@ -85,12 +90,13 @@ class LlamaStream:
                     raise UpstreamError(502, f"llama-server: {err.get('message', err) if isinstance(err, dict) else err}")
                 piece = self._take(obj)
                 if piece:
-                    await gate.wait("decode")
+                    await gate.wait("decode", self._priority)
                     yield piece
         finally:
             if self.finish_reason is None:
                 self.finish_reason = "cancelled"
             await self._response.aclose()
+            self._backend._voice_done(self._priority)
 
     def _take(self, obj: Mapping[str, Any]) -> str:
         timings = obj.get("timings")
@@ -151,6 +157,8 @@ class LlamaCppBackend:
         """The llama-server we started."""
         self.stopped = False
         """True while the process is SIGSTOPped."""
+        self._decision: Any = None
+        self._voice_in_flight = 0
         self._log_path: str | None = None
         self._client: httpx.AsyncClient | None = None
         ctx.arbiter.add_listener(self._on_decision)
@@ -268,9 +276,24 @@ class LlamaCppBackend:
         await proc.wait()
 
     def _on_decision(self, decision: Any) -> None:
-        if not self.cfg.pause_with_signals or self.process is None or self.process.returncode is not None:
+        self._decision = decision
+        self._apply_signal()
+
+    def _voice_done(self, priority: str | None) -> None:
+        """A request's stream ended: a voice one no longer keeps a stopped process running."""
+        if priority == VOICE_CLASS and self._voice_in_flight > 0:
+            self._voice_in_flight -= 1
+            self._apply_signal()
+
+    def _apply_signal(self) -> None:
+        """SIGSTOP the started process while the gate is paused, unless a voice request the pause
+        lets through is in flight (the voice reply must not freeze); SIGCONT otherwise."""
+        decision = self._decision
+        if (decision is None or not self.cfg.pause_with_signals or self.process is None
+                or self.process.returncode is not None):
             return
-        want_stop = decision.gate == "paused"
+        voice_runs = self._voice_in_flight > 0 and getattr(decision, "voice_gate", "paused") != "paused"
+        want_stop = decision.gate == "paused" and not voice_runs
         if want_stop != self.stopped:
             self.process.send_signal(signal.SIGSTOP if want_stop else signal.SIGCONT)
             self.stopped = want_stop
@@ -293,7 +316,18 @@ class LlamaCppBackend:
         """Wait for the gate, send the request upstream (streaming) and return its stream."""
         if self._client is None:
             raise BackendUnavailable(f"model {self.model_id!r} is not loaded")
-        await self.gate.wait("prefill")
+        await self.gate.wait("prefill", priority)
+        if priority == VOICE_CLASS:
+            self._voice_in_flight += 1
+            self._apply_signal()
+        try:
+            return await self._send(prompt, sampling, priority)
+        except BaseException:
+            self._voice_done(priority)
+            raise
+
+    async def _send(self, prompt: Any, sampling: SamplingParams, priority: str | None) -> LlamaStream:
+        assert self._client is not None
         common: dict[str, Any] = {"temperature": sampling.temperature, "top_k": sampling.top_k,
                                   "top_p": sampling.top_p, "min_p": sampling.min_p, "stream": True}
         if sampling.seed is not None:
@@ -317,7 +351,7 @@ class LlamaCppBackend:
             raw = await response.aread()
             await response.aclose()
             raise UpstreamError(response.status_code, f"llama-server: {_error_message(raw)}")
-        return LlamaStream(self, response, chat, sampling.max_tokens)
+        return LlamaStream(self, response, chat, sampling.max_tokens, priority)
 
     def describe(self) -> dict[str, Any]:
         """How llama-server is reached."""

@@ -12,6 +12,7 @@ NumPy and CuPy arrays alike, and the CUDA decode kernels do the same float opera
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,6 +104,16 @@ def kv_write(xp: Any, cache: Any, start: int, x: Any) -> None:
         cache[:, start : start + x.shape[0], :] = x.transpose(1, 0, 2)
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 @dataclass(frozen=True)
 class KVSnapshot:
     """Copies of a cache's first positions: what `KVCache.restore` puts back."""
@@ -116,12 +127,7 @@ class KVSnapshot:
 
     def common_prefix(self, ids: list[int]) -> int:
         """How many leading tokens of `ids` the snapshot holds."""
-        n = 0
-        for a, b in zip(self.tokens, ids, strict=False):
-            if a != b:
-                break
-            n += 1
-        return n
+        return common_prefix(self.tokens, ids)
 
 
 @dataclass
@@ -189,9 +195,4 @@ class KVCache:
 
     def common_prefix(self, ids: list[int]) -> int:
         """How many leading tokens of `ids` are already cached."""
-        n = 0
-        for a, b in zip(self.tokens, ids, strict=False):
-            if a != b:
-                break
-            n += 1
-        return n
+        return common_prefix(self.tokens, ids)

@@ -31,6 +31,17 @@ def _wrapper(tmp_path: Path) -> Path:
     return script
 
 
+def _started_config(tmp_path: Path) -> str:
+    """A config that starts the fake llama-server (SIGSTOPped while the gate is paused) for model brain."""
+    return f"""\
+backend: llama_cpp
+llama_cpp: {{binary: {_wrapper(tmp_path)}, pause_with_signals: true, startup_timeout_s: 60}}
+models:
+  brain: {{path: {synth(tmp_path, 'brain')}, roles: [default], resident: true, n_ctx: 128}}
+api: {{warmup: false}}
+"""
+
+
 def _proc_state(pid: int) -> str:
     with open(f"/proc/{pid}/stat", encoding="ascii") as f:
         return f.read().rsplit(")", 1)[1].split()[0]
@@ -47,14 +58,7 @@ async def _until(predicate: Any, timeout: float = 5.0) -> None:  # noqa: ASYNC10
 
 async def test_started_llama_server_serves_openai_client_and_is_sigstopped_on_pause(tmp_path: Path) -> None:
     """backend llama_cpp starts llama-server, serves chat/completions/completion through it, SIGSTOPs it while STT runs."""
-    body = f"""\
-backend: llama_cpp
-llama_cpp: {{binary: {_wrapper(tmp_path)}, pause_with_signals: true, startup_timeout_s: 60}}
-models:
-  brain: {{path: {synth(tmp_path, 'brain')}, roles: [default], resident: true, n_ctx: 128}}
-api: {{warmup: false}}
-"""
-    sup = make_api_supervisor(tmp_path, body)
+    sup = make_api_supervisor(tmp_path, _started_config(tmp_path))
     with anyio.fail_after(80):
         async with sup, oai(sup) as oa, http(sup) as client:
             health = (await client.get("/health")).json()
@@ -100,14 +104,7 @@ async def test_voice_request_passes_an_stt_pause_on_llama_server_while_backgroun
     """While STT holds the gate paused, a voice-priority request is answered through llama-server (the
     SIGSTOPped process runs again for it and is stopped again after), and a background request waits
     until the pause ends."""
-    body = f"""\
-backend: llama_cpp
-llama_cpp: {{binary: {_wrapper(tmp_path)}, pause_with_signals: true, startup_timeout_s: 60}}
-models:
-  brain: {{path: {synth(tmp_path, 'brain')}, roles: [default], resident: true, n_ctx: 128}}
-api: {{warmup: false}}
-"""
-    sup = make_api_supervisor(tmp_path, body)
+    sup = make_api_supervisor(tmp_path, _started_config(tmp_path))
     with anyio.fail_after(80):
         async with sup, http(sup) as client:
             proc = sup.models.models["brain"].backend.process  # type: ignore[attr-defined]

@@ -1,7 +1,7 @@
 """Decode attention (`attn_decode` of engine.kernels.decode_src) alone: GPU time per launch for
 the SmolLM2-135M and Qwen3-4B head shapes, f16 and int8 caches, several slice sizes and positions.
 
-    python bench/attn_sweep.py [--chunks 32,64,128] [--pos 640,2048,4000] [--out DIR]
+    python -m bench.attn_sweep [--chunks 32,64,128] [--pos 640,2048,4000] [--out DIR]
 
 Each timing is a CUDA graph of one launch per layer, every layer its own cache (as in a real
 step, so the cache is not served from L2 by the previous launch), replayed 3 times. Every
@@ -13,13 +13,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SHAPES = {  # heads, kv heads, head size, layers
     "smollm2": (9, 3, 64, 30),
@@ -107,7 +104,7 @@ def run(shape: str, kv: str, chunk: int, pos: int, caches: tuple, n_ctx: int = 4
         got = cp.asnumpy(out).reshape(h, d)
         want = _reference(cp.asnumpy(q), kref, vref, pos, float(scale))
         err = float(np.abs(got - want).max() / np.abs(want).max())
-    from decode_profile import _time  # one CUDA graph of the launches, replayed
+    from bench.decode_profile import _time  # one CUDA graph of the launches, replayed
 
     stream = cp.cuda.Stream(non_blocking=True)
     us = _time(cp, stream, lambda: [launch(i) for i in range(n_layers)], reps=1) / n_layers

@@ -1,6 +1,6 @@
 """Per-launch GPU time of the CUDA decode step (engine.backends.cupy_decoder) on generated models.
 
-    python bench/decode_profile.py [--models smollm2,qwen3-4b] [--pos 640]
+    python -m bench.decode_profile [--models smollm2,qwen3-4b] [--pos 640]
 
 Times each launch of the captured step on its own (CUDA events, repeated), groups them by kernel,
 prints microseconds per token and, for GEMVs, the weight bandwidth; then the whole graph replay.
@@ -11,17 +11,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 from collections import defaultdict
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from engine import load_model  # noqa: E402
-from engine.synth import preset_config, write_config  # noqa: E402
+from engine import load_model
+from engine.synth import preset_config, write_config
 
 PRESETS = {"smollm2": "smollm2-135m-q4_1", "qwen3-4b": "qwen3-4b-q4_k_m"}
 

@@ -1,6 +1,6 @@
 """CPU engine speed on the real demo models, beside llama.cpp's figures, as a ratio.
 
-    python bench/engine_cpu.py [--threads 2] [--prompt-tokens 256] [--gen-tokens 64]
+    python -m bench.engine_cpu [--threads 2] [--prompt-tokens 256] [--gen-tokens 64]
                                [--backends numpy,native] [--models smollm2,gemma3]
                                [--repeat N] [--against GIT_REF]
 

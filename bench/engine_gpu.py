@@ -1,6 +1,6 @@
 """GPU engine benchmark: decode and prefill tokens/s and GPU memory on models it generates itself.
 
-    python bench/engine_gpu.py [--models smollm2,qwen3-4b] [--prompt 512] [--decode 128]
+    python -m bench.engine_gpu [--models smollm2,qwen3-4b] [--prompt 512] [--decode 128]
 
 Shapes and llama.cpp's figures (commit 0c1e570, CUDA, flash attention, H200, same shapes,
 random weights) come from issue 7. Prints each figure beside llama.cpp's with the ratio and the
@@ -18,21 +18,16 @@ import argparse
 import gc
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+import anyio
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import anyio  # noqa: E402
-
-from engine import SamplingParams, load_model  # noqa: E402
-from engine.sampler import Sampler  # noqa: E402
-from engine.synth import preset_config, write_config  # noqa: E402
+from engine import SamplingParams, load_model
+from engine.sampler import Sampler
+from engine.synth import preset_config, write_config
 
 LLAMA_CPP = {  # tok/s, issue 7
     "smollm2": {"preset": "smollm2-135m-q4_1", "decode": 929.0, "prefill": 43000.0},
@@ -263,7 +258,7 @@ def bench_model(key: str, path: str, prompt_len: int, n_decode: int, bw: float, 
                 profile_out.append(ln)
         ops.prefill_dtype = "auto"
     if profile_out is not None and dec is not None:  # per-launch times (bench/decode_profile.py)
-        from decode_profile import profile_model
+        from bench.decode_profile import profile_model
 
         profile_model(m, key, prompt_len + n_decode, out=lambda s: (print(s, flush=True), profile_out.append(s)))
     ref = LLAMA_CPP[key]

@@ -1,6 +1,6 @@
 """Decode gate on CPU with SmolLM2: pause reaction time, event-loop lag, and the gate's overhead.
 
-    python bench/gate.py [--model PATH] [--tokens 96] [--cycles 30]
+    python -m bench.gate [--model PATH] [--tokens 96] [--cycles 30]
 
 Measured in one run, against references from the same run:
 - decode tokens/s with no gate vs with an open DecodeGate (ratio: the gate's cost);
@@ -21,11 +21,9 @@ from pathlib import Path
 
 import anyio
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from engine import Model, SamplingParams, load_model  # noqa: E402
-from genie_supervisor.arbiter import DecodeGate  # noqa: E402
-from genie_supervisor.logging import configure_logging  # noqa: E402
+from engine import Model, SamplingParams, load_model
+from genie_supervisor.arbiter import DecodeGate
+from genie_supervisor.logging import configure_logging
 
 DEFAULT_MODEL = Path.home() / ".cache" / "genie-supervisor" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPT = [{"role": "user", "content": "Tell me everything you know about the history of bread."}]

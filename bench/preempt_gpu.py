@@ -1,7 +1,7 @@
 """Preemption on the GPU: prefill speed with layer-group gate checks vs the previous engine, and
 pause reaction (gate.pause() -> engine parked) while decoding and while prefilling.
 
-    python bench/preempt_gpu.py --prev .prev [--out DIR] [--groups 4,9] [--cycles 40]
+    python -m bench.preempt_gpu --prev .prev [--out DIR] [--groups 4,9] [--cycles 40]
 
 `--prev` is a folder holding the previous commit's engine as the package `engine_prev`
 (`git archive HEAD~1 engine | tar -x -C .prev && mv .prev/engine .prev/engine_prev`): both
@@ -31,11 +31,9 @@ from typing import Any
 import anyio
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from engine import SamplingParams, load_model  # noqa: E402
-from engine.synth import preset_config, write_config  # noqa: E402
-from genie_supervisor.arbiter import DecodeGate  # noqa: E402
+from engine import SamplingParams, load_model
+from engine.synth import preset_config, write_config
+from genie_supervisor.arbiter import DecodeGate
 
 PRESETS = {"qwen3-4b": "qwen3-4b-q4_k_m", "smollm2": "smollm2-135m-q4_1"}
 

@@ -31,9 +31,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # `python bench/soak.py`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import httpx
 import psutil
 

@@ -12,7 +12,7 @@ per request. Requests alternate direct / proxied. Two latencies per request:
 
 Prints p50/p99 in microseconds for both routes and the proxied/direct ratio. Under a minute.
 
-    .venv/bin/python bench/wyoming_proxy.py [--requests 1000] [--chunks 20]
+    .venv/bin/python -m bench.wyoming_proxy [--requests 1000] [--chunks 20]
 """
 
 from __future__ import annotations
@@ -24,11 +24,9 @@ import subprocess
 import sys
 import time
 import warnings
-from pathlib import Path
 
 import anyio
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 HOST = "127.0.0.1"
 
 

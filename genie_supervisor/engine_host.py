@@ -8,11 +8,12 @@
     gen.finish_reason, gen.stats                              # "stop" | "length" | "cancelled"
 
 Every generation runs with the DecodeGate (the engine enters ``gate.running()`` while it holds the model) and the policy's prefill
-chunk, so a pause parks it before its next step. Admission follows the arbiter: ``refuse_new``
-refuses new requests, ``max_context`` bounds prompt + max_tokens; both raise an AdmissionError
-that says why. The host publishes ``EngineStats`` on every state change and every
-``stats_interval_s`` while generating. The queue, priorities and model roles come later: they
-wrap ``generate`` (the model itself runs one generation at a time; later ones wait for it).
+chunk and layer group, so a pause parks it before its next step or piece. Admission follows the
+arbiter: ``refuse_new`` refuses new requests, ``max_context`` bounds prompt + max_tokens; both raise
+an AdmissionError that says why. The host publishes ``EngineStats`` on every state change and every
+``stats_interval_s`` while generating. The queue and the priority classes (admission.py) and the
+model roles (models.py) wrap ``generate``; the model runs one generation at a time, a ``voice`` one
+preempting a running background one between two steps (``PRIORITY_RANK``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from engine.model import MemoryPlan, plan_memory
 from engine.spec import read_spec
 
 from .arbiter import Arbiter, DecodeGate
-from .errors import BudgetError, SupervisorError
+from .errors import AdmissionError as AdmissionError  # re-export
+from .errors import BudgetError, ContextTooLong, EngineUnavailable, RequestRefused
 from .events import EngineStats, Observation
 
 log = structlog.get_logger(__name__)
@@ -59,39 +61,6 @@ def release_freed_memory() -> None:
 MiB = 1024 * 1024
 Prompt = Sequence[int] | str | Sequence[Mapping[str, Any]]
 """Token ids, raw text (tokenized as is), or chat messages (rendered with the model's template)."""
-
-
-class AdmissionError(SupervisorError):
-    """A request the engine does not take now; `code` and `status` map it onto HTTP."""
-
-    code = "unavailable"
-    """Short machine-readable reason."""
-    status = 503
-    """HTTP status that fits."""
-
-
-class EngineUnavailable(AdmissionError):
-    """No model is loaded (none configured, still loading, failed, or shutting down)."""
-
-
-class RequestRefused(AdmissionError):
-    """The policy refuses new requests right now (memory pressure)."""
-
-    code = "refused"
-
-
-class ContextTooLong(AdmissionError):
-    """Prompt plus max_tokens exceed the context allowed now."""
-
-    code = "context_length_exceeded"
-    status = 400
-
-    def __init__(self, needed: int, limit: int, why: str) -> None:
-        self.needed = needed
-        """prompt tokens + max_tokens."""
-        self.limit = limit
-        """The context a new request may use now."""
-        super().__init__(f"prompt and max_tokens need {needed} tokens but {why} allows {limit}")
 
 
 class _Shutdown(Exception):

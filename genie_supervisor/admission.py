@@ -26,38 +26,13 @@ from dataclasses import dataclass, field
 import anyio
 import structlog
 
-from .engine_host import AdmissionError
+from .errors import QueueFull, QueueTimeout, UnknownPriority
 from .policy.schema import PriorityPolicy, RequestClass
 
 log = structlog.get_logger(__name__)
 
 PRIORITY_HEADER = "x-genie-priority"
 """Request header naming the class (the body field ``priority`` works too)."""
-
-
-class QueueFull(AdmissionError):
-    """The queue (or this class's share of it) is full: come back after `retry_after` seconds."""
-
-    code = "queue_full"
-    status = 429
-
-    def __init__(self, message: str, retry_after: int) -> None:
-        self.retry_after = retry_after
-        """Seconds the client should wait before retrying (the Retry-After header)."""
-        super().__init__(message)
-
-
-class QueueTimeout(AdmissionError):
-    """A request waited longer than its class's ``max_wait_s``."""
-
-    code = "queue_timeout"
-
-
-class UnknownPriority(AdmissionError):
-    """A priority class the policy does not define."""
-
-    code = "invalid_priority"
-    status = 400
 
 
 @dataclass(eq=False)

@@ -478,7 +478,7 @@ def _serve(sup: Supervisor) -> int:
     """Run the daemon's loop to the end; the exit status."""
     from engine.errors import EngineError
 
-    from .telemetry import TelemetryError
+    from .errors import TelemetryError
 
     backend = "asyncio"
     options: dict[str, Any] = {}

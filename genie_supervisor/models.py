@@ -27,42 +27,22 @@ import anyio
 import structlog
 from anyio.abc import TaskGroup, TaskStatus
 
-from .backends import Backend, BackendContext, BackendUnavailable, Plan, create_backend
+from .backends import Backend, BackendContext, Plan, create_backend
 from .config import Config, ModelEntry
-from .engine_host import AdmissionError, EngineUnavailable
-from .errors import BudgetError
+from .errors import (
+    AdmissionError,
+    BackendUnavailable,
+    BudgetError,
+    EngineUnavailable,
+    LlmDisabled,
+    ModelTooLarge,
+    UnknownModel,
+)
 from .events import EngineStats, Observation
 
 log = structlog.get_logger(__name__)
 
 MiB = 1024 * 1024
-
-
-class UnknownModel(AdmissionError):
-    """No model has this id or role."""
-
-    code = "model_not_found"
-    status = 404
-
-
-class ModelTooLarge(AdmissionError):
-    """A model does not fit the LLM memory budget (even after every allowed eviction)."""
-
-    code = "insufficient_memory"
-    status = 503
-
-    def __init__(self, needed_mb: float, budget_mb: float, message: str) -> None:
-        self.needed_mb = needed_mb
-        """What the model needs (MiB)."""
-        self.budget_mb = budget_mb
-        """The budget (MiB)."""
-        super().__init__(message)
-
-
-class LlmDisabled(AdmissionError):
-    """The LLM is switched off (MQTT switch or API); requests get 503 until it is switched on."""
-
-    code = "llm_disabled"
 
 
 @dataclass

@@ -18,7 +18,7 @@ from pydantic_core import PydanticCustomError
 from engine import SamplingParams
 from engine.generate import TokenIdError, check_prompt_ids
 
-from ..engine_host import AdmissionError
+from ..errors import BadRequest
 from ..jsonlimits import MAX_DEPTH, loads_bounded
 
 T = TypeVar("T", bound=BaseModel)
@@ -55,18 +55,6 @@ def _one_kind(items: Any, allowed: str) -> Any:
 
 _KIND_WORDS = {"int": "token ids (integers)", "str": "strings", "list": "lists of token ids", "bool": "booleans",
                "float": "numbers", "dict": "objects", "NoneType": "nulls"}
-
-
-class BadRequest(AdmissionError):
-    """A request body that is not what the route takes (400, naming the field)."""
-
-    code = "invalid_request"
-    status = 400
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        self.param = param
-        """The offending field (dotted), if one is to blame."""
-        super().__init__(message)
 
 
 class _Body(BaseModel):

@@ -19,7 +19,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..engine_host import AdmissionError
+from ..errors import BackendUnavailable as BackendUnavailable  # re-export
+from ..errors import UpstreamError as UpstreamError  # re-export
 
 if TYPE_CHECKING:
     from engine import Model
@@ -27,22 +28,6 @@ if TYPE_CHECKING:
     from ..arbiter import Arbiter, DecodeGate
     from ..config import Config, ModelEntry
     from ..events import Observation
-
-
-class BackendUnavailable(AdmissionError):
-    """A backend cannot serve (binary missing, server not answering, load failed)."""
-
-    code = "backend_unavailable"
-
-
-class UpstreamError(AdmissionError):
-    """llama-server answered a request with an error; its status and message are passed on."""
-
-    code = "upstream_error"
-
-    def __init__(self, status: int, message: str) -> None:
-        self.status = status if 400 <= status < 600 else 502
-        super().__init__(message)
 
 
 @dataclass(frozen=True)

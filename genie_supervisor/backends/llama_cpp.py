@@ -34,7 +34,8 @@ from engine.spec import read_spec
 
 from ..arbiter import VOICE_CLASS
 from ..config import ModelEntry
-from . import BackendContext, BackendUnavailable, Plan, UpstreamError
+from ..errors import BackendUnavailable, UpstreamError
+from . import BackendContext, Plan
 
 log = structlog.get_logger(__name__)
 

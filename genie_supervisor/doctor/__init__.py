@@ -27,9 +27,10 @@ from engine import open_model_file
 from engine.backends import cuda_available
 
 from ..config import Config
+from ..errors import TelemetryUnavailable
 from ..events import TelemetrySample
 from ..logging import configure_logging
-from ..telemetry import TelemetrySource, TelemetryUnavailable, create_source, is_jetson
+from ..telemetry import TelemetrySource, create_source, is_jetson
 from ..watchers.http_health import HttpHealthProbe
 from ..watchers.wyoming_proxy import probe_wyoming
 from .broker import check_broker, mqtt_ping

@@ -40,12 +40,12 @@ from anyio.abc import TaskStatus
 
 from .. import __version__
 from ..config import MqttConfig
+from ..errors import CommandError
 from ..state import StateStore
 from ..urls import redact_url
 from .commands import (
     COMMAND_PATHS,
     Command,
-    CommandError,
     MqttCommands,
     PendingCommands,
     parse_command,

@@ -16,7 +16,7 @@ from typing import Any
 
 import anyio
 
-from ..errors import SupervisorError
+from ..errors import CommandError
 from ..jsonlimits import loads_bounded
 from .entities import OFF, ON, PRESS, Inputs, policy_choices
 
@@ -51,19 +51,6 @@ class MqttCommands:
     """The thermal soft limit in °C, None where unknown."""
     thermal_limit_range: tuple[float, float] = (40.0, 105.0)
     """Lowest and highest thermal soft limit accepted."""
-
-
-class CommandError(SupervisorError):
-    """A command payload that is not valid: it is logged and ignored."""
-
-    def __init__(self, topic: str, payload: bytes, message: str) -> None:
-        self.topic = topic
-        """Command topic it arrived on."""
-        self.payload = payload
-        """What arrived (for the log)."""
-        self.message = message
-        """What is wrong and what was expected."""
-        super().__init__(f"{topic}: {message}")
 
 
 @dataclass(frozen=True)

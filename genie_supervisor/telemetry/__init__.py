@@ -15,12 +15,8 @@ from typing import Any
 
 import structlog
 
-from genie_supervisor.telemetry.base import (
-    TelemetryError,
-    TelemetrySource,
-    TelemetryUnavailable,
-    run_sampler,
-)
+from genie_supervisor.errors import TelemetryError, TelemetryUnavailable
+from genie_supervisor.telemetry.base import TelemetrySource, run_sampler
 from genie_supervisor.telemetry.jetson import JetsonSource, not_jetson_reason
 from genie_supervisor.telemetry.jtop import JTOP_SOCKET, JtopSource
 from genie_supervisor.telemetry.linux import LinuxSource

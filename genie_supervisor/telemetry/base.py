@@ -12,28 +12,14 @@ import anyio.to_thread
 import structlog
 from anyio.abc import TaskStatus
 
-from genie_supervisor.errors import SupervisorError
+from genie_supervisor.errors import TelemetryError as TelemetryError  # re-export
+from genie_supervisor.errors import TelemetryUnavailable as TelemetryUnavailable  # re-export
 from genie_supervisor.events import TelemetrySample
 
 log = structlog.get_logger(__name__)
 
 Publish = Callable[[TelemetrySample], "Awaitable[None] | None"]
 """Where samples go: a plain function, or a coroutine function the sampler awaits."""
-
-
-class TelemetryError(SupervisorError):
-    """A telemetry source could not produce a sample this time (the sampler logs it and retries)."""
-
-
-class TelemetryUnavailable(TelemetryError):
-    """A telemetry source cannot be used on this machine."""
-
-    def __init__(self, platform: str, reason: str) -> None:
-        super().__init__(f"telemetry platform {platform!r} is unavailable: {reason}")
-        self.platform = platform
-        """The platform that was asked for (``jetson``, ``nvml``, ...)."""
-        self.reason = reason
-        """Why it cannot be used, in one line."""
 
 
 @runtime_checkable

@@ -27,8 +27,8 @@ import subprocess
 import time
 from dataclasses import dataclass
 
+from genie_supervisor.errors import TelemetryError
 from genie_supervisor.events import TelemetrySample, now
-from genie_supervisor.telemetry.base import TelemetryError
 from genie_supervisor.telemetry.sysfs import (
     ProcStatCpu,
     read_int,

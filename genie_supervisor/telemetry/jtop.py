@@ -13,8 +13,8 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from genie_supervisor.errors import TelemetryError
 from genie_supervisor.events import TelemetrySample, now
-from genie_supervisor.telemetry.base import TelemetryError
 from genie_supervisor.telemetry.sysfs import KIB_PER_MIB, read_meminfo
 
 JTOP_SOCKET = "/run/jtop.sock"

@@ -15,8 +15,8 @@ from functools import partial
 from types import ModuleType
 from typing import Any, TypeVar
 
+from genie_supervisor.errors import TelemetryError
 from genie_supervisor.events import TelemetrySample
-from genie_supervisor.telemetry.base import TelemetryError
 from genie_supervisor.telemetry.linux import BYTES_PER_MIB, LinuxSource
 
 T = TypeVar("T")

@@ -21,8 +21,8 @@ import shutil
 import subprocess
 import threading
 
+from genie_supervisor.errors import TelemetryError
 from genie_supervisor.events import TelemetrySample, now
-from genie_supervisor.telemetry.base import TelemetryError
 
 _USED_TOTAL_MB = re.compile(r"^(\d+)/(\d+)MB$")
 _CORE = re.compile(r"^(\d+(?:\.\d+)?)%")

@@ -4,13 +4,14 @@
         ...                                         # at most `max_running` requests are in here
 
 Classes and their limits come from the policy (``priorities.classes``: order, ``max_queue``,
-``max_wait_s``); the total queue is bounded by the config (``api.max_queue``). Waiters are served
-highest class first, first come first served within a class. A request more urgent than every
-running one (a voice turn while background generations hold the slots) is admitted beyond
-`max_running`; the engine makes the running generation yield to it between two steps. When the queue is full, a request
-of a higher class takes the place of the newest waiter of the lowest class (which gets 429).
-A waiter whose task is cancelled (its client went away) leaves the queue; a slot is always given
-back, whatever happens inside the block.
+``max_wait_s``), pushed by the arbiter with each decision that changes them; the total queue is
+bounded by the config (``api.max_queue``). Waiters are served highest class first, first come first
+served within a class. A request more urgent than every running one (a voice turn while background
+generations hold the slots) is admitted beyond `max_running`; the engine makes the running
+generation yield to it between two steps. When the queue is full, a request of a higher class takes
+the place of the newest waiter of the lowest class (which gets 429). A waiter whose task is
+cancelled (its client went away) leaves the queue; a slot is always given back, whatever happens
+inside the block.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import anyio
 import structlog
 
 from .errors import QueueFull, QueueTimeout, UnknownPriority
-from .policy.schema import PriorityPolicy, RequestClass
+from .state import DEFAULT_PRIORITIES, PriorityClass, PriorityTable
 
 log = structlog.get_logger(__name__)
 
@@ -59,7 +60,7 @@ class Ticket:
 class Admission:
     """Slots and a bounded priority queue; counters for /metrics and /status."""
 
-    def __init__(self, priorities: Callable[[], PriorityPolicy], *, max_running: int, max_queue: int,
+    def __init__(self, priorities: PriorityTable = DEFAULT_PRIORITIES, *, max_running: int, max_queue: int,
                  on_change: Callable[[], None] = lambda: None) -> None:
         self.max_running = max_running
         """Requests in their slot at once."""
@@ -82,13 +83,17 @@ class Admission:
         self._running_ranks: Counter[int] = Counter()
 
     # -- classes ----------------------------------------------------------------------------
-    def classes(self) -> list[RequestClass]:
+    def apply_priorities(self, table: PriorityTable) -> None:
+        """Serve the classes of `table` from now on (requests already queued keep their place)."""
+        self._priorities = table
+
+    def classes(self) -> list[PriorityClass]:
         """The policy's classes, highest first."""
-        return list(self._priorities().classes)
+        return list(self._priorities.classes)
 
     def resolve(self, name: str | None) -> str:
         """The class a request names (None: the policy's default); UnknownPriority if none such."""
-        pol = self._priorities()
+        pol = self._priorities
         if name is None or name == "":
             return pol.default_class
         names = [c.name for c in pol.classes]
@@ -96,8 +101,8 @@ class Admission:
             raise UnknownPriority(f"priority {name!r} is not one of {', '.join(names)}")
         return name
 
-    def _class(self, name: str) -> tuple[int, RequestClass]:
-        for i, c in enumerate(self._priorities().classes):
+    def _class(self, name: str) -> tuple[int, PriorityClass]:
+        for i, c in enumerate(self._priorities.classes):
             if c.name == name:
                 return i, c
         raise UnknownPriority(f"priority {name!r} is not defined by the policy")

@@ -113,15 +113,15 @@ class Supervisor:
         self._builtin = builtin_policy() if self.policy_watcher is None else None
         if self.policy_watcher is not None:
             self.policy_watcher.add_listener(self._on_policy)
-        self.admission = Admission(lambda: self.policy.priorities, max_running=cfg.api.max_running,
-                                   max_queue=cfg.api.max_queue, on_change=self._on_queue_change)
+        self.admission = Admission(max_running=cfg.api.max_running, max_queue=cfg.api.max_queue,
+                                   on_change=self._on_queue_change)
         """The API's priority queue and slots."""
         self.models = ModelManager(
             cfg, BackendContext(cfg, self.gate, self.arbiter, self.store.publish, model_loader),
-            budget_mb=lambda: self.policy.memory.llm_budget_mb, publish=self.store.publish,
-            queued=lambda: self.admission.queued, on_banner=self._banner,
+            publish=self.store.publish, queued=lambda: self.admission.queued, on_banner=self._banner,
         )
         """Model roles, groups, loading and swapping within the memory budget."""
+        self.arbiter.attach(models=self.models, admission=self.admission)  # budget and classes come with decisions
         self.engine = self.models
         """The LLM side as one engine view (state, backend, describe, direct generate)."""
         self.thermal_soft_limit: float | None = None

@@ -18,7 +18,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import structlog
@@ -26,7 +26,7 @@ from anyio.abc import TaskStatus
 
 from .policy.evaluate import evaluate
 from .policy.schema import Policy
-from .state import Decision, GateMode, StateStore
+from .state import Decision, GateMode, PriorityTable, StateStore
 
 log = structlog.get_logger(__name__)
 
@@ -248,8 +248,23 @@ class DecodeGate:
         }
 
 
+class BudgetTaker(Protocol):
+    """What the arbiter pushes the LLM memory budget to (the model manager)."""
+
+    def apply_budget(self, mb: float | None) -> None:
+        """Use `mb` MiB (None: no limit) as the LLM budget from now on."""
+
+
+class PriorityTaker(Protocol):
+    """What the arbiter pushes the request classes to (admission)."""
+
+    def apply_priorities(self, table: PriorityTable) -> None:
+        """Serve the classes of `table` from now on."""
+
+
 class Arbiter:
-    """Applies decisions: the decode gate, admission flags, and the unload request."""
+    """Applies decisions: the decode gate, admission flags, the unload request, the LLM budget
+    (to the model manager) and the request classes (to admission)."""
 
     def __init__(self, gate: DecodeGate, *, on_unload: Callable[[], None] | None = None) -> None:
         self.gate = gate
@@ -258,6 +273,8 @@ class Arbiter:
         """The decision in force."""
         self._on_unload = on_unload
         self._listeners: list[Callable[[Decision], None]] = []
+        self._budget_takers: list[BudgetTaker] = []
+        self._priority_takers: list[PriorityTaker] = []
         self._evaluated = -1
         self._evaluating = False
         self._again = False
@@ -286,9 +303,29 @@ class Arbiter:
         """Call `fn(decision)` after every decision change (admission, model manager, MQTT)."""
         self._listeners.append(fn)
 
+    def attach(self, *, models: BudgetTaker | None = None, admission: PriorityTaker | None = None) -> None:
+        """Push every decision's LLM budget to `models` and its request classes to `admission`
+        (the decision in force now, then each one that changes them)."""
+        if models is not None:
+            self._budget_takers.append(models)
+            if self.decision is not None:
+                models.apply_budget(self.decision.llm_budget_mb)
+        if admission is not None:
+            self._priority_takers.append(admission)
+            if self.decision is not None:
+                admission.apply_priorities(self.decision.priorities)
+
     def apply(self, decision: Decision) -> bool:
-        """Put `decision` into force; returns True (and logs one line) if its effect changed."""
+        """Put `decision` into force; returns True (and logs one line) if its effect changed.
+
+        A changed LLM budget or priority table is pushed first, whether or not the effect changed."""
         prev, self.decision = self.decision, decision
+        if prev is None or prev.llm_budget_mb != decision.llm_budget_mb:
+            for taker in self._budget_takers:
+                taker.apply_budget(decision.llm_budget_mb)
+        if prev is None or (prev.priorities is not decision.priorities and prev.priorities != decision.priorities):
+            for ptaker in self._priority_takers:
+                ptaker.apply_priorities(decision.priorities)
         if prev is not None and prev.effect() == decision.effect():
             return False
         voice = (decision.voice_gate, decision.voice_throttle_tps)

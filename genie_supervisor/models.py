@@ -1,12 +1,14 @@
 """Model roles and groups: memory-budgeted loading, swapping and unloading (llama-swap's job).
 
-    manager = ModelManager(cfg, ctx, budget_mb=lambda: policy.memory.llm_budget_mb, publish=...)
+    manager = ModelManager(cfg, ctx, publish=...)
+    arbiter.attach(models=manager)                 # the arbiter pushes each decision's budget
     await tg.start(manager.run)                    # resident models loaded (READY waits for them)
     async with manager.lease("brain") as lease:     # by id or role; loads / swaps in as needed
         stream = await lease.backend.generate(messages, sampling, "tool")
 
 Rules: resident models are loaded at start and never evicted; members of a swap group are loaded
-one at a time; before a load, the model's memory plan must fit ``memory.llm_budget_mb`` next to
+one at a time; before a load, the model's memory plan must fit the LLM budget (the policy's
+``memory.llm_budget_mb``, pushed by the arbiter with each decision that changes it) next to
 what is loaded, else models are evicted in order (idle before busy, non-resident only, lowest
 priority, least recently used) or the load is refused with the numbers (the context is never
 shrunk). A model is evicted only once its running requests have finished (drain). One load runs
@@ -39,6 +41,7 @@ from .errors import (
     UnknownModel,
 )
 from .events import EngineStats, Observation
+from .state import DEFAULT_LLM_BUDGET_MB
 
 log = structlog.get_logger(__name__)
 
@@ -137,7 +140,7 @@ class Lease:
 class ModelManager:
     """Loads, swaps and unloads the configured models within the LLM memory budget."""
 
-    def __init__(self, cfg: Config, ctx: BackendContext, *, budget_mb: Callable[[], float | None],
+    def __init__(self, cfg: Config, ctx: BackendContext, *, budget_mb: float | None = DEFAULT_LLM_BUDGET_MB,
                  publish: Callable[[Observation], None], queued: Callable[[], int] = lambda: 0,
                  on_banner: Callable[[str], None] = lambda _text: None) -> None:
         self.cfg = cfg
@@ -186,6 +189,16 @@ class ModelManager:
             known = ", ".join(sorted(self._names)) or "none"
             raise UnknownModel(f"model {name!r} does not exist (known ids and roles: {known})")
         return m
+
+    # -- the budget (pushed by the arbiter) -------------------------------------------------
+    @property
+    def budget_mb(self) -> float | None:
+        """The LLM memory budget loads are checked against (MiB; None: no limit)."""
+        return self._budget_mb
+
+    def apply_budget(self, mb: float | None) -> None:
+        """Check loads from now on against `mb` MiB (None: no limit); what is loaded stays."""
+        self._budget_mb = mb
 
     # -- change notification ----------------------------------------------------------------
     def _notify(self) -> None:
@@ -295,7 +308,7 @@ class ModelManager:
                    if o is not exclude and o.state in ("ready", "loading"))
 
     async def _make_room(self, m: ManagedModel, plan: Plan) -> None:
-        budget = self._budget_mb()
+        budget = self._budget_mb
         need = plan.total / MiB
         detail = (f"weights {plan.weights / MiB:.1f} + KV {plan.kv / MiB:.1f} + scratch "
                   f"{plan.scratch / MiB:.1f} MiB at n_ctx {plan.n_ctx}")
@@ -508,7 +521,7 @@ class ModelManager:
         base["fell_back"] = any(x.fell_back for x in self.models.values())
         base["enabled"] = self.enabled
         if base.get("memory_plan") is not None:
-            base["memory_plan"]["budget_mb"] = self._budget_mb()
+            base["memory_plan"]["budget_mb"] = self._budget_mb
         return base
 
     # -- stats ------------------------------------------------------------------------------

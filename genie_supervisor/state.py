@@ -47,6 +47,38 @@ class FiredRule:
 
 
 @dataclass(frozen=True)
+class PriorityClass:
+    """One request class as admission applies it."""
+
+    name: str
+    """Class name requests carry."""
+    max_queue: int
+    """Requests of this class that may wait; more are refused."""
+    max_wait_s: float
+    """A queued request is refused after waiting this long (seconds)."""
+
+
+@dataclass(frozen=True)
+class PriorityTable:
+    """The request classes admission serves, highest priority first, and the class of requests that name none."""
+
+    classes: tuple[PriorityClass, ...]
+    """Classes, highest priority first."""
+    default_class: str
+    """Class of requests that name none."""
+
+
+DEFAULT_LLM_BUDGET_MB: float = 2560
+"""The LLM's memory budget (MiB) until a decision says otherwise (the policy schema's default)."""
+
+DEFAULT_PRIORITIES = PriorityTable(
+    classes=(PriorityClass("voice", 4, 5.0), PriorityClass("tool", 8, 30.0), PriorityClass("background", 16, 300.0)),
+    default_class="background",
+)
+"""The request classes until a decision says otherwise (the policy schema's default)."""
+
+
+@dataclass(frozen=True)
 class Decision:
     """What the policy decided for one snapshot; also carries the hysteresis state for the next one."""
 
@@ -76,8 +108,10 @@ class Decision:
     """Prefill chunk size for new generations."""
     prefill_layer_group: int = 0
     """Layers between two gate checks inside a prefill chunk for new generations (0: whole chunks)."""
-    llm_budget_mb: float | None = None
-    """The LLM's memory budget from the policy."""
+    llm_budget_mb: float | None = DEFAULT_LLM_BUDGET_MB
+    """The LLM's memory budget from the policy (MiB; None: no limit)."""
+    priorities: PriorityTable = DEFAULT_PRIORITIES
+    """The request classes and their limits from the policy (what admission serves)."""
     fired: tuple[FiredRule, ...] = ()
     """Every rule that fired, in policy order."""
     next_eval_at: float | None = None
@@ -91,7 +125,8 @@ class Decision:
     """Decode cap for the voice class: the lowest throttle of the other reasons, None when not throttled."""
 
     def effect(self) -> tuple[Any, ...]:
-        """What the arbiter acts on; two decisions with equal effects need no action."""
+        """What the arbiter acts on through the gate and its listeners; two decisions with equal
+        effects need no such action (the budget and priorities are pushed whenever they change)."""
         return (self.gate, self.pause_reasons, self.throttle_tps, self.admission, self.max_context,
                 self.unload_llm, self.thermal_level, self.prefill_chunk_tokens, self.prefill_layer_group, self.voice_gate,
                 self.voice_throttle_tps)

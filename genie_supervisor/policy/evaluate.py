@@ -10,8 +10,8 @@ decision carries that class's own gate mode.
 
 from __future__ import annotations
 
-from ..state import Decision, FiredRule, GateMode, Snapshot
-from .schema import Policy
+from ..state import Decision, FiredRule, GateMode, PriorityClass, PriorityTable, Snapshot
+from .schema import Policy, PriorityPolicy
 
 VOICE_REASONS = frozenset({"stt", "tts", "stt_unknown"})
 """Reasons that exist to protect the voice path (voice.stt, voice.tts, their hold-offs,
@@ -54,6 +54,7 @@ def evaluate(policy: Policy, snapshot: Snapshot, prev: Decision | None = None) -
         prefill_chunk_tokens=policy.voice.prefill_chunk_tokens,
         prefill_layer_group=policy.voice.prefill_layer_group,
         llm_budget_mb=policy.memory.llm_budget_mb,
+        priorities=priority_table(policy.priorities),
         fired=tuple(fired),
         next_eval_at=min((w for w in wake if w > snapshot.ts), default=None),
         voice_passes=frozenset(f.reason for f in fired if f.reason in VOICE_REASONS
@@ -61,6 +62,23 @@ def evaluate(policy: Policy, snapshot: Snapshot, prev: Decision | None = None) -
         voice_gate=voice_gate,
         voice_throttle_tps=voice_tps if voice_gate == "throttled" else None,
     )
+
+
+_last_table: tuple[PriorityPolicy, PriorityTable] | None = None
+
+
+def priority_table(priorities: PriorityPolicy) -> PriorityTable:
+    """The policy's request classes as admission applies them (the same object again for the same policy section)."""
+    global _last_table
+    last = _last_table
+    if last is not None and last[0] is priorities:
+        return last[1]
+    table = PriorityTable(
+        classes=tuple(PriorityClass(c.name, c.max_queue, c.max_wait_s) for c in priorities.classes),
+        default_class=priorities.default_class,
+    )
+    _last_table = (priorities, table)
+    return table
 
 
 def _ms(seconds: float) -> float:

@@ -11,6 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ..state import DEFAULT_LLM_BUDGET_MB, DEFAULT_PRIORITIES
 from ..yamlsrc import KeyedValueError
 
 POLICY_VERSION = 1
@@ -156,7 +157,7 @@ class MemoryThreshold(_Strict):
 class MemoryPolicy(_Strict):
     """The LLM's memory budget and how load is shed when memory runs short."""
 
-    llm_budget_mb: float = Field(2560, gt=0, le=1_048_576, description="the most the LLM may use: weights + KV + scratch (MiB)")
+    llm_budget_mb: float = Field(DEFAULT_LLM_BUDGET_MB, gt=0, le=1_048_576, description="the most the LLM may use: weights + KV + scratch (MiB)")
     reservations: dict[str, float] = Field(
         default_factory=dict,
         description="memory held back for a service (MiB); what it already uses counts against its reservation",
@@ -201,14 +202,11 @@ class PriorityPolicy(_Strict):
     """Admission order between request classes."""
 
     classes: list[RequestClass] = Field(
-        default_factory=lambda: [
-            RequestClass(name="voice", max_queue=4, max_wait_s=5),
-            RequestClass(name="tool", max_queue=8, max_wait_s=30),
-            RequestClass(name="background", max_queue=16, max_wait_s=300),
-        ],
+        default_factory=lambda: [RequestClass(name=c.name, max_queue=c.max_queue, max_wait_s=c.max_wait_s)
+                                 for c in DEFAULT_PRIORITIES.classes],
         description="highest priority first",
     )
-    default_class: str = Field("background", description="class of requests that name none")
+    default_class: str = Field(DEFAULT_PRIORITIES.default_class, description="class of requests that name none")
 
     @model_validator(mode="after")
     def _check(self) -> PriorityPolicy:

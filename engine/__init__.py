@@ -26,12 +26,13 @@ from .gguf_file import GGUFFile, read_gguf
 from .kv_cache import KVSnapshot, check_kv_dtype, kv_bytes
 from .lock import PriorityLock
 from .model import MemoryPlan, Pass, Transformer, plan_memory
+from .options import DEFAULT_OPTIONS, EngineOptions
 from .sampler import Sampler, SamplingParams
 from .spec import ModelSpec, read_spec
 from .tokenizer import StreamDecoder, Tokenizer
 
 __all__ = [
-    "ContextOverflowError", "EngineError", "Gate", "Generation", "GenerationStats", "MemoryPlan",
+    "ContextOverflowError", "EngineError", "EngineOptions", "Gate", "Generation", "GenerationStats", "MemoryPlan",
     "Model", "ModelFormatError", "ModelInfo", "OpenGate", "Sampler", "SamplingParams",
     "StreamDecoder", "TemplateError", "TokenEvent", "Tokenizer", "load_model", "open_model_file",
 ]
@@ -60,7 +61,11 @@ class ModelInfo:
 class Model:
     """A loaded model: tokenizer, chat template, logits and async generation (one at a time)."""
 
-    def __init__(self, gf: GGUFFile, backend: str, n_ctx: int, kv_dtype: str, threads: int | None = None) -> None:
+    def __init__(self, gf: GGUFFile, backend: str, n_ctx: int, kv_dtype: str, threads: int | None = None,
+                 options: EngineOptions | None = None) -> None:
+        opts = options or DEFAULT_OPTIONS
+        self.options = opts
+        """The tuning knobs the backend was built with (`EngineOptions`)."""
         self.path = gf.path
         self.spec: ModelSpec = read_spec(gf)
         self.tokenizer = Tokenizer.from_gguf(gf)
@@ -69,16 +74,17 @@ class Model:
             bos, eos = self._bos_eos_text()
             probe_chat_template(self.chat_template, path=self.path, bos_token=bos, eos_token=eos)
         self.memory_plan: MemoryPlan = plan_memory(
-            gf, self.spec, n_ctx, kv_dtype, quantized=backend == "native", backend=backend
+            gf, self.spec, n_ctx, kv_dtype, quantized=backend == "native", backend=backend,
+            options=opts,
         )
         if backend == "cupy":
             from .backends.cupy_backend import CupyOps
 
-            ops: Any = CupyOps()
+            ops: Any = CupyOps(options=opts)
         elif backend == "native":
             from .backends.cpu_native import NativeOps
 
-            ops = NativeOps(threads=threads)
+            ops = NativeOps(threads=threads, options=opts)
         else:
             from .backends.numpy_backend import NumpyOps
 
@@ -303,21 +309,25 @@ def load_model(
     n_ctx: int | None = None,
     kv_dtype: str = "f16",
     threads: int | None = None,
+    options: EngineOptions | None = None,
 ) -> Model:
     """Load a GGUF model. `backend`: "auto" (CuPy when CUDA works, else the native CPU kernels
     when a C compiler builds them, else NumPy), "numpy" (pure NumPy reference), "native", "cupy".
-    `threads`: CPU threads of the native kernels (default $GENIE_THREADS, else all cores).
+    `threads`: CPU threads of the native kernels (default the options' `threads`, else all cores).
+    `options`: the backends' tuning knobs (`engine.options.EngineOptions`; None: read from the
+    environment once, here, by `EngineOptions.from_env`).
     `kv_dtype`: KV cache elements, "f16" (the default, as llama.cpp's), "f32" or "int8" (int8
     values + one float16 scale per 32, about 53 % of f16's bytes; see engine.kv_cache)."""
     from .backends import resolve_backend
 
+    opts = options or EngineOptions.from_env()
     gf = read_gguf(path)
     spec = read_spec(gf)
     ctx = int(n_ctx or min(DEFAULT_CTX, spec.n_ctx_train))
     if ctx < 1:
         raise ValueError("n_ctx must be >= 1")
     check_kv_dtype(spec, kv_dtype)
-    return Model(gf, resolve_backend(backend), ctx, kv_dtype, threads)
+    return Model(gf, resolve_backend(backend, opts), ctx, kv_dtype, threads, opts)
 
 
 # re-exported helpers

@@ -17,6 +17,7 @@ import numpy as np
 from .errors import ContextOverflowError, ModelFormatError
 from .gguf_file import SUPPORTED_TYPES, GGUFFile, TensorInfo
 from .kv_cache import KVCache, kv_bytes
+from .options import EngineOptions
 from .spec import ModelSpec
 
 # How llama.cpp's CPU path rounds the activations that meet a weight of each type.
@@ -103,7 +104,7 @@ def _tensor(gf: GGUFFile, name: str, shape: tuple[int, ...] | None = None) -> Te
 def plan_memory(
     gf: GGUFFile, spec: ModelSpec, n_ctx: int, kv_dtype: str, chunk: int | None = None,
     quantized: bool = False, backend: str | None = None, last_n: int = 1,
-    prefill_dtype: str | None = None,
+    prefill_dtype: str | None = None, options: EngineOptions | None = None,
 ) -> MemoryPlan:
     """Memory plan of `backend` (None: the CPU backends) at `n_ctx` for prefill chunks of `chunk`
     tokens (default: the backend's own chunk, 64 on CPU, 512 on CuPy).
@@ -114,13 +115,14 @@ def plan_memory(
     "cupy": what the CuPy backend allocates on the GPU (`engine.backends.cupy_plan`): weights as
     stored, KV, RoPE tables, the decode step's buffers, and the prefill tile buffer, attention
     buffers and activations of one chunk returning `last_n` rows of logits, with the prefill
-    tile precision `prefill_dtype` (None: $GENIE_CUPY_PREFILL, else "auto").
+    tile precision `prefill_dtype` (None: the options' `cupy_prefill`) under `options` (None: the
+    environment's, `EngineOptions.from_env`, as `engine.load_model` without options).
     """
     if backend == "cupy":
         from .backends import cupy_plan
 
         g = cupy_plan.plan(gf, spec, n_ctx, kv_dtype, chunk or cupy_plan.PREFILL_CHUNK, last_n,
-                           prefill_dtype)
+                           prefill_dtype, options)
         return MemoryPlan(
             g.weights, g.kv, g.decode_scratch, g.prefill_scratch, n_ctx, tables=g.tables,
             chunk=g.chunk, backend="cupy",

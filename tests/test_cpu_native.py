@@ -360,7 +360,8 @@ def test_fallback_build_says_why_the_better_one_failed(monkeypatch, caplog) -> N
     from engine.backends import cpu_native
 
     good = cpu_native._flag_sets()[-1]
-    monkeypatch.setattr(cpu_native, "_flag_sets", lambda: [good + ["-fno-such-flag-genie"], good])
+    monkeypatch.setattr(cpu_native, "_flag_sets",
+                        lambda extra=(): [good + ["-fno-such-flag-genie"], good])
     with caplog.at_level("WARNING", logger="engine.backends.cpu_native"):
         lib, why = cpu_native._build()
     assert lib is not None

@@ -18,6 +18,7 @@ from engine import load_model  # noqa: E402
 from engine.backends.cupy_backend import CupyOps, QWeight  # noqa: E402
 from engine.backends.numpy_backend import NumpyOps  # noqa: E402
 from engine.gguf_file import TensorInfo  # noqa: E402
+from engine.options import EngineOptions  # noqa: E402
 from engine.quants import dequantize, dequantize_rows  # noqa: E402
 from engine.quants_encode import quantize  # noqa: E402
 from engine.synth import preset_config, write_config, write_synthetic_gguf  # noqa: E402
@@ -34,11 +35,9 @@ def ops() -> CupyOps:
     return CupyOps(prefill_dtype="float32")  # exact tiles: these tests bound errors at ~1e-5
 
 
-@pytest.fixture(autouse=True)
-def _exact_prefill(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Models loaded here prefill with fp32 tiles (the exactness bounds below are fp32's; the
-    default "auto" tiles are checked in tests/test_cupy_prefill.py)."""
-    monkeypatch.setenv("GENIE_CUPY_PREFILL", "float32")
+EXACT = EngineOptions(cupy_prefill="float32")
+"""Models loaded here prefill with fp32 tiles (the exactness bounds below are fp32's; the
+default "auto" tiles are checked in tests/test_cupy_prefill.py)."""
 
 
 def _rng() -> np.random.Generator:
@@ -210,8 +209,8 @@ def test_model_logits_match_numpy(
     kw = {**SHAPE, **extra}
     p = write_synthetic_gguf(tmp_path / "m.gguf", arch, weight_type=t, seed=7, **kw)
     ids = np.random.default_rng(3).integers(0, SHAPE["n_vocab"], 300).tolist()
-    ref = load_model(p, backend="numpy", n_ctx=512, kv_dtype="f16")
-    gpu = load_model(p, backend="cupy", n_ctx=512, kv_dtype="f16")
+    ref = load_model(p, backend="numpy", n_ctx=512, kv_dtype="f16", options=EXACT)
+    gpu = load_model(p, backend="cupy", n_ctx=512, kv_dtype="f16", options=EXACT)
     assert gpu.backend == "cupy"
     a, b = gpu.logits(ids), ref.logits(ids)
     assert np.isfinite(a).all()
@@ -237,7 +236,7 @@ def test_greedy_generation_identical_on_smollm2_shape(
     prompt = np.random.default_rng(5).integers(0, 49152, 24).tolist()
     outs = []
     for backend in ("numpy", "cupy"):
-        m = load_model(p, backend=backend, n_ctx=256, kv_dtype="f32")  # f16 rounding could flip a close call
+        m = load_model(p, backend=backend, n_ctx=256, kv_dtype="f32", options=EXACT)  # f16 rounding could flip a close call
         tf = m.transformer
         tf.kv.tokens = []
         logits = tf.ops.to_host(tf.forward(prompt, 0, last_n=1))[0]

@@ -6,6 +6,7 @@ Runs only where CuPy and a CUDA device work (`pytest -m gpu`); skipped cleanly e
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ import anyio  # noqa: E402
 from engine import SamplingParams, load_model  # noqa: E402
 from engine.backends.cupy_backend import CupyOps  # noqa: E402
 from engine.backends.cupy_decoder import CupyDecoder  # noqa: E402
+from engine.options import EngineOptions  # noqa: E402
 from engine.sampler import Sampler  # noqa: E402
 from engine.synth import preset_config, write_config, write_synthetic_gguf  # noqa: E402
 from tests.cuda_alloc import AllocCounter  # noqa: E402
@@ -46,12 +48,9 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
 
 
-@pytest.fixture(autouse=True)
-def _exact_prefill(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Models loaded here prefill with fp32 tiles: the decoder is compared with the generic
-    forward pass and the NumPy backend at fp32's bounds (default "auto" tiles:
-    tests/test_cupy_prefill.py)."""
-    monkeypatch.setenv("GENIE_CUPY_PREFILL", "float32")
+EXACT = EngineOptions(cupy_prefill="float32")
+"""Models loaded here prefill with fp32 tiles: the decoder is compared with the generic forward
+pass and the NumPy backend at fp32's bounds (default "auto" tiles: tests/test_cupy_prefill.py)."""
 
 
 @pytest.fixture(params=["exact", "act_quant"])
@@ -73,7 +72,7 @@ def test_decoder_logits_match_generic(tmp_path: Path, arch: str, t: str, extra: 
     the logits of one generic pass over the whole sequence; past the sliding window for gemma3."""
     exact = act_mode == "exact" or t in ("F32", "F16", "BF16")
     p = write_synthetic_gguf(tmp_path / "m.gguf", arch, weight_type=t, seed=7, **{**SHAPE, **extra})
-    m = load_model(p, backend="cupy", n_ctx=128, kv_dtype=kv)
+    m = load_model(p, backend="cupy", n_ctx=128, kv_dtype=kv, options=EXACT)
     assert isinstance(m.decoder, CupyDecoder) and m.decoder.mode == "graph", m.decoder
     ids = np.random.default_rng().integers(0, SHAPE["n_vocab"], 70).tolist()
     ref = m.logits(ids)
@@ -122,7 +121,7 @@ def test_greedy_generate_identical_on_smollm2_shape(tmp_path: Path, monkeypatch:
     monkeypatch.setattr(engine.model, "ACT_QUANT", {})
     p = write_config(tmp_path / "smol.gguf", preset_config("smollm2-135m-q4_1", seed=11))
     prompt = np.random.default_rng(5).integers(0, 49152, 24).tolist()
-    gpu = load_model(p, backend="cupy", n_ctx=256, kv_dtype="f32")  # f16 rounding could flip a close call
+    gpu = load_model(p, backend="cupy", n_ctx=256, kv_dtype="f32", options=EXACT)  # f16 rounding could flip a close call
     assert gpu.decoder is not None and gpu.decoder.mode == "graph"
     a = _generate(gpu, prompt, 64)
     b = _generate(load_model(p, backend="numpy", n_ctx=256, kv_dtype="f32"), prompt, 64)
@@ -134,8 +133,8 @@ def test_eager_fallback_matches_graph(tmp_path: Path, monkeypatch: pytest.Monkey
     ids = np.random.default_rng().integers(0, SHAPE["n_vocab"], 30).tolist()
     outs = []
     for mode in ("graph", "eager"):
-        monkeypatch.setattr(CupyOps, "decoder_mode", mode)
-        m = load_model(p, backend="cupy", n_ctx=64, kv_dtype="f16")
+        m = load_model(p, backend="cupy", n_ctx=64, kv_dtype="f16",
+                       options=replace(EXACT, cupy_decoder=mode))
         assert m.decoder.mode == mode
         m.step_logits(ids[:5], 0)
         outs.append(np.stack([m.step_logits([ids[i]], i) for i in range(5, 30)]))
@@ -153,7 +152,7 @@ def test_programmatic_dependent_launch_matches_plain_launches(tmp_path: Path) ->
     p = write_synthetic_gguf(tmp_path / "m.gguf", "qwen3", weight_type="Q4_K", seed=9,
                              type_overrides=over, head_dim=128, **SHAPE)
     ids = np.random.default_rng(2).integers(0, SHAPE["n_vocab"], 40).tolist()
-    m = load_model(p, backend="cupy", n_ctx=128, kv_dtype="f16")
+    m = load_model(p, backend="cupy", n_ctx=128, kv_dtype="f16", options=EXACT)
     dec = m.decoder
     assert dec.mode == "graph" and dec.pdl
     outs = []
@@ -170,7 +169,7 @@ def test_steady_state_decode_allocates_nothing(tmp_path: Path) -> None:
     """500 greedy decode steps through Model.step_sample: no pool allocation, no device
     allocation, pool bytes unchanged."""
     p = write_synthetic_gguf(tmp_path / "m.gguf", "qwen3", weight_type="Q4_K", seed=5, **SHAPE)
-    m = load_model(p, backend="cupy", n_ctx=1024, kv_dtype="f16")
+    m = load_model(p, backend="cupy", n_ctx=1024, kv_dtype="f16", options=EXACT)
     sampler = Sampler(SamplingParams(temperature=0))
     prompt = np.random.default_rng(1).integers(0, SHAPE["n_vocab"], 16).tolist()
     m.transformer.kv.tokens = []
@@ -284,7 +283,7 @@ def test_int8_kv_top1_within_one_percent_of_f16(tmp_path: Path, monkeypatch: pyt
     ref = ref_logits.argmax(axis=1)
     picks, sizes = {}, {}
     for kv in ("f16", "int8"):
-        m = load_model(p, backend="cupy", n_ctx=512, kv_dtype=kv)
+        m = load_model(p, backend="cupy", n_ctx=512, kv_dtype=kv, options=EXACT)
         picks[kv] = _teacher_forced_picks(m, ids)
         sizes[kv] = m.transformer.kv.nbytes
         if kv == "int8":  # positions 16.. were written by the decode kernel (qkv_post)

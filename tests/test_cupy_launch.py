@@ -11,6 +11,7 @@ import pytest
 
 from engine.backends import cupy_launch
 from engine.backends.cupy_launch import _arg, _Attr, _Config
+from engine.options import EngineOptions
 
 
 def test_launch_structures_have_the_driver_layout() -> None:
@@ -34,11 +35,12 @@ def test_other_arguments_are_refused() -> None:
         _arg(3)
 
 
-def test_switched_off_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    """GENIE_CUPY_PDL=0 turns programmatic dependent launch off before any CUDA call."""
-    monkeypatch.setenv("GENIE_CUPY_PDL", "0")
-    cupy_launch.pdl_launcher.cache_clear()
+def test_switched_off_by_options() -> None:
+    """`EngineOptions(cupy_pdl=False)` (env GENIE_CUPY_PDL=0) turns programmatic dependent launch
+    off before any CUDA call."""
+    cupy_launch._pdl_library.cache_clear()
     try:
-        assert cupy_launch.pdl_launcher() is None
+        assert cupy_launch.pdl_launcher(EngineOptions(cupy_pdl=False).cupy_pdl) is None
+        assert cupy_launch._pdl_library.cache_info().misses == 0  # the device was never asked
     finally:
-        cupy_launch.pdl_launcher.cache_clear()
+        cupy_launch._pdl_library.cache_clear()

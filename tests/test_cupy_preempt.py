@@ -19,7 +19,7 @@ cp = require_cuda()
 
 import anyio  # noqa: E402
 
-from engine import Model, SamplingParams, load_model  # noqa: E402
+from engine import EngineOptions, Model, SamplingParams, load_model  # noqa: E402
 from engine.synth import write_synthetic_gguf  # noqa: E402
 from genie_supervisor.arbiter import DecodeGate  # noqa: E402
 from tests.cuda_alloc import AllocCounter  # noqa: E402
@@ -35,15 +35,13 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 def model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Model]:
     """A 12-layer Qwen3-shaped Q4_K model, eager prefill (first-chunk graphs off: every chunk
     can be split into layer groups)."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("GENIE_CUPY_PREFILL_GRAPH", "0")
     p = write_synthetic_gguf(tmp_path_factory.mktemp("preempt") / "m.gguf", "qwen3", weight_type="Q4_K",
                              seed=5, n_layers=N_LAYERS, n_embd=512, n_ff=1536, n_heads=8, n_kv_heads=4,
                              n_vocab=1024)
-    m = load_model(p, backend="cupy", n_ctx=2048, kv_dtype="f16")
+    m = load_model(p, backend="cupy", n_ctx=2048, kv_dtype="f16",
+                   options=EngineOptions(cupy_prefill_graph=False))
     assert m.transformer.ops.prefill_graphs is None
     yield m
-    mp.undo()
 
 
 def _prompt(n: int = PROMPT_LEN, seed: int = 1) -> list[int]:

@@ -22,6 +22,7 @@ from engine.backends import cupy_plan  # noqa: E402
 from engine.backends.cupy_backend import CupyOps, QWeight  # noqa: E402
 from engine.backends.numpy_backend import NumpyOps  # noqa: E402
 from engine.kv_cache import Int8Rows, quantize_rows  # noqa: E402
+from engine.options import EngineOptions  # noqa: E402
 from engine.synth import write_synthetic_gguf  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -50,10 +51,10 @@ def test_fp16_tiles_keep_teacher_forced_argmax(
     import engine.model
 
     monkeypatch.setattr(engine.model, "ACT_QUANT", {})
-    monkeypatch.setenv("GENIE_CUPY_PREFILL", "float16")
     p = write_synthetic_gguf(tmp_path / "m.gguf", arch, weight_type=t, seed=7, **{**SHAPE, **extra})
     ids = np.random.default_rng(3).integers(0, SHAPE["n_vocab"], 300).tolist()
-    gpu = load_model(p, backend="cupy", n_ctx=512, kv_dtype="f16")
+    gpu = load_model(p, backend="cupy", n_ctx=512, kv_dtype="f16",
+                     options=EngineOptions(cupy_prefill="float16"))
     assert gpu.transformer.ops.prefill_dtype == "float16"
     a = gpu.logits(ids)
     b = load_model(p, backend="numpy", n_ctx=512, kv_dtype="f16").logits(ids)
@@ -125,11 +126,11 @@ def test_first_chunk_graph_matches_eager_prefill(tmp_path: Path, monkeypatch: py
     import engine.model
 
     monkeypatch.setattr(engine.model, "ACT_QUANT", {})
-    monkeypatch.setenv("GENIE_CUPY_PREFILL", "float32")
     p = write_synthetic_gguf(tmp_path / "m.gguf", "llama", weight_type="Q4_1", seed=4, n_layers=2,
                              n_embd=256, n_ff=512, n_heads=4, n_kv_heads=2, n_vocab=512)
     rng = np.random.default_rng(3)
-    m = load_model(p, backend="cupy", n_ctx=256, kv_dtype="f32")
+    m = load_model(p, backend="cupy", n_ctx=256, kv_dtype="f32",
+                   options=EngineOptions(cupy_prefill="float32"))
     tf = m.transformer
     graphs = tf.ops.prefill_graphs
     assert graphs is not None and graphs.buckets == (256,)

@@ -3,6 +3,8 @@ quantized GEMV on CPU, `cpu_native`) and `cupy` (CUDA)."""
 
 from __future__ import annotations
 
+from ..options import EngineOptions
+
 
 def cuda_available() -> tuple[bool, str]:
     """Whether a CUDA device is usable through CuPy, and why not when it isn't."""
@@ -19,16 +21,17 @@ def cuda_available() -> tuple[bool, str]:
     return True, f"{n} CUDA device(s)"
 
 
-def native_available() -> tuple[bool, str]:
-    """Whether the native CPU kernels compile and load here (built once, cached on disk)."""
+def native_available(extra_cflags: tuple[str, ...] = ()) -> tuple[bool, str]:
+    """Whether the native CPU kernels compile and load here with these extra compiler flags
+    (built once, cached on disk)."""
     from .cpu_native import native_available as _available
 
-    return _available()
+    return _available(extra_cflags)
 
 
-def resolve_backend(name: str) -> str:
-    """Map `auto` to `cupy` when CUDA works, else `native` when the C kernels build, else
-    `numpy`; validate explicit names."""
+def resolve_backend(name: str, options: EngineOptions | None = None) -> str:
+    """Map `auto` to `cupy` when CUDA works, else `native` when the C kernels build (with the
+    options' compiler flags), else `numpy`; validate explicit names."""
     if name not in ("auto", "numpy", "native", "cupy"):
         raise ValueError(f"unknown backend {name!r} (auto, numpy, native or cupy)")
     if name != "auto":
@@ -40,4 +43,5 @@ def resolve_backend(name: str) -> str:
         ok = False
     if ok:
         return "cupy"
-    return "native" if native_available()[0] else "numpy"
+    cflags = options.native_cflags if options is not None else ()
+    return "native" if native_available(cflags)[0] else "numpy"

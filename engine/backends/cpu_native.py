@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from ..gguf_file import TensorInfo
+from ..options import DEFAULT_OPTIONS, EngineOptions
 from ..quants import dequantize_rows
 from .numpy_backend import NumpyOps
 
@@ -54,6 +55,8 @@ ACT_KIND = {"Q4_0": 0, "Q5_0": 0, "Q8_0": 0, "Q4_1": 0, "Q5_1": 0, "Q4_K": 1, "Q
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
+_libs: dict[tuple[str, ...], tuple[ctypes.CDLL | None, str]] = {}
+"""Built libraries by their extra compiler flags (`EngineOptions.native_cflags`)."""
 
 
 def cache_dir() -> Path:
@@ -68,14 +71,15 @@ def _compiler() -> str | None:
     return None
 
 
-def _flag_sets() -> list[list[str]]:
+def _flag_sets(extra: tuple[str, ...] = ()) -> list[list[str]]:
+    """The flag sets tried in turn, best first, each with the `extra` flags (experiments)."""
     arch = (
         ["-mcpu=native"]
         if platform.machine().lower() in ("aarch64", "arm64")
         else ["-march=native"]
     )
     base = ["-O3", "-std=gnu99", "-ffp-contract=off", "-shared", "-fPIC"]
-    base += os.environ.get("GENIE_NATIVE_CFLAGS", "").split()  # extra flags (experiments)
+    base += list(extra)
     return [base + arch + ["-fopenmp"], base + arch, base + ["-fopenmp"], base]
 
 
@@ -164,9 +168,9 @@ def _warn_uncached(folder: Path, exc: OSError) -> None:
             "for this process (every start compiles again)", folder, exc)
 
 
-def _build() -> tuple[ctypes.CDLL | None, str]:
+def _build(extra: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str]:
     errors: list[str] = []
-    for flags in _flag_sets():
+    for flags in _flag_sets(extra):
         lib, why = build_library(flags)
         if lib is not None:
             if errors:  # a fallback build: slower (and it says why the better one failed)
@@ -208,25 +212,25 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.qg_glu.argtypes = [i, vp, vp, lg, vp, i, i, i]
 
 
-def load_library() -> tuple[ctypes.CDLL | None, str]:
-    """The compiled kernel library (built once per process, cached on disk), or None and why."""
+def load_library(extra_cflags: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str]:
+    """The compiled kernel library with these extra compiler flags (built once per process and
+    flags, cached on disk), or None and why."""
+    key = tuple(extra_cflags)
     with _lock:
-        if "lib" not in _state:
-            _state["lib"], _state["why"] = _build()
-        return _state["lib"], _state["why"]
+        if key not in _libs:
+            _libs[key] = _build(key)
+        return _libs[key]
 
 
-def native_available() -> tuple[bool, str]:
+def native_available(extra_cflags: tuple[str, ...] = ()) -> tuple[bool, str]:
     """Whether the native CPU kernels build and load here, and why not when they don't."""
-    lib, why = load_library()
+    lib, why = load_library(extra_cflags)
     return lib is not None, why
 
 
-def default_threads() -> int:
-    env = os.environ.get("GENIE_THREADS") or os.environ.get("OMP_NUM_THREADS")
-    if env and env.strip().isdigit() and int(env) > 0:
-        return int(env)
-    return os.cpu_count() or 1
+def default_threads(options: EngineOptions | None = None) -> int:
+    """The options' thread count (`EngineOptions.threads`), else every core."""
+    return (options or DEFAULT_OPTIONS).threads or os.cpu_count() or 1
 
 
 def limit_blas_threads(n: int) -> bool:
@@ -299,13 +303,15 @@ class NativeOps(NumpyOps):
     """A row's rounding can depend on the rows computed with it: Q4_K matrices round like
     llama.cpp's repacked kernels (a batch's rows in groups of four: its gemm; others: its gemv)."""
 
-    def __init__(self, threads: int | None = None) -> None:
-        lib, why = load_library()
+    def __init__(self, threads: int | None = None, options: EngineOptions | None = None) -> None:
+        self.options = options or DEFAULT_OPTIONS
+        """The tuning knobs (`EngineOptions`: threads, extra compiler flags; None: the defaults)."""
+        lib, why = load_library(self.options.native_cflags)
         if lib is None:
             raise RuntimeError(f"native CPU kernels unavailable: {why}")
         self.lib = lib
         self.build_info = why
-        self.threads = int(threads or default_threads())
+        self.threads = int(threads or default_threads(self.options))
         self.blas_limited = limit_blas_threads(1) if self.threads > 1 else False
         self._row_bytes: dict[tuple[int, int], int] = {}
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +23,7 @@ from cupy_backends.cuda.libs import cublas as _cublas
 from .. import kernels
 from ..gguf_file import TensorInfo
 from ..kv_cache import QBLOCK, Int8Rows, kv_write
+from ..options import DEFAULT_OPTIONS, EngineOptions
 from ..quants import dequantize, dequantize_rows
 from .cupy_launch import cublas
 from .cupy_plan import (
@@ -92,20 +92,21 @@ class CupyOps:
     name = "cupy"
     xp = cp
 
-    decoder_mode = os.environ.get("GENIE_CUPY_DECODER", "graph")
-    """One-token steps: "graph" (fused kernels replayed from a CUDA graph), "eager" (the same
-    kernels launched one by one) or "off" (the generic forward pass); env GENIE_CUPY_DECODER."""
-
     prefill_chunk = PREFILL_CHUNK
     """Prompt tokens per forward pass that `Model.generate` uses by default (512: a chunk's GEMMs
     fill the GPU; the gate is still awaited between two chunks)."""
 
-    def __init__(self, prefill_dtype: str | None = None) -> None:
+    def __init__(self, prefill_dtype: str | None = None, options: EngineOptions | None = None) -> None:
         kernels.module()  # compile now (NVRTC), not in the middle of the first forward pass
-        self.prefill_dtype = resolve_prefill_dtype(prefill_dtype)
+        self.options = options or DEFAULT_OPTIONS
+        """The tuning knobs (`EngineOptions`; None: the defaults); `make_decoder` passes them on."""
+        self.decoder_mode = self.options.cupy_decoder
+        """One-token steps: "graph" (fused kernels replayed from a CUDA graph), "eager" (the same
+        kernels launched one by one) or "off" (the generic forward pass)."""
+        self.prefill_dtype = resolve_prefill_dtype(prefill_dtype, self.options.cupy_prefill)
         """Prefill tile precision: "auto" (fp16 tiles for matrices of >= 4M values except stored
         F32/BF16, fp32 otherwise; `cupy_plan.tile_dtype`), "float16" or "float32" (exact to
-        ~1e-6, what the whole-model tests pin); None: env GENIE_CUPY_PREFILL, else "auto"."""
+        ~1e-6, what the whole-model tests pin); None: the options' `cupy_prefill`."""
         self._scratch: cp.ndarray | None = None  # tile buffer (uint8), see _tiles
         self._max_elems = 0  # values of the largest fused matrix (QKV, gate+up): sizes the tiles
         self._attn: _AttnBuffers | None = None
@@ -393,7 +394,8 @@ class CupyOps:
         from .cupy_plan import prefill_graph_buckets
 
         tf: Any = transformer
-        buckets = prefill_graph_buckets(int(tf.weights_bytes), self.prefill_chunk, int(tf.n_ctx))
+        buckets = prefill_graph_buckets(int(tf.weights_bytes), self.prefill_chunk, int(tf.n_ctx),
+                                        self.options.cupy_prefill_graph)
         if buckets:
             from .cupy_prefill_graph import PrefillGraphs
 
@@ -402,7 +404,7 @@ class CupyOps:
             return None
         from .cupy_decoder import CupyDecoder
 
-        return CupyDecoder(transformer, use_graph=self.decoder_mode == "graph")
+        return CupyDecoder(transformer, use_graph=self.decoder_mode == "graph", options=self.options)
 
     @staticmethod
     def argmax(logits: cp.ndarray) -> int:

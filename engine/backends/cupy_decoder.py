@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from functools import lru_cache
 from typing import Any
 
@@ -36,6 +35,7 @@ from ..errors import ContextOverflowError
 from ..gguf_file import TensorInfo
 from ..kernels import decode_src, qdot_src
 from ..kv_cache import Int8Rows
+from ..options import DEFAULT_OPTIONS, EngineOptions
 from ..quants import dequantize_rows
 from .cupy_launch import PdlLaunch, pdl_launcher
 from .cupy_sample import DeviceSampler
@@ -46,11 +46,6 @@ ROWS_PER_BLOCK = 8  # warps per GEMV block, one row each
 GEMV_THREADS = 32 * ROWS_PER_BLOCK
 ARGMAX_BLOCKS = 64
 GRID_CAP = 4  # GEMV blocks per multiprocessor at most (rows are strided over the grid)
-MIN_CHUNK = int(os.environ.get("GENIE_CUPY_ATTN_CHUNK", "32"))
-"""Fewest positions one decode-attention slice takes (env GENIE_CUPY_ATTN_CHUNK, for tuning)."""
-ATTN_WARPS = int(os.environ.get("GENIE_CUPY_ATTN_WARPS", "0"))
-"""Warps of one decode-attention block (env GENIE_CUPY_ATTN_WARPS, for tuning; 0: the rule of
-`decode_src.attn_warps`)."""
 AQ_CODE = {None: 0, "q8_0": 1, "q8_k": 2}
 _H2D = cp.cuda.runtime.memcpyHostToDevice
 _D2H = cp.cuda.runtime.memcpyDeviceToHost
@@ -192,7 +187,11 @@ def gemv_launches(fn: Any, n_sm: int, w: Any, x: cp.ndarray, nw: cp.ndarray | No
 class CupyDecoder:
     """A model's decode step as preallocated buffers + a captured CUDA graph (see module doc)."""
 
-    def __init__(self, tf: Any, use_graph: bool = True, use_pdl: bool = True) -> None:
+    def __init__(self, tf: Any, use_graph: bool = True, use_pdl: bool = True,
+                 options: EngineOptions | None = None) -> None:
+        opts = options or DEFAULT_OPTIONS
+        self.options = opts
+        """The tuning knobs the step was built with (`EngineOptions`; None: the defaults)."""
         s = tf.spec
         self.tf = tf
         self.spec = s
@@ -200,7 +199,7 @@ class CupyDecoder:
         e, hd, vd, nh, nkv = s.n_embd, s.head_dim, s.v_head_dim, s.n_heads, s.n_kv_heads
         kv_half = tf.kv.k[0].dtype == cp.float16
         kv_int8 = isinstance(tf.kv.k[0], Int8Rows)
-        self.attn_warps = ATTN_WARPS or decode_src.attn_warps(nh // nkv, hd)
+        self.attn_warps = opts.attn_warps or decode_src.attn_warps(nh // nkv, hd)
         dev = cp.cuda.Device()
         self.n_sm = int(cp.cuda.runtime.getDeviceProperties(dev.id)["multiProcessorCount"])
         self.n_split = max(1, min(64, -(-2 * self.n_sm // nkv)))  # slices of >= 32 positions
@@ -213,7 +212,8 @@ class CupyDecoder:
         src = decode_src.source(
             sorted(types), n_heads=nh, n_kv_heads=nkv, head_dim=hd, v_head_dim=vd,
             rope_half=rope_half, neox=s.traits.rope_style == "neox", kv_half=kv_half,
-            n_split=self.n_split, kv_int8=kv_int8, min_chunk=MIN_CHUNK, warps=self.attn_warps,
+            n_split=self.n_split, kv_int8=kv_int8, min_chunk=opts.attn_chunk, warps=self.attn_warps,
+            qgemv_unroll=opts.qgemv_unroll, qgemv_unroll_glu=opts.qgemv_unroll_glu,
         )
         self.module = _module(src)
         self._fns: dict[str, Any] = {}
@@ -253,7 +253,7 @@ class CupyDecoder:
         self.plan: list[_Launch] = []
         self._build_plan()
         self.pdl = False
-        self._set_pdl(pdl_launcher() if use_pdl else None)
+        self._set_pdl(pdl_launcher(use_pdl and opts.cupy_pdl))
         self.stream = cp.cuda.Stream(non_blocking=True)
         self._ready = cp.cuda.Event(block=False, disable_timing=True)
         self.graph: Any = None

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from functools import lru_cache
 from typing import Any
 
@@ -89,12 +88,15 @@ def _error_name(lib: Any, rc: int) -> str:
     return f"CUresult {rc}"
 
 
-@lru_cache(maxsize=1)
-def pdl_launcher() -> Any:
+def pdl_launcher(enabled: bool = True) -> Any:
     """libcuda with `cuLaunchKernelEx` where PDL is usable on the current device (compute
-    capability >= 9.0, driver >= 12.3, env GENIE_CUPY_PDL not 0), else None (why: logged)."""
-    if os.environ.get("GENIE_CUPY_PDL", "1") == "0":
-        return None
+    capability >= 9.0, driver >= 12.3) and `enabled` (`EngineOptions.cupy_pdl`), else None (why:
+    logged); None when not enabled without any CUDA call."""
+    return _pdl_library() if enabled else None
+
+
+@lru_cache(maxsize=1)
+def _pdl_library() -> Any:
     import cupy as cp
 
     try:

@@ -17,12 +17,12 @@ Parts (bytes):
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..gguf_file import GGUFFile
 from ..kv_cache import kv_bytes
+from ..options import EngineOptions
 from ..spec import ModelSpec
 
 SCRATCH_ELEMS = 16 * 1024 * 1024
@@ -52,9 +52,9 @@ ARGMAX_BLOCKS = 64
 """`cupy_decoder.ARGMAX_BLOCKS`."""
 
 
-def resolve_prefill_dtype(value: str | None) -> str:
-    """The prefill tile precision: `value`, else $GENIE_CUPY_PREFILL, else "auto"."""
-    mode = value if value is not None else os.environ.get("GENIE_CUPY_PREFILL", "auto")
+def resolve_prefill_dtype(value: str | None, default: str = "auto") -> str:
+    """The prefill tile precision: `value`, else `default` (`EngineOptions.cupy_prefill`), checked."""
+    mode = value if value is not None else default
     if mode not in PREFILL_DTYPES:
         raise ValueError(f"prefill_dtype {mode!r}: expected one of {', '.join(PREFILL_DTYPES)}")
     return mode
@@ -185,17 +185,18 @@ def score_elems(n_kv: int, n_ctx: int) -> int:
 
 
 GRAPH_MAX_WEIGHTS = 1 << 30
-"""Models with fewer weight bytes (host-bound prefill) get first-chunk graphs (env
-GENIE_CUPY_PREFILL_GRAPH: 0 never, 1 always, unset: by this size)."""
+"""Models with fewer weight bytes (host-bound prefill) get first-chunk graphs
+(`EngineOptions.cupy_prefill_graph`, env GENIE_CUPY_PREFILL_GRAPH: 0 never, 1 always, unset: by
+this size)."""
 
 
-def prefill_graph_buckets(weights: int, chunk: int, n_ctx: int) -> tuple[int, ...]:
+def prefill_graph_buckets(weights: int, chunk: int, n_ctx: int,
+                          forced: bool | None = None) -> tuple[int, ...]:
     """The first-chunk lengths a model of `weights` bytes replays from graphs (empty: none): one,
     the chunk (a shorter first chunk is padded to it: for a host-bound model a padded graph
     replay costs less than the eager pass of even a few tokens, and one bucket holds one chunk's
-    activations)."""
-    env = os.environ.get("GENIE_CUPY_PREFILL_GRAPH", "")
-    if env == "0" or (env != "1" and weights >= GRAPH_MAX_WEIGHTS):
+    activations); `forced` False: none, True: whatever the size, None: by GRAPH_MAX_WEIGHTS."""
+    if forced is False or (forced is None and weights >= GRAPH_MAX_WEIGHTS):
         return ()
     n = min(chunk, n_ctx)
     return (n,) if n >= 2 else ()
@@ -225,10 +226,13 @@ class GpuPlan:
 
 
 def plan(gf: GGUFFile, spec: ModelSpec, n_ctx: int, kv_dtype: str, chunk: int = PREFILL_CHUNK,
-         last_n: int = 1, prefill_dtype: str | None = None) -> GpuPlan:
+         last_n: int = 1, prefill_dtype: str | None = None,
+         options: EngineOptions | None = None) -> GpuPlan:
     """The CuPy backend's memory for this model at `n_ctx`, prefill chunks of <= `chunk` tokens
-    returning <= `last_n` rows of logits (Model.generate: 1)."""
-    mode = resolve_prefill_dtype(prefill_dtype)
+    returning <= `last_n` rows of logits (Model.generate: 1), under `options` (None: the
+    environment's, as `engine.load_model` without options); `prefill_dtype` overrides theirs."""
+    opts = options if options is not None else EngineOptions.from_env()
+    mode = resolve_prefill_dtype(prefill_dtype, opts.cupy_prefill)
     dts = {tile_dtype(mode, m.types, m.rows, m.cols) for m in matrices(gf, spec)
            if m.name != "output" or last_n > 1}
     itemsize = 4 if "float32" in dts else 2
@@ -239,7 +243,7 @@ def plan(gf: GGUFFile, spec: ModelSpec, n_ctx: int, kv_dtype: str, chunk: int = 
     act = prefill_activation_bytes(spec, t, last_n, half="float16" in dts)
     w = weights_bytes(gf)
     graphs = sum(prefill_activation_bytes(spec, b, 1, half="float16" in dts)
-                 for b in prefill_graph_buckets(w, chunk, n_ctx))
+                 for b in prefill_graph_buckets(w, chunk, n_ctx, opts.cupy_prefill_graph))
     return GpuPlan(
         weights=w, kv=kv_bytes(spec, n_ctx, kv_dtype), graphs=int(graphs * (1 + POOL_SLACK)),
         tables=rope_table_bytes(spec, n_ctx), decode_scratch=decode_scratch_bytes(spec),

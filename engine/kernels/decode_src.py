@@ -744,9 +744,11 @@ def attn_warps(group: int, head_dim: int) -> int:
 def source(types: list[str] | tuple[str, ...], *, n_heads: int, n_kv_heads: int, head_dim: int,
            v_head_dim: int, rope_half: int, neox: bool, kv_half: bool, n_split: int,
            kv_int8: bool = False, min_chunk: int = 32, lanes_per_pos: int | None = None,
-           warps: int | None = None) -> str:
+           warps: int | None = None, qgemv_unroll: int = qdot_src.UNROLL,
+           qgemv_unroll_glu: int = qdot_src.UNROLL_GLU) -> str:
     """The decode module for one model shape and the given weight types (`kv_half` / `kv_int8`:
-    the cache's element type; `min_chunk`: fewest positions an attention slice takes)."""
+    the cache's element type; `min_chunk`: fewest positions an attention slice takes;
+    `qgemv_unroll` / `qgemv_unroll_glu`: the integer-dot GEMVs' unrolling, `qdot_src.source`)."""
     shaped = SHAPED
     width = 8 if (kv_half or kv_int8) else 4  # values a lane loads at once: 16 bytes (8 for int8)
     lpp = lanes_per_pos or ATTN_LANES
@@ -762,4 +764,5 @@ def source(types: list[str] | tuple[str, ...], *, n_heads: int, n_kv_heads: int,
     }.items():
         shaped = shaped.replace(k, str(v))
     gemv = "".join(GEMV.replace("{T}", t) for t in sorted(set(types)))
-    return UNITS + COMMON + qdot_src.round_source() + gemv + qdot_src.source(types) + MISC + shaped
+    qdot = qdot_src.source(types, qgemv_unroll, qgemv_unroll_glu)
+    return UNITS + COMMON + qdot_src.round_source() + gemv + qdot + MISC + shaped

@@ -24,14 +24,15 @@ contribution given the int8 activations `xq`, their per-block scales `xd` (per 3
 256 for q8_k) and per-16 sums `xs16`.
 """
 
-import os
+from ..options import DEFAULT_OPTIONS
 
-UNROLL = int(os.environ.get("GENIE_QGEMV_UNROLL", "2"))
-"""Chunks a thread of `qgemv_<T>` loads at once (env GENIE_QGEMV_UNROLL, for tuning). Timed with
-the weights coming from DRAM (v7): 2 beats 4 and 8 (fewer registers, more blocks resident;
-Qwen3-4B-shape step 2.85 ms with 4, 3.13 with 8, head 172 -> 146 us with 2)."""
-UNROLL_GLU = int(os.environ.get("GENIE_QGEMV_UNROLL_GLU", "1"))
-"""The same for each of the two rows of `qgemv_glu_<T>` (env GENIE_QGEMV_UNROLL_GLU)."""
+UNROLL = DEFAULT_OPTIONS.qgemv_unroll
+"""Default chunks a thread of `qgemv_<T>` loads at once (`EngineOptions.qgemv_unroll`, env
+GENIE_QGEMV_UNROLL, for tuning). Timed with the weights coming from DRAM (v7): 2 beats 4 and 8
+(fewer registers, more blocks resident; Qwen3-4B-shape step 2.85 ms with 4, 3.13 with 8, head
+172 -> 146 us with 2)."""
+UNROLL_GLU = DEFAULT_OPTIONS.qgemv_unroll_glu
+"""The same for each of the two rows of `qgemv_glu_<T>` (`EngineOptions.qgemv_unroll_glu`)."""
 
 QTYPES = {"Q4_K": 2, "Q6_K": 2, "Q4_1": 1, "Q8_0": 1}
 """Types with an integer dot product, and the activation rounding (AQ code) each one needs."""
@@ -352,13 +353,14 @@ extern "C" __global__ void __launch_bounds__(256) qgemv_glu_{T}(
 """
 
 
-def source(types: list[str] | tuple[str, ...]) -> str:
-    """The integer-dot GEMV kernels for those of `types` that have one (after UNITS + COMMON)."""
+def source(types: list[str] | tuple[str, ...], unroll: int = UNROLL, unroll_glu: int = UNROLL_GLU) -> str:
+    """The integer-dot GEMV kernels for those of `types` that have one (after UNITS + COMMON),
+    loading `unroll` chunks at once (`unroll_glu` per row of the fused gate+up kernels)."""
     qt = sorted(t for t in set(types) if t in QTYPES)
     if not qt:
         return ""
-    unroll = f"#define QGEMV_U {UNROLL}\n#define QGEMV_UG {UNROLL_GLU}\n"
-    return unroll + QDOT + QPREP + "".join(QGEMV.replace("{T}", t) for t in qt)
+    unroll_defs = f"#define QGEMV_U {int(unroll)}\n#define QGEMV_UG {int(unroll_glu)}\n"
+    return unroll_defs + QDOT + QPREP + "".join(QGEMV.replace("{T}", t) for t in qt)
 
 
 def round_source() -> str:

@@ -1,0 +1,72 @@
+"""Engine tuning options: one frozen value passed to `engine.load_model`, built from the
+environment by `EngineOptions.from_env` (the only place the engine reads these variables).
+
+| field | env var | default | effect |
+| --- | --- | --- | --- |
+| `threads` | `GENIE_THREADS`, else `OMP_NUM_THREADS` | None (all cores) | native CPU kernels' threads |
+| `native_cflags` | `GENIE_NATIVE_CFLAGS` (split on whitespace) | () | extra C compiler flags of the native kernels |
+| `qgemv_unroll` | `GENIE_QGEMV_UNROLL` | 2 | chunks a thread of `qgemv_<T>` loads at once |
+| `qgemv_unroll_glu` | `GENIE_QGEMV_UNROLL_GLU` | 1 | the same for each row of `qgemv_glu_<T>` |
+| `cupy_pdl` | `GENIE_CUPY_PDL` (`0`: off) | True | programmatic dependent launch in the decode step |
+| `cupy_prefill` | `GENIE_CUPY_PREFILL` | "auto" | prefill tile precision: auto, float16, float32 |
+| `cupy_prefill_graph` | `GENIE_CUPY_PREFILL_GRAPH` (`0`/`1`) | None (by model size) | first-chunk prefill graphs |
+| `cupy_decoder` | `GENIE_CUPY_DECODER` | "graph" | one-token steps: graph, eager or off |
+| `attn_chunk` | `GENIE_CUPY_ATTN_CHUNK` | 32 | fewest positions a decode-attention slice takes |
+| `attn_warps` | `GENIE_CUPY_ATTN_WARPS` | 0 (the rule) | warps of a decode-attention block |
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """The engine's tuning knobs, fixed for one loaded model (defaults: the measured best)."""
+
+    threads: int | None = None
+    """Threads of the native CPU kernels; None: every core (an explicit `load_model(threads=)` wins)."""
+    native_cflags: tuple[str, ...] = ()
+    """Extra C compiler flags of the native CPU kernels (experiments; part of the build cache key)."""
+    qgemv_unroll: int = 2
+    """Chunks a thread of `qgemv_<T>` loads at once (2 beats 4 and 8 with weights from DRAM)."""
+    qgemv_unroll_glu: int = 1
+    """Chunks each of the two rows of `qgemv_glu_<T>` loads at once."""
+    cupy_pdl: bool = True
+    """Whether the CUDA decode step uses programmatic dependent launch where the device has it."""
+    cupy_prefill: str = "auto"
+    """CuPy prefill tile precision: "auto", "float16" or "float32" (checked when used)."""
+    cupy_prefill_graph: bool | None = None
+    """First-chunk prefill graphs: False never, True always, None by model size."""
+    cupy_decoder: str = "graph"
+    """CuPy one-token steps: "graph" (replayed CUDA graph), "eager" (same kernels) or "off"."""
+    attn_chunk: int = 32
+    """Fewest positions one decode-attention slice takes."""
+    attn_warps: int = 0
+    """Warps of one decode-attention block; 0: `decode_src.attn_warps`'s rule."""
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> EngineOptions:
+        """The options that the variables of `environ` set (the table above), defaults elsewhere."""
+        env = environ
+        threads_s = env.get("GENIE_THREADS") or env.get("OMP_NUM_THREADS")
+        threads = int(threads_s) if threads_s and threads_s.strip().isdigit() and int(threads_s) > 0 else None
+        graph = env.get("GENIE_CUPY_PREFILL_GRAPH", "")
+        return cls(
+            threads=threads,
+            native_cflags=tuple(env.get("GENIE_NATIVE_CFLAGS", "").split()),
+            qgemv_unroll=int(env.get("GENIE_QGEMV_UNROLL", "2")),
+            qgemv_unroll_glu=int(env.get("GENIE_QGEMV_UNROLL_GLU", "1")),
+            cupy_pdl=env.get("GENIE_CUPY_PDL", "1") != "0",
+            cupy_prefill=env.get("GENIE_CUPY_PREFILL", "auto"),
+            cupy_prefill_graph={"0": False, "1": True}.get(graph),
+            cupy_decoder=env.get("GENIE_CUPY_DECODER", "graph"),
+            attn_chunk=int(env.get("GENIE_CUPY_ATTN_CHUNK", "32")),
+            attn_warps=int(env.get("GENIE_CUPY_ATTN_WARPS", "0")),
+        )
+
+
+DEFAULT_OPTIONS = EngineOptions()
+"""The defaults, for callers below `load_model` that were given no options."""

@@ -1,0 +1,167 @@
+"""Engine options: `EngineOptions.from_env` parses every variable, `load_model(options=...)` reaches
+the backend, the kernel sources follow the options, and no other engine module reads the environment."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import FrozenInstanceError
+from pathlib import Path
+
+import pytest
+
+from engine import EngineOptions, load_model
+from engine.backends.cpu_native import native_available
+from engine.gguf_file import read_gguf
+from engine.kernels import decode_src, qdot_src
+from engine.model import plan_memory
+from engine.spec import read_spec
+from engine.synth import write_synthetic_gguf
+
+SHAPE = dict(n_layers=2, n_embd=256, n_ff=512, n_heads=4, n_kv_heads=2, n_vocab=300)
+ENGINE = Path(__file__).resolve().parents[1] / "engine"
+
+
+VARIABLES = ("GENIE_THREADS", "OMP_NUM_THREADS", "GENIE_NATIVE_CFLAGS", "GENIE_QGEMV_UNROLL",
+             "GENIE_QGEMV_UNROLL_GLU", "GENIE_CUPY_PDL", "GENIE_CUPY_PREFILL", "GENIE_CUPY_PREFILL_GRAPH",
+             "GENIE_CUPY_DECODER", "GENIE_CUPY_ATTN_CHUNK", "GENIE_CUPY_ATTN_WARPS")
+
+
+@pytest.fixture(autouse=True)
+def _clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests start without any of the engine's variables (the caller's shell may set some)."""
+    for name in VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+
+
+def _model(tmp_path: Path) -> str:
+    return write_synthetic_gguf(tmp_path / "m.gguf", "qwen3", weight_type="Q8_0", seed=1, **SHAPE)  # type: ignore[arg-type]
+
+
+def test_defaults_are_the_engines_and_the_value_is_frozen() -> None:
+    """An empty environment gives the defaults (the engine's measured best); options cannot change once made."""
+    o = EngineOptions.from_env({})
+    assert o == EngineOptions()
+    assert (o.threads, o.native_cflags, o.qgemv_unroll, o.qgemv_unroll_glu, o.cupy_pdl) == (None, (), 2, 1, True)
+    assert (o.cupy_prefill, o.cupy_prefill_graph, o.cupy_decoder, o.attn_chunk, o.attn_warps) == (
+        "auto", None, "graph", 32, 0)
+    with pytest.raises(FrozenInstanceError):
+        o.threads = 3  # type: ignore[misc]
+
+
+def test_from_env_parses_every_variable() -> None:
+    """Each variable sets its field with the parsing the engine always used."""
+    env = {
+        "GENIE_THREADS": "3", "OMP_NUM_THREADS": "7", "GENIE_NATIVE_CFLAGS": " -DA=1  -fno-x ",
+        "GENIE_QGEMV_UNROLL": "4", "GENIE_QGEMV_UNROLL_GLU": "2", "GENIE_CUPY_PDL": "0",
+        "GENIE_CUPY_PREFILL": "float16", "GENIE_CUPY_PREFILL_GRAPH": "1", "GENIE_CUPY_DECODER": "eager",
+        "GENIE_CUPY_ATTN_CHUNK": "64", "GENIE_CUPY_ATTN_WARPS": "8",
+    }
+    assert EngineOptions.from_env(env) == EngineOptions(
+        threads=3, native_cflags=("-DA=1", "-fno-x"), qgemv_unroll=4, qgemv_unroll_glu=2,
+        cupy_pdl=False, cupy_prefill="float16", cupy_prefill_graph=True, cupy_decoder="eager",
+        attn_chunk=64, attn_warps=8,
+    )
+
+
+@pytest.mark.parametrize("env,threads", [
+    ({"OMP_NUM_THREADS": "5"}, 5),  # GENIE_THREADS unset: OpenMP's variable
+    ({"GENIE_THREADS": "", "OMP_NUM_THREADS": "5"}, 5),
+    ({"GENIE_THREADS": "2", "OMP_NUM_THREADS": "5"}, 2),
+    ({"GENIE_THREADS": "0"}, None),  # not a thread count: every core
+    ({"GENIE_THREADS": "many", "OMP_NUM_THREADS": "5"}, None),
+])
+def test_threads_come_from_genie_threads_else_omp_num_threads(env: dict[str, str], threads: int | None) -> None:
+    """GENIE_THREADS wins when set; a value that is not a positive count means every core."""
+    assert EngineOptions.from_env(env).threads == threads
+
+
+@pytest.mark.parametrize("value,forced", [("0", False), ("1", True), ("", None), ("yes", None)])
+def test_prefill_graph_is_forced_only_by_0_and_1(value: str, forced: bool | None) -> None:
+    """GENIE_CUPY_PREFILL_GRAPH: 0 never, 1 always, anything else by model size."""
+    assert EngineOptions.from_env({"GENIE_CUPY_PREFILL_GRAPH": value}).cupy_prefill_graph is forced
+
+
+def test_pdl_is_off_only_for_0() -> None:
+    """GENIE_CUPY_PDL switches programmatic dependent launch off with 0 and only with 0."""
+    assert [EngineOptions.from_env({"GENIE_CUPY_PDL": v}).cupy_pdl for v in ("0", "1", "", "no")] == [
+        False, True, True, True]
+
+
+def test_from_env_reads_os_environ_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without an argument the process environment is read, at call time."""
+    monkeypatch.setenv("GENIE_CUPY_ATTN_CHUNK", "48")
+    assert EngineOptions.from_env().attn_chunk == 48
+
+
+def test_numpy_model_keeps_the_options_it_was_loaded_with(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """load_model uses the given options as they are, and reads the environment only without them."""
+    monkeypatch.setenv("GENIE_CUPY_DECODER", "off")
+    opts = EngineOptions(attn_chunk=16)
+    assert load_model(_model(tmp_path), backend="numpy", n_ctx=64, options=opts).options is opts
+    m = load_model(_model(tmp_path), backend="numpy", n_ctx=64)
+    assert m.options == EngineOptions(cupy_decoder="off")
+
+
+@pytest.mark.skipif(not native_available()[0], reason="native kernels unavailable")
+def test_options_reach_the_native_backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The native backend runs the options' thread count and builds with their compiler flags; an
+    explicit `threads=` wins; without options GENIE_THREADS still applies."""
+    p = _model(tmp_path)
+    flag = "-DGENIE_OPTIONS_TEST=1"
+    m = load_model(p, backend="native", n_ctx=64, options=EngineOptions(threads=1, native_cflags=(flag,)))
+    assert m.transformer.ops.threads == 1
+    assert flag in m.transformer.ops.build_info
+    plain = load_model(p, backend="native", n_ctx=64, options=EngineOptions(threads=1))
+    assert flag not in plain.transformer.ops.build_info  # a library per flag set: no wrong reuse
+    assert load_model(p, backend="native", n_ctx=64, threads=2,
+                      options=EngineOptions(threads=1)).transformer.ops.threads == 2
+    monkeypatch.setenv("GENIE_THREADS", "3")
+    assert load_model(p, backend="native", n_ctx=64).transformer.ops.threads == 3
+
+
+def test_cupy_memory_plan_follows_the_prefill_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU plan counts first-chunk graphs and tile precision as the options say (the
+    environment's when none are given, as load_model)."""
+    gf = read_gguf(_model(tmp_path))
+    spec = read_spec(gf)
+
+    def graphs(**kw: object) -> int:
+        return dict(plan_memory(gf, spec, 512, "f16", backend="cupy", **kw).parts)["prefill_graphs"]  # type: ignore[arg-type]
+
+    assert graphs(options=EngineOptions()) > 0  # a small model: graphs by size
+    assert graphs(options=EngineOptions(cupy_prefill_graph=False)) == 0
+    monkeypatch.setenv("GENIE_CUPY_PREFILL_GRAPH", "0")
+    assert graphs() == 0
+    f32 = plan_memory(gf, spec, 512, "f16", backend="cupy", options=EngineOptions(cupy_prefill="float32"))
+    f16 = plan_memory(gf, spec, 512, "f16", backend="cupy", options=EngineOptions(cupy_prefill="float16"))
+    assert dict(f32.parts)["prefill_tiles"] == 2 * dict(f16.parts)["prefill_tiles"]
+    with pytest.raises(ValueError, match="prefill_dtype"):
+        plan_memory(gf, spec, 512, "f16", backend="cupy", options=EngineOptions(cupy_prefill="bf16"))
+
+
+def test_kernel_sources_follow_the_options() -> None:
+    """The decode module's source carries the unrolling and attention options, so modules cached by
+    source never serve a model built with other options; the defaults give the old source."""
+    shape = dict(n_heads=4, n_kv_heads=2, head_dim=64, v_head_dim=64, rope_half=32, neox=False,
+                 kv_half=True, n_split=8)
+    base = decode_src.source(["Q4_K"], **shape)  # type: ignore[arg-type]
+    assert "#define QGEMV_U 2\n#define QGEMV_UG 1\n" in base
+    assert qdot_src.source(["Q4_K"]).startswith("#define QGEMV_U 2\n#define QGEMV_UG 1\n")
+    other = decode_src.source(["Q4_K"], **shape, qgemv_unroll=4, qgemv_unroll_glu=2)  # type: ignore[arg-type]
+    assert "#define QGEMV_U 4\n#define QGEMV_UG 2\n" in other and other != base
+    assert decode_src.source(["Q4_K"], **shape, min_chunk=64) != base  # type: ignore[arg-type]
+
+
+def test_no_engine_module_reads_the_environment_but_from_env() -> None:
+    """Only EngineOptions.from_env reads engine variables; cpu_native reads CC and XDG_CACHE_HOME
+    (compiler discovery, not tuning)."""
+    offenders = []
+    for path in sorted(ENGINE.rglob("*.py")):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if not re.search(r"os\.environ|os\.getenv|getenv\(", line):
+                continue
+            rel = path.relative_to(ENGINE).as_posix()
+            if rel == "options.py" or (rel == "backends/cpu_native.py" and re.search(r"\"(CC|XDG_CACHE_HOME)\"", line)):
+                continue
+            offenders.append(f"{rel}:{n}: {line.strip()}")
+    assert offenders == []

@@ -32,6 +32,7 @@ from anyio.abc import TaskGroup, TaskStatus
 
 from . import __version__
 from .admission import Admission
+from .api.deps import ApiDeps
 from .api.ops import jsonable
 from .api.server import HttpServer, bind_socket, create_app
 from .arbiter import Arbiter, DecodeGate
@@ -241,6 +242,12 @@ class Supervisor:
             "systemd": {"notify_socket": self.notifier.socket_path, "watchdog_s": self.notifier.watchdog_s},
         }
 
+    def _api_deps(self) -> ApiDeps:
+        """What the HTTP routes may use of this daemon."""
+        return ApiDeps(config=self.cfg, admission=self.admission, models=self.models, gate=self.gate,
+                       voice=self.voice, policy=lambda: self.policy, status=lambda: self.status(),
+                       uptime_s=lambda: self.uptime_s, version=self.version)
+
     def _on_policy(self, policy: Policy, error: PolicyErrors | None) -> None:
         self.store.set_policy(policy.name, str(error) if error else None)
         self.store.set_hint_timeout(policy.voice.hint_timeout_s or self.cfg.voice.hint_timeout_s)
@@ -342,7 +349,7 @@ class Supervisor:
                     for name, svc in cfg.services.items()]
         for watcher in build_watchers(settings, self.store.publish, wait_parked=self.gate.wait_parked):
             await tg.start(watcher.run)
-        self.http = HttpServer(create_app(self), sock)
+        self.http = HttpServer(create_app(self._api_deps()), sock)
         await tg.start(self.http.run)
         log.info("http_listening", address=self.http.address)
         await tg.start(self.models.run)

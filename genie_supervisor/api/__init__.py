@@ -1,4 +1,4 @@
-"""The HTTP API: an app factory (`server.create_app`) and routers, one module per concern.
+"""The HTTP API: an app factory (`server.create_app`, given an `ApiDeps`) and routers, one module per concern.
 
 `ops` (/health, /status, /v1/voice/events), `openai_routes` (/v1/chat/completions,
 /v1/completions, /v1/models), `llama_routes` (/completion), `manage` (/running, /unload,
@@ -6,6 +6,7 @@
 the model manager and a backend while watching the client, `metrics` is the Prometheus collector.
 """
 
+from .deps import ApiDeps
 from .server import HttpServer, create_app, error_response
 
-__all__ = ["HttpServer", "create_app", "error_response"]
+__all__ = ["ApiDeps", "HttpServer", "create_app", "error_response"]

@@ -1,6 +1,6 @@
 """Running one generation request: admission, model lease, engine, and the client's connection.
 
-A route parses its body into a `Job` and returns ``GenerationResponse(sup, job)``, an ASGI
+A route parses its body into a `Job` and returns ``GenerationResponse(deps, job)``, an ASGI
 response that does the rest while it watches the client:
 
     admission slot (priority queue; 429 / 503)  ->  model lease (load / swap; 404 / 503)
@@ -27,12 +27,12 @@ from starlette.responses import Response
 from engine import SamplingParams
 from engine.errors import EngineError
 
-from ..engine_host import AdmissionError, EngineUnavailable
+from ..errors import AdmissionError, EngineUnavailable
 from .schemas import check_token_ids
 from .server import admission_response, error_body, error_response
 
 if TYPE_CHECKING:
-    from ..app import Supervisor
+    from .deps import ApiDeps
 
 log = structlog.get_logger(__name__)
 
@@ -112,9 +112,9 @@ def _sse(event: dict[str, Any] | str) -> bytes:
 class GenerationResponse(Response):
     """An ASGI response running `job` to the end, or until its client disconnects."""
 
-    def __init__(self, sup: Supervisor, job: Job) -> None:
+    def __init__(self, deps: ApiDeps, job: Job) -> None:
         super().__init__()  # status, headers and body are decided while it runs
-        self.sup = sup
+        self.deps = deps
         self.job = job
         self.started = False
         self.disconnected = False
@@ -136,11 +136,11 @@ class GenerationResponse(Response):
                 tg.cancel_scope.cancel()
 
     async def _serve(self, scope: Any, receive: Any, send: Any) -> None:
-        sup, job = self.sup, self.job
+        deps, job = self.deps, self.job
         try:
-            cls = sup.admission.resolve(job.priority)
-            model = sup.models.resolve(job.model)
-            async with sup.admission.slot(cls), sup.models.lease(model) as lease:
+            cls = deps.admission.resolve(job.priority)
+            model = deps.models.resolve(job.model)
+            async with deps.admission.slot(cls), deps.models.lease(model) as lease:
                 if _token_ids(job.prompt):
                     check_token_ids(job.prompt, _n_vocab(lease.backend), job.prompt_param)
                 stream = await lease.backend.generate(job.prompt, job.sampling, cls)
@@ -161,12 +161,12 @@ class GenerationResponse(Response):
                         result.prompt_tokens = stream.prompt_tokens
                         result.completion_tokens = stream.completion_tokens
                         result.timings = stream.timings()
-                        sup.models.record(model.id, result.prompt_tokens, result.completion_tokens, result.timings)
+                        deps.models.record(model.id, result.prompt_tokens, result.completion_tokens, result.timings)
             if job.stream:
                 for event in job.fmt.end(result):
                     await self._send_event(send, event)
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
-            elif result.finish_reason == "cancelled" and sup.models.closing:  # cut short by SIGTERM: retry later
+            elif result.finish_reason == "cancelled" and deps.models.closing:  # cut short by SIGTERM: retry later
                 raise EngineUnavailable(f"the supervisor is shutting down; the generation was stopped after "
                                         f"{result.completion_tokens} tokens")
             else:

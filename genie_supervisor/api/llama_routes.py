@@ -8,9 +8,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from ..admission import PRIORITY_HEADER
+from ..errors import BadRequest
+from .deps import get_deps
 from .generation import GenerationResponse, Job, Result
-from .schemas import BadRequest, LlamaCompletionRequest, parse_body
-from .server import get_supervisor
+from .schemas import LlamaCompletionRequest, parse_body
 
 router = APIRouter()
 
@@ -62,11 +63,11 @@ class LlamaFormat:
 @router.post("/completion")
 async def completion(request: Request) -> Response:
     """llama-server's completion: ``prompt`` and ``n_predict`` in, ``content`` and counts out."""
-    sup = get_supervisor(request)
+    deps = get_deps(request)
     req = parse_body(await request.body(), LlamaCompletionRequest)
     prompt: Any = req.prompt
     if not prompt:
         raise BadRequest("the prompt is empty", "prompt")
     job = Job(req.model, request.headers.get(PRIORITY_HEADER) or req.priority, prompt,
-              req.sampling(sup.cfg.api.default_max_tokens), req.stream, LlamaFormat(req))
-    return GenerationResponse(sup, job)
+              req.sampling(deps.config.api.default_max_tokens), req.stream, LlamaFormat(req))
+    return GenerationResponse(deps, job)

@@ -8,9 +8,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from .metrics import registry_for
-from .schemas import BadRequest
-from .server import get_supervisor
+from ..errors import BadRequest
+from .deps import get_deps
 
 router = APIRouter()
 
@@ -18,15 +17,15 @@ router = APIRouter()
 @router.get("/running")
 async def running(request: Request) -> JSONResponse:
     """Models loaded or loading now, with their requests, and the admission queue."""
-    sup = get_supervisor(request)
-    models = [m.describe() for m in sup.models.models.values() if m.state in ("ready", "loading")]
-    return JSONResponse({"running": models, "admission": sup.admission.describe()})
+    deps = get_deps(request)
+    models = [m.describe() for m in deps.models.models.values() if m.state in ("ready", "loading")]
+    return JSONResponse({"running": models, "admission": deps.admission.describe()})
 
 
 @router.post("/unload")
 async def unload(request: Request) -> JSONResponse:
     """Unload one model (``{"model": id-or-role}``) or all; drains running requests unless ``"force": true``."""
-    sup = get_supervisor(request)
+    deps = get_deps(request)
     raw = await request.body()
     body: object = {}
     if raw.strip():
@@ -41,11 +40,11 @@ async def unload(request: Request) -> JSONResponse:
         raise BadRequest("model must be a string (an id or a role)", "model")
     if not isinstance(force, bool):
         raise BadRequest("force must be true or false", "force")
-    done = await sup.models.unload(model, force=force)
+    done = await deps.models.unload(model, force=force)
     return JSONResponse({"unloaded": done, "force": force})
 
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     """Prometheus text format: models, admission, tokens, speeds, gate, voice events."""
-    return Response(generate_latest(registry_for(get_supervisor(request))), media_type=CONTENT_TYPE_LATEST)
+    return Response(generate_latest(request.app.state.metrics_registry), media_type=CONTENT_TYPE_LATEST)

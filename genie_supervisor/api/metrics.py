@@ -1,4 +1,4 @@
-"""Prometheus metrics: one registry per Supervisor, read from the components at scrape time."""
+"""Prometheus metrics: one registry per app, read from the daemon's parts (`ApiDeps`) at scrape time."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from ..app import Supervisor
+    from .deps import ApiDeps
 
 STATES = ("unloaded", "loading", "ready", "error")
 
@@ -18,20 +18,20 @@ STATES = ("unloaded", "loading", "ready", "error")
 class SupervisorCollector(Collector):
     """Every genie_* metric, computed from the supervisor's counters when scraped."""
 
-    def __init__(self, sup: Supervisor) -> None:
-        self.sup = sup
+    def __init__(self, deps: ApiDeps) -> None:
+        self.deps = deps
 
     def collect(self) -> Iterator[Metric]:
-        sup = self.sup
-        yield from self._models(sup)
-        yield from self._admission(sup)
-        yield from self._gate(sup.gate.metrics())
+        deps = self.deps
+        yield from self._models(deps)
+        yield from self._admission(deps)
+        yield from self._gate(deps.gate.metrics())
         voice = CounterMetricFamily("genie_voice_events", "Voice hints handled", labels=["service", "event", "source"])
-        for (service, event, source), n in sorted(getattr(sup.voice, "counts", {}).items()):
+        for (service, event, source), n in sorted(deps.voice.counts.items()):
             voice.add_metric([service, event, source], n)
         yield voice
 
-    def _models(self, sup: Supervisor) -> Iterator[Metric]:
+    def _models(self, deps: ApiDeps) -> Iterator[Metric]:
         state = GaugeMetricFamily("genie_model_state", "1 for the state each model is in", labels=["model", "backend", "state"])
         mem = GaugeMetricFamily("genie_model_memory_bytes", "Planned memory of each model (weights+KV+scratch)", labels=["model"])
         load = GaugeMetricFamily("genie_model_load_seconds", "Duration of the last load", labels=["model"])
@@ -41,7 +41,7 @@ class SupervisorCollector(Collector):
         tokens = CounterMetricFamily("genie_tokens", "Tokens processed", labels=["model", "kind"])
         prefill = GaugeMetricFamily("genie_prefill_tokens_per_second", "Prefill speed of the last request", labels=["model"])
         decode = GaugeMetricFamily("genie_decode_tokens_per_second", "Decode speed of the last request", labels=["model"])
-        for m in sup.models.models.values():
+        for m in deps.models.models.values():
             for s in STATES:
                 state.add_metric([m.id, m.kind, s], 1.0 if m.state == s else 0.0)
             if m.plan is not None:
@@ -56,11 +56,11 @@ class SupervisorCollector(Collector):
             prefill.add_metric([m.id], m.usage.prefill_tps)
             decode.add_metric([m.id], m.usage.decode_tps)
         budget = GaugeMetricFamily("genie_llm_budget_bytes", "The policy's LLM memory budget")
-        budget.add_metric([], sup.policy.memory.llm_budget_mb * 1024 * 1024)
+        budget.add_metric([], deps.policy().memory.llm_budget_mb * 1024 * 1024)
         yield from (state, mem, load, evict, flight, reqs, tokens, prefill, decode, budget)
 
-    def _admission(self, sup: Supervisor) -> Iterator[Metric]:
-        adm = sup.admission
+    def _admission(self, deps: ApiDeps) -> Iterator[Metric]:
+        adm = deps.admission
         depth = GaugeMetricFamily("genie_queue_depth", "Requests waiting for a slot", labels=["priority"])
         for cls, n in adm.queued_by_class().items():
             depth.add_metric([cls], n)
@@ -96,11 +96,8 @@ class SupervisorCollector(Collector):
         yield from (mode, pauses, paused, steps, reaction)
 
 
-def registry_for(sup: Supervisor) -> CollectorRegistry:
-    """The supervisor's own registry (made on first use)."""
-    reg = getattr(sup, "_metrics_registry", None)
-    if reg is None:
-        reg = CollectorRegistry(auto_describe=False)
-        reg.register(SupervisorCollector(sup))
-        sup._metrics_registry = reg  # type: ignore[attr-defined]
+def registry_for(deps: ApiDeps) -> CollectorRegistry:
+    """A new registry whose one collector reads `deps` when scraped (`create_app` makes one per app)."""
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(SupervisorCollector(deps))
     return reg

@@ -8,9 +8,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from ..admission import PRIORITY_HEADER
+from .deps import get_deps
 from .generation import GenerationResponse, Job, Result, new_id, now_s
 from .schemas import ChatRequest, CompletionRequest, parse_body
-from .server import get_supervisor
 
 router = APIRouter()
 
@@ -102,35 +102,35 @@ def _priority(request: Request, body_priority: str | None) -> str | None:
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     """Chat: messages in, one assistant message out (SSE chunks with ``stream: true``)."""
-    sup = get_supervisor(request)
+    deps = get_deps(request)
     req = parse_body(await request.body(), ChatRequest)
     req.check_n()
-    max_tokens = req.max_completion_tokens or req.max_tokens or sup.cfg.api.default_max_tokens
+    max_tokens = req.max_completion_tokens or req.max_tokens or deps.config.api.default_max_tokens
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     job = Job(req.model, _priority(request, req.priority), req.prompt(), req.sampling(max_tokens), req.stream,
               ChatFormat(include_usage))
-    return GenerationResponse(sup, job)
+    return GenerationResponse(deps, job)
 
 
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
     """Text completion: a prompt in, its continuation out (SSE chunks with ``stream: true``)."""
-    sup = get_supervisor(request)
+    deps = get_deps(request)
     req = parse_body(await request.body(), CompletionRequest)
     req.check_n()
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     prompt, name = req.text_prompt()
     job = Job(req.model, _priority(request, req.priority), prompt, req.sampling(req.max_tokens or 16),
               req.stream, CompletionFormat(include_usage), prompt_param=name)
-    return GenerationResponse(sup, job)
+    return GenerationResponse(deps, job)
 
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> JSONResponse:
     """Every configured model: id, roles, backend, state (unloaded/loading/ready/error), memory."""
-    sup = get_supervisor(request)
+    deps = get_deps(request)
     data = []
-    for m in sup.models.models.values():
+    for m in deps.models.models.values():
         d = m.describe()
         data.append({"id": m.id, "object": "model", "created": 0, "owned_by": "genie-supervisor",
                      **{k: d[k] for k in ("role", "roles", "backend", "backend_identity", "state", "error",

@@ -11,7 +11,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from .server import error_response, get_supervisor
+from .deps import get_deps
+from .server import error_response
 
 router = APIRouter()
 
@@ -34,8 +35,8 @@ def jsonable(value: Any) -> Any:
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
     """Liveness and identity: 200 when serving (with or without a model), 503 while loading or broken."""
-    sup = get_supervisor(request)
-    engine = sup.engine.describe()
+    deps = get_deps(request)
+    engine = deps.models.describe()
     state = engine["state"]
     status = {"loading": "loading", "error": "error"}.get(state, "ok")
     body = {
@@ -45,14 +46,14 @@ async def health(request: Request) -> JSONResponse:
         "backend_identity": engine.get("backend_identity"),
         "fallback": engine.get("fallback"),
         "fell_back": engine.get("fell_back", False),
-        "models": {m.id: m.state for m in sup.models.models.values()},
+        "models": {m.id: m.state for m in deps.models.models.values()},
         "model": engine["model"],
         "engine": state,
-        "gate": sup.gate.mode,
-        "gate_reasons": sorted(sup.gate.reasons),
-        "policy": sup.policy.name,
-        "uptime_s": round(sup.uptime_s, 3),
-        "version": sup.version,
+        "gate": deps.gate.mode,
+        "gate_reasons": sorted(deps.gate.reasons),
+        "policy": deps.policy().name,
+        "uptime_s": round(deps.uptime_s(), 3),
+        "version": deps.version,
     }
     return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
@@ -60,20 +61,20 @@ async def health(request: Request) -> JSONResponse:
 @router.get("/status")
 async def status(request: Request) -> JSONResponse:
     """The full snapshot: telemetry, services, voice, engine, gate, policy, decision, memory plan."""
-    return JSONResponse(get_supervisor(request).status())
+    return JSONResponse(get_deps(request).status())
 
 
 @router.post("/v1/voice/events")
 async def voice_event(request: Request) -> JSONResponse:
     """A voice hint ``{"service": "stt"|"tts", "event": "start"|"stop", "session"?: str}``."""
-    sup = get_supervisor(request)
+    deps = get_deps(request)
     raw = await request.body()
     try:
         payload = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         return error_response(400, f"the body must be JSON: {exc}")
     try:
-        activity = sup.voice.handle(payload, "http")
+        activity = deps.voice.handle(payload, "http")
     except ValueError as exc:
         return error_response(400, str(exc))
     return JSONResponse({"ok": True, "service": activity.service, "active": activity.active,

@@ -1,6 +1,6 @@
 """The FastAPI app factory and the uvicorn server that runs inside the daemon's task group.
 
-    app = create_app(supervisor)                        # routers read request.app.state.supervisor
+    app = create_app(deps)                              # ApiDeps; routers read request.app.state.deps
     http = HttpServer(app, sock)                        # sock: a bound listening socket
     await tg.start(http.run)                            # ready once uvicorn accepts connections
     await http.stop(timeout=3)                          # graceful: stop accepting, drain, close
@@ -25,11 +25,11 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
-from ..engine_host import AdmissionError
+from ..errors import AdmissionError
 from ..jsonlimits import MAX_DEPTH, JsonDepthError, check_depth
 
 if TYPE_CHECKING:
-    from ..app import Supervisor
+    from .deps import ApiDeps
 
 
 def error_body(status: int, message: str, type_: str | None = None, code: str | None = None,
@@ -48,10 +48,9 @@ def error_response(status: int, message: str, type_: str | None = None,
 
 
 def admission_response(exc: AdmissionError) -> JSONResponse:
-    """The HTTP answer to an AdmissionError (429 carries Retry-After)."""
-    retry = getattr(exc, "retry_after", None)
-    headers = {"Retry-After": str(retry)} if retry is not None else None
-    return error_response(exc.status, str(exc), None, exc.code, getattr(exc, "param", None), headers)
+    """The HTTP answer to an AdmissionError, read off the exception (a ``retry_after`` adds Retry-After)."""
+    headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else None
+    return error_response(exc.status, str(exc), exc.error_type, exc.code, exc.param, headers)
 
 
 class BodyLimit:
@@ -114,18 +113,14 @@ class BodyLimit:
         await response(scope, receive, send)
 
 
-def get_supervisor(request: Request) -> Supervisor:
-    """The running Supervisor (a FastAPI dependency for routers)."""
-    return request.app.state.supervisor
-
-
-def create_app(supervisor: Supervisor) -> Any:
-    """The app with the ops, OpenAI-compatible, llama-server and management routes."""
-    from . import llama_routes, manage, openai_routes, ops, security
+def create_app(deps: ApiDeps) -> Any:
+    """The app with the ops, OpenAI-compatible, llama-server and management routes, serving `deps`."""
+    from . import llama_routes, manage, metrics, openai_routes, ops, security
 
     app = FastAPI(title="genie-supervisor", version=__version__, docs_url=None, redoc_url=None,
                   openapi_url=None)
-    app.state.supervisor = supervisor
+    app.state.deps = deps
+    app.state.metrics_registry = metrics.registry_for(deps)
 
     async def validation_error(_request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
@@ -155,9 +150,7 @@ def create_app(supervisor: Supervisor) -> Any:
     app.include_router(openai_routes.router)
     app.include_router(llama_routes.router)
     app.include_router(manage.router)
-    limit = getattr(getattr(supervisor, "cfg", None), "api", None)
-    return security.guard(BodyLimit(app, limit.max_body_bytes if limit is not None else 1_048_576),
-                          getattr(supervisor, "cfg", None))
+    return security.guard(BodyLimit(app, deps.config.api.max_body_bytes), deps.config)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

@@ -2,8 +2,8 @@
 
 A 512-token forward pass of a SmolLM2-sized model is ~1,100 CuPy calls of 10-40 us of host time
 each while the GPU work behind them takes a few microseconds: the pass takes as long as Python
-takes to issue it. For such models (weights below `cupy_plan.GRAPH_MAX_WEIGHTS`, 1 GiB; env
-GENIE_CUPY_PREFILL_GRAPH=0/1 forces it off/on) the first chunk of a prompt (start 0, the common case: a voice assistant's prompt fits one chunk) runs as one graph:
+takes to issue it. For such models (weights below `cupy_plan.GRAPH_MAX_WEIGHTS`, 1 GiB;
+`EngineOptions.cupy_prefill_graph`, env GENIE_CUPY_PREFILL_GRAPH=0/1, forces it off/on) the first chunk of a prompt (start 0, the common case: a voice assistant's prompt fits one chunk) runs as one graph:
 
 - the chunk is padded to the chunk length (`cupy_plan.prefill_graph_buckets`: 512, or n_ctx when
   smaller) so one graph serves every prompt length; padding positions write K/V rows beyond the prompt,

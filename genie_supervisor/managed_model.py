@@ -1,0 +1,156 @@
+"""One configured model as the model manager keeps it: backend, state, memory plan, use."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .backends import Backend, Plan
+from .config import ModelEntry
+from .errors import AdmissionError, BudgetError, EngineUnavailable, ModelTooLarge
+from .events import EngineStats
+
+MiB = 1024 * 1024
+
+
+@dataclass
+class Usage:
+    """Counters of one model (for /metrics)."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    prefill_tps: float = 0.0
+    decode_tps: float = 0.0
+
+    def record(self, prompt_tokens: int, completion_tokens: int, timings: dict[str, float]) -> None:
+        """Count one finished request (llama-server's timings, where it sent them)."""
+        self.requests += 1
+        self.prompt_tokens += prompt_tokens
+        self.completion_tokens += completion_tokens
+        if timings.get("prompt_per_second"):
+            self.prefill_tps = float(timings["prompt_per_second"])
+        if timings.get("predicted_per_second"):
+            self.decode_tps = float(timings["predicted_per_second"])
+
+
+class ManagedModel:
+    """One configured model: its backend, state, plan and use."""
+
+    def __init__(self, model_id: str, entry: ModelEntry, kind: str, backend: Backend) -> None:
+        self.id = model_id
+        """Id clients use (the key under ``models``)."""
+        self.entry = entry
+        """Its config."""
+        self.kind = kind
+        """Backend serving it now: ``builtin`` or ``llama_cpp`` (the fallback once used)."""
+        self.backend = backend
+        """That backend."""
+        self.fell_back = False
+        """True when the fallback backend serves it."""
+        self.state = "unloaded"
+        """``unloaded``, ``loading``, ``ready`` or ``error``."""
+        self.error: str | None = None
+        """Why the last load failed."""
+        self.exc: BaseException | None = None
+        self.plan: Plan | None = None
+        """Memory plan of the backend in use (known after the first load attempt)."""
+        self.in_flight = 0
+        """Requests holding a lease."""
+        self.waiting = 0
+        """Requests waiting for it to become ready."""
+        self.draining = False
+        """Being emptied for an eviction or unload: new requests wait."""
+        self.last_used = 0.0
+        """Monotonic time its last request ended (or began)."""
+        self.loaded_at: float | None = None
+        """When it became ready."""
+        self.load_seconds: float | None = None
+        """How long the last load took."""
+        self.loads = 0
+        """Completed loads."""
+        self.evictions = 0
+        """Times it was evicted to make room."""
+        self.usage = Usage()
+        """Token counters."""
+
+    @property
+    def names(self) -> list[str]:
+        """Id and roles."""
+        return [self.id, *self.entry.roles]
+
+    @property
+    def plan_mb(self) -> float | None:
+        """Planned memory in MiB."""
+        return self.plan.total / MiB if self.plan else None
+
+    def describe(self) -> dict[str, Any]:
+        """For /v1/models, /running, /status."""
+        plan = self.plan
+        return {
+            "id": self.id, "roles": list(self.entry.roles), "role": self.entry.roles[0] if self.entry.roles else None,
+            "backend": self.kind, "backend_identity": self.backend.identity(), "fallback": self.fell_back,
+            "state": self.state, "error": self.error, "resident": self.entry.resident, "group": self.entry.group,
+            "priority": self.entry.priority, "in_flight": self.in_flight, "draining": self.draining,
+            "n_ctx": self.backend.n_ctx,
+            "memory": None if plan is None else {
+                "weights_mb": round(plan.weights / MiB, 3), "kv_mb": round(plan.kv / MiB, 3),
+                "scratch_mb": round(plan.scratch / MiB, 3), "total_mb": round(plan.total / MiB, 3)},
+            "load_seconds": None if self.load_seconds is None else round(self.load_seconds, 3),
+            "evictions": self.evictions,
+            **self.backend.describe(),
+        }
+
+
+class Lease:
+    """A request's hold on a ready model: it is not evicted until the lease ends."""
+
+    def __init__(self, model: ManagedModel) -> None:
+        self.model = model
+        """The model."""
+        self.backend = model.backend
+        """Its backend."""
+
+
+def aggregate_stats(ms: list[ManagedModel], by_id: dict[str, EngineStats], default: ManagedModel, queued: int,
+                    gate_mode: str) -> EngineStats:
+    """The daemon's EngineStats over its models: the busiest model's state, totals over all
+    (`by_id`: each builtin model's last EngineStats; llama_cpp models count through `usage`)."""
+    host_stats = [by_id.get(m.id) for m in ms]
+    busy = [(m, s) for m, s in zip(ms, host_stats, strict=True) if m.in_flight or (s and s.requests_in_flight)]
+    ref_m, ref_s = busy[0] if busy else (default, by_id.get(default.id))
+    if busy:
+        state = ref_s.state if ref_s and ref_s.state not in ("idle", "unloaded") else "decoding"
+        if ref_m.kind == "llama_cpp":
+            state = "paused" if gate_mode == "paused" else "decoding"
+    elif any(m.state == "loading" for m in ms):
+        state = "loading"
+    elif default.state == "error":
+        state = "error"
+    elif any(m.state == "ready" for m in ms):
+        state = "idle"
+    else:
+        state = "unloaded"
+    loaded = [s for m, s in zip(ms, host_stats, strict=True) if m.state == "ready" and s is not None]
+    weights = sum(s.weights_mb or 0 for s in loaded) or None
+    kv = sum(s.kv_mb or 0 for s in loaded) or None
+    backend = (ref_s.backend if ref_s and ref_m.kind == "builtin" else ref_m.kind)
+    return EngineStats(
+        state=state, model=(ref_s.model if ref_s and ref_s.model else ref_m.id), backend=backend,
+        decode_tps=ref_s.decode_tps if ref_s else None, first_token_ms=ref_s.first_token_ms if ref_s else None,
+        tokens_total=sum(s.tokens_total for s in host_stats if s) + sum(
+            m.usage.completion_tokens for m in ms if m.kind == "llama_cpp"),
+        requests_in_flight=sum(m.in_flight for m in ms), requests_queued=queued,
+        weights_mb=round(weights, 3) if weights else None, kv_mb=round(kv, 3) if kv else None,
+        rss_mb=ref_s.rss_mb if ref_s else None,
+    )
+
+
+def load_error(m: ManagedModel) -> AdmissionError:
+    """The request error for a model whose load failed (its own, a too-large plan, or unavailable)."""
+    exc = m.exc
+    if isinstance(exc, AdmissionError):
+        return exc
+    if isinstance(exc, BudgetError):
+        return ModelTooLarge(exc.needed_mb, exc.available_mb, str(exc))
+    return EngineUnavailable(f"model {m.id!r} failed to load: {m.error}")

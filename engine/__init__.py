@@ -32,9 +32,25 @@ from .spec import ModelSpec, read_spec
 from .tokenizer import StreamDecoder, Tokenizer
 
 __all__ = [
-    "ContextOverflowError", "EngineError", "EngineOptions", "Gate", "Generation", "GenerationStats", "MemoryPlan",
-    "Model", "ModelFormatError", "ModelInfo", "OpenGate", "Sampler", "SamplingParams",
-    "StreamDecoder", "TemplateError", "TokenEvent", "Tokenizer", "load_model", "open_model_file",
+    "ContextOverflowError",
+    "EngineError",
+    "EngineOptions",
+    "Gate",
+    "Generation",
+    "GenerationStats",
+    "MemoryPlan",
+    "Model",
+    "ModelFormatError",
+    "ModelInfo",
+    "OpenGate",
+    "Sampler",
+    "SamplingParams",
+    "StreamDecoder",
+    "TemplateError",
+    "TokenEvent",
+    "Tokenizer",
+    "load_model",
+    "open_model_file",
 ]
 
 DEFAULT_CTX = 4096
@@ -61,8 +77,15 @@ class ModelInfo:
 class Model:
     """A loaded model: tokenizer, chat template, logits and async generation (one at a time)."""
 
-    def __init__(self, gf: GGUFFile, backend: str, n_ctx: int, kv_dtype: str, threads: int | None = None,
-                 options: EngineOptions | None = None) -> None:
+    def __init__(
+        self,
+        gf: GGUFFile,
+        backend: str,
+        n_ctx: int,
+        kv_dtype: str,
+        threads: int | None = None,
+        options: EngineOptions | None = None,
+    ) -> None:
         opts = options or DEFAULT_OPTIONS
         self.options = opts
         """The tuning knobs the backend was built with (`EngineOptions`)."""
@@ -74,7 +97,12 @@ class Model:
             bos, eos = self._bos_eos_text()
             probe_chat_template(self.chat_template, path=self.path, bos_token=bos, eos_token=eos)
         self.memory_plan: MemoryPlan = plan_memory(
-            gf, self.spec, n_ctx, kv_dtype, quantized=backend == "native", backend=backend,
+            gf,
+            self.spec,
+            n_ctx,
+            kv_dtype,
+            quantized=backend == "native",
+            backend=backend,
             options=opts,
         )
         if backend == "cupy":
@@ -114,8 +142,12 @@ class Model:
         """The conversation as prompt text, through the model's own template (sandboxed)."""
         bos, eos = self._bos_eos_text()
         return _render_chat(
-            self.chat_template, list(messages), add_generation_prompt=add_generation_prompt,
-            bos_token=bos, eos_token=eos, arch=self.spec.arch,
+            self.chat_template,
+            list(messages),
+            add_generation_prompt=add_generation_prompt,
+            bos_token=bos,
+            eos_token=eos,
+            arch=self.spec.arch,
         )
 
     def _bos_eos_text(self) -> tuple[str, str]:
@@ -288,8 +320,16 @@ class Model:
         next generation sharing its prefix copies it back instead of prefilling it again, even if
         other prompts used the cache in between (every generation restores a longer pinned prefix).
         """
-        return Generation(self, prompt_ids, sampling or SamplingParams(), gate, prefill_chunk, priority,
-                          prefill_layer_group, pin_prefix)
+        return Generation(
+            self,
+            prompt_ids,
+            sampling or SamplingParams(),
+            gate,
+            prefill_chunk,
+            priority,
+            prefill_layer_group,
+            pin_prefix,
+        )
 
     def close(self) -> None:
         """Drop the weights and the KV cache."""

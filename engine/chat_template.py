@@ -38,8 +38,16 @@ from .template_sandbox import (
     _RefusedByTemplate,
 )
 
-__all__ = ["MAX_OUTPUT_CHARS", "PROBE_BUDGET", "PROBE_CONVERSATIONS", "REQUEST_BUDGET", "RenderBudget",
-           "probe_chat_template", "render_chat", "validate_messages"]
+__all__ = [
+    "MAX_OUTPUT_CHARS",
+    "PROBE_BUDGET",
+    "PROBE_CONVERSATIONS",
+    "REQUEST_BUDGET",
+    "RenderBudget",
+    "probe_chat_template",
+    "render_chat",
+    "validate_messages",
+]
 
 
 def validate_messages(messages: Any) -> list[dict[str, Any]]:
@@ -61,9 +69,7 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
             for j, part in enumerate(content):
                 if not isinstance(part, dict) or part.get("type") != "text":
                     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                    raise TemplateError(
-                        f"messages[{i}].content[{j}]: only text parts are supported, got {kind!r}"
-                    )
+                    raise TemplateError(f"messages[{i}].content[{j}]: only text parts are supported, got {kind!r}")
                 text = part.get("text")
                 if not isinstance(text, str):
                     raise TemplateError(f"messages[{i}].content[{j}].text must be a string")
@@ -71,8 +77,7 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
             content = "\n".join(texts)
         elif not isinstance(content, str):
             raise TemplateError(
-                f"messages[{i}].content must be a string or a list of text parts, "
-                f"not {type(content).__name__}"
+                f"messages[{i}].content must be a string or a list of text parts, not {type(content).__name__}"
             )
         out.append({**msg, "role": role, "content": content})
     return out
@@ -149,7 +154,11 @@ without (some templates refuse a system role), then a single user turn."""
 
 
 def probe_chat_template(
-    template: str, *, path: str, bos_token: str = "", eos_token: str = "",
+    template: str,
+    *,
+    path: str,
+    bos_token: str = "",
+    eos_token: str = "",
     budget: RenderBudget = PROBE_BUDGET,
 ) -> None:
     """Render PROBE_CONVERSATIONS with `template` within `budget`; raise ModelFormatError(path,
@@ -160,12 +169,17 @@ def probe_chat_template(
     failure: TemplateError | None = None
     for conversation in PROBE_CONVERSATIONS:
         try:
-            render_chat(template, [dict(m) for m in conversation], add_generation_prompt=True,
-                        bos_token=bos_token, eos_token=eos_token, budget=budget)
+            render_chat(
+                template,
+                [dict(m) for m in conversation],
+                add_generation_prompt=True,
+                bos_token=bos_token,
+                eos_token=eos_token,
+                budget=budget,
+            )
             return
         except TemplateBudgetError as exc:
-            raise ModelFormatError(path, key, f"{exc} (probe at load: a {len(conversation)}-message "
-                                              "chat)") from None
+            raise ModelFormatError(path, key, f"{exc} (probe at load: a {len(conversation)}-message chat)") from None
         except _BrokenTemplate as exc:
             raise ModelFormatError(path, key, str(exc)) from None
         except TemplateError as exc:  # its own raise_exception, or a runtime error: try the next

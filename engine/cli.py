@@ -44,7 +44,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
         top_k=40 if args.temperature > 0 else 0,
     )
     if not args.interactive:

@@ -150,8 +150,12 @@ class Generation:
         self.sampling = sampling
         self.gate: Gate = gate if gate is not None else OpenGate()
         ops = getattr(getattr(model, "transformer", None), "ops", None)
-        chunk = (prefill_chunk or getattr(gate, "prefill_chunk", None)
-                 or getattr(ops, "prefill_chunk", None) or DEFAULT_PREFILL_CHUNK)
+        chunk = (
+            prefill_chunk
+            or getattr(gate, "prefill_chunk", None)
+            or getattr(ops, "prefill_chunk", None)
+            or DEFAULT_PREFILL_CHUNK
+        )
         self.prefill_chunk = max(1, int(chunk))
         """Prompt tokens per forward pass: the caller's, else the gate's, else the backend's."""
         group = prefill_layer_group if prefill_layer_group is not None else getattr(gate, "prefill_layer_group", None)

@@ -27,9 +27,7 @@ MAX_KEY_BYTES = 65_535
 """Longest metadata key or tensor name (llama.cpp's own writer never comes close)."""
 
 # Tensor types the engine can compute with (names as in ggml / gguf.GGMLQuantizationType).
-SUPPORTED_TYPES = frozenset(
-    ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
-)
+SUPPORTED_TYPES = frozenset(["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
 
 _SCALAR = {
     GGUFValueType.UINT8: ("<B", np.uint8),
@@ -80,8 +78,9 @@ class GGUFFile:
             raise ModelFormatError(self.path, key, "required metadata key is missing")
         return self.metadata[key]
 
-    def number(self, key: str, default: Any = None, *, integer: bool = True,
-               lo: float = 0, hi: float = float(1 << 40)) -> Any:
+    def number(
+        self, key: str, default: Any = None, *, integer: bool = True, lo: float = 0, hi: float = float(1 << 40)
+    ) -> Any:
         """Metadata `key` as an int (or float) in [lo, hi]; a missing key gives `default` (None: required).
 
         A value of the wrong type or out of range is a ModelFormatError naming the key and the value.
@@ -93,8 +92,11 @@ class GGUFFile:
         value = self.metadata[key]
         if isinstance(value, np.generic):
             value = value.item()
-        ok_type = isinstance(value, int) and not isinstance(value, bool) if integer else \
-            isinstance(value, (int, float)) and not isinstance(value, bool)
+        ok_type = (
+            isinstance(value, int) and not isinstance(value, bool)
+            if integer
+            else isinstance(value, (int, float)) and not isinstance(value, bool)
+        )
         if not ok_type:
             want = "an integer" if integer else "a number"
             raise ModelFormatError(self.path, key, f"expected {want}, found {cap_text(repr(value), 80)}")
@@ -115,9 +117,7 @@ class _Cursor:
     def take(self, n: int, what: str) -> memoryview:
         end = self.pos + n
         if n < 0 or end > len(self.buf):
-            raise ModelFormatError(
-                self.path, what, f"file is truncated: needs byte {end}, file has {len(self.buf)}"
-            )
+            raise ModelFormatError(self.path, what, f"file is truncated: needs byte {end}, file has {len(self.buf)}")
         out = self.mv[self.pos : end]
         self.pos = end
         return out
@@ -204,10 +204,14 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:
         offset = cur.unpack("<Q", name)
         infos.append((name, dims, ttype, offset))
     align = metadata.get("general.alignment", 32)
-    if isinstance(align, (bool, np.ndarray, list, str, float)) or not 0 < int(align) <= 1 << 20 \
-            or int(align) & (int(align) - 1):
-        raise ModelFormatError(p, "general.alignment",
-                               f"expected a power of two up to 1 MiB, found {cap_text(repr(align), 80)}")
+    if (
+        isinstance(align, (bool, np.ndarray, list, str, float))
+        or not 0 < int(align) <= 1 << 20
+        or int(align) & (int(align) - 1)
+    ):
+        raise ModelFormatError(
+            p, "general.alignment", f"expected a power of two up to 1 MiB, found {cap_text(repr(align), 80)}"
+        )
     align = int(align)
     data_start = (cur.pos + align - 1) // align * align
     tensors: dict[str, TensorInfo] = {}
@@ -227,9 +231,7 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:
         nbytes = n_elems // block * type_size
         start = data_start + int(offset)
         if start + nbytes > size:
-            raise ModelFormatError(
-                p, name, f"file is truncated: tensor ends at byte {start + nbytes}, file has {size}"
-            )
+            raise ModelFormatError(p, name, f"file is truncated: tensor ends at byte {start + nbytes}, file has {size}")
         raw = buf[start : start + nbytes]
         if qtype == GGMLQuantizationType.F32:
             arr: np.ndarray = raw.view(np.float32).reshape(shape)

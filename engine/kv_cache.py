@@ -38,8 +38,10 @@ def check_kv_dtype(spec: ModelSpec, dtype: str) -> None:
     if dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype {dtype!r}: expected one of {', '.join(KV_DTYPES)}")
     if dtype == "int8" and (spec.head_dim % QBLOCK or spec.v_head_dim % QBLOCK):
-        raise ValueError(f"kv_dtype int8 needs head sizes that are multiples of {QBLOCK} "
-                         f"(this model: {spec.head_dim}/{spec.v_head_dim})")
+        raise ValueError(
+            f"kv_dtype int8 needs head sizes that are multiples of {QBLOCK} "
+            f"(this model: {spec.head_dim}/{spec.v_head_dim})"
+        )
 
 
 @dataclass
@@ -148,8 +150,10 @@ class KVCache:
 
         def layer(dim: int) -> Any:
             if dtype == "int8":
-                return Int8Rows(ops.zeros((spec.n_kv_heads, n_ctx, dim), "int8"),
-                                ops.zeros((spec.n_kv_heads, n_ctx, dim // QBLOCK), "float16"))
+                return Int8Rows(
+                    ops.zeros((spec.n_kv_heads, n_ctx, dim), "int8"),
+                    ops.zeros((spec.n_kv_heads, n_ctx, dim // QBLOCK), "float16"),
+                )
             return ops.zeros((spec.n_kv_heads, n_ctx, dim), np_dtype)
 
         k = [layer(spec.head_dim) for _ in range(spec.n_layers)]

@@ -22,8 +22,14 @@ from .spec import ModelSpec
 
 # How llama.cpp's CPU path rounds the activations that meet a weight of each type.
 ACT_QUANT = {
-    "Q4_0": "q8_0", "Q5_0": "q8_0", "Q8_0": "q8_0", "Q4_1": "q8_0", "Q5_1": "q8_0",
-    "Q4_K": "q8_k", "Q5_K": "q8_k", "Q6_K": "q8_k",
+    "Q4_0": "q8_0",
+    "Q5_0": "q8_0",
+    "Q8_0": "q8_0",
+    "Q4_1": "q8_0",
+    "Q5_1": "q8_0",
+    "Q4_K": "q8_k",
+    "Q5_K": "q8_k",
+    "Q6_K": "q8_k",
 }
 
 
@@ -87,8 +93,9 @@ def _check_types(gf: GGUFFile) -> None:
     for t in gf.tensors.values():
         if t.type_name not in SUPPORTED_TYPES:
             raise ModelFormatError(
-                gf.path, t.name, f"tensor type {t.type_name} is not supported "
-                f"(supported: {', '.join(sorted(SUPPORTED_TYPES))})"
+                gf.path,
+                t.name,
+                f"tensor type {t.type_name} is not supported (supported: {', '.join(sorted(SUPPORTED_TYPES))})",
             )
 
 
@@ -102,9 +109,16 @@ def _tensor(gf: GGUFFile, name: str, shape: tuple[int, ...] | None = None) -> Te
 
 
 def plan_memory(
-    gf: GGUFFile, spec: ModelSpec, n_ctx: int, kv_dtype: str, chunk: int | None = None,
-    quantized: bool = False, backend: str | None = None, last_n: int = 1,
-    prefill_dtype: str | None = None, options: EngineOptions | None = None,
+    gf: GGUFFile,
+    spec: ModelSpec,
+    n_ctx: int,
+    kv_dtype: str,
+    chunk: int | None = None,
+    quantized: bool = False,
+    backend: str | None = None,
+    last_n: int = 1,
+    prefill_dtype: str | None = None,
+    options: EngineOptions | None = None,
 ) -> MemoryPlan:
     """Memory plan of `backend` (None: the CPU backends) at `n_ctx` for prefill chunks of `chunk`
     tokens (default: the backend's own chunk, 64 on CPU, 512 on CuPy).
@@ -121,14 +135,23 @@ def plan_memory(
     if backend == "cupy":
         from .backends import cupy_plan
 
-        g = cupy_plan.plan(gf, spec, n_ctx, kv_dtype, chunk or cupy_plan.PREFILL_CHUNK, last_n,
-                           prefill_dtype, options)
+        g = cupy_plan.plan(gf, spec, n_ctx, kv_dtype, chunk or cupy_plan.PREFILL_CHUNK, last_n, prefill_dtype, options)
         return MemoryPlan(
-            g.weights, g.kv, g.decode_scratch, g.prefill_scratch, n_ctx, tables=g.tables,
-            chunk=g.chunk, backend="cupy",
-            parts=(("prefill_tiles", g.tiles), ("prefill_kv_rows", g.kv_rows),
-                   ("prefill_scores", g.scores), ("prefill_activations", g.activations),
-                   ("prefill_graphs", g.graphs)),
+            g.weights,
+            g.kv,
+            g.decode_scratch,
+            g.prefill_scratch,
+            n_ctx,
+            tables=g.tables,
+            chunk=g.chunk,
+            backend="cupy",
+            parts=(
+                ("prefill_tiles", g.tiles),
+                ("prefill_kv_rows", g.kv_rows),
+                ("prefill_scores", g.scores),
+                ("prefill_activations", g.activations),
+                ("prefill_graphs", g.graphs),
+            ),
         )
     chunk = chunk or 64
     weights = 0
@@ -141,8 +164,15 @@ def plan_memory(
         pass  # tied head: the embedding table is dequantized once and shared
     width = max(spec.n_embd, spec.n_heads * spec.head_dim * 3, 2 * spec.n_ff)
     scratch = chunk * (width * 4 * 4 + spec.n_vocab * 4) + spec.n_heads * chunk * n_ctx * 4
-    return MemoryPlan(weights, kv_bytes(spec, n_ctx, kv_dtype), 0, scratch, n_ctx, chunk=chunk,
-                      backend="native" if quantized else "numpy")
+    return MemoryPlan(
+        weights,
+        kv_bytes(spec, n_ctx, kv_dtype),
+        0,
+        scratch,
+        n_ctx,
+        chunk=chunk,
+        backend="native" if quantized else "numpy",
+    )
 
 
 @dataclass
@@ -212,8 +242,11 @@ class Transformer:
                 LayerWeights(
                     attn_norm=w("attn_norm.weight", (e,)),
                     wqkv=ops.concat_rows(
-                        [w("attn_q.weight", (q_rows, e)), w("attn_k.weight", (kv_rows, e)),
-                         w("attn_v.weight", (spec.n_kv_heads * vd, e))]
+                        [
+                            w("attn_q.weight", (q_rows, e)),
+                            w("attn_k.weight", (kv_rows, e)),
+                            w("attn_v.weight", (spec.n_kv_heads * vd, e)),
+                        ]
                     ),
                     bqkv=bqkv,
                     q_norm=w("attn_q_norm.weight", (hd,)) if tr.qk_norm else None,
@@ -246,8 +279,9 @@ class Transformer:
         )
 
     # ------------------------------------------------------------------------------------
-    def forward(self, ids: Sequence[int], start: int, last_n: int | None = 1, hidden: bool = False,
-                graph: bool = True) -> Any:
+    def forward(
+        self, ids: Sequence[int], start: int, last_n: int | None = 1, hidden: bool = False, graph: bool = True
+    ) -> Any:
         """Run `ids` at positions start.. through the model, writing their K/V into the cache.
 
         Returns logits [n, vocab] for the last `last_n` positions (all when None); `hidden`: the

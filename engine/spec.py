@@ -137,9 +137,7 @@ def read_spec(gf: GGUFFile) -> ModelSpec:
         # gemma3 27B's query_pre_attn_scalar is n_embd / n_heads, not head_dim (llama.cpp: LLM_TYPE_27B)
         attn_scale = 1.0 / math.sqrt(n_embd / n_heads)
     if n_heads % n_kv:
-        raise ModelFormatError(
-            gf.path, key("attention.head_count_kv"), f"{n_heads} heads not divisible by {n_kv}"
-        )
+        raise ModelFormatError(gf.path, key("attention.head_count_kv"), f"{n_heads} heads not divisible by {n_kv}")
     return ModelSpec(
         arch=arch,
         name=cap_text(str(gf.get("general.name", gf.path.rsplit("/", 1)[-1]))),

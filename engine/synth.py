@@ -52,6 +52,7 @@ def vocabulary(n_vocab: int) -> tuple[list[str], list[int], list[str]]:
 
 def q4_k_m_types(n_layers: int) -> dict[str, str]:
     """llama.cpp's Q4_K_M mix: Q6_K for the head and for attn_v/ffn_down of some layers, else Q4_K."""
+
     def more_bits(i: int) -> bool:
         return i < n_layers // 8 or i >= 7 * n_layers // 8 or (i - n_layers // 8) % 3 == 2
 
@@ -90,24 +91,66 @@ class SynthConfig:
 
 PRESETS: dict[str, dict[str, object]] = {
     "smollm2-135m-q4_1": dict(
-        arch="llama", n_layers=30, n_embd=576, n_ff=1536, n_heads=9, n_kv_heads=3,
-        n_vocab=49152, weight_type="Q4_1", tied=True, n_ctx_train=8192, rope_base=100000.0,
-        norm_eps=1e-5, name="SmolLM2-135M-shape",
+        arch="llama",
+        n_layers=30,
+        n_embd=576,
+        n_ff=1536,
+        n_heads=9,
+        n_kv_heads=3,
+        n_vocab=49152,
+        weight_type="Q4_1",
+        tied=True,
+        n_ctx_train=8192,
+        rope_base=100000.0,
+        norm_eps=1e-5,
+        name="SmolLM2-135M-shape",
     ),
     "qwen3-4b-q4_k_m": dict(
-        arch="qwen3", n_layers=36, n_embd=2560, n_ff=9728, n_heads=32, n_kv_heads=8,
-        head_dim=128, n_vocab=151936, weight_type="Q4_K", mix="q4_k_m", tied=True,
-        n_ctx_train=40960, rope_base=1000000.0, name="Qwen3-4B-shape",
+        arch="qwen3",
+        n_layers=36,
+        n_embd=2560,
+        n_ff=9728,
+        n_heads=32,
+        n_kv_heads=8,
+        head_dim=128,
+        n_vocab=151936,
+        weight_type="Q4_K",
+        mix="q4_k_m",
+        tied=True,
+        n_ctx_train=40960,
+        rope_base=1000000.0,
+        name="Qwen3-4B-shape",
     ),
     "qwen2-0.5b-q8_0": dict(
-        arch="qwen2", n_layers=24, n_embd=896, n_ff=4864, n_heads=14, n_kv_heads=2,
-        n_vocab=151936, weight_type="Q8_0", tied=True, n_ctx_train=32768,
-        rope_base=1000000.0, name="Qwen2-0.5B-shape",
+        arch="qwen2",
+        n_layers=24,
+        n_embd=896,
+        n_ff=4864,
+        n_heads=14,
+        n_kv_heads=2,
+        n_vocab=151936,
+        weight_type="Q8_0",
+        tied=True,
+        n_ctx_train=32768,
+        rope_base=1000000.0,
+        name="Qwen2-0.5B-shape",
     ),
     "gemma3-270m-q4_k_m": dict(
-        arch="gemma3", n_layers=18, n_embd=640, n_ff=2048, n_heads=4, n_kv_heads=1,
-        head_dim=256, n_vocab=262144, weight_type="Q4_K", mix="q4_k_m", tied=True,
-        sliding_window=512, n_ctx_train=32768, rope_base=1000000.0, name="Gemma3-270M-shape",
+        arch="gemma3",
+        n_layers=18,
+        n_embd=640,
+        n_ff=2048,
+        n_heads=4,
+        n_kv_heads=1,
+        head_dim=256,
+        n_vocab=262144,
+        weight_type="Q4_K",
+        mix="q4_k_m",
+        tied=True,
+        sliding_window=512,
+        n_ctx_train=32768,
+        rope_base=1000000.0,
+        name="Gemma3-270M-shape",
     ),
 }
 
@@ -130,22 +173,29 @@ def _tensor_list(c: SynthConfig) -> list[tuple[str, tuple[int, ...], str]]:
     out: list[tuple[str, tuple[int, ...], str]] = [("token_embd.weight", (c.n_vocab, e), "embed")]
     for i in range(c.n_layers):
         p = f"blk.{i}."
-        out += [(p + "attn_norm.weight", (e,), "norm"),
-                (p + "attn_q.weight", (q, e), "matrix"),
-                (p + "attn_k.weight", (kv, e), "matrix"),
-                (p + "attn_v.weight", (kv, e), "matrix")]
+        out += [
+            (p + "attn_norm.weight", (e,), "norm"),
+            (p + "attn_q.weight", (q, e), "matrix"),
+            (p + "attn_k.weight", (kv, e), "matrix"),
+            (p + "attn_v.weight", (kv, e), "matrix"),
+        ]
         if c.arch == "qwen2":
-            out += [(p + "attn_q.bias", (q,), "bias"), (p + "attn_k.bias", (kv,), "bias"),
-                    (p + "attn_v.bias", (kv,), "bias")]
+            out += [
+                (p + "attn_q.bias", (q,), "bias"),
+                (p + "attn_k.bias", (kv,), "bias"),
+                (p + "attn_v.bias", (kv,), "bias"),
+            ]
         if c.arch in ("qwen3", "gemma3"):
             out += [(p + "attn_q_norm.weight", (hd,), "norm"), (p + "attn_k_norm.weight", (hd,), "norm")]
         out.append((p + "attn_output.weight", (e, q), "matrix"))
         if c.arch == "gemma3":
             out.append((p + "post_attention_norm.weight", (e,), "norm"))
-        out += [(p + "ffn_norm.weight", (e,), "norm"),
-                (p + "ffn_gate.weight", (c.n_ff, e), "matrix"),
-                (p + "ffn_up.weight", (c.n_ff, e), "matrix"),
-                (p + "ffn_down.weight", (e, c.n_ff), "matrix")]
+        out += [
+            (p + "ffn_norm.weight", (e,), "norm"),
+            (p + "ffn_gate.weight", (c.n_ff, e), "matrix"),
+            (p + "ffn_up.weight", (c.n_ff, e), "matrix"),
+            (p + "ffn_down.weight", (e, c.n_ff), "matrix"),
+        ]
         if c.arch == "gemma3":
             out.append((p + "post_ffw_norm.weight", (e,), "norm"))
     out.append(("output_norm.weight", (e,), "norm"))
@@ -218,11 +268,25 @@ def write_synthetic_gguf(
     if arch not in ARCHS:
         raise ValueError(f"unknown architecture {arch!r} (known: {', '.join(ARCHS)})")
     c = SynthConfig(
-        arch=arch, n_layers=n_layers, n_embd=n_embd, n_ff=n_ff, n_heads=n_heads,
-        n_kv_heads=n_kv_heads, n_vocab=n_vocab, head_dim=head_dim, weight_type=weight_type,
-        type_overrides=dict(type_overrides or {}), tied=tied, seed=seed,
-        sliding_window=sliding_window, n_ctx_train=n_ctx_train, rope_base=rope_base,
-        norm_eps=norm_eps, fast=fast, dequantized=dequantized, name=name,
+        arch=arch,
+        n_layers=n_layers,
+        n_embd=n_embd,
+        n_ff=n_ff,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        n_vocab=n_vocab,
+        head_dim=head_dim,
+        weight_type=weight_type,
+        type_overrides=dict(type_overrides or {}),
+        tied=tied,
+        seed=seed,
+        sliding_window=sliding_window,
+        n_ctx_train=n_ctx_train,
+        rope_base=rope_base,
+        norm_eps=norm_eps,
+        fast=fast,
+        dequantized=dequantized,
+        name=name,
     )
     return write_config(path, c, raw_tensors)
 
@@ -308,9 +372,18 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--arch {a.arch} contradicts preset {a.preset} ({cfg.arch})")
     else:
         cfg = SynthConfig(
-            arch=a.arch, n_layers=a.layers, n_embd=a.embd, n_ff=a.ff, n_heads=a.heads,
-            n_kv_heads=a.kv_heads, head_dim=a.head_dim, n_vocab=a.vocab,
-            weight_type=a.type or "Q4_1", tied=not a.untied, seed=a.seed, fast=a.fast,
+            arch=a.arch,
+            n_layers=a.layers,
+            n_embd=a.embd,
+            n_ff=a.ff,
+            n_heads=a.heads,
+            n_kv_heads=a.kv_heads,
+            head_dim=a.head_dim,
+            n_vocab=a.vocab,
+            weight_type=a.type or "Q4_1",
+            tied=not a.untied,
+            seed=a.seed,
+            fast=a.fast,
         )
     write_config(a.out, cfg)
     print(f"{a.out}: {cfg.arch} {cfg.n_layers} layers, {os.path.getsize(a.out) / 1e6:.1f} MB")

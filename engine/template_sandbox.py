@@ -85,9 +85,7 @@ def _tojson(
     separators: tuple[str, str] | None = None,
     sort_keys: bool = False,
 ) -> str:
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 class _GenerationBlock(Extension):
@@ -118,9 +116,7 @@ class _Meter:
         self.tripped: TemplateBudgetError | None = None
 
     def trip(self, limit: str, value: float, what: str) -> TemplateBudgetError:
-        self.tripped = TemplateBudgetError(
-            limit, value, f"chat template exceeded its render budget: {what}"
-        )
+        self.tripped = TemplateBudgetError(limit, value, f"chat template exceeded its render budget: {what}")
         return self.tripped
 
     def step(self) -> None:
@@ -134,8 +130,7 @@ class _Meter:
 
     def size(self, n: int, what: str) -> None:
         if n > self.budget.chars:
-            raise self.trip("chars", self.budget.chars, f"{what} of {n} characters "
-                            f"(more than {self.budget.chars})")
+            raise self.trip("chars", self.budget.chars, f"{what} of {n} characters (more than {self.budget.chars})")
 
 
 class _Active(threading.local):
@@ -235,7 +230,7 @@ def _check_filter_args(name: str, skip: int, args: Any, kwargs: Any) -> None:
     if not isinstance(value, str):
         return
     if name == "replace" and len(args) >= skip + 2:
-        _check_replace(value, *args[skip:skip + 3])
+        _check_replace(value, *args[skip : skip + 3])
     elif name == "indent":
         width = args[skip] if len(args) > skip else kwargs.get("width", 4)
         if isinstance(width, int):
@@ -273,8 +268,7 @@ class _BudgetCodeGenerator(CodeGenerator):
     a step at the head of every loop body and around every loop-filter test."""
 
     def visit_For(self, node: nodes.For, frame: Frame) -> None:
-        node.body = [nodes.ExprStmt(_hook("budget_step", lineno=node.lineno), lineno=node.lineno),
-                     *node.body]
+        node.body = [nodes.ExprStmt(_hook("budget_step", lineno=node.lineno), lineno=node.lineno), *node.body]
         if node.test is not None:
             node.test = _hook("budget_test", node.test, lineno=node.test.lineno)  # type: ignore[arg-type]
         super().visit_For(node, frame)
@@ -303,9 +297,7 @@ class _ChatSandbox(ImmutableSandboxedEnvironment):
     intercepted_binops = frozenset(["*", "**", "+", "%"])
 
     def unsafe_undefined(self, obj: Any, attribute: Any) -> Any:
-        raise SecurityError(
-            f"access to attribute {attribute!r} of a {type(obj).__name__!r} object is not allowed"
-        )
+        raise SecurityError(f"access to attribute {attribute!r} of a {type(obj).__name__!r} object is not allowed")
 
     # called by the compiled template (see _BudgetCodeGenerator)
     def budget_step(self) -> None:
@@ -361,8 +353,7 @@ class _ChatSandbox(ImmutableSandboxedEnvironment):
                 _check_replace(owner, *args[:3])
         else:
             method: Any = getattr(obj, "__wrapped__", None)  # str.format, as the sandbox wraps it
-            if isinstance(getattr(method, "__self__", None), str) and method.__name__ in (
-                    "format", "format_map"):
+            if isinstance(getattr(method, "__self__", None), str) and method.__name__ in ("format", "format_map"):
                 _check_format_widths(method.__self__, _FORMAT_WIDTH, "format()")
                 fmt_map = method.__name__ == "format_map" and args and isinstance(args[0], dict)
                 _check_ints(args[0].values() if fmt_map else (*args, *kwargs.values()), "format()")
@@ -398,8 +389,6 @@ def _compile(source: str) -> jinja2.Template:
     try:
         return _ENV.from_string(source)
     except jinja2.TemplateSyntaxError as exc:
-        raise _BrokenTemplate(
-            f"chat template syntax error at line {exc.lineno}: {exc.message}"
-        ) from None
+        raise _BrokenTemplate(f"chat template syntax error at line {exc.lineno}: {exc.message}") from None
     except SecurityError as exc:
         raise _BrokenTemplate(f"chat template blocked by the sandbox: {exc}") from None

@@ -130,9 +130,7 @@ class Tokenizer:
             )
         tokens = gf.require("tokenizer.ggml.tokens")
         if not isinstance(tokens, list) or not tokens:
-            raise ModelFormatError(
-                path, "tokenizer.ggml.tokens", "expected a non-empty string array"
-            )
+            raise ModelFormatError(path, "tokenizer.ggml.tokens", "expected a non-empty string array")
         n = len(tokens)
         attrs = _attributes(gf, n)
         # A text that occurs twice maps to its last id, as in llama.cpp.
@@ -160,8 +158,7 @@ class Tokenizer:
                 raise ModelFormatError(
                     path,
                     "tokenizer.ggml.pre",
-                    f"unknown pre-tokenizer {pre_name!r} for a SentencePiece vocabulary "
-                    "(expected 'default')",
+                    f"unknown pre-tokenizer {pre_name!r} for a SentencePiece vocabulary (expected 'default')",
                 )
             scores_arr = gf.get("tokenizer.ggml.scores")
             if scores_arr is None:
@@ -169,9 +166,7 @@ class Tokenizer:
             else:
                 scores = np.asarray(scores_arr, dtype=np.float64).tolist()
                 if len(scores) != n:
-                    raise ModelFormatError(
-                        path, "tokenizer.ggml.scores", f"has {len(scores)} entries for {n} tokens"
-                    )
+                    raise ModelFormatError(path, "tokenizer.ggml.scores", f"has {len(scores)} entries for {n} tokens")
             unk = _special_id(gf, "tokenizer.ggml.unknown_token_id", 0, n)
             byte_ids = []
             for b in range(256):
@@ -377,9 +372,7 @@ def _attributes(gf: GGUFFile, n: int) -> list[int]:
         return [ATTR_NORMAL] * n
     types = np.asarray(value)
     if types.ndim != 1 or len(types) != n or not np.issubdtype(types.dtype, np.integer):
-        raise ModelFormatError(
-            gf.path, key, f"expected {n} integers, found {types.shape} {types.dtype}"
-        )
+        raise ModelFormatError(gf.path, key, f"expected {n} integers, found {types.shape} {types.dtype}")
     table = np.zeros(8, dtype=np.int64)
     for ttype, attr in _TYPE_TO_ATTR.items():
         table[ttype] = attr

@@ -16,9 +16,7 @@ SPACE_MARK = "\u2581"
 class SPMModel:
     """Score-driven bigram merging over one vocabulary."""
 
-    def __init__(
-        self, token_to_id: dict[str, int], scores: list[float], byte_ids: list[int]
-    ) -> None:
+    def __init__(self, token_to_id: dict[str, int], scores: list[float], byte_ids: list[int]) -> None:
         self.token_to_id = token_to_id
         self.scores = scores
         self.byte_ids = byte_ids

@@ -60,8 +60,14 @@ class Ticket:
 class Admission:
     """Slots and a bounded priority queue; counters for /metrics and /status."""
 
-    def __init__(self, priorities: PriorityTable = DEFAULT_PRIORITIES, *, max_running: int, max_queue: int,
-                 on_change: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self,
+        priorities: PriorityTable = DEFAULT_PRIORITIES,
+        *,
+        max_running: int,
+        max_queue: int,
+        on_change: Callable[[], None] = lambda: None,
+    ) -> None:
         self.max_running = max_running
         """Requests in their slot at once."""
         self.max_queue = max_queue
@@ -150,8 +156,9 @@ class Admission:
             raise QueueFull(f"the queue of class {cls} is full ({rc.max_queue} waiting)", self.retry_after())
         if len(self.waiters) >= self.max_queue and not self._bump_for(rank):
             self._reject(cls, "queue_full")
-            raise QueueFull(f"the request queue is full ({self.max_queue} waiting, {self.running} running)",
-                            self.retry_after())
+            raise QueueFull(
+                f"the request queue is full ({self.max_queue} waiting, {self.running} running)", self.retry_after()
+            )
         self.waiters.append(ticket)
         self.waiters.sort(key=lambda w: (w.rank, w.seq))
         self._on_change()
@@ -162,8 +169,10 @@ class Admission:
             if ticket.granted_at is not None:
                 return ticket
             self._reject(cls, "timeout")
-            raise QueueTimeout(f"waited {rc.max_wait_s:g} s (priorities.classes {cls} max_wait_s) "
-                               f"without a free slot; {self.running} running, {len(self.waiters)} queued") from None
+            raise QueueTimeout(
+                f"waited {rc.max_wait_s:g} s (priorities.classes {cls} max_wait_s) "
+                f"without a free slot; {self.running} running, {len(self.waiters)} queued"
+            ) from None
         except BaseException:
             if ticket.granted_at is not None:
                 self._release(ticket)
@@ -220,7 +229,12 @@ class Admission:
 
     def describe(self) -> dict[str, object]:
         """Slots and queue for /status."""
-        return {"running": self.running, "max_running": self.max_running, "queued": len(self.waiters),
-                "max_queue": self.max_queue, "queued_by_class": self.queued_by_class(),
-                "admitted": dict(self.admitted),
-                "rejected": {f"{c}/{r}": n for (c, r), n in sorted(self.rejected.items())}}
+        return {
+            "running": self.running,
+            "max_running": self.max_running,
+            "queued": len(self.waiters),
+            "max_queue": self.max_queue,
+            "queued_by_class": self.queued_by_class(),
+            "admitted": dict(self.admitted),
+            "rejected": {f"{c}/{r}": n for (c, r), n in sorted(self.rejected.items())},
+        }

@@ -97,8 +97,7 @@ class Supervisor:
         self.version = __version__
         """Package version (in /health)."""
         env = os.environ if environ is None else environ
-        self.notifier = notifier or Notifier.from_env(env, notify=cfg.systemd.notify,
-                                                      watchdog=cfg.systemd.watchdog)
+        self.notifier = notifier or Notifier.from_env(env, notify=cfg.systemd.notify, watchdog=cfg.systemd.watchdog)
         """systemd notifications (inactive without NOTIFY_SOCKET)."""
         self.store = StateStore(hint_timeout_s=cfg.voice.hint_timeout_s, stt_services=cfg.stt_services())
         """The snapshot store every observation goes to."""
@@ -108,18 +107,23 @@ class Supervisor:
         """Applies decisions."""
         self.voice = _CountedVoiceHints(self.store)
         """Voice hint handler (HTTP route and MQTT topic); counts events for /metrics."""
-        self.policy_watcher = (PolicyWatcher(cfg.policy.path, poll_interval_s=cfg.policy.poll_interval_s)
-                               if cfg.policy.path else None)
+        self.policy_watcher = (
+            PolicyWatcher(cfg.policy.path, poll_interval_s=cfg.policy.poll_interval_s) if cfg.policy.path else None
+        )
         """Loads and reloads the policy file; None when the built-in policy is used."""
         self._builtin = builtin_policy() if self.policy_watcher is None else None
         if self.policy_watcher is not None:
             self.policy_watcher.add_listener(self._on_policy)
-        self.admission = Admission(max_running=cfg.api.max_running, max_queue=cfg.api.max_queue,
-                                   on_change=self._on_queue_change)
+        self.admission = Admission(
+            max_running=cfg.api.max_running, max_queue=cfg.api.max_queue, on_change=self._on_queue_change
+        )
         """The API's priority queue and slots."""
         self.models = ModelManager(
-            cfg, BackendContext(cfg, self.gate, self.arbiter, self.store.publish, model_loader),
-            publish=self.store.publish, queued=lambda: self.admission.queued, on_banner=self._banner,
+            cfg,
+            BackendContext(cfg, self.gate, self.arbiter, self.store.publish, model_loader),
+            publish=self.store.publish,
+            queued=lambda: self.admission.queued,
+            on_banner=self._banner,
         )
         """Model roles, groups, loading and swapping within the memory budget."""
         self.arbiter.attach(models=self.models, admission=self.admission)  # budget and classes come with decisions
@@ -190,8 +194,12 @@ class Supervisor:
 
     async def set_thermal_soft_limit(self, celsius: float) -> None:
         """Enter the first thermal level at `celsius` (keeps its hysteresis); re-evaluates now."""
-        with_thermal_soft_limit(self.policy_watcher.policy if self.policy_watcher and self.policy_watcher.policy
-                                else (self._builtin or builtin_policy()), celsius)  # validate first
+        with_thermal_soft_limit(
+            self.policy_watcher.policy
+            if self.policy_watcher and self.policy_watcher.policy
+            else (self._builtin or builtin_policy()),
+            celsius,
+        )  # validate first
         self.thermal_soft_limit = celsius
         log.info("thermal_soft_limit_set", limit_c=celsius)
         snap = self.store.snapshot()
@@ -221,8 +229,11 @@ class Supervisor:
             "services": jsonable(snap.services),
             "voice": jsonable(snap.voice),
             "engine": {**self.engine.describe(), "stats": jsonable(snap.engine)},
-            "backend": {"configured": self.cfg.backend, "fallback": self.cfg.fallback,
-                        "default": self.engine.describe()["backend_identity"]},
+            "backend": {
+                "configured": self.cfg.backend,
+                "fallback": self.cfg.fallback,
+                "default": self.engine.describe()["backend_identity"],
+            },
             "models": [m.describe() for m in self.models.models.values()],
             "admission": self.admission.describe(),
             "first_reply_ms": dict(self.models.first_reply_ms),
@@ -236,17 +247,32 @@ class Supervisor:
             "decision": jsonable(snap.decision),
             "memory_plan": self.engine.describe()["memory_plan"],
             "http": {"listen": self.http.address if self.http else None},
-            "mqtt": self.mqtt.status() if self.mqtt is not None else {
-                "url": redact_url(self.cfg.mqtt.url), "enabled": False, "broker": None, "connected": False,
-                "since": None, "last_error": None},
+            "mqtt": self.mqtt.status()
+            if self.mqtt is not None
+            else {
+                "url": redact_url(self.cfg.mqtt.url),
+                "enabled": False,
+                "broker": None,
+                "connected": False,
+                "since": None,
+                "last_error": None,
+            },
             "systemd": {"notify_socket": self.notifier.socket_path, "watchdog_s": self.notifier.watchdog_s},
         }
 
     def _api_deps(self) -> ApiDeps:
         """What the HTTP routes may use of this daemon."""
-        return ApiDeps(config=self.cfg, admission=self.admission, models=self.models, gate=self.gate,
-                       voice=self.voice, policy=lambda: self.policy, status=lambda: self.status(),
-                       uptime_s=lambda: self.uptime_s, version=self.version)
+        return ApiDeps(
+            config=self.cfg,
+            admission=self.admission,
+            models=self.models,
+            gate=self.gate,
+            voice=self.voice,
+            policy=lambda: self.policy,
+            status=lambda: self.status(),
+            uptime_s=lambda: self.uptime_s,
+            version=self.version,
+        )
 
     def _on_policy(self, policy: Policy, error: PolicyErrors | None) -> None:
         self.store.set_policy(policy.name, str(error) if error else None)
@@ -296,9 +322,17 @@ class Supervisor:
         self._stop = anyio.Event()
         self._stopped = anyio.Event()
         self.notifier.status("starting")
-        log.info("supervisor_starting", version=self.version, node_id=self.cfg.node_id,
-                 models=list(self.models.models), backend=self.cfg.backend, fallback=self.cfg.fallback, policy=self.cfg.policy.path or "builtin",
-                 platform=self.cfg.telemetry.platform, listen=self.cfg.http.listen)
+        log.info(
+            "supervisor_starting",
+            version=self.version,
+            node_id=self.cfg.node_id,
+            models=list(self.models.models),
+            backend=self.cfg.backend,
+            fallback=self.cfg.fallback,
+            policy=self.cfg.policy.path or "builtin",
+            platform=self.cfg.telemetry.platform,
+            listen=self.cfg.http.listen,
+        )
         source: TelemetrySource | None = None
         sock: socket.socket | None = self._http_socket
         try:
@@ -315,12 +349,19 @@ class Supervisor:
                     tg.cancel_scope.cancel()
                 await self._start_all(tg, source, sock)
                 self.ready = True
-                self.notifier.ready(f"serving on {self.http.address if self.http else '-'}; "
-                                    f"policy {self.policy.name}; engine {self.engine.state}")
-                log.info("supervisor_ready", listen=self.http.address if self.http else None,
-                         engine=self.engine.state, backend=self.engine.backend,
-                         backend_identity=self.engine.describe()["backend_identity"],
-                         policy=self.policy.name, platform=source.name)
+                self.notifier.ready(
+                    f"serving on {self.http.address if self.http else '-'}; "
+                    f"policy {self.policy.name}; engine {self.engine.state}"
+                )
+                log.info(
+                    "supervisor_ready",
+                    listen=self.http.address if self.http else None,
+                    engine=self.engine.state,
+                    backend=self.engine.backend,
+                    backend_identity=self.engine.describe()["backend_identity"],
+                    policy=self.policy.name,
+                    platform=source.name,
+                )
                 task_status.started(self)
                 await self._stop.wait()
                 await self._shutdown()
@@ -345,8 +386,7 @@ class Supervisor:
             await tg.start(self.policy_watcher.run)
         await tg.start(self.arbiter.run, self.store, lambda: self.policy)
         await tg.start(run_sampler, source, self.store.publish, cfg.telemetry.interval_s)
-        settings = [WatcherSettings.from_mapping(svc.watcher_settings(name))
-                    for name, svc in cfg.services.items()]
+        settings = [WatcherSettings.from_mapping(svc.watcher_settings(name)) for name, svc in cfg.services.items()]
         for watcher in build_watchers(settings, self.store.publish, wait_parked=self.gate.wait_parked):
             await tg.start(watcher.run)
         self.http = HttpServer(create_app(self._api_deps()), sock)
@@ -379,14 +419,20 @@ class Supervisor:
             await self.models.unload()
 
         commands = MqttCommands(
-            select_policy=self.select_policy, set_llm_enabled=self.models.set_enabled,
-            reload_policy=reload_policy, unload_model=unload_model,
-            set_thermal_soft_limit=self.set_thermal_soft_limit, voice_hint=voice_hint,
-            policy_options=self.policy_options, active_policy=self.active_policy_option,
-            thermal_soft_limit=self.current_thermal_soft_limit, llm_enabled=lambda: self.models.enabled,
+            select_policy=self.select_policy,
+            set_llm_enabled=self.models.set_enabled,
+            reload_policy=reload_policy,
+            unload_model=unload_model,
+            set_thermal_soft_limit=self.set_thermal_soft_limit,
+            voice_hint=voice_hint,
+            policy_options=self.policy_options,
+            active_policy=self.active_policy_option,
+            thermal_soft_limit=self.current_thermal_soft_limit,
+            llm_enabled=lambda: self.models.enabled,
         )
-        self.mqtt = MqttBridge(self.cfg.mqtt, self.cfg.node_id, self.store,
-                               gate_metrics=self.gate.metrics, commands=commands)
+        self.mqtt = MqttBridge(
+            self.cfg.mqtt, self.cfg.node_id, self.store, gate_metrics=self.gate.metrics, commands=commands
+        )
         await tg.start(self.mqtt.run)
 
     async def _signals(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -421,8 +467,14 @@ class Supervisor:
         if tel.platform != "simulated":
             return create_source(tel.platform)
         sim = tel.simulated
-        return create_source("simulated", temps_c=dict(sim.temps_c), mem_total_mb=sim.mem_total_mb,
-                             mem_available_mb=sim.mem_available_mb, script=sim.script or (), loop=sim.loop)
+        return create_source(
+            "simulated",
+            temps_c=dict(sim.temps_c),
+            mem_total_mb=sim.mem_total_mb,
+            mem_available_mb=sim.mem_available_mb,
+            script=sim.script or (),
+            loop=sim.loop,
+        )
 
     def _bind(self) -> socket.socket:
         host, port = parse_hostport(self.cfg.http.listen)

@@ -81,8 +81,15 @@ class DecodeGate:
             return self._voice
         return self._mode, self._tps
 
-    def set_mode(self, mode: GateMode, *, reasons: frozenset[str] = frozenset(), tps: float | None = None,
-            cause_ts: float | None = None, voice: tuple[GateMode, float | None] | None = None) -> None:
+    def set_mode(
+        self,
+        mode: GateMode,
+        *,
+        reasons: frozenset[str] = frozenset(),
+        tps: float | None = None,
+        cause_ts: float | None = None,
+        voice: tuple[GateMode, float | None] | None = None,
+    ) -> None:
         """Change mode; `cause_ts` is the observation time a new pause is measured from; `voice` is
         the voice class's own (mode, tokens/s) where it differs (None: the same as everyone's)."""
         if mode == "throttled" and (tps is None or tps <= 0):
@@ -101,15 +108,23 @@ class DecodeGate:
         if mode == "paused" and self._mode != "paused":
             self._pause_cause_ts = now if cause_ts is None else cause_ts
             self._pause_reacted = False
-            log.info("decode_paused", reasons=sorted(reasons), generations=self._generations,
-                     voice=voice[0] if voice is not None else mode)
+            log.info(
+                "decode_paused",
+                reasons=sorted(reasons),
+                generations=self._generations,
+                voice=voice[0] if voice is not None else mode,
+            )
         elif mode != "paused" and self._mode == "paused":
             log.info("decode_resumed", mode=mode)
         if mode == "throttled" and self._mode != "throttled":
             self._next_slot = -math.inf
         self._mode, self._reasons = mode, reasons
         self._tps = tps if mode == "throttled" else None
-        self._voice = None if voice is None or voice == (mode, self._tps) else (voice[0], voice[1] if voice[0] == "throttled" else None)
+        self._voice = (
+            None
+            if voice is None or voice == (mode, self._tps)
+            else (voice[0], voice[1] if voice[0] == "throttled" else None)
+        )
         self._wake()
 
     def open(self) -> None:
@@ -186,8 +201,13 @@ class DecodeGate:
             self._pause_reacted = True
             reaction_ms = (self._clock() - self._pause_cause_ts) * 1000.0
             self._reactions.append(reaction_ms)
-            log.info("decode_parked", reasons=sorted(self._reasons), reaction_ms=round(reaction_ms, 3),
-                     after=self._last_phase, priority=priority)
+            log.info(
+                "decode_parked",
+                reasons=sorted(self._reasons),
+                reaction_ms=round(reaction_ms, 3),
+                after=self._last_phase,
+                priority=priority,
+            )
         self._wake()
         try:
             while self.mode_for(priority)[0] == "paused":
@@ -332,8 +352,9 @@ class Arbiter:
         if decision.gate == "paused":
             new = decision.pause_reasons - self.gate.reasons
             causes = [f.ts for f in decision.fired if f.reason in new and f.ts is not None]
-            self.gate.set_mode("paused", reasons=decision.pause_reasons,
-                               cause_ts=min(causes) if causes else None, voice=voice)
+            self.gate.set_mode(
+                "paused", reasons=decision.pause_reasons, cause_ts=min(causes) if causes else None, voice=voice
+            )
         elif decision.gate == "throttled":
             assert decision.throttle_tps is not None
             self.gate.set_mode("throttled", tps=decision.throttle_tps, voice=voice)
@@ -342,9 +363,13 @@ class Arbiter:
         inputs: dict[str, Any] = {}
         for f in decision.fired:
             inputs.update(f.inputs)
-        log.info("policy_decision", policy=decision.policy,
-                 rule=",".join(f.rule for f in decision.fired) or "none",
-                 inputs=inputs, action=decision.action_text())
+        log.info(
+            "policy_decision",
+            policy=decision.policy,
+            rule=",".join(f.rule for f in decision.fired) or "none",
+            inputs=inputs,
+            action=decision.action_text(),
+        )
         if decision.unload_llm and not (prev and prev.unload_llm) and self._on_unload is not None:
             self._on_unload()
         for fn in self._listeners:
@@ -379,8 +404,13 @@ class Arbiter:
         except Exception as exc:  # the publisher is not to blame: the arbiter's task re-raises it
             log.error("policy_evaluation_failed", error=repr(exc))
 
-    async def run(self, store: StateStore, get_policy: Callable[[], Policy | None], *,
-                  task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+    async def run(
+        self,
+        store: StateStore,
+        get_policy: Callable[[], Policy | None],
+        *,
+        task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
         """Evaluate on every change of the store, synchronously inside `publish` (no loop turn
         between an observation and the gate), and when a decision says to (a hold-off ends)."""
         remove = store.add_listener(lambda: self._store_changed(store, get_policy))

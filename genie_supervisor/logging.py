@@ -21,8 +21,17 @@ import structlog
 LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 """Config level names -> stdlib levels."""
 
-FOREIGN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access", "aiomqtt", "paho", "paho.mqtt",
-                   "httpx", "httpcore", "asyncio")
+FOREIGN_LOGGERS = (
+    "uvicorn",
+    "uvicorn.error",
+    "uvicorn.access",
+    "aiomqtt",
+    "paho",
+    "paho.mqtt",
+    "httpx",
+    "httpcore",
+    "asyncio",
+)
 """Stdlib loggers of libraries we run, routed through our processors (their own handlers removed)."""
 
 _QUIET = {"httpx": logging.WARNING, "httpcore": logging.WARNING, "uvicorn.access": logging.WARNING}
@@ -67,15 +76,16 @@ def configure_logging(level: str = "info", fmt: str = "auto", stream: TextIO | N
     ]
     renderer: Any
     if as_json:
-        shared.append(structlog.processors.ExceptionRenderer(
-            structlog.tracebacks.ExceptionDictTransformer(show_locals=False)))  # no prompts, no secrets
+        shared.append(
+            structlog.processors.ExceptionRenderer(structlog.tracebacks.ExceptionDictTransformer(show_locals=False))
+        )  # no prompts, no secrets
         renderer = structlog.processors.JSONRenderer()
     else:
-        renderer = structlog.dev.ConsoleRenderer(colors=bool(getattr(stream, "isatty", lambda: False)()),
-                                                 exception_formatter=_exception_formatter())
+        renderer = structlog.dev.ConsoleRenderer(
+            colors=bool(getattr(stream, "isatty", lambda: False)()), exception_formatter=_exception_formatter()
+        )
     structlog.configure(
-        processors=[structlog.stdlib.filter_by_level, *shared,
-                    structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        processors=[structlog.stdlib.filter_by_level, *shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
         logger_factory=structlog.stdlib.LoggerFactory(),
         wrapper_class=structlog.stdlib.BoundLogger,
         cache_logger_on_first_use=False,

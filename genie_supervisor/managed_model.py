@@ -88,14 +88,28 @@ class ManagedModel:
         """For /v1/models, /running, /status."""
         plan = self.plan
         return {
-            "id": self.id, "roles": list(self.entry.roles), "role": self.entry.roles[0] if self.entry.roles else None,
-            "backend": self.kind, "backend_identity": self.backend.identity(), "fallback": self.fell_back,
-            "state": self.state, "error": self.error, "resident": self.entry.resident, "group": self.entry.group,
-            "priority": self.entry.priority, "in_flight": self.in_flight, "draining": self.draining,
+            "id": self.id,
+            "roles": list(self.entry.roles),
+            "role": self.entry.roles[0] if self.entry.roles else None,
+            "backend": self.kind,
+            "backend_identity": self.backend.identity(),
+            "fallback": self.fell_back,
+            "state": self.state,
+            "error": self.error,
+            "resident": self.entry.resident,
+            "group": self.entry.group,
+            "priority": self.entry.priority,
+            "in_flight": self.in_flight,
+            "draining": self.draining,
             "n_ctx": self.backend.n_ctx,
-            "memory": None if plan is None else {
-                "weights_mb": round(plan.weights / MiB, 3), "kv_mb": round(plan.kv / MiB, 3),
-                "scratch_mb": round(plan.scratch / MiB, 3), "total_mb": round(plan.total / MiB, 3)},
+            "memory": None
+            if plan is None
+            else {
+                "weights_mb": round(plan.weights / MiB, 3),
+                "kv_mb": round(plan.kv / MiB, 3),
+                "scratch_mb": round(plan.scratch / MiB, 3),
+                "total_mb": round(plan.total / MiB, 3),
+            },
             "load_seconds": None if self.load_seconds is None else round(self.load_seconds, 3),
             "evictions": self.evictions,
             **self.backend.describe(),
@@ -112,8 +126,9 @@ class Lease:
         """Its backend."""
 
 
-def aggregate_stats(ms: list[ManagedModel], by_id: dict[str, EngineStats], default: ManagedModel, queued: int,
-                    gate_mode: str) -> EngineStats:
+def aggregate_stats(
+    ms: list[ManagedModel], by_id: dict[str, EngineStats], default: ManagedModel, queued: int, gate_mode: str
+) -> EngineStats:
     """The daemon's EngineStats over its models: the busiest model's state, totals over all
     (`by_id`: each builtin model's last EngineStats; llama_cpp models count through `usage`)."""
     host_stats = [by_id.get(m.id) for m in ms]
@@ -134,14 +149,19 @@ def aggregate_stats(ms: list[ManagedModel], by_id: dict[str, EngineStats], defau
     loaded = [s for m, s in zip(ms, host_stats, strict=True) if m.state == "ready" and s is not None]
     weights = sum(s.weights_mb or 0 for s in loaded) or None
     kv = sum(s.kv_mb or 0 for s in loaded) or None
-    backend = (ref_s.backend if ref_s and ref_m.kind == "builtin" else ref_m.kind)
+    backend = ref_s.backend if ref_s and ref_m.kind == "builtin" else ref_m.kind
     return EngineStats(
-        state=state, model=(ref_s.model if ref_s and ref_s.model else ref_m.id), backend=backend,
-        decode_tps=ref_s.decode_tps if ref_s else None, first_token_ms=ref_s.first_token_ms if ref_s else None,
-        tokens_total=sum(s.tokens_total for s in host_stats if s) + sum(
-            m.usage.completion_tokens for m in ms if m.kind == "llama_cpp"),
-        requests_in_flight=sum(m.in_flight for m in ms), requests_queued=queued,
-        weights_mb=round(weights, 3) if weights else None, kv_mb=round(kv, 3) if kv else None,
+        state=state,
+        model=(ref_s.model if ref_s and ref_s.model else ref_m.id),
+        backend=backend,
+        decode_tps=ref_s.decode_tps if ref_s else None,
+        first_token_ms=ref_s.first_token_ms if ref_s else None,
+        tokens_total=sum(s.tokens_total for s in host_stats if s)
+        + sum(m.usage.completion_tokens for m in ms if m.kind == "llama_cpp"),
+        requests_in_flight=sum(m.in_flight for m in ms),
+        requests_queued=queued,
+        weights_mb=round(weights, 3) if weights else None,
+        kv_mb=round(kv, 3) if kv else None,
         rss_mb=ref_s.rss_mb if ref_s else None,
     )
 

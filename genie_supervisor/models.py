@@ -45,13 +45,19 @@ from .state import DEFAULT_LLM_BUDGET_MB
 log = structlog.get_logger(__name__)
 
 
-
 class ModelManager:
     """Loads, swaps and unloads the configured models within the LLM memory budget."""
 
-    def __init__(self, cfg: Config, ctx: BackendContext, *, budget_mb: float | None = DEFAULT_LLM_BUDGET_MB,
-                 publish: Callable[[Observation], None], queued: Callable[[], int] = lambda: 0,
-                 on_banner: Callable[[str], None] = lambda _text: None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        ctx: BackendContext,
+        *,
+        budget_mb: float | None = DEFAULT_LLM_BUDGET_MB,
+        publish: Callable[[Observation], None],
+        queued: Callable[[], int] = lambda: 0,
+        on_banner: Callable[[str], None] = lambda _text: None,
+    ) -> None:
         self.cfg = cfg
         """The daemon config."""
         self.ctx = ctx
@@ -147,9 +153,13 @@ class ModelManager:
                     if self.closing:
                         raise EngineUnavailable("the supervisor is shutting down")
                     if not self.enabled:
-                        raise LlmDisabled("the LLM is switched off (MQTT llm/enabled); requests are refused until it is on")
+                        raise LlmDisabled(
+                            "the LLM is switched off (MQTT llm/enabled); requests are refused until it is on"
+                        )
                     if self.ctx.arbiter.refuse_new:
-                        raise EngineUnavailable("new requests are refused while memory is low (policy memory.thresholds)")
+                        raise EngineUnavailable(
+                            "new requests are refused while memory is low (policy memory.thresholds)"
+                        )
                     if m.state == "ready" and not m.draining:
                         return
                     if m.state == "loading":
@@ -162,8 +172,9 @@ class ModelManager:
                         continue
                     await self._wait_change()
         except TimeoutError:
-            raise EngineUnavailable(f"model {m.id!r} was not ready within {wait_s:g} s "
-                                    f"(state {m.state}; api.load_wait_s)") from None
+            raise EngineUnavailable(
+                f"model {m.id!r} was not ready within {wait_s:g} s (state {m.state}; api.load_wait_s)"
+            ) from None
         finally:
             m.waiting -= 1
             self._notify()
@@ -187,10 +198,16 @@ class ModelManager:
                     fallback = self.cfg.fallback
                     if not fallback or fallback == m.kind:
                         raise
-                    log.warning("backend_fallback", model=m.id, backend=m.kind, fallback=fallback,
-                                reason=f"{type(exc).__name__}: {exc}")
-                    bctx = BackendContext(self.cfg, self.ctx.gate, self.ctx.arbiter, self._stats_from(m.id),
-                                          self.ctx.loader)
+                    log.warning(
+                        "backend_fallback",
+                        model=m.id,
+                        backend=m.kind,
+                        fallback=fallback,
+                        reason=f"{type(exc).__name__}: {exc}",
+                    )
+                    bctx = BackendContext(
+                        self.cfg, self.ctx.gate, self.ctx.arbiter, self._stats_from(m.id), self.ctx.loader
+                    )
                     m.backend = create_backend(fallback, m.id, m.entry, bctx)
                     m.kind, m.fell_back = fallback, True
                     await self._load_with(m)
@@ -201,8 +218,14 @@ class ModelManager:
             m.state, m.loaded_at = "ready", time.monotonic()
             m.load_seconds = m.loaded_at - t0
             m.loads += 1
-            log.info("model_ready", model=m.id, roles=m.entry.roles, backend=m.backend.identity(),
-                     memory_mb=round(m.plan_mb or 0, 1), load_s=round(m.load_seconds, 3))
+            log.info(
+                "model_ready",
+                model=m.id,
+                roles=m.entry.roles,
+                backend=m.backend.identity(),
+                memory_mb=round(m.plan_mb or 0, 1),
+                load_s=round(m.load_seconds, 3),
+            )
         finally:
             self._notify()
 
@@ -213,35 +236,51 @@ class ModelManager:
         await m.backend.load()
 
     def _used_mb(self, exclude: ManagedModel) -> float:
-        return sum(o.plan_mb or 0 for o in self.models.values()
-                   if o is not exclude and o.state in ("ready", "loading"))
+        return sum(o.plan_mb or 0 for o in self.models.values() if o is not exclude and o.state in ("ready", "loading"))
 
     async def _make_room(self, m: ManagedModel, plan: Plan) -> None:
         budget = self._budget_mb
         need = plan.total / MiB
-        detail = (f"weights {plan.weights / MiB:.1f} + KV {plan.kv / MiB:.1f} + scratch "
-                  f"{plan.scratch / MiB:.1f} MiB at n_ctx {plan.n_ctx}")
+        detail = (
+            f"weights {plan.weights / MiB:.1f} + KV {plan.kv / MiB:.1f} + scratch "
+            f"{plan.scratch / MiB:.1f} MiB at n_ctx {plan.n_ctx}"
+        )
         if budget is not None and need > budget:
-            raise ModelTooLarge(need, budget, f"model {m.id!r} needs {need:.1f} MiB ({detail}) but the LLM "
-                                f"budget (policy memory.llm_budget_mb) is {budget:.1f} MiB")
+            raise ModelTooLarge(
+                need,
+                budget,
+                f"model {m.id!r} needs {need:.1f} MiB ({detail}) but the LLM "
+                f"budget (policy memory.llm_budget_mb) is {budget:.1f} MiB",
+            )
         while True:
-            mates = [o for o in self.models.values() if o is not m and m.entry.group is not None
-                     and o.entry.group == m.entry.group and o.state == "ready"]
+            mates = [
+                o
+                for o in self.models.values()
+                if o is not m and m.entry.group is not None and o.entry.group == m.entry.group and o.state == "ready"
+            ]
             used = self._used_mb(m)
             if not mates and (budget is None or used + need <= budget):
                 return
             if mates:
                 victim = mates[0]
             else:
-                candidates = [o for o in self.models.values() if o is not m and o.state == "ready"
-                              and not o.entry.resident]
+                candidates = [
+                    o for o in self.models.values() if o is not m and o.state == "ready" and not o.entry.resident
+                ]
                 if not candidates:
-                    resident = sum(o.plan_mb or 0 for o in self.models.values()
-                                   if o is not m and o.entry.resident and o.state in ("ready", "loading"))
+                    resident = sum(
+                        o.plan_mb or 0
+                        for o in self.models.values()
+                        if o is not m and o.entry.resident and o.state in ("ready", "loading")
+                    )
                     assert budget is not None
-                    raise ModelTooLarge(need, budget, f"model {m.id!r} needs {need:.1f} MiB ({detail}); "
-                                        f"{used:.1f} MiB of the {budget:.1f} MiB budget are in use "
-                                        f"({resident:.1f} MiB by resident models, which are never evicted)")
+                    raise ModelTooLarge(
+                        need,
+                        budget,
+                        f"model {m.id!r} needs {need:.1f} MiB ({detail}); "
+                        f"{used:.1f} MiB of the {budget:.1f} MiB budget are in use "
+                        f"({resident:.1f} MiB by resident models, which are never evicted)",
+                    )
                 victim = min(candidates, key=lambda o: (o.in_flight > 0, o.entry.priority, o.last_used))
             await self._evict(victim, reason=f"make room for {m.id}")
 
@@ -260,9 +299,11 @@ class ModelManager:
                         while victim.in_flight:
                             await self._wait_change()
                 except TimeoutError:
-                    raise EngineUnavailable(f"model {victim.id!r} still runs {victim.in_flight} request(s) after "
-                                            f"{self.cfg.api.drain_timeout_s:g} s (api.drain_timeout_s); "
-                                            "it is not cut off") from None
+                    raise EngineUnavailable(
+                        f"model {victim.id!r} still runs {victim.in_flight} request(s) after "
+                        f"{self.cfg.api.drain_timeout_s:g} s (api.drain_timeout_s); "
+                        "it is not cut off"
+                    ) from None
             await victim.backend.unload(timeout=self.cfg.api.drain_timeout_s if force else 2.0)
             victim.state, victim.loaded_at = "unloaded", None
             if reason.startswith("make room"):
@@ -332,8 +373,11 @@ class ModelManager:
                 await self._wait_change()
 
     async def _watch(self) -> None:
-        interval = min([self.cfg.llama_cpp.health_interval_s] +
-                       [m.entry.ttl_s / 2 for m in self.models.values() if m.entry.ttl_s] + [5.0])
+        interval = min(
+            [self.cfg.llama_cpp.health_interval_s]
+            + [m.entry.ttl_s / 2 for m in self.models.values() if m.entry.ttl_s]
+            + [5.0]
+        )
         while True:
             await anyio.sleep(max(0.05, interval))  # periodic upkeep: TTLs and backend health
             now = time.monotonic()
@@ -359,8 +403,8 @@ class ModelManager:
             try:
                 async with self.lease(m) as lease:
                     stream = await lease.backend.generate(
-                        [{"role": "user", "content": "Hi"}],
-                        SamplingParams(max_tokens=1, temperature=0.0), "background")
+                        [{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=1, temperature=0.0), "background"
+                    )
                     try:
                         async for _ in stream:
                             break
@@ -371,8 +415,9 @@ class ModelManager:
             except Exception as exc:  # a banner, not a start condition
                 self.first_reply_ms[m.id] = None
                 log.warning("warmup_failed", model=m.id, error=f"{type(exc).__name__}: {exc}")
-        banner = ", ".join(f"{mid} {ms:.0f} ms" if ms is not None else f"{mid} failed"
-                           for mid, ms in self.first_reply_ms.items())
+        banner = ", ".join(
+            f"{mid} {ms:.0f} ms" if ms is not None else f"{mid} failed" for mid, ms in self.first_reply_ms.items()
+        )
         text = f"first reply latency: {banner}"
         log.info("first_reply_latency", models=self.first_reply_ms, banner=text)
         self._on_banner(text)
@@ -419,9 +464,21 @@ class ModelManager:
     def describe(self) -> dict[str, Any]:
         """The default model's engine view (state, model, backend, memory plan) plus every model."""
         host = self.host
-        base: dict[str, Any] = host.describe() if host is not None else {
-            "state": self.state, "model": self.default.id if self.default else None, "path": None, "arch": None,
-            "backend": self.backend, "n_ctx": None, "kv_dtype": None, "error": None, "memory_plan": None}
+        base: dict[str, Any] = (
+            host.describe()
+            if host is not None
+            else {
+                "state": self.state,
+                "model": self.default.id if self.default else None,
+                "path": None,
+                "arch": None,
+                "backend": self.backend,
+                "n_ctx": None,
+                "kv_dtype": None,
+                "error": None,
+                "memory_plan": None,
+            }
+        )
         base["state"] = self.state
         m = self.default
         base["backend_kind"] = m.kind if m else None
@@ -439,6 +496,7 @@ class ModelManager:
             if isinstance(obs, EngineStats):
                 self._host_stats[mid] = obs
                 self.publish_stats()
+
         return take
 
     def record(self, mid: str, prompt_tokens: int, completion_tokens: int, timings: dict[str, float]) -> None:

@@ -127,9 +127,19 @@ class Decision:
     def effect(self) -> tuple[Any, ...]:
         """What the arbiter acts on through the gate and its listeners; two decisions with equal
         effects need no such action (the budget and priorities are pushed whenever they change)."""
-        return (self.gate, self.pause_reasons, self.throttle_tps, self.admission, self.max_context,
-                self.unload_llm, self.thermal_level, self.prefill_chunk_tokens, self.prefill_layer_group, self.voice_gate,
-                self.voice_throttle_tps)
+        return (
+            self.gate,
+            self.pause_reasons,
+            self.throttle_tps,
+            self.admission,
+            self.max_context,
+            self.unload_llm,
+            self.thermal_level,
+            self.prefill_chunk_tokens,
+            self.prefill_layer_group,
+            self.voice_gate,
+            self.voice_throttle_tps,
+        )
 
     def action_text(self) -> str:
         """The effect as a short text, e.g. ``paused(stt,thermal) refuse_new max_context=1024``."""
@@ -148,8 +158,10 @@ class Decision:
         if self.thermal_level:
             parts.append(f"thermal={self.thermal_level}")
         if (self.voice_gate, self.voice_throttle_tps) != (self.gate, self.throttle_tps):
-            parts.append(f"voice={self.voice_gate}" + (f"({self.voice_throttle_tps:g}tps)"
-                                                       if self.voice_gate == "throttled" else ""))
+            parts.append(
+                f"voice={self.voice_gate}"
+                + (f"({self.voice_throttle_tps:g}tps)" if self.voice_gate == "throttled" else "")
+            )
         return " ".join(parts)
 
 
@@ -349,14 +361,16 @@ class StateStore:
 
         stt, tts = starts("stt"), starts("tts")
         oldest = min([*stt[:1], *tts[:1]], default=None)
-        unknown = any(
-            self._services[s].up is None for s in self._stt_services if s in self._services
-        )
+        unknown = any(self._services[s].up is None for s in self._stt_services if s in self._services)
         return VoiceState(
-            stt_active=bool(stt), tts_active=bool(tts),
-            stt_sessions=len(stt), tts_sessions=len(tts),
-            stt_active_since=stt[0] if stt else None, tts_active_since=tts[0] if tts else None,
-            stt_idle_since=self._idle_since["stt"], tts_idle_since=self._idle_since["tts"],
+            stt_active=bool(stt),
+            tts_active=bool(tts),
+            stt_sessions=len(stt),
+            tts_sessions=len(tts),
+            stt_active_since=stt[0] if stt else None,
+            tts_active_since=tts[0] if tts else None,
+            stt_idle_since=self._idle_since["stt"],
+            tts_idle_since=self._idle_since["tts"],
             hint_expires_at=None if oldest is None else oldest + self.hint_timeout_s,
             stt_unknown=unknown,
         )

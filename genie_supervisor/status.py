@@ -25,17 +25,21 @@ def format_status(s: dict[str, Any], url: str) -> str:
     eng = s.get("engine") or {}
     backend = s.get("backend") or {}
     policy = s.get("policy") or {}
-    lines.append(f"genie-supervisor {s.get('version', '?')} at {url}: {'ready' if s.get('ready') else 'starting'}, "
-                 f"up {s.get('uptime_s', 0):.0f} s, node {s.get('node_id', '?')}")
+    lines.append(
+        f"genie-supervisor {s.get('version', '?')} at {url}: {'ready' if s.get('ready') else 'starting'}, "
+        f"up {s.get('uptime_s', 0):.0f} s, node {s.get('node_id', '?')}"
+    )
     pol = f"policy: {policy.get('name')}" + (f" ({policy.get('path')})" if policy.get("path") else " (built-in)")
     if policy.get("error"):
         pol += f"  REJECTED RELOAD: {policy['error']}"
     lines.append(pol)
     fb = backend.get("fallback")
-    lines.append(f"backend: {backend.get('default') or eng.get('backend_identity') or '-'} "
-                 f"(configured {backend.get('configured', '-')}, fallback {fb or 'none'}"
-                 f"{', IN USE' if eng.get('fell_back') else ''}); engine {eng.get('state', '-')}"
-                 f"{'' if eng.get('enabled', True) else ' (LLM disabled)'}")
+    lines.append(
+        f"backend: {backend.get('default') or eng.get('backend_identity') or '-'} "
+        f"(configured {backend.get('configured', '-')}, fallback {fb or 'none'}"
+        f"{', IN USE' if eng.get('fell_back') else ''}); engine {eng.get('state', '-')}"
+        f"{'' if eng.get('enabled', True) else ' (LLM disabled)'}"
+    )
     gate = s.get("gate") or {}
     g = f"gate: {gate.get('mode', '-')}"
     if gate.get("reasons"):
@@ -53,25 +57,37 @@ def format_status(s: dict[str, Any], url: str) -> str:
         lines.append("models:")
         width = max(len(m["id"]) for m in models)
         for m in models:
-            flags = [f for f, on in (("resident", m.get("resident")), (f"group {m.get('group')}", m.get("group")),
-                                     ("draining", m.get("draining"))) if on]
+            flags = [
+                f
+                for f, on in (
+                    ("resident", m.get("resident")),
+                    (f"group {m.get('group')}", m.get("group")),
+                    ("draining", m.get("draining")),
+                )
+                if on
+            ]
             roles = ",".join(m.get("roles") or []) or "-"
             mem = (m.get("memory") or {}).get("total_mb")
-            lines.append(f"  {m['id']:<{width}}  {m.get('state', '-'):<8}  {m.get('backend_identity', '-'):<18} "
-                         f"{_mb(mem):>10}  roles {roles}  in flight {m.get('in_flight', 0)}"
-                         + (f"  [{', '.join(flags)}]" if flags else "")
-                         + (f"  error: {m['error']}" if m.get("error") else ""))
+            lines.append(
+                f"  {m['id']:<{width}}  {m.get('state', '-'):<8}  {m.get('backend_identity', '-'):<18} "
+                f"{_mb(mem):>10}  roles {roles}  in flight {m.get('in_flight', 0)}"
+                + (f"  [{', '.join(flags)}]" if flags else "")
+                + (f"  error: {m['error']}" if m.get("error") else "")
+            )
     else:
         lines.append("models: none configured")
     adm = s.get("admission") or {}
     if adm:
-        lines.append(f"admission: {adm.get('running', 0)}/{adm.get('max_running', '?')} running, "
-                     f"{adm.get('queued', 0)}/{adm.get('max_queue', '?')} queued"
-                     + (f"; rejected {adm['rejected']}" if adm.get("rejected") else ""))
+        lines.append(
+            f"admission: {adm.get('running', 0)}/{adm.get('max_running', '?')} running, "
+            f"{adm.get('queued', 0)}/{adm.get('max_queue', '?')} queued"
+            + (f"; rejected {adm['rejected']}" if adm.get("rejected") else "")
+        )
     first = s.get("first_reply_ms") or {}
     if first:
-        lines.append("first reply: " + ", ".join(f"{k} {v:.0f} ms" if v is not None else f"{k} failed"
-                                                 for k, v in first.items()))
+        lines.append(
+            "first reply: " + ", ".join(f"{k} {v:.0f} ms" if v is not None else f"{k} failed" for k, v in first.items())
+        )
     services = s.get("services") or {}
     if services:
         lines.append("services:")
@@ -81,8 +97,10 @@ def format_status(s: dict[str, Any], url: str) -> str:
             lines.append(f"  {name}: {up}{extra}" + (f", {_mb(obs.get('rss_mb'))}" if obs.get("rss_mb") else ""))
     voice = s.get("voice") or {}
     if voice:
-        lines.append(f"voice: stt {'active' if voice.get('stt_active') else 'idle'}, "
-                     f"tts {'active' if voice.get('tts_active') else 'idle'}")
+        lines.append(
+            f"voice: stt {'active' if voice.get('stt_active') else 'idle'}, "
+            f"tts {'active' if voice.get('tts_active') else 'idle'}"
+        )
     mqtt = s.get("mqtt") or {}
     if not mqtt.get("url"):
         lines.append("mqtt: off")
@@ -94,7 +112,9 @@ def format_status(s: dict[str, Any], url: str) -> str:
             line += f" ({mqtt['last_error']})"
         refusal = mqtt.get("last_command_error")
         if refusal:
-            line += f"; last refused command: {refusal.get('topic')} {refusal.get('payload')!r}: {refusal.get('reason')}"
+            line += (
+                f"; last refused command: {refusal.get('topic')} {refusal.get('payload')!r}: {refusal.get('reason')}"
+            )
         lines.append(line)
     return "\n".join(lines)
 
@@ -110,15 +130,20 @@ def cmd_status(args: argparse.Namespace) -> int:
         data = r.json()
     except httpx.HTTPStatusError as exc:
         if exc.response.status_code == 401:
-            print(f"error: {url}/status wants the API key: GENIE_API_KEY=$(sudo cat /etc/genie-supervisor/api-key) "
-                  "genie-supervisor status" + (" (the key in GENIE_API_KEY was refused)" if key else ""),
-                  file=sys.stderr)
+            print(
+                f"error: {url}/status wants the API key: GENIE_API_KEY=$(sudo cat /etc/genie-supervisor/api-key) "
+                "genie-supervisor status" + (" (the key in GENIE_API_KEY was refused)" if key else ""),
+                file=sys.stderr,
+            )
             return 1
         print(f"error: {url}/status answered {exc.response.status_code}; is that a genie-supervisor?", file=sys.stderr)
         return 1
     except httpx.HTTPError as exc:
-        print(f"error: cannot reach the daemon at {url} ({type(exc).__name__}: {exc}); is "
-              "`genie-supervisor run` running and listening there (http.listen / --listen)?", file=sys.stderr)
+        print(
+            f"error: cannot reach the daemon at {url} ({type(exc).__name__}: {exc}); is "
+            "`genie-supervisor run` running and listening there (http.listen / --listen)?",
+            file=sys.stderr,
+        )
         return 1
     except ValueError:
         print(f"error: {url}/status did not answer JSON; is that a genie-supervisor?", file=sys.stderr)

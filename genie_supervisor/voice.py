@@ -42,8 +42,12 @@ class VoiceHints:
         if session is not None and not isinstance(session, str):
             raise ValueError(f"session must be a string, got {session!r}")
         activity = VoiceActivity(
-            service=cast(VoiceService, service), active=_EVENTS[event], source=source,
-            ts=self._clock(), session=session, event=f"hint:{event}",
+            service=cast(VoiceService, service),
+            active=_EVENTS[event],
+            source=source,
+            ts=self._clock(),
+            session=session,
+            event=f"hint:{event}",
         )
         self._store.publish(activity)
         return activity

@@ -140,9 +140,13 @@ def read_source(path: str, max_bytes: int = MAX_SOURCE_BYTES) -> str:
 
 
 def _file_kind(mode: int) -> str:
-    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory"),
-                       (stat.S_ISSOCK, "a socket")):
+    for test, name in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
         if test(mode):
             return name
     return "not a plain file"
@@ -166,7 +170,8 @@ def _check_size(root: yaml.Node) -> tuple[int | None, str] | None:
             depth = 1 + max((depths[id(k)] for k in kids), default=0)
             if size > MAX_NODES:
                 return node.start_mark.line + 1, (
-                    f"document expands to more than {MAX_NODES} nodes through its aliases (an alias bomb?)")
+                    f"document expands to more than {MAX_NODES} nodes through its aliases (an alias bomb?)"
+                )
             if depth > MAX_DEPTH:
                 return node.start_mark.line + 1, f"nesting deeper than {MAX_DEPTH} levels"
             sizes[key], depths[key] = size, depth
@@ -216,8 +221,18 @@ def load_yaml(text: str, path: str, make: IssueFactory) -> tuple[Any, LineMap, l
     except yaml.reader.ReaderError as exc:
         line = text.count("\n", 0, exc.position) + 1
         char = exc.character if isinstance(exc.character, str) else chr(exc.character)
-        return None, LineMap(), [make(path, line, "", f"malformed YAML: control character {ord(char):#04x} "
-                                                        f"at offset {exc.position} is not allowed")]
+        return (
+            None,
+            LineMap(),
+            [
+                make(
+                    path,
+                    line,
+                    "",
+                    f"malformed YAML: control character {ord(char):#04x} at offset {exc.position} is not allowed",
+                )
+            ],
+        )
     except yaml.YAMLError as exc:
         return None, LineMap(), [make(path, None, "", f"malformed YAML: {exc}")]
     except RecursionError:
@@ -241,7 +256,9 @@ def validate(
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        return None, [make(path, lines.line_of(()), "", f"expected a mapping of keys at the top level, got {type(data).__name__}")]
+        return None, [
+            make(path, lines.line_of(()), "", f"expected a mapping of keys at the top level, got {type(data).__name__}")
+        ]
     try:
         return model.model_validate(data, context=context), []
     except ValidationError as exc:

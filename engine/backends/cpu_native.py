@@ -73,11 +73,7 @@ def _compiler() -> str | None:
 
 def _flag_sets(extra: tuple[str, ...] = ()) -> list[list[str]]:
     """The flag sets tried in turn, best first, each with the `extra` flags (experiments)."""
-    arch = (
-        ["-mcpu=native"]
-        if platform.machine().lower() in ("aarch64", "arm64")
-        else ["-march=native"]
-    )
+    arch = ["-mcpu=native"] if platform.machine().lower() in ("aarch64", "arm64") else ["-march=native"]
     base = ["-O3", "-std=gnu99", "-ffp-contract=off", "-shared", "-fPIC"]
     base += list(extra)
     return [base + arch + ["-fopenmp"], base + arch, base + ["-fopenmp"], base]
@@ -165,7 +161,10 @@ def _warn_uncached(folder: Path, exc: OSError) -> None:
         _state["warned_uncached"] = True
         logging.getLogger(__name__).warning(
             "native kernels: cache %s cannot be written (%s); compiling into a temporary folder "
-            "for this process (every start compiles again)", folder, exc)
+            "for this process (every start compiles again)",
+            folder,
+            exc,
+        )
 
 
 def _build(extra: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str]:
@@ -414,9 +413,7 @@ class NativeOps(NumpyOps):
         """cos and sin [n_ctx, dim/2] from ggml's float theta recurrence and libm cosf/sinf."""
         cos = np.empty((n_ctx, dim // 2), dtype=np.float32)
         sin = np.empty_like(cos)
-        self.lib.qg_rope_cache(
-            0, n_ctx, dim, float(base), float(1.0 / scale), cos.ctypes.data, sin.ctypes.data
-        )
+        self.lib.qg_rope_cache(0, n_ctx, dim, float(base), float(1.0 / scale), cos.ctypes.data, sin.ctypes.data)
         return cos, sin
 
     def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str) -> np.ndarray:  # type: ignore[override]

@@ -49,9 +49,7 @@ WARPS = 4  # rows per GEMV block
 _dequant_int8 = cp.ElementwiseKernel(  # int8 KV rows: value x its block's fp16 scale (broadcast)
     "int8 q, float16 d", "float32 y", "y = (float)q * (float)d", "genie_kv_int8_rows"
 )
-_silu = cp.ElementwiseKernel(
-    "float32 g, float32 u", "float32 y", "y = g / (1.0f + expf(-g)) * u", "genie_silu"
-)
+_silu = cp.ElementwiseKernel("float32 g, float32 u", "float32 y", "y = g / (1.0f + expf(-g)) * u", "genie_silu")
 _gelu = cp.ElementwiseKernel(
     "float32 g, float32 u, float32 c",
     "float32 y",
@@ -150,7 +148,8 @@ class CupyOps:
         units = n * (cols // 32)
         assert w.raw is not None  # a single piece holds its bytes
         kernels.kernel(f"gather_{w.type_name}")(
-            ((units + 127) // 128,), (128,),
+            ((units + 127) // 128,),
+            (128,),
             (w.raw, np.int64(w.raw.shape[1]), dev_ids, out, np.int32(n), np.int32(cols)),
         )
         return out
@@ -198,9 +197,9 @@ class CupyOps:
             b = _null() if bias is None else bias[r0 : r0 + rows]
             assert p.raw is not None  # pieces() yields weights that hold their bytes
             kernels.kernel(f"gemv_{p.type_name}")(
-                ((rows + WARPS - 1) // WARPS,), (32 * WARPS,),
-                (p.raw, np.int64(p.raw.shape[1]), x, y[r0 : r0 + rows], b,
-                 np.int32(rows), np.int32(cols)),
+                ((rows + WARPS - 1) // WARPS,),
+                (32 * WARPS,),
+                (p.raw, np.int64(p.raw.shape[1]), x, y[r0 : r0 + rows], b, np.int32(rows), np.int32(cols)),
             )
             r0 += rows
 
@@ -219,7 +218,8 @@ class CupyOps:
         units = (r1 - r0) * (cols // 32)
         assert p.raw is not None  # a piece holds its bytes
         kernels.kernel(f"{kernel}_{p.type_name}")(
-            ((units + 127) // 128,), (128,),
+            ((units + 127) // 128,),
+            (128,),
             (p.raw[r0:r1], np.int64(p.raw.shape[1]), out, np.int32(r1 - r0), np.int32(cols)),
         )
 
@@ -233,9 +233,27 @@ class CupyOps:
         blas = _blas()
         blas.set_stream(handle, cp.cuda.get_current_stream().ptr)
         # column-major view: C[m, t] (ldc = y's row length) = op(A = wt as [k, m])^T [m, k] x B [k, t]
-        blas.gemm_ex(handle, _OP_T, _OP_N, m, t, k, _ONE.ctypes.data, wt.data.ptr, dt, k,
-                       xs.data.ptr, dt, k, _ZERO.ctypes.data, y.data.ptr + col0 * 4, _CUDA_R_32F,
-                       y.shape[1], _COMPUTE_32F, _GEMM_DEFAULT)
+        blas.gemm_ex(
+            handle,
+            _OP_T,
+            _OP_N,
+            m,
+            t,
+            k,
+            _ONE.ctypes.data,
+            wt.data.ptr,
+            dt,
+            k,
+            xs.data.ptr,
+            dt,
+            k,
+            _ZERO.ctypes.data,
+            y.data.ptr + col0 * 4,
+            _CUDA_R_32F,
+            y.shape[1],
+            _COMPUTE_32F,
+            _GEMM_DEFAULT,
+        )
 
     def tile_dtype(self, w: QWeight) -> str:
         """The tile precision of `w` ("float16" or "float32") under `prefill_dtype`."""
@@ -287,9 +305,7 @@ class CupyOps:
             y += bias
         return y
 
-    def linear(
-        self, x: cp.ndarray, w: QWeight, b: cp.ndarray | None = None, aq: str | None = None
-    ) -> cp.ndarray:
+    def linear(self, x: cp.ndarray, w: QWeight, b: cp.ndarray | None = None, aq: str | None = None) -> cp.ndarray:
         """[T, in] x [out, in] -> [T, out] (+ bias); `aq` rounds x as llama.cpp does."""
         x = self.act_quant(cp.ascontiguousarray(x, dtype=cp.float32), aq)
         if x.shape[0] != 1:
@@ -326,9 +342,9 @@ class CupyOps:
         cos, sin = cp.ascontiguousarray(cos), cp.ascontiguousarray(sin)
         n = t * h * half
         kernels.kernel("rope")(
-            ((n + 255) // 256,), (256,),
-            (out, cos, sin, np.int32(t), np.int32(h), np.int32(d), np.int32(half),
-             np.int32(style == "neox")),
+            ((n + 255) // 256,),
+            (256,),
+            (out, cos, sin, np.int32(t), np.int32(h), np.int32(d), np.int32(half), np.int32(style == "neox")),
         )
         return out
 
@@ -343,9 +359,9 @@ class CupyOps:
         x = cp.ascontiguousarray(x, dtype=cp.float32)
         warps = t * kv * (d // QBLOCK)
         kernels.kernel("kv_store_int8")(
-            (-(-warps // 8),), (256,),
-            (x, cache.q, cache.d, np.int32(t), np.int32(kv), np.int32(d), np.int32(cache.q.shape[1]),
-             np.int32(start)),
+            (-(-warps // 8),),
+            (256,),
+            (x, cache.q, cache.d, np.int32(t), np.int32(kv), np.int32(d), np.int32(cache.q.shape[1]), np.int32(start)),
         )
 
     def attention(
@@ -368,9 +384,22 @@ class CupyOps:
             scores = cp.empty((h, n_ctx), dtype=cp.float32)
             name = "attn_decode_half" if k_cache.dtype == cp.float16 else "attn_decode_float"
             kernels.kernel(name)(
-                (h,), (256,),
-                (qc, k_cache, v_cache, out, scores, np.int32(h // kv), np.int32(d), np.int32(dv),
-                 np.int32(n_ctx), np.int32(lo), np.int32(end), np.float32(scale)),
+                (h,),
+                (256,),
+                (
+                    qc,
+                    k_cache,
+                    v_cache,
+                    out,
+                    scores,
+                    np.int32(h // kv),
+                    np.int32(d),
+                    np.int32(dv),
+                    np.int32(n_ctx),
+                    np.int32(lo),
+                    np.int32(end),
+                    np.float32(scale),
+                ),
             )
             return out
         convert = k_cache.dtype != cp.float32  # f16 and int8 caches are converted into buffers
@@ -394,8 +423,9 @@ class CupyOps:
         from .cupy_plan import prefill_graph_buckets
 
         tf: Any = transformer
-        buckets = prefill_graph_buckets(int(tf.weights_bytes), self.prefill_chunk, int(tf.n_ctx),
-                                        self.options.cupy_prefill_graph)
+        buckets = prefill_graph_buckets(
+            int(tf.weights_bytes), self.prefill_chunk, int(tf.n_ctx), self.options.cupy_prefill_graph
+        )
         if buckets:
             from .cupy_prefill_graph import PrefillGraphs
 
@@ -456,25 +486,65 @@ def _blas() -> Any:
     return cublas() or _CupyBlas
 
 
-def _bgemm(opa: int, opb: int, m: int, n: int, k: int,
-           a: cp.ndarray, a_off: int, lda: int, stride_a: int,
-           b: cp.ndarray, b_off: int, ldb: int, stride_b: int,
-           c: cp.ndarray, c_off: int, ldc: int, stride_c: int, batch: int) -> None:
+def _bgemm(
+    opa: int,
+    opb: int,
+    m: int,
+    n: int,
+    k: int,
+    a: cp.ndarray,
+    a_off: int,
+    lda: int,
+    stride_a: int,
+    b: cp.ndarray,
+    b_off: int,
+    ldb: int,
+    stride_b: int,
+    c: cp.ndarray,
+    c_off: int,
+    ldc: int,
+    stride_c: int,
+    batch: int,
+) -> None:
     """`batch` strided float32 GEMMs C = op(A) op(B) (cuBLAS column-major; fp32 compute, no TF32)
     on float32 arrays a, b, c; offsets and strides in values."""
     handle = cp.cuda.device.get_cublas_handle()
     blas = _blas()
     blas.set_stream(handle, cp.cuda.get_current_stream().ptr)
     blas.gemm_strided_batched_ex(
-        handle, opa, opb, m, n, k, _ONE.ctypes.data,
-        a.data.ptr + 4 * a_off, _CUDA_R_32F, lda, stride_a,
-        b.data.ptr + 4 * b_off, _CUDA_R_32F, ldb, stride_b, _ZERO.ctypes.data,
-        c.data.ptr + 4 * c_off, _CUDA_R_32F, ldc, stride_c, batch, _COMPUTE_32F, _GEMM_DEFAULT,
+        handle,
+        opa,
+        opb,
+        m,
+        n,
+        k,
+        _ONE.ctypes.data,
+        a.data.ptr + 4 * a_off,
+        _CUDA_R_32F,
+        lda,
+        stride_a,
+        b.data.ptr + 4 * b_off,
+        _CUDA_R_32F,
+        ldb,
+        stride_b,
+        _ZERO.ctypes.data,
+        c.data.ptr + 4 * c_off,
+        _CUDA_R_32F,
+        ldc,
+        stride_c,
+        batch,
+        _COMPUTE_32F,
+        _GEMM_DEFAULT,
     )
 
 
 def _attention_xp(
-    q: cp.ndarray, k_cache: Any, v_cache: Any, start: int, window: int, scale: float,
+    q: cp.ndarray,
+    k_cache: Any,
+    v_cache: Any,
+    start: int,
+    window: int,
+    scale: float,
     bufs: _AttnBuffers,
 ) -> cp.ndarray:
     """NumpyOps.attention for several query positions (prefill) -> [T, H*Dv].
@@ -503,17 +573,60 @@ def _attention_xp(
         keys = start + a + n - blo
         for gi in range(g):
             # S[kv] [n, keys] (column-major [keys, n]) = K[kv][blo..] . Q[a.., head kv*g+gi]
-            _bgemm(_OP_T, _OP_N, keys, n, d,
-                   k, (k0 + blo - lo) * d, d, k.shape[1] * d,
-                   q, (a * h + gi) * d, h * d, g * d,
-                   s, 0, keys, n * keys, kv)
+            _bgemm(
+                _OP_T,
+                _OP_N,
+                keys,
+                n,
+                d,
+                k,
+                (k0 + blo - lo) * d,
+                d,
+                k.shape[1] * d,
+                q,
+                (a * h + gi) * d,
+                h * d,
+                g * d,
+                s,
+                0,
+                keys,
+                n * keys,
+                kv,
+            )
             # row r = kv * n + i is query start + a + i
-            softmax((kv * n,), (256,),
-                    (s, np.int32(keys), np.int32(n), np.int32(1), np.int32(start + a),
-                     np.int32(blo), np.int32(window), np.float32(scale)))
+            softmax(
+                (kv * n,),
+                (256,),
+                (
+                    s,
+                    np.int32(keys),
+                    np.int32(n),
+                    np.int32(1),
+                    np.int32(start + a),
+                    np.int32(blo),
+                    np.int32(window),
+                    np.float32(scale),
+                ),
+            )
             # out[a.., head kv*g+gi] (column-major [Dv, n], ld H*Dv) = V[kv][blo..]^T-view . P[kv]
-            _bgemm(_OP_N, _OP_N, dv, n, keys,
-                   v, (v0 + blo - lo) * dv, dv, v.shape[1] * dv,
-                   s, 0, keys, n * keys,
-                   out, (a * h + gi) * dv, h * dv, g * dv, kv)
+            _bgemm(
+                _OP_N,
+                _OP_N,
+                dv,
+                n,
+                keys,
+                v,
+                (v0 + blo - lo) * dv,
+                dv,
+                v.shape[1] * dv,
+                s,
+                0,
+                keys,
+                n * keys,
+                out,
+                (a * h + gi) * dv,
+                h * dv,
+                g * dv,
+                kv,
+            )
     return out

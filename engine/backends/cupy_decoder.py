@@ -77,8 +77,15 @@ class _Launch:
 
     __slots__ = ("fn", "grid", "block", "args", "smem", "name", "pdl")
 
-    def __init__(self, fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple[Any, ...],
-                 smem: int = 0, name: str = "") -> None:
+    def __init__(
+        self,
+        fn: Any,
+        grid: tuple[int, ...],
+        block: tuple[int, ...],
+        args: tuple[Any, ...],
+        smem: int = 0,
+        name: str = "",
+    ) -> None:
         self.fn, self.grid, self.block, self.args, self.smem, self.name = fn, grid, block, args, smem, name
         self.pdl: PdlLaunch | None = None
 
@@ -133,10 +140,21 @@ class QInput:
         return int(self.xq.nbytes + self.xd.nbytes + self.xs16.nbytes)
 
 
-def gemv_launches(fn: Any, n_sm: int, w: Any, x: cp.ndarray, nw: cp.ndarray | None, eps: np.float32,
-                  aq: str | None, y: cp.ndarray, bias: cp.ndarray | None = None, epi: int = 0,
-                  out_rows: int | None = None, qin: QInput | None = None,
-                  input_ready: bool = False) -> list[_Launch]:
+def gemv_launches(
+    fn: Any,
+    n_sm: int,
+    w: Any,
+    x: cp.ndarray,
+    nw: cp.ndarray | None,
+    eps: np.float32,
+    aq: str | None,
+    y: cp.ndarray,
+    bias: cp.ndarray | None = None,
+    epi: int = 0,
+    out_rows: int | None = None,
+    qin: QInput | None = None,
+    input_ready: bool = False,
+) -> list[_Launch]:
     """The launches of y = W @ prep(x) (norm by `nw`, llama.cpp rounding `aq`) with epilogue `epi`:
     where W's type has an integer dot product and the rounding is on, one `qprep_x` launch rounds
     the input into `qin` (allocated here when not given), then the integer-dot kernel
@@ -160,17 +178,35 @@ def gemv_launches(fn: Any, n_sm: int, w: Any, x: cp.ndarray, nw: cp.ndarray | No
             tail = (y[r0:], _ptr(b), np.int32(epi), np.int32(out_rows or 0), np.int32(tpr))
             if not prepped:
                 groups = cols // (32 if code == 1 else 256)
-                out.append(_Launch(fn("qprep_x"), (max(1, -(-groups // 8)),), (256,),
-                                   (x, _ptr(nw), eps, np.int32(code), np.int32(cols), qin.xq, qin.xd,
-                                    qin.xs16), 0, f"qprep[{cols}]"))
+                out.append(
+                    _Launch(
+                        fn("qprep_x"),
+                        (max(1, -(-groups // 8)),),
+                        (256,),
+                        (x, _ptr(nw), eps, np.int32(code), np.int32(cols), qin.xq, qin.xd, qin.xs16),
+                        0,
+                        f"qprep[{cols}]",
+                    )
+                )
                 prepped = True
             k = fn(f"qgemv{'_glu' if glu else ''}_{p.type_name}")
-            args = (p.raw, np.int64(p.raw.shape[1]), np.int32(rows), np.int32(cols), qin.xq, qin.xd,
-                    qin.xs16, *tail)
+            args = (p.raw, np.int64(p.raw.shape[1]), np.int32(rows), np.int32(cols), qin.xq, qin.xd, qin.xs16, *tail)
             out.append(_Launch(k, (blocks,), (256,), args, 0, name))
         else:
-            args = (p.raw, np.int64(p.raw.shape[1]), np.int32(rows), np.int32(cols), x, _ptr(nw), eps,
-                    np.int32(code), y[r0:], _ptr(b), np.int32(epi), np.int32(out_rows or 0))
+            args = (
+                p.raw,
+                np.int64(p.raw.shape[1]),
+                np.int32(rows),
+                np.int32(cols),
+                x,
+                _ptr(nw),
+                eps,
+                np.int32(code),
+                y[r0:],
+                _ptr(b),
+                np.int32(epi),
+                np.int32(out_rows or 0),
+            )
             # two rows a warp where that still fills the GPU (more loads in flight per lane)
             r = 2 if epi < 2 and -(-rows // (2 * ROWS_PER_BLOCK)) >= n_sm else 1
             k = fn(f"dgemv{'2' if r == 2 else ''}_{p.type_name}")
@@ -178,8 +214,7 @@ def gemv_launches(fn: Any, n_sm: int, w: Any, x: cp.ndarray, nw: cp.ndarray | No
             if smem > 48 * 1024:
                 k.max_dynamic_shared_size_bytes = smem
             blocks = max(1, min(-(-rows // (r * ROWS_PER_BLOCK)), GRID_CAP * n_sm))
-            out.append(_Launch(k, (blocks,), (GEMV_THREADS,), args, smem,
-                               f"gemv_{p.type_name}[{rows}x{cols}]"))
+            out.append(_Launch(k, (blocks,), (GEMV_THREADS,), args, smem, f"gemv_{p.type_name}[{rows}x{cols}]"))
         r0 += rows
     return out
 
@@ -187,8 +222,9 @@ def gemv_launches(fn: Any, n_sm: int, w: Any, x: cp.ndarray, nw: cp.ndarray | No
 class CupyDecoder:
     """A model's decode step as preallocated buffers + a captured CUDA graph (see module doc)."""
 
-    def __init__(self, tf: Any, use_graph: bool = True, use_pdl: bool = True,
-                 options: EngineOptions | None = None) -> None:
+    def __init__(
+        self, tf: Any, use_graph: bool = True, use_pdl: bool = True, options: EngineOptions | None = None
+    ) -> None:
         opts = options or DEFAULT_OPTIONS
         self.options = opts
         """The tuning knobs the step was built with (`EngineOptions`; None: the defaults)."""
@@ -204,16 +240,25 @@ class CupyDecoder:
         self.n_sm = int(cp.cuda.runtime.getDeviceProperties(dev.id)["multiProcessorCount"])
         self.n_split = max(1, min(64, -(-2 * self.n_sm // nkv)))  # slices of >= 32 positions
         rope_half = int(next(iter(tf.rope.values()))[0].shape[1])
-        types = {p.type_name for lw in tf.layers for w in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)
-                 for p in w.pieces()}
+        types = {p.type_name for lw in tf.layers for w in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down) for p in w.pieces()}
         types |= {p.type_name for p in tf.output.pieces()}
         if not isinstance(tf.embed_table, TensorInfo):
             types.add(tf.embed_table.type_name)
         src = decode_src.source(
-            sorted(types), n_heads=nh, n_kv_heads=nkv, head_dim=hd, v_head_dim=vd,
-            rope_half=rope_half, neox=s.traits.rope_style == "neox", kv_half=kv_half,
-            n_split=self.n_split, kv_int8=kv_int8, min_chunk=opts.attn_chunk, warps=self.attn_warps,
-            qgemv_unroll=opts.qgemv_unroll, qgemv_unroll_glu=opts.qgemv_unroll_glu,
+            sorted(types),
+            n_heads=nh,
+            n_kv_heads=nkv,
+            head_dim=hd,
+            v_head_dim=vd,
+            rope_half=rope_half,
+            neox=s.traits.rope_style == "neox",
+            kv_half=kv_half,
+            n_split=self.n_split,
+            kv_int8=kv_int8,
+            min_chunk=opts.attn_chunk,
+            warps=self.attn_warps,
+            qgemv_unroll=opts.qgemv_unroll,
+            qgemv_unroll_glu=opts.qgemv_unroll_glu,
         )
         self.module = _module(src)
         self._fns: dict[str, Any] = {}
@@ -244,11 +289,29 @@ class CupyDecoder:
         self._x_mem = cp.cuda.alloc_pinned_memory(self.x.nbytes)
         self.x_host = np.frombuffer(self._x_mem, np.float32, e)
         self.embed_scale = np.float32(math.sqrt(e)) if s.traits.embed_scale else np.float32(1.0)
-        self.scratch_bytes = int(sum(
-            a.nbytes for a in (self.ids, self.x, self.tmp, self.qkv, self.q, self.attn, self.pm,
-                               self.pl, self.pacc, self.gu, self.act, self.out_logits,
-                               self.counters, self.best_v, self.best_i)
-        ) + self.qin.nbytes)
+        self.scratch_bytes = int(
+            sum(
+                a.nbytes
+                for a in (
+                    self.ids,
+                    self.x,
+                    self.tmp,
+                    self.qkv,
+                    self.q,
+                    self.attn,
+                    self.pm,
+                    self.pl,
+                    self.pacc,
+                    self.gu,
+                    self.act,
+                    self.out_logits,
+                    self.counters,
+                    self.best_v,
+                    self.best_i,
+                )
+            )
+            + self.qin.nbytes
+        )
         # --- the step as a list of launches, then one graph ---------------------------------
         self.plan: list[_Launch] = []
         self._build_plan()
@@ -274,13 +337,37 @@ class CupyDecoder:
             fn = self._fns[name] = self.module.get_function(name)
         return fn
 
-    def _gemv(self, w: Any, x: cp.ndarray, nw: cp.ndarray | None, aq: str | None, y: cp.ndarray,
-              bias: cp.ndarray | None = None, epi: int = 0, out_rows: int | None = None,
-              input_ready: bool = False) -> None:
+    def _gemv(
+        self,
+        w: Any,
+        x: cp.ndarray,
+        nw: cp.ndarray | None,
+        aq: str | None,
+        y: cp.ndarray,
+        bias: cp.ndarray | None = None,
+        epi: int = 0,
+        out_rows: int | None = None,
+        input_ready: bool = False,
+    ) -> None:
         """y = W @ prep(x) with epilogue `epi` (0 store+bias, 1 add, 2 SwiGLU, 3 GeGLU);
         `input_ready`: x was already rounded into `self.qin` by the launch before."""
-        self.plan.extend(gemv_launches(self._fn, self.n_sm, w, x, nw, np.float32(self.spec.norm_eps),
-                                       aq, y, bias, epi, out_rows, self.qin, input_ready))
+        self.plan.extend(
+            gemv_launches(
+                self._fn,
+                self.n_sm,
+                w,
+                x,
+                nw,
+                np.float32(self.spec.norm_eps),
+                aq,
+                y,
+                bias,
+                epi,
+                out_rows,
+                self.qin,
+                input_ready,
+            )
+        )
 
     def _rounds_input(self, w: Any, aq: str | None, group: int) -> int:
         """The rounding code (1 q8_0, 2 q8_k) a producer writing `group` consecutive values per
@@ -288,8 +375,7 @@ class CupyDecoder:
         would straddle two producers."""
         code = AQ_CODE[aq]
         pieces = w.pieces()
-        if not (USE_QGEMV and code and len(pieces) == 1
-                and qdot_src.QTYPES.get(pieces[0].type_name) == code):
+        if not (USE_QGEMV and code and len(pieces) == 1 and qdot_src.QTYPES.get(pieces[0].type_name) == code):
             return 0
         return code if group % (32 if code == 1 else 256) == 0 else 0
 
@@ -299,62 +385,132 @@ class CupyDecoder:
         e, nh, nkv = s.n_embd, s.n_heads, s.n_kv_heads
         if not self.host_embed:
             t = tf.embed_table
-            self.plan.append(_Launch(
-                self._fn(f"embed_{t.type_name}"), (-(-(e // 32) // 128),), (128,),
-                (t.raw, np.int64(t.raw.shape[1]), self.ids, self.x, np.int32(e), self.embed_scale),
-                0, "embed",
-            ))
+            self.plan.append(
+                _Launch(
+                    self._fn(f"embed_{t.type_name}"),
+                    (-(-(e // 32) // 128),),
+                    (128,),
+                    (t.raw, np.int64(t.raw.shape[1]), self.ids, self.x, np.int32(e), self.embed_scale),
+                    0,
+                    "embed",
+                )
+            )
         for i, lw in enumerate(tf.layers):
             (kc, kd), (vc, vd) = _cache_arrays(tf.kv.k[i]), _cache_arrays(tf.kv.v[i])
             cos, sin = tf.rope[s.layer_rope_base(i)]
             self._gemv(lw.wqkv, self.x, lw.attn_norm, lw.aq["qkv"], self.qkv, lw.bqkv)
-            self.plan.append(_Launch(
-                self._fn("qkv_post"), (nh + 2 * nkv,), (128,),
-                (self.qkv, self.q, kc, vc, _ptr(kd), _ptr(vd), self.ids, cos, sin, _ptr(lw.q_norm),
-                 _ptr(lw.k_norm),
-                 np.int32(self.n_ctx), eps), 0, "qkv_post",
-            ))
+            self.plan.append(
+                _Launch(
+                    self._fn("qkv_post"),
+                    (nh + 2 * nkv,),
+                    (128,),
+                    (
+                        self.qkv,
+                        self.q,
+                        kc,
+                        vc,
+                        _ptr(kd),
+                        _ptr(vd),
+                        self.ids,
+                        cos,
+                        sin,
+                        _ptr(lw.q_norm),
+                        _ptr(lw.k_norm),
+                        np.int32(self.n_ctx),
+                        eps,
+                    ),
+                    0,
+                    "qkv_post",
+                )
+            )
             window = s.sliding_window if s.is_swa_layer(i) else 0
             # attention's last block per KV head also rounds its heads for the output projection
             o_round = self._rounds_input(lw.wo, lw.aq["o"], (nh // nkv) * s.v_head_dim)
-            self.plan.append(_Launch(
-                self._fn("attn_decode"), (nkv, self.n_split), (32 * self.attn_warps,),
-                (self.q, kc, vc, _ptr(kd), _ptr(vd), self.ids, self.pm, self.pl, self.pacc,
-                 self.counters, self.attn, np.int32(self.n_ctx), np.int32(window),
-                 np.float32(s.attn_scale), np.int32(o_round), self.qin.xq, self.qin.xd, self.qin.xs16),
-                0, "attn",
-            ))
+            self.plan.append(
+                _Launch(
+                    self._fn("attn_decode"),
+                    (nkv, self.n_split),
+                    (32 * self.attn_warps,),
+                    (
+                        self.q,
+                        kc,
+                        vc,
+                        _ptr(kd),
+                        _ptr(vd),
+                        self.ids,
+                        self.pm,
+                        self.pl,
+                        self.pacc,
+                        self.counters,
+                        self.attn,
+                        np.int32(self.n_ctx),
+                        np.int32(window),
+                        np.float32(s.attn_scale),
+                        np.int32(o_round),
+                        self.qin.xq,
+                        self.qin.xd,
+                        self.qin.xs16,
+                    ),
+                    0,
+                    "attn",
+                )
+            )
             self._residual(lw.wo, self.attn, lw.aq["o"], lw.post_attn_norm, input_ready=o_round > 0)
             gelu = s.traits.activation != "silu"
             if lw.w_gate_up.raw is not None:  # gate and up share a type: one pass, fused GLU
-                self._gemv(lw.w_gate_up, self.x, lw.ffn_norm, lw.aq["gate_up"], self.act,
-                           epi=3 if gelu else 2, out_rows=s.n_ff)
+                self._gemv(
+                    lw.w_gate_up, self.x, lw.ffn_norm, lw.aq["gate_up"], self.act, epi=3 if gelu else 2, out_rows=s.n_ff
+                )
             else:
                 self._gemv(lw.w_gate_up, self.x, lw.ffn_norm, lw.aq["gate_up"], self.gu)
-                self.plan.append(_Launch(
-                    self._fn("glu"), (-(-s.n_ff // 256),), (256,),
-                    (self.gu, self.act, np.int32(s.n_ff), np.int32(gelu)), 0, "glu",
-                ))
+                self.plan.append(
+                    _Launch(
+                        self._fn("glu"),
+                        (-(-s.n_ff // 256),),
+                        (256,),
+                        (self.gu, self.act, np.int32(s.n_ff), np.int32(gelu)),
+                        0,
+                        "glu",
+                    )
+                )
             self._residual(lw.w_down, self.act, lw.aq["down"], lw.post_ffn_norm)
         self._gemv(tf.output, self.x, tf.output_norm, tf.output_aq, self.out_logits)
-        self.plan.append(_Launch(
-            self._fn("argmax_ids"), (ARGMAX_BLOCKS,), (512,),
-            (self.out_logits, np.int32(self.out_logits.size), self.best_v, self.best_i,
-             self.counters[nkv:], self.ids), 0, "argmax",
-        ))
+        self.plan.append(
+            _Launch(
+                self._fn("argmax_ids"),
+                (ARGMAX_BLOCKS,),
+                (512,),
+                (
+                    self.out_logits,
+                    np.int32(self.out_logits.size),
+                    self.best_v,
+                    self.best_i,
+                    self.counters[nkv:],
+                    self.ids,
+                ),
+                0,
+                "argmax",
+            )
+        )
 
-    def _residual(self, w: Any, inp: cp.ndarray, aq: str | None, post_norm: cp.ndarray | None,
-                  input_ready: bool = False) -> None:
+    def _residual(
+        self, w: Any, inp: cp.ndarray, aq: str | None, post_norm: cp.ndarray | None, input_ready: bool = False
+    ) -> None:
         """x += W @ inp, or x += rms_norm(W @ inp) * post_norm (gemma3)."""
         if post_norm is None:
             self._gemv(w, inp, None, aq, self.x, epi=1, input_ready=input_ready)
             return
         self._gemv(w, inp, None, aq, self.tmp, input_ready=input_ready)
-        self.plan.append(_Launch(
-            self._fn("add_rmsnorm"), (1,), (256,),
-            (self.x, self.tmp, post_norm, np.int32(self.spec.n_embd), np.float32(self.spec.norm_eps)),
-            0, "add_rmsnorm",
-        ))
+        self.plan.append(
+            _Launch(
+                self._fn("add_rmsnorm"),
+                (1,),
+                (256,),
+                (self.x, self.tmp, post_norm, np.int32(self.spec.n_embd), np.float32(self.spec.norm_eps)),
+                0,
+                "add_rmsnorm",
+            )
+        )
 
     def _set_pdl(self, lib: Any) -> None:
         """Launch every kernel but the first as a programmatic dependent launch (lib: libcuda
@@ -375,14 +531,16 @@ class CupyDecoder:
                 self._capture_once()
                 return
             except Exception as exc:  # a driver that cannot record programmatic edges
-                log.warning("decode step: capture with programmatic dependent launch failed "
-                            "(%s: %s); plain launches", type(exc).__name__, exc)
+                log.warning(
+                    "decode step: capture with programmatic dependent launch failed (%s: %s); plain launches",
+                    type(exc).__name__,
+                    exc,
+                )
                 self._set_pdl(None)
         try:
             self._capture_once()
         except Exception as exc:  # driver / CuPy without graph support: eager launches
-            log.warning("decode step: CUDA graph capture failed (%s: %s); launching eagerly",
-                        type(exc).__name__, exc)
+            log.warning("decode step: CUDA graph capture failed (%s: %s); launching eagerly", type(exc).__name__, exc)
             self.graph = None
             self.mode = "eager"
 
@@ -420,8 +578,7 @@ class CupyDecoder:
             t = self.tf.embed_table
             row = dequantize_rows(t.raw, t.type_name, np.array([token]), self.spec.n_embd)[0]
             np.multiply(row, self.embed_scale, out=self.x_host)
-            cp.cuda.runtime.memcpyAsync(self.x.data.ptr, self.x_host.ctypes.data, self.x.nbytes, _H2D,
-                                        self.stream.ptr)
+            cp.cuda.runtime.memcpyAsync(self.x.data.ptr, self.x_host.ctypes.data, self.x.nbytes, _H2D, self.stream.ptr)
         self._upload_ids()
         if self.graph is not None:
             self.graph.launch(self.stream)
@@ -431,23 +588,28 @@ class CupyDecoder:
     def logits(self, token: int, pos: int) -> np.ndarray:
         """Feed `token` at `pos` (K/V written at `pos`); the logits [vocab] as float32 on the host."""
         self._launch(token, pos)
-        cp.cuda.runtime.memcpyAsync(self.logits_host.ctypes.data, self.out_logits.data.ptr,
-                                    self.out_logits.nbytes, _D2H, self.stream.ptr)
+        cp.cuda.runtime.memcpyAsync(
+            self.logits_host.ctypes.data, self.out_logits.data.ptr, self.out_logits.nbytes, _D2H, self.stream.ptr
+        )
         self.stream.synchronize()
         return self.logits_host.copy()
 
     def greedy(self, token: int, pos: int) -> int:
         """Feed `token` at `pos`; the id of the largest logit (argmax on the device)."""
         self._launch(token, pos)
-        cp.cuda.runtime.memcpyAsync(self.ids_host.ctypes.data + 8, self.ids.data.ptr + 8, 4, _D2H,
-                                    self.stream.ptr)
+        cp.cuda.runtime.memcpyAsync(self.ids_host.ctypes.data + 8, self.ids.data.ptr + 8, 4, _D2H, self.stream.ptr)
         self.stream.synchronize()
         return int(self.ids_host[2])
 
     def describe(self) -> dict[str, Any]:
         """Launch count, mode and buffer bytes (for logs and benchmarks)."""
-        return {"mode": self.mode, "launches": len(self.plan), "pdl": self.pdl, "n_split": self.n_split,
-                "scratch_bytes": self.scratch_bytes}
+        return {
+            "mode": self.mode,
+            "launches": len(self.plan),
+            "pdl": self.pdl,
+            "n_split": self.n_split,
+            "scratch_bytes": self.scratch_bytes,
+        }
 
     def sample(self, token: int, pos: int, params: Any, u: float, history: Any) -> int:
         """Feed `token` at `pos`; the next token sampled on the device (`DeviceSampler`: penalty,

@@ -37,10 +37,16 @@ class _Config(ctypes.Structure):
     """CUlaunchConfig."""
 
     _fields_ = [
-        ("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
-        ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
-        ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
-        ("attrs", ctypes.POINTER(_Attr)), ("numAttrs", ctypes.c_uint),
+        ("gridDimX", ctypes.c_uint),
+        ("gridDimY", ctypes.c_uint),
+        ("gridDimZ", ctypes.c_uint),
+        ("blockDimX", ctypes.c_uint),
+        ("blockDimY", ctypes.c_uint),
+        ("blockDimZ", ctypes.c_uint),
+        ("sharedMemBytes", ctypes.c_uint),
+        ("hStream", ctypes.c_void_p),
+        ("attrs", ctypes.POINTER(_Attr)),
+        ("numAttrs", ctypes.c_uint),
     ]
 
 
@@ -59,8 +65,9 @@ class PdlLaunch:
 
     __slots__ = ("_lib", "_fn", "_cfg", "_attr", "_vals", "_params")
 
-    def __init__(self, lib: Any, fn: Any, grid: tuple[int, ...], block: tuple[int, ...],
-                 args: tuple[Any, ...], smem: int) -> None:
+    def __init__(
+        self, lib: Any, fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: tuple[Any, ...], smem: int
+    ) -> None:
         g = tuple(grid) + (1,) * (3 - len(grid))
         b = tuple(block) + (1,) * (3 - len(block))
         self._lib = lib
@@ -68,11 +75,9 @@ class PdlLaunch:
         self._attr = _Attr()
         self._attr.id = _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION
         self._attr.value[0] = 1
-        self._cfg = _Config(g[0], g[1], g[2], b[0], b[1], b[2], smem, None,
-                            ctypes.pointer(self._attr), 1)
+        self._cfg = _Config(g[0], g[1], g[2], b[0], b[1], b[2], smem, None, ctypes.pointer(self._attr), 1)
         self._vals = [_arg(a) for a in args]
-        self._params = (ctypes.c_void_p * max(1, len(self._vals)))(
-            *[ctypes.addressof(v) for v in self._vals])
+        self._params = (ctypes.c_void_p * max(1, len(self._vals)))(*[ctypes.addressof(v) for v in self._vals])
 
     def __call__(self, stream_ptr: int) -> None:
         self._cfg.hStream = stream_ptr
@@ -109,8 +114,11 @@ def _pdl_library() -> Any:
         log.info("programmatic dependent launch unavailable: %s", exc)
         return None
     if major < 9 or driver < 12030:
-        log.info("programmatic dependent launch unavailable: compute capability %s, driver %d",
-                 cp.cuda.Device().compute_capability, driver)
+        log.info(
+            "programmatic dependent launch unavailable: compute capability %s, driver %d",
+            cp.cuda.Device().compute_capability,
+            driver,
+        )
         return None
     return lib
 
@@ -127,8 +135,31 @@ class Cublas:
         vp, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
         lib.cublasSetStream_v2.argtypes = [vp, vp]
         lib.cublasGemmEx.argtypes = [vp, i, i, i, i, i, vp, vp, i, i, vp, i, i, vp, vp, i, i, i, i]
-        lib.cublasGemmStridedBatchedEx.argtypes = [vp, i, i, i, i, i, vp, vp, i, i, ll, vp, i, i, ll,
-                                                   vp, vp, i, i, ll, i, i, i]
+        lib.cublasGemmStridedBatchedEx.argtypes = [
+            vp,
+            i,
+            i,
+            i,
+            i,
+            i,
+            vp,
+            vp,
+            i,
+            i,
+            ll,
+            vp,
+            i,
+            i,
+            ll,
+            vp,
+            vp,
+            i,
+            i,
+            ll,
+            i,
+            i,
+            i,
+        ]
         for f in (lib.cublasSetStream_v2, lib.cublasGemmEx, lib.cublasGemmStridedBatchedEx):
             f.restype = ctypes.c_int
 

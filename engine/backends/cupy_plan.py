@@ -134,9 +134,12 @@ def decode_scratch_bytes(spec: ModelSpec, n_split: int = DECODE_MAX_SPLIT) -> in
     nh, nkv, ff = spec.n_heads, spec.n_kv_heads, spec.n_ff
     floats = (
         2 * e  # x, tmp
-        + nh * hd + nkv * (hd + vd)  # qkv
-        + nh * hd + nh * vd  # q, attn
-        + 2 * nh * n_split + nh * n_split * vd  # pm, pl, pacc
+        + nh * hd
+        + nkv * (hd + vd)  # qkv
+        + nh * hd
+        + nh * vd  # q, attn
+        + 2 * nh * n_split
+        + nh * n_split * vd  # pm, pl, pacc
         + 3 * ff  # gu, act
         + spec.n_vocab  # logits
         + ARGMAX_BLOCKS  # best_v
@@ -156,7 +159,12 @@ def prefill_activation_bytes(spec: ModelSpec, chunk: int, last_n: int = 1, half:
     plus the GLU output). The head adds the last `last_n` rows' norm, rounding and logits.
     """
     e, r = spec.n_embd, spec.n_heads * spec.head_dim + spec.n_kv_heads * (spec.head_dim + spec.v_head_dim)
-    q, kvd, a, f = spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim, spec.n_heads * spec.v_head_dim, spec.n_ff
+    q, kvd, a, f = (
+        spec.n_heads * spec.head_dim,
+        spec.n_kv_heads * spec.head_dim,
+        spec.n_heads * spec.v_head_dim,
+        spec.n_ff,
+    )
     xh = 0.5 if half else 0.0
     carried = 2 * e
     widest = max(
@@ -190,8 +198,7 @@ GRAPH_MAX_WEIGHTS = 1 << 30
 this size)."""
 
 
-def prefill_graph_buckets(weights: int, chunk: int, n_ctx: int,
-                          forced: bool | None = None) -> tuple[int, ...]:
+def prefill_graph_buckets(weights: int, chunk: int, n_ctx: int, forced: bool | None = None) -> tuple[int, ...]:
     """The first-chunk lengths a model of `weights` bytes replays from graphs (empty: none): one,
     the chunk (a shorter first chunk is padded to it: for a host-bound model a padded graph
     replay costs less than the eager pass of even a few tokens, and one bucket holds one chunk's
@@ -225,28 +232,42 @@ class GpuPlan:
         return self.tiles + self.kv_rows + self.scores + self.activations + self.graphs
 
 
-def plan(gf: GGUFFile, spec: ModelSpec, n_ctx: int, kv_dtype: str, chunk: int = PREFILL_CHUNK,
-         last_n: int = 1, prefill_dtype: str | None = None,
-         options: EngineOptions | None = None) -> GpuPlan:
+def plan(
+    gf: GGUFFile,
+    spec: ModelSpec,
+    n_ctx: int,
+    kv_dtype: str,
+    chunk: int = PREFILL_CHUNK,
+    last_n: int = 1,
+    prefill_dtype: str | None = None,
+    options: EngineOptions | None = None,
+) -> GpuPlan:
     """The CuPy backend's memory for this model at `n_ctx`, prefill chunks of <= `chunk` tokens
     returning <= `last_n` rows of logits (Model.generate: 1), under `options` (None: the
     environment's, as `engine.load_model` without options); `prefill_dtype` overrides theirs."""
     opts = options if options is not None else EngineOptions.from_env()
     mode = resolve_prefill_dtype(prefill_dtype, opts.cupy_prefill)
-    dts = {tile_dtype(mode, m.types, m.rows, m.cols) for m in matrices(gf, spec)
-           if m.name != "output" or last_n > 1}
+    dts = {tile_dtype(mode, m.types, m.rows, m.cols) for m in matrices(gf, spec) if m.name != "output" or last_n > 1}
     itemsize = 4 if "float32" in dts else 2
-    elems = min(SCRATCH_ELEMS, max(m.rows * m.cols for m in matrices(gf, spec)
-                                   if m.name != "output" or last_n > 1))
+    elems = min(SCRATCH_ELEMS, max(m.rows * m.cols for m in matrices(gf, spec) if m.name != "output" or last_n > 1))
     kv_rows, scores = attention_buffer_bytes(spec, n_ctx, kv_dtype)
     t = min(chunk, n_ctx)
     act = prefill_activation_bytes(spec, t, last_n, half="float16" in dts)
     w = weights_bytes(gf)
-    graphs = sum(prefill_activation_bytes(spec, b, 1, half="float16" in dts)
-                 for b in prefill_graph_buckets(w, chunk, n_ctx, opts.cupy_prefill_graph))
+    graphs = sum(
+        prefill_activation_bytes(spec, b, 1, half="float16" in dts)
+        for b in prefill_graph_buckets(w, chunk, n_ctx, opts.cupy_prefill_graph)
+    )
     return GpuPlan(
-        weights=w, kv=kv_bytes(spec, n_ctx, kv_dtype), graphs=int(graphs * (1 + POOL_SLACK)),
-        tables=rope_table_bytes(spec, n_ctx), decode_scratch=decode_scratch_bytes(spec),
-        tiles=elems * itemsize, kv_rows=kv_rows, scores=scores,
-        activations=int(act * (1 + POOL_SLACK)), chunk=t, prefill_dtype=mode,
+        weights=w,
+        kv=kv_bytes(spec, n_ctx, kv_dtype),
+        graphs=int(graphs * (1 + POOL_SLACK)),
+        tables=rope_table_bytes(spec, n_ctx),
+        decode_scratch=decode_scratch_bytes(spec),
+        tiles=elems * itemsize,
+        kv_rows=kv_rows,
+        scores=scores,
+        activations=int(act * (1 + POOL_SLACK)),
+        chunk=t,
+        prefill_dtype=mode,
     )

@@ -105,10 +105,17 @@ class PrefillGraphs:
                     b.graph = self.stream.end_capture()
             self.stream.synchronize()
         except Exception as exc:  # a driver / library that cannot capture this pass
-            log.warning("prefill: CUDA graph capture of a %d-token first chunk failed (%s: %s); "
-                        "prefill runs eagerly", bucket, type(exc).__name__, exc)
+            log.warning(
+                "prefill: CUDA graph capture of a %d-token first chunk failed (%s: %s); prefill runs eagerly",
+                bucket,
+                type(exc).__name__,
+                exc,
+            )
             self.failed = True
             return None
-        log.info("prefill: first chunks of <= %d tokens replay a CUDA graph (%.1f MiB pool)",
-                 bucket, b.pool.total_bytes() / 2**20)
+        log.info(
+            "prefill: first chunks of <= %d tokens replay a CUDA graph (%.1f MiB pool)",
+            bucket,
+            b.pool.total_bytes() / 2**20,
+        )
         return b

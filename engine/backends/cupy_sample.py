@@ -208,8 +208,22 @@ class DeviceSampler:
         self.out_host = np.frombuffer(self._out_mem, np.int32, 1)
         self.pd[ks.PD_SCALE] = self.scale
         self.pi[ks.PI_VOCAB] = self.vocab
-        self.nbytes = int(sum(a.nbytes for a in (self.params_dev, self.recent_dev, self.xw, self.state,
-                                                  self.bv, self.bi, self.ghist, self.counter, self.out)))
+        self.nbytes = int(
+            sum(
+                a.nbytes
+                for a in (
+                    self.params_dev,
+                    self.recent_dev,
+                    self.xw,
+                    self.state,
+                    self.bv,
+                    self.bi,
+                    self.ghist,
+                    self.counter,
+                    self.out,
+                )
+            )
+        )
         self._capture_stream = cp.cuda.Stream(non_blocking=True)
         self._graphs: dict[tuple[int, int], Any] = {}
         self.launches = 0
@@ -217,15 +231,49 @@ class DeviceSampler:
 
     def _launches(self, logits_dev: Any, flags: int) -> list[tuple[Any, tuple[Any, ...]]]:
         g, b = (self.blocks,), (ks.THREADS,)
-        out: list[tuple[Any, tuple[Any, ...]]] = [(self._prep, (
-            g, b, (logits_dev, self.params_dev, self.recent_dev, self.xw, self.state, self.bv, self.bi,
-                   self.counter, self.out)))]
+        out: list[tuple[Any, tuple[Any, ...]]] = [
+            (
+                self._prep,
+                (
+                    g,
+                    b,
+                    (
+                        logits_dev,
+                        self.params_dev,
+                        self.recent_dev,
+                        self.xw,
+                        self.state,
+                        self.bv,
+                        self.bi,
+                        self.counter,
+                        self.out,
+                    ),
+                ),
+            )
+        ]
         for sel, bit in ((0, ks.F_TOPK), (1, ks.F_TOPP), (2, ks.F_SAMPLE)):
             if flags & bit:
                 for shift, nbits in self.schedule:
-                    out.append((self._select, (g, b, (self.xw, self.params_dev, self.state, np.int32(sel),
-                                                      np.int32(shift), np.int32(nbits), self.ghist,
-                                                      self.counter, self.out))))
+                    out.append(
+                        (
+                            self._select,
+                            (
+                                g,
+                                b,
+                                (
+                                    self.xw,
+                                    self.params_dev,
+                                    self.state,
+                                    np.int32(sel),
+                                    np.int32(shift),
+                                    np.int32(nbits),
+                                    self.ghist,
+                                    self.counter,
+                                    self.out,
+                                ),
+                            ),
+                        )
+                    )
         return out
 
     def _run(self, logits_dev: Any, flags: int, stream: Any) -> None:
@@ -255,12 +303,14 @@ class DeviceSampler:
                     graph = s.end_capture()
             return graph
         except Exception as exc:  # no graph support: eager launches
-            log.warning("device sampler: CUDA graph capture failed (%s: %s); launching eagerly",
-                        type(exc).__name__, exc)
+            log.warning(
+                "device sampler: CUDA graph capture failed (%s: %s); launching eagerly", type(exc).__name__, exc
+            )
             return None
 
-    def sample(self, logits_dev: Any, params: SamplingParams, u: float, history: Sequence[int] = (),
-               stream: Any = None) -> int:
+    def sample(
+        self, logits_dev: Any, params: SamplingParams, u: float, history: Sequence[int] = (), stream: Any = None
+    ) -> int:
         """The token `Sampler.pick(logits, u, history)` gives for the float32 row `logits_dev`
         [vocab] on the device; queued on `stream` (default: the current one) after what is there."""
         cp = self._cp
@@ -284,12 +334,12 @@ class DeviceSampler:
         pi[ks.PI_TOPK] = params.top_k
         pi[ks.PI_FLAGS] = flags
         h2d, d2h = cp.cuda.runtime.memcpyHostToDevice, cp.cuda.runtime.memcpyDeviceToHost
-        cp.cuda.runtime.memcpyAsync(self.params_dev.data.ptr, self.pd.ctypes.data, self.params_dev.nbytes,
-                                    h2d, stream.ptr)
+        cp.cuda.runtime.memcpyAsync(
+            self.params_dev.data.ptr, self.pd.ctypes.data, self.params_dev.nbytes, h2d, stream.ptr
+        )
         if n:
             self.recent_host[:n] = window
-            cp.cuda.runtime.memcpyAsync(self.recent_dev.data.ptr, self.recent_host.ctypes.data, 4 * n, h2d,
-                                        stream.ptr)
+            cp.cuda.runtime.memcpyAsync(self.recent_dev.data.ptr, self.recent_host.ctypes.data, 4 * n, h2d, stream.ptr)
         self._run(logits_dev, flags, stream)
         self.launches += 1
         cp.cuda.runtime.memcpyAsync(self.out_host.ctypes.data, self.out.data.ptr, 4, d2h, stream.ptr)

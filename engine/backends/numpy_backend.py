@@ -67,9 +67,7 @@ class NumpyOps:
         return (q * d).astype(np.float32).reshape(t, n)
 
     @classmethod
-    def linear(
-        cls, x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None, aq: str | None = None
-    ) -> np.ndarray:
+    def linear(cls, x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None, aq: str | None = None) -> np.ndarray:
         """[T, in] x [out, in] -> [T, out] (+ bias); `aq` rounds x as llama.cpp does (act_quant)."""
         x = cls.act_quant(x, aq)
         y = (w @ x[0])[None, :] if x.shape[0] == 1 else x @ w.T

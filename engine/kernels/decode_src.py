@@ -741,11 +741,24 @@ def attn_warps(group: int, head_dim: int) -> int:
     return 8 if group * head_dim // 8 <= 32 else 4
 
 
-def source(types: list[str] | tuple[str, ...], *, n_heads: int, n_kv_heads: int, head_dim: int,
-           v_head_dim: int, rope_half: int, neox: bool, kv_half: bool, n_split: int,
-           kv_int8: bool = False, min_chunk: int = 32, lanes_per_pos: int | None = None,
-           warps: int | None = None, qgemv_unroll: int = qdot_src.UNROLL,
-           qgemv_unroll_glu: int = qdot_src.UNROLL_GLU) -> str:
+def source(
+    types: list[str] | tuple[str, ...],
+    *,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    v_head_dim: int,
+    rope_half: int,
+    neox: bool,
+    kv_half: bool,
+    n_split: int,
+    kv_int8: bool = False,
+    min_chunk: int = 32,
+    lanes_per_pos: int | None = None,
+    warps: int | None = None,
+    qgemv_unroll: int = qdot_src.UNROLL,
+    qgemv_unroll_glu: int = qdot_src.UNROLL_GLU,
+) -> str:
     """The decode module for one model shape and the given weight types (`kv_half` / `kv_int8`:
     the cache's element type; `min_chunk`: fewest positions an attention slice takes;
     `qgemv_unroll` / `qgemv_unroll_glu`: the integer-dot GEMVs' unrolling, `qdot_src.source`)."""
@@ -756,10 +769,19 @@ def source(types: list[str] | tuple[str, ...], *, n_heads: int, n_kv_heads: int,
         lpp = ATTN_LANES  # a tuning value that does not divide the heads: the default
     align = lpp * width
     for k, v in {
-        "{H}": n_heads, "{KVH}": n_kv_heads, "{G}": n_heads // n_kv_heads, "{D}": head_dim,
-        "{DV}": v_head_dim, "{HALF}": rope_half, "{NEOX}": int(neox), "{NSPLIT}": n_split,
+        "{H}": n_heads,
+        "{KVH}": n_kv_heads,
+        "{G}": n_heads // n_kv_heads,
+        "{D}": head_dim,
+        "{DV}": v_head_dim,
+        "{HALF}": rope_half,
+        "{NEOX}": int(neox),
+        "{NSPLIT}": n_split,
         "{KT}": "signed char" if kv_int8 else "unsigned short" if kv_half else "float",
-        "{KVQ}": int(kv_int8), "{MINCHUNK}": min_chunk, "{LPP}": lpp, "{NWARP}": warps or attn_warps(n_heads // n_kv_heads, head_dim),
+        "{KVQ}": int(kv_int8),
+        "{MINCHUNK}": min_chunk,
+        "{LPP}": lpp,
+        "{NWARP}": warps or attn_warps(n_heads // n_kv_heads, head_dim),
         "{FASTATT}": int(head_dim % align == 0 and v_head_dim % align == 0),
     }.items():
         shaped = shaped.replace(k, str(v))

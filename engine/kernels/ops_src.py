@@ -194,7 +194,6 @@ extern "C" __global__ void attn_decode_{N}(const float* q, const {KT}* K, const 
 def source() -> str:
     """Every kernel of this file as one CUDA C translation unit."""
     attn = "".join(
-        ATTN.replace("{N}", n).replace("{KT}", kt)
-        for n, kt in (("float", "float"), ("half", "unsigned short"))
+        ATTN.replace("{N}", n).replace("{KT}", kt) for n, kt in (("float", "float"), ("half", "unsigned short"))
     )
     return OPS + ATTN_HELPERS + attn

@@ -285,8 +285,23 @@ smp_select(const float* __restrict__ xw, const double* __restrict__ pd, SmpState
 def source() -> str:
     """The translation unit (constants filled in)."""
     return SOURCE % dict(
-        THREADS=THREADS, CHUNK=CHUNK, BINS=1 << BITS, PD_TOP_P=PD_TOP_P, PD_MIN_P=PD_MIN_P, PD_U=PD_U,
-        PD_TEMP=PD_TEMP, PD_SCALE=PD_SCALE, PD_PENALTY=PD_PENALTY, PD_N=PD_N, PI_VOCAB=PI_VOCAB,
-        PI_NRECENT=PI_NRECENT, PI_TOPK=PI_TOPK, PI_FLAGS=PI_FLAGS, F_PEN=F_PEN, F_TOPK=F_TOPK,
-        F_TOPP=F_TOPP, F_MINP=F_MINP, F_SAMPLE=F_SAMPLE,
+        THREADS=THREADS,
+        CHUNK=CHUNK,
+        BINS=1 << BITS,
+        PD_TOP_P=PD_TOP_P,
+        PD_MIN_P=PD_MIN_P,
+        PD_U=PD_U,
+        PD_TEMP=PD_TEMP,
+        PD_SCALE=PD_SCALE,
+        PD_PENALTY=PD_PENALTY,
+        PD_N=PD_N,
+        PI_VOCAB=PI_VOCAB,
+        PI_NRECENT=PI_NRECENT,
+        PI_TOPK=PI_TOPK,
+        PI_FLAGS=PI_FLAGS,
+        F_PEN=F_PEN,
+        F_TOPK=F_TOPK,
+        F_TOPP=F_TOPP,
+        F_MINP=F_MINP,
+        F_SAMPLE=F_SAMPLE,
     )

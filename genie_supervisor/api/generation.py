@@ -121,6 +121,7 @@ class GenerationResponse(Response):
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         async with anyio.create_task_group() as tg:
+
             async def watch() -> None:
                 while True:
                     message = await receive()
@@ -167,13 +168,22 @@ class GenerationResponse(Response):
                     await self._send_event(send, event)
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
             elif result.finish_reason == "cancelled" and deps.models.closing:  # cut short by SIGTERM: retry later
-                raise EngineUnavailable(f"the supervisor is shutting down; the generation was stopped after "
-                                        f"{result.completion_tokens} tokens")
+                raise EngineUnavailable(
+                    f"the supervisor is shutting down; the generation was stopped after "
+                    f"{result.completion_tokens} tokens"
+                )
             else:
                 body = json.dumps(job.fmt.whole(result), ensure_ascii=False).encode()
-                await send({"type": "http.response.start", "status": 200,
-                            "headers": [(b"content-type", b"application/json"),
-                                        (b"content-length", str(len(body)).encode())]})
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 200,
+                        "headers": [
+                            (b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()),
+                        ],
+                    }
+                )
                 await send({"type": "http.response.body", "body": body})
         except AdmissionError as exc:
             await self._fail(scope, receive, send, exc.status, admission_response(exc), exc)
@@ -184,21 +194,33 @@ class GenerationResponse(Response):
             self.disconnected = True
         except Exception as exc:
             log.exception("request_failed", error=f"{type(exc).__name__}: {exc}")
-            await self._fail(scope, receive, send, 500,
-                             error_response(500, f"internal error: {type(exc).__name__}: {exc}",
-                                            code="internal_error"), exc)
+            await self._fail(
+                scope,
+                receive,
+                send,
+                500,
+                error_response(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error"),
+                exc,
+            )
 
     async def _start_stream(self, send: Any) -> None:
         self.started = True
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
-                                (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"text/event-stream; charset=utf-8"),
+                    (b"cache-control", b"no-cache"),
+                    (b"x-accel-buffering", b"no"),
+                ],
+            }
+        )
 
     async def _send_event(self, send: Any, event: dict[str, Any] | str) -> None:
         await send({"type": "http.response.body", "body": _sse(event), "more_body": True})
 
-    async def _fail(self, scope: Any, receive: Any, send: Any, status: int, response: Any,
-                    exc: BaseException) -> None:
+    async def _fail(self, scope: Any, receive: Any, send: Any, status: int, response: Any, exc: BaseException) -> None:
         if self.disconnected:
             return
         log.info("request_error", status=status, error=str(exc))

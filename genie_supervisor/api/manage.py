@@ -34,7 +34,7 @@ async def unload(request: Request) -> JSONResponse:
         except (ValueError, UnicodeDecodeError) as exc:
             raise BadRequest(f"the body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object like {\"model\": \"brain\", \"force\": false}")
+        raise BadRequest('the body must be a JSON object like {"model": "brain", "force": false}')
     model, force = body.get("model"), body.get("force", False)
     if model is not None and not isinstance(model, str):
         raise BadRequest("model must be a string (an id or a role)", "model")

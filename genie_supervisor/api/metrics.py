@@ -32,15 +32,23 @@ class SupervisorCollector(Collector):
         yield voice
 
     def _models(self, deps: ApiDeps) -> Iterator[Metric]:
-        state = GaugeMetricFamily("genie_model_state", "1 for the state each model is in", labels=["model", "backend", "state"])
-        mem = GaugeMetricFamily("genie_model_memory_bytes", "Planned memory of each model (weights+KV+scratch)", labels=["model"])
+        state = GaugeMetricFamily(
+            "genie_model_state", "1 for the state each model is in", labels=["model", "backend", "state"]
+        )
+        mem = GaugeMetricFamily(
+            "genie_model_memory_bytes", "Planned memory of each model (weights+KV+scratch)", labels=["model"]
+        )
         load = GaugeMetricFamily("genie_model_load_seconds", "Duration of the last load", labels=["model"])
         evict = CounterMetricFamily("genie_model_evictions", "Times a model was evicted to make room", labels=["model"])
         flight = GaugeMetricFamily("genie_requests_in_flight", "Requests generating now", labels=["model"])
         reqs = CounterMetricFamily("genie_requests", "Requests finished", labels=["model"])
         tokens = CounterMetricFamily("genie_tokens", "Tokens processed", labels=["model", "kind"])
-        prefill = GaugeMetricFamily("genie_prefill_tokens_per_second", "Prefill speed of the last request", labels=["model"])
-        decode = GaugeMetricFamily("genie_decode_tokens_per_second", "Decode speed of the last request", labels=["model"])
+        prefill = GaugeMetricFamily(
+            "genie_prefill_tokens_per_second", "Prefill speed of the last request", labels=["model"]
+        )
+        decode = GaugeMetricFamily(
+            "genie_decode_tokens_per_second", "Decode speed of the last request", labels=["model"]
+        )
         for m in deps.models.models.values():
             for s in STATES:
                 state.add_metric([m.id, m.kind, s], 1.0 if m.state == s else 0.0)
@@ -67,11 +75,15 @@ class SupervisorCollector(Collector):
         slots = GaugeMetricFamily("genie_slots_in_use", "Admission slots held")
         slots.add_metric([], adm.running)
         admitted = CounterMetricFamily("genie_admitted", "Requests that got a slot", labels=["priority"])
-        wait = CounterMetricFamily("genie_queue_wait_seconds", "Seconds waited in the queue by admitted requests", labels=["priority"])
+        wait = CounterMetricFamily(
+            "genie_queue_wait_seconds", "Seconds waited in the queue by admitted requests", labels=["priority"]
+        )
         for cls, n in adm.admitted.items():
             admitted.add_metric([cls], n)
             wait.add_metric([cls], adm.wait_sum_s[cls])
-        rejected = CounterMetricFamily("genie_rejections", "Requests refused by admission", labels=["priority", "reason"])
+        rejected = CounterMetricFamily(
+            "genie_rejections", "Requests refused by admission", labels=["priority", "reason"]
+        )
         for (cls, reason), n in sorted(adm.rejected.items()):
             rejected.add_metric([cls, reason], n)
         yield from (depth, slots, admitted, wait, rejected)
@@ -83,13 +95,17 @@ class SupervisorCollector(Collector):
         pauses = CounterMetricFamily("genie_gate_pauses", "Decode pauses per reason", labels=["reason"])
         for r, n in sorted(g["pauses_total"].items()):
             pauses.add_metric([r], n)
-        paused = CounterMetricFamily("genie_gate_paused_seconds", "Seconds decode was paused per reason", labels=["reason"])
+        paused = CounterMetricFamily(
+            "genie_gate_paused_seconds", "Seconds decode was paused per reason", labels=["reason"]
+        )
         for r, s in sorted(g["paused_seconds"].items()):
             paused.add_metric([r], s)
         steps = CounterMetricFamily("genie_gate_steps", "Steps let through the gate", labels=["phase"])
         for phase, n in sorted(g["steps_total"].items()):
             steps.add_metric([phase], n)
-        reaction = GaugeMetricFamily("genie_gate_reaction_ms", "Pause reaction time (observation to parked)", labels=["quantile"])
+        reaction = GaugeMetricFamily(
+            "genie_gate_reaction_ms", "Pause reaction time (observation to parked)", labels=["quantile"]
+        )
         for q, key in (("0.5", "reaction_ms_p50"), ("0.99", "reaction_ms_p99")):
             if g.get(key) is not None:
                 reaction.add_metric([q], g[key])

@@ -18,8 +18,11 @@ FINGERPRINT = "genie-supervisor"
 
 
 def _usage(r: Result) -> dict[str, int]:
-    return {"prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
-            "total_tokens": r.prompt_tokens + r.completion_tokens}
+    return {
+        "prompt_tokens": r.prompt_tokens,
+        "completion_tokens": r.completion_tokens,
+        "total_tokens": r.prompt_tokens + r.completion_tokens,
+    }
 
 
 class ChatFormat:
@@ -32,7 +35,10 @@ class ChatFormat:
 
     def _chunk(self, model: str, delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
         out: dict[str, Any] = {
-            "id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": model,
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": model,
             "system_fingerprint": FINGERPRINT,
             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
         }
@@ -49,19 +55,37 @@ class ChatFormat:
     def end(self, r: Result) -> list[dict[str, Any] | str]:
         events: list[dict[str, Any] | str] = [self._chunk(r.model, {}, r.finish_reason)]
         if self.include_usage:
-            events.append({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                           "model": r.model, "system_fingerprint": FINGERPRINT, "choices": [],
-                           "usage": _usage(r)})
+            events.append(
+                {
+                    "id": self.id,
+                    "object": "chat.completion.chunk",
+                    "created": self.created,
+                    "model": r.model,
+                    "system_fingerprint": FINGERPRINT,
+                    "choices": [],
+                    "usage": _usage(r),
+                }
+            )
         events.append("[DONE]")
         return events
 
     def whole(self, r: Result) -> dict[str, Any]:
         return {
-            "id": self.id, "object": "chat.completion", "created": self.created, "model": r.model,
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": r.model,
             "system_fingerprint": FINGERPRINT,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": r.text, "refusal": None},
-                         "logprobs": None, "finish_reason": r.finish_reason}],
-            "usage": _usage(r), "timings": r.timings,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": r.text, "refusal": None},
+                    "logprobs": None,
+                    "finish_reason": r.finish_reason,
+                }
+            ],
+            "usage": _usage(r),
+            "timings": r.timings,
         }
 
 
@@ -74,9 +98,14 @@ class CompletionFormat:
         self.include_usage = include_usage
 
     def _obj(self, model: str, text: str, finish: str | None) -> dict[str, Any]:
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": model,
-                "system_fingerprint": FINGERPRINT,
-                "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}]}
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": model,
+            "system_fingerprint": FINGERPRINT,
+            "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}],
+        }
 
     def start(self, model: str) -> list[dict[str, Any]]:
         return []
@@ -107,8 +136,14 @@ async def chat_completions(request: Request) -> Response:
     req.check_n()
     max_tokens = req.max_completion_tokens or req.max_tokens or deps.config.api.default_max_tokens
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    job = Job(req.model, _priority(request, req.priority), req.prompt(), req.sampling(max_tokens), req.stream,
-              ChatFormat(include_usage))
+    job = Job(
+        req.model,
+        _priority(request, req.priority),
+        req.prompt(),
+        req.sampling(max_tokens),
+        req.stream,
+        ChatFormat(include_usage),
+    )
     return GenerationResponse(deps, job)
 
 
@@ -120,8 +155,15 @@ async def completions(request: Request) -> Response:
     req.check_n()
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     prompt, name = req.text_prompt()
-    job = Job(req.model, _priority(request, req.priority), prompt, req.sampling(req.max_tokens or 16),
-              req.stream, CompletionFormat(include_usage), prompt_param=name)
+    job = Job(
+        req.model,
+        _priority(request, req.priority),
+        prompt,
+        req.sampling(req.max_tokens or 16),
+        req.stream,
+        CompletionFormat(include_usage),
+        prompt_param=name,
+    )
     return GenerationResponse(deps, job)
 
 
@@ -132,7 +174,28 @@ async def list_models(request: Request) -> JSONResponse:
     data = []
     for m in deps.models.models.values():
         d = m.describe()
-        data.append({"id": m.id, "object": "model", "created": 0, "owned_by": "genie-supervisor",
-                     **{k: d[k] for k in ("role", "roles", "backend", "backend_identity", "state", "error",
-                                          "resident", "group", "n_ctx", "memory", "in_flight")}})
+        data.append(
+            {
+                "id": m.id,
+                "object": "model",
+                "created": 0,
+                "owned_by": "genie-supervisor",
+                **{
+                    k: d[k]
+                    for k in (
+                        "role",
+                        "roles",
+                        "backend",
+                        "backend_identity",
+                        "state",
+                        "error",
+                        "resident",
+                        "group",
+                        "n_ctx",
+                        "memory",
+                        "in_flight",
+                    )
+                },
+            }
+        )
     return JSONResponse({"object": "list", "data": data})

@@ -77,5 +77,12 @@ async def voice_event(request: Request) -> JSONResponse:
         activity = deps.voice.handle(payload, "http")
     except ValueError as exc:
         return error_response(400, str(exc))
-    return JSONResponse({"ok": True, "service": activity.service, "active": activity.active,
-                         "session": activity.session, "ts": activity.ts})
+    return JSONResponse(
+        {
+            "ok": True,
+            "service": activity.service,
+            "active": activity.active,
+            "session": activity.session,
+            "ts": activity.ts,
+        }
+    )

@@ -44,17 +44,37 @@ def _temperature(t: float) -> float:
 def _one_kind(items: Any, allowed: str) -> Any:
     """A list prompt holds one kind of item (a clearer 400 than each union member's complaint)."""
     if isinstance(items, list) and items:
-        kinds = {"int" if type(x) is int else "str" if isinstance(x, str) else "list" if isinstance(x, list)
-                 else type(x).__name__ for x in items}
+        kinds = {
+            "int"
+            if type(x) is int
+            else "str"
+            if isinstance(x, str)
+            else "list"
+            if isinstance(x, list)
+            else type(x).__name__
+            for x in items
+        }
         if len(kinds) > 1 or not kinds <= set(allowed.split()):
-            raise PydanticCustomError("prompt_items", "a list prompt holds {allowed}, all of one kind; got {got}",
-                                      {"allowed": " or ".join(_KIND_WORDS[k] for k in allowed.split()),
-                                       "got": " and ".join(sorted(_KIND_WORDS.get(k, k) for k in kinds))})
+            raise PydanticCustomError(
+                "prompt_items",
+                "a list prompt holds {allowed}, all of one kind; got {got}",
+                {
+                    "allowed": " or ".join(_KIND_WORDS[k] for k in allowed.split()),
+                    "got": " and ".join(sorted(_KIND_WORDS.get(k, k) for k in kinds)),
+                },
+            )
     return items
 
 
-_KIND_WORDS = {"int": "token ids (integers)", "str": "strings", "list": "lists of token ids", "bool": "booleans",
-               "float": "numbers", "dict": "objects", "NoneType": "nulls"}
+_KIND_WORDS = {
+    "int": "token ids (integers)",
+    "str": "strings",
+    "list": "lists of token ids",
+    "bool": "booleans",
+    "float": "numbers",
+    "dict": "objects",
+    "NoneType": "nulls",
+}
 
 
 class _Body(BaseModel):
@@ -84,8 +104,9 @@ class Message(_Body):
         out = []
         for part in self.content:
             if part.type != "text" or part.text is None:
-                raise BadRequest(f"message content part of type {part.type!r} is not supported (only text)",
-                                 "messages.content")
+                raise BadRequest(
+                    f"message content part of type {part.type!r} is not supported (only text)", "messages.content"
+                )
             out.append(part.text)
         return "".join(out)
 
@@ -97,8 +118,9 @@ class StreamOptions(_Body):
 
 
 class _Sampling(_Body):
-    model: str | None = Field(None, max_length=NAME_CHARS,
-                              description="model id or role (default: the first resident model)")
+    model: str | None = Field(
+        None, max_length=NAME_CHARS, description="model id or role (default: the first resident model)"
+    )
     temperature: float | None = Field(None, ge=0, le=2, description="0 = greedy (so is anything below 1e-30)")
     top_p: float | None = Field(None, ge=0, le=1, description="nucleus sampling")
     top_k: int | None = Field(None, ge=0, le=100_000, description="keep the k most likely tokens (0 = all)")
@@ -108,8 +130,9 @@ class _Sampling(_Body):
     stream: bool = Field(False, description="stream the answer as server-sent events")
     stream_options: StreamOptions | None = Field(None, description="streaming options")
     n: int | None = Field(None, ge=1, le=128, description="choices to generate: only 1")
-    priority: str | None = Field(None, max_length=NAME_CHARS,
-                                 description="request class (voice, tool, background); or header X-Genie-Priority")
+    priority: str | None = Field(
+        None, max_length=NAME_CHARS, description="request class (voice, tool, background); or header X-Genie-Priority"
+    )
 
     def check_n(self) -> None:
         if self.n is not None and self.n != 1:
@@ -127,9 +150,14 @@ class _Sampling(_Body):
         if top_p == 0:
             top_p, top_k = 1.0, 1
         return SamplingParams(
-            max_tokens=max_tokens, temperature=_temperature(self.temperature if self.temperature is not None else 0.8),
-            top_k=top_k, top_p=top_p, min_p=self.min_p if self.min_p is not None else 0.05,
-            seed=None if self.seed is None or self.seed < 0 else self.seed, stop=self.stops())
+            max_tokens=max_tokens,
+            temperature=_temperature(self.temperature if self.temperature is not None else 0.8),
+            top_k=top_k,
+            top_p=top_p,
+            min_p=self.min_p if self.min_p is not None else 0.05,
+            seed=None if self.seed is None or self.seed < 0 else self.seed,
+            stop=self.stops(),
+        )
 
 
 class ChatRequest(_Sampling):
@@ -154,7 +182,8 @@ class CompletionRequest(_Sampling):
     """``POST /v1/completions``."""
 
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
-        ..., description="text, one text in a list, token ids, or one list of token ids in a list")
+        ..., description="text, one text in a list, token ids, or one list of token ids in a list"
+    )
     max_tokens: int | None = Field(None, ge=1, le=1_048_576, description="most tokens to generate (default 16)")
 
     @field_validator("prompt", mode="before")
@@ -185,6 +214,7 @@ class LlamaCompletionRequest(_Body):
     @classmethod
     def _prompt_items(cls, v: Any) -> Any:
         return _one_kind(v, "int")
+
     n_predict: int = Field(-1, ge=-1, le=1_048_576, description="most tokens to generate (-1: api.default_max_tokens)")
     temperature: float = Field(0.8, ge=0, le=2, description="0 = greedy (so is anything below 1e-30)")
     top_k: int = Field(40, ge=0, le=100_000)
@@ -204,10 +234,17 @@ class LlamaCompletionRequest(_Body):
         if top_p == 0:
             top_p, top_k = 1.0, 1
         return SamplingParams(
-            max_tokens=default_max if self.n_predict < 0 else self.n_predict, temperature=_temperature(self.temperature),
-            top_k=top_k, top_p=top_p, min_p=self.min_p, repeat_penalty=self.repeat_penalty,
-            repeat_last_n=self.repeat_last_n, seed=None if self.seed < 0 else self.seed,
-            stop=check_stops(tuple(self.stop)), ignore_eos=self.ignore_eos)
+            max_tokens=default_max if self.n_predict < 0 else self.n_predict,
+            temperature=_temperature(self.temperature),
+            top_k=top_k,
+            top_p=top_p,
+            min_p=self.min_p,
+            repeat_penalty=self.repeat_penalty,
+            repeat_last_n=self.repeat_last_n,
+            seed=None if self.seed < 0 else self.seed,
+            stop=check_stops(tuple(self.stop)),
+            ignore_eos=self.ignore_eos,
+        )
 
 
 def check_stops(stops: tuple[str, ...]) -> tuple[str, ...]:
@@ -216,8 +253,9 @@ def check_stops(stops: tuple[str, ...]) -> tuple[str, ...]:
         raise BadRequest(f"at most {MAX_STOPS} stop strings (got {len(stops)})", "stop")
     for i, s in enumerate(stops):
         if len(s) > MAX_STOP_CHARS:
-            raise BadRequest(f"stop[{i}]: a stop string has at most {MAX_STOP_CHARS} characters (got {len(s)})",
-                             f"stop[{i}]")
+            raise BadRequest(
+                f"stop[{i}]: a stop string has at most {MAX_STOP_CHARS} characters (got {len(s)})", f"stop[{i}]"
+            )
     return tuple(s for s in stops if s)
 
 
@@ -268,8 +306,7 @@ def parse_body(raw: bytes, model: type[T]) -> T:
         raise BadRequest(f"the body must be a JSON object, got {type(data).__name__}")
     where = _surrogate(data) if _SURROGATE_ESCAPE.search(raw) else None  # UTF-8 itself cannot hold one
     if where is not None:
-        raise BadRequest(f"{where}: a string holds a lone UTF-16 surrogate (\\ud800-\\udfff), not Unicode text",
-                         where)
+        raise BadRequest(f"{where}: a string holds a lone UTF-16 surrogate (\\ud800-\\udfff), not Unicode text", where)
     try:
         return model.model_validate(data)
     except ValidationError as exc:

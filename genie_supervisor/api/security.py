@@ -84,10 +84,12 @@ class Guarded:
                 name = (hostname if hostname is not None else socket.gethostname()).lower()
                 if name:
                     names |= {name, f"{name.split('.')[0]}.local", name.split(".")[0]}
-        return cls(key=key.encode("utf-8") if key is not None else None,
-                   cors_origins=frozenset(cfg.http.cors_origins),
-                   hosts=frozenset(names) if names is not None else None,
-                   metrics_public=cfg.api.metrics_public)
+        return cls(
+            key=key.encode("utf-8") if key is not None else None,
+            cors_origins=frozenset(cfg.http.cors_origins),
+            hosts=frozenset(names) if names is not None else None,
+            metrics_public=cfg.api.metrics_public,
+        )
 
     def host_ok(self, host_header: str | None) -> bool:
         """Whether a ``Host`` header names this daemon (any IP address does: rebinding needs a name)."""
@@ -180,23 +182,38 @@ class Guard:
         host = headers.get(b"host", b"").decode("latin-1")
         origin = headers[b"origin"].decode("latin-1") if b"origin" in headers else None
 
-        async def refuse(status: int, message: str, code: str, type_: str = "invalid_request_error",
-                         extra: dict[str, str] | None = None) -> None:
-            log.warning("http_refused", status=status, code=code, method=method, path=path,
-                        origin=origin[:200] if origin is not None else None, host=host[:200])
+        async def refuse(
+            status: int,
+            message: str,
+            code: str,
+            type_: str = "invalid_request_error",
+            extra: dict[str, str] | None = None,
+        ) -> None:
+            log.warning(
+                "http_refused",
+                status=status,
+                code=code,
+                method=method,
+                path=path,
+                origin=origin[:200] if origin is not None else None,
+                host=host[:200],
+            )
             response = error_response(status, message, type_, code, headers={**(extra or {}), **cors})
             await response(scope, receive, send)
 
         cors: dict[str, str] = {}
         if not rules.host_ok(host):
-            await refuse(403, f"Host {host[:200]!r} is not an address of this daemon (DNS rebinding?); "
-                         "add the name to http.allowed_hosts if you reach the API by it", "host_not_allowed")
+            await refuse(
+                403,
+                f"Host {host[:200]!r} is not an address of this daemon (DNS rebinding?); "
+                "add the name to http.allowed_hosts if you reach the API by it",
+                "host_not_allowed",
+            )
             return
         listed = origin is not None and rules.origin_listed(origin)
         if listed:
             assert origin is not None
-            cors = {"Access-Control-Allow-Origin": "*" if "*" in rules.cors_origins else origin,
-                    "Vary": "Origin"}
+            cors = {"Access-Control-Allow-Origin": "*" if "*" in rules.cors_origins else origin, "Vary": "Origin"}
             if "*" not in rules.cors_origins:
                 cors["Access-Control-Allow-Credentials"] = "true"
         if method == "OPTIONS" and origin is not None and b"access-control-request-method" in headers:
@@ -208,22 +225,36 @@ class Guard:
             await response(scope, receive, send)
             return
         if method not in SAFE_METHODS and origin is not None and not listed and not _same_origin(origin, host):
-            await refuse(403, f"cross-origin {method} from {origin[:200]!r} refused: the origin is not in "
-                         "http.cors_origins", "origin_not_allowed")
+            await refuse(
+                403,
+                f"cross-origin {method} from {origin[:200]!r} refused: the origin is not in http.cors_origins",
+                "origin_not_allowed",
+            )
             return
         if rules.needs_key(path) and not rules.key_ok(headers):
             given = b"authorization" in headers or b"x-api-key" in headers
-            message = ("Incorrect API key provided." if given else
-                       "You didn't provide an API key. Send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY' "
-                       "(the daemon's api.api_key or api.api_key_file).")
-            await refuse(401, message, "invalid_api_key", "invalid_request_error",
-                         {"WWW-Authenticate": 'Bearer realm="genie-supervisor"'})
+            message = (
+                "Incorrect API key provided."
+                if given
+                else "You didn't provide an API key. Send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY' "
+                "(the daemon's api.api_key or api.api_key_file)."
+            )
+            await refuse(
+                401,
+                message,
+                "invalid_api_key",
+                "invalid_request_error",
+                {"WWW-Authenticate": 'Bearer realm="genie-supervisor"'},
+            )
             return
-        if method not in SAFE_METHODS and b"content-type" in headers and not _json_type(headers[b"content-type"]) \
-                and not _empty_body(headers):
+        if (
+            method not in SAFE_METHODS
+            and b"content-type" in headers
+            and not _json_type(headers[b"content-type"])
+            and not _empty_body(headers)
+        ):
             ctype = headers[b"content-type"].decode("latin-1")[:100]
-            await refuse(415, f"Content-Type {ctype!r} is not JSON: send application/json",
-                         "unsupported_media_type")
+            await refuse(415, f"Content-Type {ctype!r} is not JSON: send application/json", "unsupported_media_type")
             return
         if not cors:
             await self.app(scope, receive, send)
@@ -232,8 +263,11 @@ class Guard:
         async def send_with_cors(message: Any) -> None:
             if message["type"] == "http.response.start":
                 names = {k.lower() for k, _ in message.get("headers", [])}
-                extra = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in cors.items()
-                         if k.lower().encode("latin-1") not in names]
+                extra = [
+                    (k.lower().encode("latin-1"), v.encode("latin-1"))
+                    for k, v in cors.items()
+                    if k.lower().encode("latin-1") not in names
+                ]
                 message = {**message, "headers": [*message.get("headers", []), *extra]}
             await send(message)
 
@@ -248,10 +282,13 @@ def _same_origin(origin: str, host: str) -> bool:
 def _preflight(cors: dict[str, str], asked: str) -> Any:
     from fastapi.responses import Response
 
-    headers = {**cors, "Access-Control-Allow-Methods": ALLOW_METHODS,
-               "Access-Control-Allow-Headers": asked[:1000] or ALLOW_HEADERS,
-               "Access-Control-Max-Age": str(MAX_AGE_S),
-               "Vary": "Origin, Access-Control-Request-Method, Access-Control-Request-Headers"}
+    headers = {
+        **cors,
+        "Access-Control-Allow-Methods": ALLOW_METHODS,
+        "Access-Control-Allow-Headers": asked[:1000] or ALLOW_HEADERS,
+        "Access-Control-Max-Age": str(MAX_AGE_S),
+        "Vary": "Origin, Access-Control-Request-Method, Access-Control-Request-Headers",
+    }
     return Response(status_code=204, headers=headers)
 
 
@@ -260,6 +297,11 @@ def guard(app: Any, cfg: Config | None) -> Any:
     from ..config import Config
 
     rules = Guarded.from_config(cfg if cfg is not None else Config())
-    log.info("http_access", api_key=rules.key is not None, cors_origins=sorted(rules.cors_origins),
-             hosts="any" if rules.hosts is None else sorted(rules.hosts), metrics_public=rules.metrics_public)
+    log.info(
+        "http_access",
+        api_key=rules.key is not None,
+        cors_origins=sorted(rules.cors_origins),
+        hosts="any" if rules.hosts is None else sorted(rules.hosts),
+        metrics_public=rules.metrics_public,
+    )
     return Guard(app, rules)

@@ -32,17 +32,23 @@ if TYPE_CHECKING:
     from .deps import ApiDeps
 
 
-def error_body(status: int, message: str, type_: str | None = None, code: str | None = None,
-               param: str | None = None) -> dict[str, Any]:
+def error_body(
+    status: int, message: str, type_: str | None = None, code: str | None = None, param: str | None = None
+) -> dict[str, Any]:
     """OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}``."""
     if type_ is None:
         type_ = "invalid_request_error" if status < 500 else "server_error"
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def error_response(status: int, message: str, type_: str | None = None,
-                   code: str | None = None, param: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    status: int,
+    message: str,
+    type_: str | None = None,
+    code: str | None = None,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
     """An OpenAI-shaped error response."""
     return JSONResponse(error_body(status, message, type_, code, param), status_code=status, headers=headers)
 
@@ -108,8 +114,9 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
     async def _too_large(self, scope: Any, receive: Any, send: Any) -> None:
-        response = error_response(413, f"the request body is larger than {self.limit} bytes (api.max_body_bytes)",
-                                  code="request_too_large")
+        response = error_response(
+            413, f"the request body is larger than {self.limit} bytes (api.max_body_bytes)", code="request_too_large"
+        )
         await response(scope, receive, send)
 
 
@@ -117,8 +124,7 @@ def create_app(deps: ApiDeps) -> Any:
     """The app with the ops, OpenAI-compatible, llama-server and management routes, serving `deps`."""
     from . import llama_routes, manage, metrics, openai_routes, ops, security
 
-    app = FastAPI(title="genie-supervisor", version=__version__, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+    app = FastAPI(title="genie-supervisor", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.deps = deps
     app.state.metrics_registry = metrics.registry_for(deps)
 
@@ -195,8 +201,14 @@ class HttpServer:
         """HOST:PORT it listens on (the real port when 0 was asked for)."""
         self.port: int = port
         """The port it listens on."""
-        config = uvicorn.Config(app, log_config=None, lifespan="off", access_log=False,
-                                timeout_graceful_shutdown=graceful_s, server_header=False)
+        config = uvicorn.Config(
+            app,
+            log_config=None,
+            lifespan="off",
+            access_log=False,
+            timeout_graceful_shutdown=graceful_s,
+            server_header=False,
+        )
         self._server = _Server(config)
         self._done: anyio.Event | None = None
 

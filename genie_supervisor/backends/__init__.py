@@ -125,5 +125,4 @@ def create_backend(kind: str, model_id: str, entry: ModelEntry, ctx: BackendCont
     raise ValueError(f"unknown backend {kind!r} (known: builtin, llama_cpp)")
 
 
-__all__ = ["Backend", "BackendContext", "BackendUnavailable", "Plan", "TextStream", "UpstreamError",
-           "create_backend"]
+__all__ = ["Backend", "BackendContext", "BackendUnavailable", "Plan", "TextStream", "UpstreamError", "create_backend"]

@@ -49,9 +49,12 @@ class BuiltinStream:
         st = self.gen.stats
         n_prompt = st.prompt_tokens - st.cached_tokens
         return {
-            "prompt_n": n_prompt, "prompt_ms": st.prefill_s * 1000.0,
-            "prompt_per_second": st.prefill_tps, "cache_n": st.cached_tokens,
-            "predicted_n": st.completion_tokens, "predicted_ms": st.decode_s * 1000.0,
+            "prompt_n": n_prompt,
+            "prompt_ms": st.prefill_s * 1000.0,
+            "prompt_per_second": st.prefill_tps,
+            "cache_n": st.cached_tokens,
+            "predicted_n": st.completion_tokens,
+            "predicted_ms": st.decode_s * 1000.0,
             "predicted_per_second": st.decode_tps,
         }
 
@@ -71,9 +74,16 @@ class BuiltinBackend:
         """Context length the KV cache is sized for."""
         kv = entry.kv_dtype or cfg.engine.kv_dtype
         self.host = EngineHost(
-            entry.path, gate=ctx.gate, arbiter=ctx.arbiter, publish=ctx.publish,
-            backend=cfg.engine.backend, n_ctx=self.n_ctx, kv_dtype=kv, threads=cfg.engine.threads,
-            loader=ctx.loader or load_model, autoload=False,
+            entry.path,
+            gate=ctx.gate,
+            arbiter=ctx.arbiter,
+            publish=ctx.publish,
+            backend=cfg.engine.backend,
+            n_ctx=self.n_ctx,
+            kv_dtype=kv,
+            threads=cfg.engine.threads,
+            loader=ctx.loader or load_model,
+            autoload=False,
         )
         """The engine facade of this model."""
 
@@ -119,8 +129,13 @@ class BuiltinBackend:
     def describe(self) -> dict[str, Any]:
         """Engine state, compute backend and memory plan."""
         d = self.host.describe()
-        return {"engine": d["state"], "compute": self.host.backend, "arch": d["arch"],
-                "name": d["model"], "path": os.path.basename(self.host.model_path or "")}
+        return {
+            "engine": d["state"],
+            "compute": self.host.backend,
+            "arch": d["arch"],
+            "name": d["model"],
+            "path": os.path.basename(self.host.model_path or ""),
+        }
 
 
 __all__ = ["BuiltinBackend", "BuiltinStream", "EngineUnavailable"]

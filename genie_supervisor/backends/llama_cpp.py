@@ -57,8 +57,14 @@ def _tail(path: str, n: int = 8) -> str:
 class LlamaStream:
     """A streamed llama-server answer (SSE) as text pieces with counts."""
 
-    def __init__(self, backend: LlamaCppBackend, response: httpx.Response, chat: bool, max_tokens: int,
-                 priority: str | None = None) -> None:
+    def __init__(
+        self,
+        backend: LlamaCppBackend,
+        response: httpx.Response,
+        chat: bool,
+        max_tokens: int,
+        priority: str | None = None,
+    ) -> None:
         self._backend = backend
         self._priority = priority
         self._response = response
@@ -88,7 +94,9 @@ class LlamaStream:
                     continue
                 if "error" in obj:
                     err = obj["error"]
-                    raise UpstreamError(502, f"llama-server: {err.get('message', err) if isinstance(err, dict) else err}")
+                    raise UpstreamError(
+                        502, f"llama-server: {err.get('message', err) if isinstance(err, dict) else err}"
+                    )
                 piece = self._take(obj)
                 if piece:
                     await gate.wait("decode", self._priority)
@@ -204,8 +212,9 @@ class LlamaCppBackend:
         if self.cfg.url:
             await self._wait_healthy(None)
             return
-        binary = self.cfg.binary and (shutil.which(self.cfg.binary) or
-                                      (self.cfg.binary if os.access(self.cfg.binary, os.X_OK) else None))
+        binary = self.cfg.binary and (
+            shutil.which(self.cfg.binary) or (self.cfg.binary if os.access(self.cfg.binary, os.X_OK) else None)
+        )
         if not binary:
             raise BackendUnavailable(f"llama_cpp.binary {self.cfg.binary!r} is not an executable file")
         if self.path is None:
@@ -213,8 +222,21 @@ class LlamaCppBackend:
         port = _free_port(self.cfg.host)
         host = f"[{self.cfg.host}]" if ":" in self.cfg.host else self.cfg.host
         self.base_url = f"http://{host}:{port}"
-        cmd = [binary, "-m", self.path, "--host", self.cfg.host, "--port", str(port), "-c", str(self.n_ctx),
-               "--alias", self.model_id, *self.cache_args(), *self.cfg.args]
+        cmd = [
+            binary,
+            "-m",
+            self.path,
+            "--host",
+            self.cfg.host,
+            "--port",
+            str(port),
+            "-c",
+            str(self.n_ctx),
+            "--alias",
+            self.model_id,
+            *self.cache_args(),
+            *self.cfg.args,
+        ]
         fd, self._log_path = tempfile.mkstemp(prefix=f"llama-server-{self.model_id}-", suffix=".log")
         log.info("llama_server_starting", model=self.model_id, cmd=cmd, log=self._log_path)
         try:
@@ -236,8 +258,9 @@ class LlamaCppBackend:
         delay = 0.05
         while True:
             if proc is not None and proc.returncode is not None:
-                raise BackendUnavailable(f"llama-server exited with status {proc.returncode} while starting: "
-                                         f"{_tail(self._log_path or '')}")
+                raise BackendUnavailable(
+                    f"llama-server exited with status {proc.returncode} while starting: {_tail(self._log_path or '')}"
+                )
             try:
                 r = await self._client.get(f"{self.base_url}/health", timeout=2.0)
                 if r.status_code == 200:
@@ -246,8 +269,9 @@ class LlamaCppBackend:
             except httpx.HTTPError as exc:
                 last = f"{type(exc).__name__}: {exc}"
             if time.monotonic() > deadline:
-                raise BackendUnavailable(f"llama-server at {self.base_url} not healthy after "
-                                         f"{self.cfg.startup_timeout_s:g} s ({last})")
+                raise BackendUnavailable(
+                    f"llama-server at {self.base_url} not healthy after {self.cfg.startup_timeout_s:g} s ({last})"
+                )
             await anyio.sleep(delay)  # polling a process we do not control: back off, capped
             delay = min(delay * 2, 0.5)
 
@@ -290,8 +314,12 @@ class LlamaCppBackend:
         """SIGSTOP the started process while the gate is paused, unless a voice request the pause
         lets through is in flight (the voice reply must not freeze); SIGCONT otherwise."""
         decision = self._decision
-        if (decision is None or not self.cfg.pause_with_signals or self.process is None
-                or self.process.returncode is not None):
+        if (
+            decision is None
+            or not self.cfg.pause_with_signals
+            or self.process is None
+            or self.process.returncode is not None
+        ):
             return
         voice_runs = self._voice_in_flight > 0 and getattr(decision, "voice_gate", "paused") != "paused"
         want_stop = decision.gate == "paused" and not voice_runs
@@ -329,16 +357,26 @@ class LlamaCppBackend:
 
     async def _send(self, prompt: Any, sampling: SamplingParams, priority: str | None) -> LlamaStream:
         assert self._client is not None
-        common: dict[str, Any] = {"temperature": sampling.temperature, "top_k": sampling.top_k,
-                                  "top_p": sampling.top_p, "min_p": sampling.min_p, "stream": True}
+        common: dict[str, Any] = {
+            "temperature": sampling.temperature,
+            "top_k": sampling.top_k,
+            "top_p": sampling.top_p,
+            "min_p": sampling.min_p,
+            "stream": True,
+        }
         if sampling.seed is not None:
             common["seed"] = sampling.seed
         if sampling.stop:
             common["stop"] = list(sampling.stop)
         chat = isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], Mapping)
         if chat:
-            body = {**common, "model": self.model_id, "messages": [dict(m) for m in prompt],
-                    "max_tokens": sampling.max_tokens, "stream_options": {"include_usage": True}}
+            body = {
+                **common,
+                "model": self.model_id,
+                "messages": [dict(m) for m in prompt],
+                "max_tokens": sampling.max_tokens,
+                "stream_options": {"include_usage": True},
+            }
             url = f"{self.base_url}/v1/chat/completions"
         else:
             body = {**common, "prompt": prompt, "n_predict": sampling.max_tokens}
@@ -356,8 +394,12 @@ class LlamaCppBackend:
 
     def describe(self) -> dict[str, Any]:
         """How llama-server is reached."""
-        return {"url": self.base_url, "pid": self.process.pid if self.process else None,
-                "stopped": self.stopped, "path": os.path.basename(self.path or "")}
+        return {
+            "url": self.base_url,
+            "pid": self.process.pid if self.process else None,
+            "stopped": self.stopped,
+            "path": os.path.basename(self.path or ""),
+        }
 
 
 def _error_message(raw: bytes) -> str:

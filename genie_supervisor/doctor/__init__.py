@@ -78,10 +78,18 @@ class Probes:
     """Telemetry source per platform (default: create_source, simulated from the config)."""
     cuda: Callable[[], tuple[bool, str]] = cuda_available
     """Whether CUDA works, and why not."""
-    broker: Callable[[Config], tuple[bool, str]] = field(default=lambda cfg: mqtt_ping(
-        cfg.mqtt.url or "", username=cfg.mqtt.username, password=cfg.mqtt.password,
-        tls=cfg.mqtt.tls, ca_file=cfg.mqtt.ca_file, cert_file=cfg.mqtt.cert_file, key_file=cfg.mqtt.key_file,
-        timeout_s=2.0))
+    broker: Callable[[Config], tuple[bool, str]] = field(
+        default=lambda cfg: mqtt_ping(
+            cfg.mqtt.url or "",
+            username=cfg.mqtt.username,
+            password=cfg.mqtt.password,
+            tls=cfg.mqtt.tls,
+            ca_file=cfg.mqtt.ca_file,
+            cert_file=cfg.mqtt.cert_file,
+            key_file=cfg.mqtt.key_file,
+            timeout_s=2.0,
+        )
+    )
     """MQTT CONNECT round trip to the configured broker."""
     wyoming: ProbeTcp = _wyoming
     """Wyoming `describe` round trip to a proxy's upstream."""
@@ -100,8 +108,15 @@ def _default_sources(cfg: Config, root: str) -> SourceFactory:
         if platform != "simulated":
             return create_source(platform, root=root)
         sim = cfg.telemetry.simulated
-        return create_source("simulated", temps_c=dict(sim.temps_c), mem_total_mb=sim.mem_total_mb,
-                             mem_available_mb=sim.mem_available_mb, script=sim.script or (), loop=sim.loop)
+        return create_source(
+            "simulated",
+            temps_c=dict(sim.temps_c),
+            mem_total_mb=sim.mem_total_mb,
+            mem_available_mb=sim.mem_available_mb,
+            script=sim.script or (),
+            loop=sim.loop,
+        )
+
     return build
 
 
@@ -135,8 +150,9 @@ def sample_telemetry(configured: str, build: SourceFactory) -> tuple[Check, Tele
     return check_telemetry(configured, usable, chosen, source_name), sample
 
 
-def audit(config_path: str | None, overrides: dict[str, Any] | None = None,
-          probes: Probes | None = None) -> list[Check]:
+def audit(
+    config_path: str | None, overrides: dict[str, Any] | None = None, probes: Probes | None = None
+) -> list[Check]:
     """Run every check against the config (with `run`'s CLI overrides) and return them in order."""
     probes = probes or Probes()
     checks = [Check("board", "ok", describe_board(probes.root))]
@@ -158,8 +174,11 @@ def audit(config_path: str | None, overrides: dict[str, Any] | None = None,
     checks.append(check_broker(cfg.mqtt.url, probes.broker(cfg) if cfg.mqtt.url else None))
     cgroup_root = probes.cgroup_root or f"{probes.root.rstrip('/')}/sys/fs/cgroup"
     for name, svc in cfg.services.items():
-        checks.append(check_service(name, svc, cgroup_root=cgroup_root, wyoming=probes.wyoming,
-                                    http=probes.http, bindable=probes.bindable))
+        checks.append(
+            check_service(
+                name, svc, cgroup_root=cgroup_root, wyoming=probes.wyoming, http=probes.http, bindable=probes.bindable
+            )
+        )
     return checks
 
 
@@ -184,22 +203,21 @@ def verdict(checks: list[Check], *, strict: bool = False) -> str:
 _MARK = {"ok": "ok  ", "warn": "WARN", "fail": "FAIL"}
 
 
-def render(checks: list[Check], *, title: str = "genie-supervisor doctor", width: int = 100,
-           strict: bool = False) -> str:
+def render(
+    checks: list[Check], *, title: str = "genie-supervisor doctor", width: int = 100, strict: bool = False
+) -> str:
     """The one-screen report: a line per check, then each problem with its fix, then the verdict."""
     lines = [title]
     for c in checks:
         head = f"  {_MARK[c.status]} {c.name:<22} "
         first, *rest = c.detail.splitlines() or [""]
-        lines.append(textwrap.fill(first, width, initial_indent=head,
-                                   subsequent_indent=" " * len(head)))
+        lines.append(textwrap.fill(first, width, initial_indent=head, subsequent_indent=" " * len(head)))
         lines += [" " * len(head) + extra for extra in rest]
     problems = [c for c in checks if c.status != "ok" and c.fix]
     if problems:
         lines.append("fixes:")
         for c in problems:
-            lines.append(textwrap.fill(c.fix, width, initial_indent=f"  {c.name}: ",
-                                       subsequent_indent="    "))
+            lines.append(textwrap.fill(c.fix, width, initial_indent=f"  {c.name}: ", subsequent_indent="    "))
     lines.append(verdict(checks, strict=strict))
     return "\n".join(lines)
 
@@ -213,8 +231,12 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     strict = bool(getattr(args, "strict", False))
     code = exit_code(checks, strict=strict)
     if getattr(args, "json", False):
-        print(json.dumps({"checks": [asdict(c) for c in checks], "verdict": verdict(checks, strict=strict),
-                          "exit": code}, indent=2))
+        print(
+            json.dumps(
+                {"checks": [asdict(c) for c in checks], "verdict": verdict(checks, strict=strict), "exit": code},
+                indent=2,
+            )
+        )
     else:
         title = f"genie-supervisor doctor (config: {getattr(args, 'config', None) or 'built-in defaults'})"
         print(render(checks, title=title, strict=strict))

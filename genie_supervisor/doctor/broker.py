@@ -41,8 +41,9 @@ def _remaining_length(n: int) -> bytes:
             return bytes(out)
 
 
-def connect_packet(client_id: str, username: str | None = None, password: str | None = None,
-                   keepalive: int = 10) -> bytes:
+def connect_packet(
+    client_id: str, username: str | None = None, password: str | None = None, keepalive: int = 10
+) -> bytes:
     """An MQTT 3.1.1 CONNECT with a clean session."""
     flags = 0x02 | (0x80 if username is not None else 0) | (0x40 if password is not None else 0)
     body = _utf8("MQTT") + bytes([4, flags]) + struct.pack("!H", keepalive) + _utf8(client_id)
@@ -63,9 +64,17 @@ def _read_exact(sock: socket.socket, n: int) -> bytes:
     return data
 
 
-def mqtt_ping(url: str, *, username: str | None = None, password: str | None = None,
-              tls: bool = False, ca_file: str | None = None, cert_file: str | None = None,
-              key_file: str | None = None, timeout_s: float = 2.0) -> tuple[bool, str]:
+def mqtt_ping(
+    url: str,
+    *,
+    username: str | None = None,
+    password: str | None = None,
+    tls: bool = False,
+    ca_file: str | None = None,
+    cert_file: str | None = None,
+    key_file: str | None = None,
+    timeout_s: float = 2.0,
+) -> tuple[bool, str]:
     """(True, "CONNACK accepted in N ms") when the broker at `url` accepts a CONNECT, else (False, why).
 
     User name and password default to the URL's (``mqtt://user:pass@host``), as the daemon's.
@@ -125,6 +134,8 @@ def check_broker(url: str | None, ping: tuple[bool, str] | None) -> Check:
     if "refused the connection" in why:
         fix = "set mqtt.username / mqtt.password to a user of the broker's password_file"
     else:
-        fix = ("install and start Mosquitto (apt install mosquitto; deploy/mosquitto/genie.conf) or fix "
-               "mqtt.url; the daemon runs without it and reconnects, but Home Assistant sees nothing")
+        fix = (
+            "install and start Mosquitto (apt install mosquitto; deploy/mosquitto/genie.conf) or fix "
+            "mqtt.url; the daemon runs without it and reconnects, but Home Assistant sees nothing"
+        )
     return Check("broker", "warn", f"{url}: {why}", fix)

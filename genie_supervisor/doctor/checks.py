@@ -56,10 +56,13 @@ def check_config(path: str | None, overrides: dict[str, str | None]) -> tuple[Ch
     try:
         cfg = load_config(path, overrides)
     except ConfigErrors as exc:
-        return Check("config", "fail", f"{where}: invalid\n{exc}",
-                     "fix the lines above (every key: docs/configuration.md)"), None
-    detail = (f"{where}: node {cfg.node_id}, API {cfg.http.listen}, {len(cfg.services)} service(s), "
-              f"platform {cfg.telemetry.platform}")
+        return Check(
+            "config", "fail", f"{where}: invalid\n{exc}", "fix the lines above (every key: docs/configuration.md)"
+        ), None
+    detail = (
+        f"{where}: node {cfg.node_id}, API {cfg.http.listen}, {len(cfg.services)} service(s), "
+        f"platform {cfg.telemetry.platform}"
+    )
     return Check("config", "ok", detail), cfg
 
 
@@ -71,10 +74,15 @@ def check_policy(cfg: Config) -> tuple[Check, Policy | None]:
     try:
         policy = load_policy(cfg.policy.path)
     except PolicyErrors as exc:
-        return Check("policy", "fail", f"{cfg.policy.path}: invalid\n{exc}",
-                     f"genie-supervisor policy check {cfg.policy.path}; reference: docs/policy.md"), None
-    return Check("policy", "ok", f"{policy.name} ({cfg.policy.path}), LLM budget "
-                 f"{policy.memory.llm_budget_mb:.0f} MiB"), policy
+        return Check(
+            "policy",
+            "fail",
+            f"{cfg.policy.path}: invalid\n{exc}",
+            f"genie-supervisor policy check {cfg.policy.path}; reference: docs/policy.md",
+        ), None
+    return Check(
+        "policy", "ok", f"{policy.name} ({cfg.policy.path}), LLM budget {policy.memory.llm_budget_mb:.0f} MiB"
+    ), policy
 
 
 # --- platform ----------------------------------------------------------------------------------
@@ -102,17 +110,23 @@ def describe_board(root: str = "/") -> str:
     return f"{model or 'Jetson'}, L4T {name}" + (f" (JetPack {jetpack})" if jetpack else "")
 
 
-def check_telemetry(configured: str, usable: dict[str, str | None], chosen: str | None,
-                    source_name: str | None = None) -> Check:
+def check_telemetry(
+    configured: str, usable: dict[str, str | None], chosen: str | None, source_name: str | None = None
+) -> Check:
     """Which telemetry source the daemon would use. `usable` maps each platform tried to None
     (works) or why it does not; `chosen` is the platform a sample came from (None: none works),
     `source_name` the source inside it (``jetson-tegrastats``)."""
-    others = "; ".join(f"{name}: {_unprefixed(why, name) if why else 'works'}"
-                       for name, why in usable.items() if name != chosen)
+    others = "; ".join(
+        f"{name}: {_unprefixed(why, name) if why else 'works'}" for name, why in usable.items() if name != chosen
+    )
     if chosen is None:
-        return Check("telemetry", "fail", f"platform {configured}: nothing usable ({others})",
-                     "set telemetry.platform to one that works here (auto picks one), or fix the "
-                     "reason above (docs/telemetry.md)")
+        return Check(
+            "telemetry",
+            "fail",
+            f"platform {configured}: nothing usable ({others})",
+            "set telemetry.platform to one that works here (auto picks one), or fix the "
+            "reason above (docs/telemetry.md)",
+        )
     detail = source_name or chosen
     if configured != chosen:
         detail += f" (platform {configured})"
@@ -120,7 +134,7 @@ def check_telemetry(configured: str, usable: dict[str, str | None], chosen: str 
 
 
 def _unprefixed(reason: str, name: str) -> str:
-    return reason[len(name) + 2:] if reason.startswith(f"{name}: ") else reason
+    return reason[len(name) + 2 :] if reason.startswith(f"{name}: ") else reason
 
 
 def check_cuda(backend: str, cuda: tuple[bool, str], on_jetson: bool) -> Check:
@@ -131,13 +145,21 @@ def check_cuda(backend: str, cuda: tuple[bool, str], on_jetson: bool) -> Check:
     if ok:
         return Check("cuda", "ok", f"usable: {why}; engine.backend {backend} runs on CuPy")
     if backend == "cupy":
-        return Check("cuda", "fail", f"engine.backend cupy, but CUDA is not usable: {why}",
-                     "install CuPy for CUDA 12 (pip install 'genie-supervisor[cuda]') and check "
-                     "that the daemon's user is in the video group, or set engine.backend: numpy")
+        return Check(
+            "cuda",
+            "fail",
+            f"engine.backend cupy, but CUDA is not usable: {why}",
+            "install CuPy for CUDA 12 (pip install 'genie-supervisor[cuda]') and check "
+            "that the daemon's user is in the video group, or set engine.backend: numpy",
+        )
     if on_jetson:
-        return Check("cuda", "warn", f"not usable, engine.backend auto falls back to NumPy on the CPU: {why}",
-                     "install CuPy into the venv (pip install 'genie-supervisor[cuda]'); JetPack's CUDA "
-                     "must be in /usr/local/cuda")
+        return Check(
+            "cuda",
+            "warn",
+            f"not usable, engine.backend auto falls back to NumPy on the CPU: {why}",
+            "install CuPy into the venv (pip install 'genie-supervisor[cuda]'); JetPack's CUDA "
+            "must be in /usr/local/cuda",
+        )
     return Check("cuda", "ok", f"not usable, engine.backend auto runs on NumPy: {why}")
 
 
@@ -161,19 +183,31 @@ def port_free(host: str, port: int) -> tuple[bool, str]:
     return True, "free"
 
 
-def check_service(name: str, svc: ServiceConfig, *, cgroup_root: str, wyoming: ProbeTcp,
-                  http: ProbeHttp, bindable: ProbeTcp = port_free) -> Check:
+def check_service(
+    name: str,
+    svc: ServiceConfig,
+    *,
+    cgroup_root: str,
+    wyoming: ProbeTcp,
+    http: ProbeHttp,
+    bindable: ProbeTcp = port_free,
+) -> Check:
     """Is a configured neighbour there: its processes, its Wyoming server, its health URL."""
     seen: list[str] = []
     missing: list[str] = []
     match = svc.match
-    selector = ProcessSelector(systemd_unit=match.systemd_unit, process_name=match.process_name,
-                               cmdline_pattern=match.cmdline_pattern, pid_file=match.pid_file,
-                               cgroup_root=cgroup_root)
+    selector = ProcessSelector(
+        systemd_unit=match.systemd_unit,
+        process_name=match.process_name,
+        cmdline_pattern=match.cmdline_pattern,
+        pid_file=match.pid_file,
+        cgroup_root=cgroup_root,
+    )
     if selector.configured():
         pids = find_pids(selector)
         (seen if pids else missing).append(
-            f"{len(pids)} process(es)" if pids else f"no process ({selector.describe()})")
+            f"{len(pids)} process(es)" if pids else f"no process ({selector.describe()})"
+        )
     if svc.proxy is not None:
         host, port = parse_hostport(svc.proxy.upstream)
         up, why = wyoming(host, port)
@@ -201,8 +235,10 @@ def _service_fix(name: str, svc: ServiceConfig, missing: list[str]) -> str:
     if any(m.startswith("upstream") for m in missing) and svc.proxy is not None:
         fixes.append(f"make the server listen on {svc.proxy.upstream} (its --uri tcp://{svc.proxy.upstream})")
     if any(m.startswith("proxy port") for m in missing) and svc.proxy is not None:
-        fixes.append(f"unless genie-supervisor is already running, free {svc.proxy.listen}: the "
-                     "Wyoming server must move to the upstream port")
+        fixes.append(
+            f"unless genie-supervisor is already running, free {svc.proxy.listen}: the "
+            "Wyoming server must move to the upstream port"
+        )
     if svc.match.health_url and any(m.startswith(svc.match.health_url) for m in missing):
         fixes.append("check match.health_url and the service")
     return "; ".join(fixes)
@@ -214,9 +250,13 @@ def check_http(listen: str, bindable: ProbeTcp = port_free) -> Check:
     free, why = bindable(host, port)
     if free:
         return Check("http", "ok", f"{listen} is free to listen on")
-    return Check("http", "warn", f"{listen} cannot be bound now: {why}",
-                 "fine if genie-supervisor is already running (systemctl status genie-supervisor); "
-                 "otherwise change http.listen or stop what holds the port (ss -ltnp)")
+    return Check(
+        "http",
+        "warn",
+        f"{listen} cannot be bound now: {why}",
+        "fine if genie-supervisor is already running (systemctl status genie-supervisor); "
+        "otherwise change http.listen or stop what holds the port (ss -ltnp)",
+    )
 
 
 def check_api_access(cfg: Config) -> Check:
@@ -232,11 +272,14 @@ def check_api_access(cfg: Config) -> Check:
     if loopback or keyed:
         where = "loopback only" if loopback else f"beyond loopback ({cfg.http.listen})"
         return Check("api access", "ok", f"{where}, {how}{cors}")
-    return Check("api access", "warn",
-                 f"the API listens beyond loopback ({cfg.http.listen}) without a key: anyone who can reach "
-                 f"it can unload the model, pause the LLM and read /status{cors}",
-                 "set api.api_key_file (deploy/setup-jetson.sh creates /etc/genie-supervisor/api-key), "
-                 "or listen on 127.0.0.1 (docs/security.md)")
+    return Check(
+        "api access",
+        "warn",
+        f"the API listens beyond loopback ({cfg.http.listen}) without a key: anyone who can reach "
+        f"it can unload the model, pause the LLM and read /status{cors}",
+        "set api.api_key_file (deploy/setup-jetson.sh creates /etc/genie-supervisor/api-key), "
+        "or listen on 127.0.0.1 (docs/security.md)",
+    )
 
 
 # --- model and memory --------------------------------------------------------------------------
@@ -245,10 +288,15 @@ OpenModel = Callable[[str], object]
 """Reads a GGUF header (engine.open_model_file)."""
 
 
-def _plan(gf: object, n_ctx: int, kv_dtype: str, quantized: bool = False,
-          backend: str | None = None) -> MemoryPlan:
-    return plan_memory(gf, read_spec(gf), n_ctx, kv_dtype, quantized=quantized,  # type: ignore[arg-type]
-                       backend=backend)
+def _plan(gf: object, n_ctx: int, kv_dtype: str, quantized: bool = False, backend: str | None = None) -> MemoryPlan:
+    return plan_memory(
+        gf,
+        read_spec(gf),
+        n_ctx,
+        kv_dtype,
+        quantized=quantized,  # type: ignore[arg-type]
+        backend=backend,
+    )
 
 
 def _resolved(backend: str) -> str | None:
@@ -271,8 +319,9 @@ def weights_stay_quantized(backend: str) -> bool:
         return False
 
 
-def largest_ctx_within(gf: object, kv_dtype: str, budget_mb: float, start: int,
-                       quantized: bool = False, backend: str | None = None) -> int | None:
+def largest_ctx_within(
+    gf: object, kv_dtype: str, budget_mb: float, start: int, quantized: bool = False, backend: str | None = None
+) -> int | None:
     """The largest power-of-two context (>= 128, below `start`) whose plan fits, None if none does."""
     n = start // 2
     while n >= 128:
@@ -282,44 +331,76 @@ def largest_ctx_within(gf: object, kv_dtype: str, budget_mb: float, start: int,
     return None
 
 
-def check_model(cfg: Config, policy: Policy, sample: TelemetrySample | None,
-                open_model: OpenModel) -> list[Check]:
+def check_model(cfg: Config, policy: Policy, sample: TelemetrySample | None, open_model: OpenModel) -> list[Check]:
     """The model file and its memory plan against the policy's budget and the box's memory."""
     eng = cfg.engine
     if eng.model is None:
         return [Check("model", "ok", "none configured: the daemon runs without an LLM")]
     path = eng.model
     if not os.path.isfile(path):
-        return [Check("model", "fail", f"{path}: not found",
-                      "genie-supervisor models fetch smollm2 (or gemma3) --cache-dir "
-                      "/var/cache/genie-supervisor/models, or point engine.model at your GGUF")]
+        return [
+            Check(
+                "model",
+                "fail",
+                f"{path}: not found",
+                "genie-supervisor models fetch smollm2 (or gemma3) --cache-dir "
+                "/var/cache/genie-supervisor/models, or point engine.model at your GGUF",
+            )
+        ]
     if not os.access(path, os.R_OK):
-        return [Check("model", "fail", f"{path}: not readable by this user",
-                      "chmod a+r the file (the daemon runs as user genie)")]
+        return [
+            Check(
+                "model",
+                "fail",
+                f"{path}: not readable by this user",
+                "chmod a+r the file (the daemon runs as user genie)",
+            )
+        ]
     try:
         gf = open_model(path)
         spec = read_spec(gf)  # type: ignore[arg-type]
     except (EngineError, OSError, ValueError) as exc:
-        return [Check("model", "fail", f"{path}: {exc}", "use a GGUF of a supported architecture "
-                      "(llama, qwen2, qwen3, gemma3; docs/engine.md)")]
+        return [
+            Check(
+                "model",
+                "fail",
+                f"{path}: {exc}",
+                "use a GGUF of a supported architecture (llama, qwen2, qwen3, gemma3; docs/engine.md)",
+            )
+        ]
     size_mb = os.path.getsize(path) / MiB
-    checks = [Check("model", "ok", f"{os.path.basename(path)}: {spec.arch}, {spec.n_layers} layers, "
-                    f"{size_mb:.0f} MiB on disk")]
+    checks = [
+        Check(
+            "model", "ok", f"{os.path.basename(path)}: {spec.arch}, {spec.n_layers} layers, {size_mb:.0f} MiB on disk"
+        )
+    ]
     q = weights_stay_quantized(eng.backend)
     b = _resolved(eng.backend)
-    checks.append(check_memory(_plan(gf, eng.n_ctx, eng.kv_dtype, q, b), policy, sample,
-                               fits_ctx=lambda budget: largest_ctx_within(gf, eng.kv_dtype, budget, eng.n_ctx, q, b)))
+    checks.append(
+        check_memory(
+            _plan(gf, eng.n_ctx, eng.kv_dtype, q, b),
+            policy,
+            sample,
+            fits_ctx=lambda budget: largest_ctx_within(gf, eng.kv_dtype, budget, eng.n_ctx, q, b),
+        )
+    )
     return checks
 
 
-def check_memory(plan: MemoryPlan, policy: Policy, sample: TelemetrySample | None,
-                 fits_ctx: Callable[[float], int | None] = lambda _budget: None) -> Check:
+def check_memory(
+    plan: MemoryPlan,
+    policy: Policy,
+    sample: TelemetrySample | None,
+    fits_ctx: Callable[[float], int | None] = lambda _budget: None,
+) -> Check:
     """A memory plan against the LLM budget (fail: refused at start), MemTotal (fail) and
     MemAvailable (warn: the load would push the voice services into swap)."""
     mem = policy.memory
     total_mb = plan.total / MiB
-    detail = (f"weights {plan.weights / MiB:.0f} + KV {plan.kv / MiB:.0f} (n_ctx {plan.n_ctx}) + "
-              f"scratch {plan.scratch / MiB:.0f} = {total_mb:.0f} MiB; budget {mem.llm_budget_mb:.0f} MiB")
+    detail = (
+        f"weights {plan.weights / MiB:.0f} + KV {plan.kv / MiB:.0f} (n_ctx {plan.n_ctx}) + "
+        f"scratch {plan.scratch / MiB:.0f} = {total_mb:.0f} MiB; budget {mem.llm_budget_mb:.0f} MiB"
+    )
     box_total = sample.mem_total_mb if sample else None
     box_avail = sample.mem_available_mb if sample else None
     if box_total is not None:
@@ -327,18 +408,26 @@ def check_memory(plan: MemoryPlan, policy: Policy, sample: TelemetrySample | Non
     if total_mb > mem.llm_budget_mb:
         n = fits_ctx(mem.llm_budget_mb)
         fix = (f"set engine.n_ctx to {n} or less, " if n else "") + (
-            "use a smaller model, or raise memory.llm_budget_mb in the policy")
+            "use a smaller model, or raise memory.llm_budget_mb in the policy"
+        )
         return Check("memory", "fail", f"over budget: {detail}", fix)
     if box_total is not None and total_mb > box_total:
         return Check("memory", "fail", f"larger than the box's memory: {detail}", "use a smaller model")
     reserved = sum(mem.reservations.values())
     if box_total is not None and mem.llm_budget_mb + reserved > box_total:
-        return Check("memory", "warn", f"{detail}; budget + reservations ({reserved:.0f} MiB) exceed "
-                     "MemTotal", "lower memory.llm_budget_mb or memory.reservations in the policy")
+        return Check(
+            "memory",
+            "warn",
+            f"{detail}; budget + reservations ({reserved:.0f} MiB) exceed MemTotal",
+            "lower memory.llm_budget_mb or memory.reservations in the policy",
+        )
     if box_avail is not None and total_mb > box_avail:
-        return Check("memory", "warn", f"more than is available now: {detail}",
-                     "stop something, or start genie-supervisor before the voice services "
-                     "(its unit is ordered Before= them)")
+        return Check(
+            "memory",
+            "warn",
+            f"more than is available now: {detail}",
+            "stop something, or start genie-supervisor before the voice services (its unit is ordered Before= them)",
+        )
     return Check("memory", "ok", f"fits: {detail}")
 
 
@@ -362,10 +451,18 @@ def check_thermal(sample: TelemetrySample | None, policy: Policy) -> Check:
     hottest = levels[-1]
     detail += f"; policy {hottest.name} at {hottest.enter_c:g} °C"
     if lowest is not None and hottest.enter_c >= lowest:
-        return Check("thermal", "warn", detail + f" is not below the kernel's first trip ({lowest:g} °C)",
-                     "lower the policy's thermal levels below the trip point, or the kernel "
-                     "throttles whisper along with the LLM first")
+        return Check(
+            "thermal",
+            "warn",
+            detail + f" is not below the kernel's first trip ({lowest:g} °C)",
+            "lower the policy's thermal levels below the trip point, or the kernel "
+            "throttles whisper along with the LLM first",
+        )
     if sensor != "max" and sensor not in sample.temps_c:
-        return Check("thermal", "warn", detail + f"; sensor {sensor!r} not reported",
-                     f"set thermal.sensor to one of {sorted(sample.temps_c)} or max")
+        return Check(
+            "thermal",
+            "warn",
+            detail + f"; sensor {sensor!r} not reported",
+            f"set thermal.sensor to one of {sorted(sample.temps_c)} or max",
+        )
     return Check("thermal", "ok", detail)

@@ -82,10 +82,18 @@ RENDER_COALESCE_S = 0.05
 class MqttBridge:
     """Publishes the supervisor to Home Assistant over MQTT and takes its commands."""
 
-    def __init__(self, config: MqttConfig, node_id: str, store: StateStore, *,
-                 gate_metrics: Callable[[], dict[str, Any]], commands: MqttCommands,
-                 clock: Callable[[], float] = time.monotonic, device_name: str | None = None,
-                 min_publish_interval_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        config: MqttConfig,
+        node_id: str,
+        store: StateStore,
+        *,
+        gate_metrics: Callable[[], dict[str, Any]],
+        commands: MqttCommands,
+        clock: Callable[[], float] = time.monotonic,
+        device_name: str | None = None,
+        min_publish_interval_s: float = 1.0,
+    ) -> None:
         self._config = config
         self._store = store
         self._gate_metrics = gate_metrics
@@ -128,8 +136,12 @@ class MqttBridge:
             with anyio.move_on_after(self._config.startup_wait_s):
                 await self._online.wait()
             if not self._online.is_set():
-                log.warning("mqtt_not_online_at_start", broker=self.broker,
-                            waited_s=self._config.startup_wait_s, error=self.last_error)
+                log.warning(
+                    "mqtt_not_online_at_start",
+                    broker=self.broker,
+                    waited_s=self._config.startup_wait_s,
+                    error=self.last_error,
+                )
             task_status.started()
 
     @property
@@ -145,11 +157,17 @@ class MqttBridge:
     def status(self) -> dict[str, Any]:
         """Connection state for /status (no credentials)."""
         refusal = self.last_command_error
-        return {"url": redact_url(self._config.url), "enabled": self._config.url is not None,
-                "broker": self.broker if self._config.url else None, "connected": self.connected,
-                "since": self.since, "connections": self.connections, "last_error": self.last_error,
-                "availability_topic": self.topics.availability,
-                "last_command_error": refusal.__dict__ if refusal is not None else None}
+        return {
+            "url": redact_url(self._config.url),
+            "enabled": self._config.url is not None,
+            "broker": self.broker if self._config.url else None,
+            "connected": self.connected,
+            "since": self.since,
+            "connections": self.connections,
+            "last_error": self.last_error,
+            "availability_topic": self.topics.availability,
+            "last_command_error": refusal.__dict__ if refusal is not None else None,
+        }
 
     async def wait_status(self, pred: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
         """``status()`` once `pred` holds for it (checked at every connect, disconnect and failure)."""
@@ -178,9 +196,13 @@ class MqttBridge:
                 if self.connections > got_online:
                     delay = BACKOFF_START_S
                 unexpected = [e for e in _leaves(exc) if not isinstance(e, aiomqtt.MqttError)]
-                log.warning("mqtt_connection_lost" if self.connections > got_online else "mqtt_connect_failed",
-                            broker=self.broker, error=self.last_error, retry_in_s=delay,
-                            exc_info=unexpected[0] if unexpected else None)
+                log.warning(
+                    "mqtt_connection_lost" if self.connections > got_online else "mqtt_connect_failed",
+                    broker=self.broker,
+                    error=self.last_error,
+                    retry_in_s=delay,
+                    exc_info=unexpected[0] if unexpected else None,
+                )
             wait = delay * self._random.uniform(0.8, 1.0)
             delay = min(delay * 2, self._config.reconnect_max_s)
             await anyio.sleep(wait)
@@ -192,12 +214,16 @@ class MqttBridge:
         username = cfg.username if cfg.username is not None else (unquote(parts.username) if parts.username else None)
         password = cfg.password if cfg.password is not None else (unquote(parts.password) if parts.password else None)
         return aiomqtt.Client(
-            parts.hostname or "localhost", parts.port or (8883 if tls else 1883),
-            username=username, password=password,
+            parts.hostname or "localhost",
+            parts.port or (8883 if tls else 1883),
+            username=username,
+            password=password,
             identifier=cfg.client_id or f"genie-{self.topics.node_id}",
             protocol=aiomqtt.ProtocolVersion.V5 if cfg.protocol == "5" else aiomqtt.ProtocolVersion.V311,
             will=aiomqtt.Will(self.topics.availability, "offline", qos=1, retain=True),
-            keepalive=cfg.keepalive, tls_context=tls_context(cfg) if tls else None, timeout=BROKER_TIMEOUT_S,
+            keepalive=cfg.keepalive,
+            tls_context=tls_context(cfg) if tls else None,
+            timeout=BROKER_TIMEOUT_S,
             logger=logging.getLogger("genie_supervisor.mqtt.paho"),
         )
 
@@ -231,8 +257,10 @@ class MqttBridge:
         self._publisher.reset()
         self._signature = None
         retained = await self._scan_retained(client)
-        await client.subscribe([(t.state(path), 1) for path in COMMAND_PATHS]
-                               + [(topic, 1) for topic in sorted({t.ha_status, "homeassistant/status"})])
+        await client.subscribe(
+            [(t.state(path), 1) for path in COMMAND_PATHS]
+            + [(topic, 1) for topic in sorted({t.ha_status, "homeassistant/status"})]
+        )
         inputs = self._inputs()
         ents = entities(inputs)
         cleanup = plan_cleanup(retained, t, ents, per_entity=self._config.per_entity_discovery)
@@ -240,15 +268,21 @@ class MqttBridge:
             await client.publish(topic, b"", qos=1, retain=True)
         self._removed.update(cleanup.removed)
         if cleanup.clear_topics or cleanup.removed:
-            log.info("mqtt_stale_discovery_removed", topics=list(cleanup.clear_topics),
-                     components=sorted(cleanup.removed))
+            log.info(
+                "mqtt_stale_discovery_removed", topics=list(cleanup.clear_topics), components=sorted(cleanup.removed)
+            )
         await self._publish_discovery(client, ents)
         await self._send(client, self._publisher.refresh(render(ents, inputs, t)))
         await client.publish(t.availability, "online", qos=1, retain=True)
         self.connections += 1
         self._online.set()
-        log.info("mqtt_online", broker=self.broker, entities=len(ents), connections=self.connections,
-                 discovery="per_entity" if self._config.per_entity_discovery else "device")
+        log.info(
+            "mqtt_online",
+            broker=self.broker,
+            entities=len(ents),
+            connections=self.connections,
+            discovery="per_entity" if self._config.per_entity_discovery else "device",
+        )
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._watch_store)
             tg.start_soon(self._run_commands)
@@ -280,11 +314,16 @@ class MqttBridge:
 
     def _inputs(self) -> Inputs:
         c = self._commands
-        return Inputs(snapshot=self._store.snapshot(), gate=self._gate_metrics(),
-                      policy_options=tuple(c.policy_options()), active_policy=c.active_policy(),
-                      llm_enabled=c.llm_enabled(), thermal_soft_limit=c.thermal_soft_limit(),
-                      thermal_limit_range=c.thermal_limit_range,
-                      command_error=self.last_command_error)
+        return Inputs(
+            snapshot=self._store.snapshot(),
+            gate=self._gate_metrics(),
+            policy_options=tuple(c.policy_options()),
+            active_policy=c.active_policy(),
+            llm_enabled=c.llm_enabled(),
+            thermal_soft_limit=c.thermal_soft_limit(),
+            thermal_limit_range=c.thermal_limit_range,
+            command_error=self.last_command_error,
+        )
 
     def notify(self) -> None:
         """Something outside the store changed (e.g. the arbiter applied a decision): publish changes now."""
@@ -301,8 +340,9 @@ class MqttBridge:
         due: float | None = None
         last_render = -math.inf
         while True:
-            deadline = min(next_refresh, math.inf if due is None else due,
-                           math.inf if self._birth_at is None else self._birth_at)
+            deadline = min(
+                next_refresh, math.inf if due is None else due, math.inf if self._birth_at is None else self._birth_at
+            )
             with anyio.move_on_after(max(0.0, deadline - self._clock())):
                 await self._wake.wait()
             await anyio.sleep(max(0.0, last_render + RENDER_COALESCE_S - self._clock()))
@@ -333,8 +373,7 @@ class MqttBridge:
         for m in messages:
             await client.publish(m.topic, m.payload, qos=0, retain=True)
 
-    async def _publish_discovery(self, client: aiomqtt.Client, ents: list[Entity], *,
-                                 force: bool = False) -> None:
+    async def _publish_discovery(self, client: aiomqtt.Client, ents: list[Entity], *, force: bool = False) -> None:
         sig = signature(ents)
         if not force and sig == self._signature:
             return
@@ -373,7 +412,7 @@ class MqttBridge:
                 self._birth_at = self._clock() + self._random.uniform(*HA_BIRTH_DELAY_S)
                 self.notify()
             return
-        path = topic[len(prefix):] if topic.startswith(prefix) else ""
+        path = topic[len(prefix) :] if topic.startswith(prefix) else ""
         if path not in COMMAND_PATHS:
             return
         if retained:
@@ -410,7 +449,7 @@ class MqttBridge:
 
     def _refuse_command(self, cmd: Command, reason: str) -> None:
         prefix = self.topics.base + "/"
-        self._refuse(cmd.topic, cmd.topic[len(prefix):] if cmd.topic.startswith(prefix) else "", cmd.payload, reason)
+        self._refuse(cmd.topic, cmd.topic[len(prefix) :] if cmd.topic.startswith(prefix) else "", cmd.payload, reason)
 
     def _refuse(self, topic: str, path: str, payload: str, reason: str) -> None:
         """Publish the refusal, and send the refused control's state again so Home Assistant snaps back."""

@@ -96,7 +96,7 @@ QUOTE_CHARS = 200
 
 def quote(payload: bytes) -> str:
     """A payload as text for logs and refusals, cut to ``QUOTE_CHARS``."""
-    text = payload[:QUOTE_CHARS * 4].decode("utf-8", "replace")
+    text = payload[: QUOTE_CHARS * 4].decode("utf-8", "replace")
     return text if len(text) <= QUOTE_CHARS else text[:QUOTE_CHARS] + "…"
 
 
@@ -143,7 +143,9 @@ def parse_command(path: str, topic: str, payload: bytes, inputs: Inputs) -> Comm
     except ValueError:
         raise CommandError(topic, payload, f"expected a temperature in °C, got {quote(text.encode())!r}") from None
     if not math.isfinite(value) or not low <= value <= high:
-        raise CommandError(topic, payload, f"thermal soft limit must be {low:g}-{high:g} °C, got {quote(text.encode())}")
+        raise CommandError(
+            topic, payload, f"thermal soft limit must be {low:g}-{high:g} °C, got {quote(text.encode())}"
+        )
     return Command(action, value, topic, quoted)
 
 

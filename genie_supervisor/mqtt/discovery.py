@@ -42,8 +42,12 @@ class DeviceInfo:
 
     def device(self) -> dict[str, Any]:
         """The ``dev`` mapping."""
-        dev: dict[str, Any] = {"ids": [unique_prefix(self.node_id)], "name": self.name,
-                               "mdl": self.model, "mf": self.manufacturer}
+        dev: dict[str, Any] = {
+            "ids": [unique_prefix(self.node_id)],
+            "name": self.name,
+            "mdl": self.model,
+            "mf": self.manufacturer,
+        }
         if self.sw_version:
             dev["sw"] = self.sw_version
         return dev
@@ -82,9 +86,14 @@ def component(entity: Entity, topics: Topics, *, expire_s: int | None) -> dict[s
         cfg["cmd_t"] = topics.state(entity.command)
     if entity.attributes_topic is not None:
         cfg["json_attr_t"] = topics.state(entity.attributes_topic)
-    for key, value in (("dev_cla", entity.device_class), ("stat_cla", entity.state_class),
-                       ("unit_of_meas", entity.unit), ("ic", entity.icon), ("ent_cat", entity.category),
-                       ("sug_dsp_prc", entity.precision)):
+    for key, value in (
+        ("dev_cla", entity.device_class),
+        ("stat_cla", entity.state_class),
+        ("unit_of_meas", entity.unit),
+        ("ic", entity.icon),
+        ("ent_cat", entity.category),
+        ("sug_dsp_prc", entity.precision),
+    ):
         if value is not None:
             cfg[key] = value
     if expire_s is not None and entity.platform in _EXPIRING:
@@ -93,8 +102,14 @@ def component(entity: Entity, topics: Topics, *, expire_s: int | None) -> dict[s
     return cfg
 
 
-def device_config(entities: Iterable[Entity], topics: Topics, info: DeviceInfo, *,
-                  expire_s: int | None, removed: Mapping[str, str] | None = None) -> dict[str, Any]:
+def device_config(
+    entities: Iterable[Entity],
+    topics: Topics,
+    info: DeviceInfo,
+    *,
+    expire_s: int | None,
+    removed: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
     """The device-based discovery message; `removed` maps component ids to remove to their platform."""
     cmps: dict[str, Any] = {key: {"p": platform} for key, platform in sorted((removed or {}).items())}
     for e in entities:
@@ -102,8 +117,9 @@ def device_config(entities: Iterable[Entity], topics: Topics, info: DeviceInfo, 
     return {"dev": info.device(), "o": info.origin(), "cmps": cmps}
 
 
-def entity_configs(entities: Iterable[Entity], topics: Topics, info: DeviceInfo, *,
-                   expire_s: int | None) -> dict[str, dict[str, Any]]:
+def entity_configs(
+    entities: Iterable[Entity], topics: Topics, info: DeviceInfo, *, expire_s: int | None
+) -> dict[str, dict[str, Any]]:
     """Per-entity discovery messages by topic (each one with its own ``dev`` and ``o``)."""
     out: dict[str, dict[str, Any]] = {}
     for e in entities:
@@ -129,8 +145,11 @@ def retained_components(payload: bytes) -> dict[str, str]:
     cmps = data.get("cmps") if isinstance(data, dict) else None
     if not isinstance(cmps, dict):
         return {}
-    return {str(k): str(v.get("p") or v.get("platform")) for k, v in cmps.items()
-            if isinstance(v, dict) and (v.get("p") or v.get("platform"))}
+    return {
+        str(k): str(v.get("p") or v.get("platform"))
+        for k, v in cmps.items()
+        if isinstance(v, dict) and (v.get("p") or v.get("platform"))
+    }
 
 
 @dataclass(frozen=True)
@@ -143,8 +162,9 @@ class Cleanup:
     """Device-message components to remove (id -> platform), sent as ``{"p": platform}`` stubs."""
 
 
-def plan_cleanup(retained: Mapping[str, bytes], topics: Topics, current: Iterable[Entity], *,
-                 per_entity: bool) -> Cleanup:
+def plan_cleanup(
+    retained: Mapping[str, bytes], topics: Topics, current: Iterable[Entity], *, per_entity: bool
+) -> Cleanup:
     """Which of our retained discovery messages are stale, given what we publish now.
 
     `retained` maps topic to payload for every retained message seen on our device topic and

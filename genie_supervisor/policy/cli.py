@@ -21,7 +21,10 @@ from .loader import load_policy
 from .schema import Policy
 
 _TYPES: dict[str, type[Any]] = {
-    "telemetry": TelemetrySample, "service": ServiceObservation, "voice": VoiceActivity, "engine": EngineStats,
+    "telemetry": TelemetrySample,
+    "service": ServiceObservation,
+    "voice": VoiceActivity,
+    "engine": EngineStats,
 }
 _TUPLES = {"pids"}
 
@@ -101,7 +104,9 @@ def _build(cls: type[Any], rec: dict[str, Any], t: float, where: str) -> Observa
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(rec) - names)
     if unknown:
-        raise TraceError(f"{where}: unknown field {unknown[0]!r} for {cls.__name__}; expected {', '.join(sorted(names - {'ts'}))}")
+        raise TraceError(
+            f"{where}: unknown field {unknown[0]!r} for {cls.__name__}; expected {', '.join(sorted(names - {'ts'}))}"
+        )
     if "trip_points_c" in rec:
         rec["trip_points_c"] = {k: tuple(v) for k, v in rec["trip_points_c"].items()}
     for key in _TUPLES & set(rec):
@@ -140,8 +145,11 @@ def run_trace(policy: Policy, trace: Trace) -> list[tuple[float, Decision, dict[
 
     def drain(until: float) -> None:
         for _ in range(10000):
-            pending = [x for x in (prev.next_eval_at if prev else None,
-                                   store.snapshot().voice.hint_expires_at) if x is not None and x <= until]
+            pending = [
+                x
+                for x in (prev.next_eval_at if prev else None, store.snapshot().voice.hint_expires_at)
+                if x is not None and x <= until
+            ]
             if not pending:
                 return
             step(min(pending))
@@ -181,7 +189,9 @@ def simulate(file: str, trace_path: str, plot: str | None, out: TextIO) -> int:
     return 0
 
 
-def _plot(timeline: list[tuple[float, Decision, dict[str, float | None]]], end: float, png: str, name: str, out: TextIO) -> int:
+def _plot(
+    timeline: list[tuple[float, Decision, dict[str, float | None]]], end: float, png: str, name: str, out: TextIO
+) -> int:
     try:
         import matplotlib
 

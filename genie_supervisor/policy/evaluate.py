@@ -34,8 +34,9 @@ def evaluate(policy: Policy, snapshot: Snapshot, prev: Decision | None = None) -
     tps = min((f.throttle_tps for f in throttles if f.throttle_tps), default=None)
     gate: GateMode = "paused" if pauses else ("throttled" if tps is not None else "open")
     held = pauses - VOICE_REASONS
-    voice_tps = min((f.throttle_tps for f in throttles if f.throttle_tps and f.reason not in VOICE_REASONS),
-                    default=None)
+    voice_tps = min(
+        (f.throttle_tps for f in throttles if f.throttle_tps and f.reason not in VOICE_REASONS), default=None
+    )
     voice_gate: GateMode = "paused" if held else ("throttled" if voice_tps is not None else "open")
     actions = {f.action for f in fired}
     contexts = [int(f.inputs["context_tokens"]) for f in fired if f.action == "shrink_context"]
@@ -57,8 +58,9 @@ def evaluate(policy: Policy, snapshot: Snapshot, prev: Decision | None = None) -
         priorities=priority_table(policy.priorities),
         fired=tuple(fired),
         next_eval_at=min((w for w in wake if w > snapshot.ts), default=None),
-        voice_passes=frozenset(f.reason for f in fired if f.reason in VOICE_REASONS
-                               and f.action in ("pause", "throttle")),
+        voice_passes=frozenset(
+            f.reason for f in fired if f.reason in VOICE_REASONS and f.action in ("pause", "throttle")
+        ),
         voice_gate=voice_gate,
         voice_throttle_tps=voice_tps if voice_gate == "throttled" else None,
     )
@@ -108,7 +110,9 @@ def _voice(policy: Policy, snap: Snapshot, fired: list[FiredRule], wake: list[fl
     fs = policy.failsafe
     if v.stt_unknown and not v.stt_active and fs.stt_unknown != "ignore":
         tps = fs.throttle_tps if fs.stt_unknown == "throttle" else None
-        fired.append(FiredRule("failsafe.stt_unknown", fs.stt_unknown, "stt_unknown", {"stt_unknown": True}, snap.ts, tps))
+        fired.append(
+            FiredRule("failsafe.stt_unknown", fs.stt_unknown, "stt_unknown", {"stt_unknown": True}, snap.ts, tps)
+        )
 
 
 def _fresh_telemetry(policy: Policy, snap: Snapshot) -> bool:
@@ -143,7 +147,9 @@ def _thermal(policy: Policy, snap: Snapshot, prev: Decision | None, fired: list[
     lv = levels[active]
     inputs = {"sensor": policy.thermal.sensor, "temp_c": temp, "enter_c": lv.enter_c, "leave_c": lv.leave_c}
     assert snap.telemetry is not None
-    fired.append(FiredRule(f"thermal.levels[{lv.name}]", lv.action, "thermal", inputs, snap.telemetry.ts, lv.throttle_tps))
+    fired.append(
+        FiredRule(f"thermal.levels[{lv.name}]", lv.action, "thermal", inputs, snap.telemetry.ts, lv.throttle_tps)
+    )
     return True, lv.name
 
 
@@ -167,15 +173,21 @@ def _memory(policy: Policy, snap: Snapshot, prev: Decision | None, fired: list[F
         limit = th.below_available_mb + (mem.hysteresis_mb if i in was else 0.0)
         if effective < limit:
             active.append(i)
-            inputs: dict[str, object] = {"mem_available_mb": avail, "reserved_mb": outstanding, "effective_mb": effective,
-                      "below_available_mb": th.below_available_mb}
+            inputs: dict[str, object] = {
+                "mem_available_mb": avail,
+                "reserved_mb": outstanding,
+                "effective_mb": effective,
+                "below_available_mb": th.below_available_mb,
+            }
             if th.context_tokens is not None:
                 inputs["context_tokens"] = th.context_tokens
             fired.append(FiredRule(f"memory.thresholds[{i}]", th.action, "memory", inputs, snap.telemetry.ts))
     return tuple(active)
 
 
-def _telemetry_failsafe(policy: Policy, snap: Snapshot, fired: list[FiredRule], wake: list[float], temp_known: bool) -> None:
+def _telemetry_failsafe(
+    policy: Policy, snap: Snapshot, fired: list[FiredRule], wake: list[float], temp_known: bool
+) -> None:
     fs = policy.failsafe
     needed = bool(policy.thermal.levels or policy.memory.thresholds)
     if not needed:
@@ -197,4 +209,6 @@ def _telemetry_failsafe(policy: Policy, snap: Snapshot, fired: list[FiredRule], 
     else:
         inputs = {"sensor_missing": policy.thermal.sensor}
     tps = fs.throttle_tps if fs.telemetry_unknown == "throttle" else None
-    fired.append(FiredRule("failsafe.telemetry_unknown", fs.telemetry_unknown, "telemetry_unknown", inputs, snap.ts, tps))
+    fired.append(
+        FiredRule("failsafe.telemetry_unknown", fs.telemetry_unknown, "telemetry_unknown", inputs, snap.ts, tps)
+    )

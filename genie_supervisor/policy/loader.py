@@ -99,8 +99,12 @@ class PolicyWatcher:
             policy = await anyio.to_thread.run_sync(_load_guarded, self.path)
         except PolicyErrors as exc:
             self.last_error = exc
-            log.error("policy_rejected", path=self.path, errors=[i.format() for i in exc.issues],
-                      kept=self.policy.name if self.policy else None)
+            log.error(
+                "policy_rejected",
+                path=self.path,
+                errors=[i.format() for i in exc.issues],
+                kept=self.policy.name if self.policy else None,
+            )
             self._notify()
             return False
         old = self.policy.name if self.policy else None
@@ -117,8 +121,12 @@ class PolicyWatcher:
             policy = await anyio.to_thread.run_sync(_load_guarded, new)
         except PolicyErrors as exc:
             self.last_error = exc
-            log.error("policy_rejected", path=new, errors=[i.format() for i in exc.issues],
-                      kept=self.policy.name if self.policy else None)
+            log.error(
+                "policy_rejected",
+                path=new,
+                errors=[i.format() for i in exc.issues],
+                kept=self.policy.name if self.policy else None,
+            )
             self._notify()
             return False
         old = self.policy.name if self.policy else None

@@ -50,19 +50,21 @@ class VoicePolicy(_Strict):
         default_factory=lambda: VoiceRule(action="pause", resume_holdoff_ms=300),
         description="while speech-to-text runs",
     )
-    tts: VoiceRule = Field(
-        default_factory=lambda: VoiceRule(action="none"), description="while text-to-speech runs"
-    )
+    tts: VoiceRule = Field(default_factory=lambda: VoiceRule(action="none"), description="while text-to-speech runs")
     prefill_chunk_tokens: int = Field(
         64, ge=1, le=8192, description="prefill runs in chunks this long with a gate check between chunks"
     )
     prefill_layer_group: int = Field(
-        0, ge=0, le=1024,
+        0,
+        ge=0,
+        le=1024,
         description="0: a gate check between prefill chunks only; G: also between groups of G layers inside a chunk "
-                    "(a pause then lands within one group; costs prefill speed for small G on the GPU)",
+        "(a pause then lands within one group; costs prefill speed for small G on the GPU)",
     )
     hint_timeout_s: float | None = Field(
-        None, gt=0, le=3600,
+        None,
+        gt=0,
+        le=3600,
         description="an STT/TTS start with no stop expires after this (overrides the daemon config)",
     )
 
@@ -70,7 +72,9 @@ class VoicePolicy(_Strict):
 class ThermalLevel(_Strict):
     """One thermal level: entered at or above `enter_c`, left at or below `leave_c`."""
 
-    name: str = Field(..., min_length=1, max_length=32, pattern=r"^[A-Za-z0-9_-]+$", description="level name (logs, MQTT)")
+    name: str = Field(
+        ..., min_length=1, max_length=32, pattern=r"^[A-Za-z0-9_-]+$", description="level name (logs, MQTT)"
+    )
     enter_c: float = Field(..., ge=-40, le=150, description="enter the level at or above this temperature (°C)")
     leave_c: float = Field(..., ge=-40, le=150, description="leave the level at or below this temperature (°C)")
     action: Literal["throttle", "pause"] = Field(..., description="what decode does in this level")
@@ -108,13 +112,24 @@ class ThermalPolicy(_Strict):
                 continue
             lo = levels[i - 1]
             if lv.enter_c <= lo.enter_c:
-                raise KeyedValueError((i, "enter_c"), f"enter_c ({lv.enter_c:g}) must be above the previous level's enter_c ({lo.enter_c:g}); list levels from coolest to hottest")
+                raise KeyedValueError(
+                    (i, "enter_c"),
+                    f"enter_c ({lv.enter_c:g}) must be above the previous level's enter_c ({lo.enter_c:g}); list levels from coolest to hottest",
+                )
             if lv.leave_c < lo.leave_c:
-                raise KeyedValueError((i, "leave_c"), f"leave_c ({lv.leave_c:g}) must not be below the previous level's leave_c ({lo.leave_c:g})")
+                raise KeyedValueError(
+                    (i, "leave_c"),
+                    f"leave_c ({lv.leave_c:g}) must not be below the previous level's leave_c ({lo.leave_c:g})",
+                )
             if lo.action == "pause" and lv.action == "throttle":
-                raise KeyedValueError((i, "action"), f"a hotter level cannot throttle when the cooler level {lo.name!r} already pauses")
+                raise KeyedValueError(
+                    (i, "action"), f"a hotter level cannot throttle when the cooler level {lo.name!r} already pauses"
+                )
             if lo.action == lv.action == "throttle" and (lv.throttle_tps or 0) > (lo.throttle_tps or 0):
-                raise KeyedValueError((i, "throttle_tps"), f"throttle_tps ({lv.throttle_tps:g}) must not rise above the cooler level's ({lo.throttle_tps:g})")
+                raise KeyedValueError(
+                    (i, "throttle_tps"),
+                    f"throttle_tps ({lv.throttle_tps:g}) must not rise above the cooler level's ({lo.throttle_tps:g})",
+                )
         return levels
 
 
@@ -141,29 +156,41 @@ def with_thermal_soft_limit(policy: Policy, limit_c: float) -> Policy:
 class MemoryThreshold(_Strict):
     """An action taken while available memory (minus outstanding reservations) is below a level."""
 
-    below_available_mb: float = Field(..., gt=0, le=1_048_576, description="fires while available memory is below this (MiB)")
+    below_available_mb: float = Field(
+        ..., gt=0, le=1_048_576, description="fires while available memory is below this (MiB)"
+    )
     action: Literal["refuse_new", "shrink_context", "unload_llm"] = Field(..., description="what to do while it fires")
-    context_tokens: int | None = Field(None, ge=16, le=1_048_576, description="max context for new requests (shrink_context)")
+    context_tokens: int | None = Field(
+        None, ge=16, le=1_048_576, description="max context for new requests (shrink_context)"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> MemoryThreshold:
         if self.action == "shrink_context" and self.context_tokens is None:
             raise KeyedValueError("context_tokens", "action shrink_context needs context_tokens")
         if self.action != "shrink_context" and self.context_tokens is not None:
-            raise KeyedValueError("context_tokens", f"context_tokens only applies to action shrink_context, not {self.action}")
+            raise KeyedValueError(
+                "context_tokens", f"context_tokens only applies to action shrink_context, not {self.action}"
+            )
         return self
 
 
 class MemoryPolicy(_Strict):
     """The LLM's memory budget and how load is shed when memory runs short."""
 
-    llm_budget_mb: float = Field(DEFAULT_LLM_BUDGET_MB, gt=0, le=1_048_576, description="the most the LLM may use: weights + KV + scratch (MiB)")
+    llm_budget_mb: float = Field(
+        DEFAULT_LLM_BUDGET_MB, gt=0, le=1_048_576, description="the most the LLM may use: weights + KV + scratch (MiB)"
+    )
     reservations: dict[str, float] = Field(
         default_factory=dict,
         description="memory held back for a service (MiB); what it already uses counts against its reservation",
     )
-    hysteresis_mb: float = Field(128, ge=0, le=65536, description="a threshold stops firing only above below_available_mb + this")
-    thresholds: list[MemoryThreshold] = Field(default_factory=list, description="from mildest (highest) to most severe (lowest)")
+    hysteresis_mb: float = Field(
+        128, ge=0, le=65536, description="a threshold stops firing only above below_available_mb + this"
+    )
+    thresholds: list[MemoryThreshold] = Field(
+        default_factory=list, description="from mildest (highest) to most severe (lowest)"
+    )
 
     @field_validator("reservations")
     @classmethod
@@ -179,13 +206,19 @@ class MemoryPolicy(_Strict):
         for i in range(1, len(ths)):
             hi, lo = ths[i - 1], ths[i]
             if lo.below_available_mb >= hi.below_available_mb:
-                raise KeyedValueError((i, "below_available_mb"), f"below_available_mb ({lo.below_available_mb:g}) must be lower than the previous threshold's ({hi.below_available_mb:g}); list thresholds from mildest to most severe")
+                raise KeyedValueError(
+                    (i, "below_available_mb"),
+                    f"below_available_mb ({lo.below_available_mb:g}) must be lower than the previous threshold's ({hi.below_available_mb:g}); list thresholds from mildest to most severe",
+                )
         smallest: int | None = None
         for i, t in enumerate(ths):
             if t.context_tokens is None:
                 continue
             if smallest is not None and t.context_tokens > smallest:
-                raise KeyedValueError((i, "context_tokens"), f"context_tokens ({t.context_tokens}) must not grow as memory gets lower (a milder threshold allows only {smallest})")
+                raise KeyedValueError(
+                    (i, "context_tokens"),
+                    f"context_tokens ({t.context_tokens}) must not grow as memory gets lower (a milder threshold allows only {smallest})",
+                )
             smallest = t.context_tokens
         return ths
 
@@ -193,7 +226,9 @@ class MemoryPolicy(_Strict):
 class RequestClass(_Strict):
     """A class of requests; classes listed first win admission."""
 
-    name: str = Field(..., min_length=1, max_length=32, pattern=r"^[A-Za-z0-9_-]+$", description="class name requests carry")
+    name: str = Field(
+        ..., min_length=1, max_length=32, pattern=r"^[A-Za-z0-9_-]+$", description="class name requests carry"
+    )
     max_queue: int = Field(8, ge=0, le=10000, description="requests of this class that may wait; more are refused")
     max_wait_s: float = Field(30, gt=0, le=3600, description="a queued request is refused after waiting this long")
 
@@ -202,8 +237,10 @@ class PriorityPolicy(_Strict):
     """Admission order between request classes."""
 
     classes: list[RequestClass] = Field(
-        default_factory=lambda: [RequestClass(name=c.name, max_queue=c.max_queue, max_wait_s=c.max_wait_s)
-                                 for c in DEFAULT_PRIORITIES.classes],
+        default_factory=lambda: [
+            RequestClass(name=c.name, max_queue=c.max_queue, max_wait_s=c.max_wait_s)
+            for c in DEFAULT_PRIORITIES.classes
+        ],
         description="highest priority first",
     )
     default_class: str = Field(DEFAULT_PRIORITIES.default_class, description="class of requests that name none")
@@ -215,7 +252,9 @@ class PriorityPolicy(_Strict):
             if n in names[:i]:
                 raise KeyedValueError(("classes", i, "name"), f"class name {n!r} is used twice")
         if self.default_class not in names:
-            raise KeyedValueError("default_class", f"default_class {self.default_class!r} is not one of the classes ({', '.join(names)})")
+            raise KeyedValueError(
+                "default_class", f"default_class {self.default_class!r} is not one of the classes ({', '.join(names)})"
+            )
         return self
 
 

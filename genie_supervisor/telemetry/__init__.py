@@ -47,9 +47,7 @@ log = structlog.get_logger(__name__)
 PLATFORMS = ("auto", "jetson", "nvml", "linux", "simulated")
 """Accepted values of ``--platform``."""
 
-_JETSON_OPTIONS = frozenset(
-    {"nvpmodel_command", "tegrastats_binary", "tegrastats_interval_ms", "jtop_interval_s"}
-)
+_JETSON_OPTIONS = frozenset({"nvpmodel_command", "tegrastats_binary", "tegrastats_interval_ms", "jtop_interval_s"})
 _NVML_OPTIONS = frozenset({"gpu_index", "nvml"})
 
 Candidate = tuple[str, Callable[[], TelemetrySource]]

@@ -67,9 +67,7 @@ async def run_sampler(
         raise ValueError(f"interval_s must be > 0, got {interval_s}")
     started = False
     failures = 0
-    in_flight = (
-        threading.Event()
-    )  # set while a sample() thread runs, even one we stopped waiting for
+    in_flight = threading.Event()  # set while a sample() thread runs, even one we stopped waiting for
 
     def sample_in_thread() -> TelemetrySample:
         in_flight.set()

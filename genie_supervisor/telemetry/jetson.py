@@ -209,9 +209,7 @@ def parse_nvpmodel_query(text: str) -> str | None:
 class NvpmodelReader:
     """The current nvpmodel mode name, from files, or ``nvpmodel -q`` (cached) on the real root."""
 
-    def __init__(
-        self, root: str = "/", *, command: str = "nvpmodel", cache_s: float = 30.0
-    ) -> None:
+    def __init__(self, root: str = "/", *, command: str = "nvpmodel", cache_s: float = 30.0) -> None:
         self._conf = under(root, "/etc/nvpmodel.conf")
         self._status = under(root, "/var/lib/nvpmodel/status")
         self._command = shutil.which(command) if os.path.abspath(root) == "/" else None
@@ -236,9 +234,7 @@ class NvpmodelReader:
         if self._queried and time.monotonic() - self._queried[0] < self._cache_s:
             return self._queried[1]
         try:
-            done = subprocess.run(
-                [self._command, "-q"], capture_output=True, text=True, timeout=2.0, check=False
-            )
+            done = subprocess.run([self._command, "-q"], capture_output=True, text=True, timeout=2.0, check=False)
             name = parse_nvpmodel_query(done.stdout)
         except (OSError, subprocess.SubprocessError):
             name = None

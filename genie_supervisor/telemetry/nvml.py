@@ -88,13 +88,9 @@ class NvmlSource:
             raise TelemetryError(reason)
         nvml, handle = self._nvml, self._handle
         host = self._host.sample()
-        temp = self._optional(
-            lambda: nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU)
-        )
+        temp = self._optional(lambda: nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU))
         util = self._optional(lambda: nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
-        clock = self._optional(
-            lambda: nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_GRAPHICS)
-        )
+        clock = self._optional(lambda: nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_GRAPHICS))
         mem_used = self._optional(lambda: nvml.nvmlDeviceGetMemoryInfo(handle).used)
         power_mw = self._optional(lambda: nvml.nvmlDeviceGetPowerUsage(handle))
         temps = dict(host.temps_c)

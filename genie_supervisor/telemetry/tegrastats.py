@@ -133,9 +133,7 @@ class TegrastatsSource:
     def sample(self) -> TelemetrySample:
         self._ensure_running()
         if not self._got_line.wait(self.first_line_timeout_s):
-            raise TelemetryError(
-                f"tegrastats printed no parseable line within {self.first_line_timeout_s} s"
-            )
+            raise TelemetryError(f"tegrastats printed no parseable line within {self.first_line_timeout_s} s")
         with self._lock:
             last = self._last
         assert last is not None
@@ -160,9 +158,7 @@ class TegrastatsSource:
             text=True,
             bufsize=1,
         )
-        thread = threading.Thread(
-            target=self._read_lines, args=(proc,), name="tegrastats-reader", daemon=True
-        )
+        thread = threading.Thread(target=self._read_lines, args=(proc,), name="tegrastats-reader", daemon=True)
         with self._lock:
             self._proc, self._thread = proc, thread
         thread.start()

@@ -136,20 +136,29 @@ class Runnable(Protocol):
 
 def _probes(s: WatcherSettings, gpu_memory: GpuMemory | None) -> list[Probe]:
     probes: list[Probe] = []
-    selector = ProcessSelector(s.systemd_unit, s.process_name, s.cmdline_pattern, s.pid_file,
-                               cgroup_root=s.cgroup_root)
+    selector = ProcessSelector(s.systemd_unit, s.process_name, s.cmdline_pattern, s.pid_file, cgroup_root=s.cgroup_root)
     if selector.configured():
         probes.append(ProcessProbe(selector, gpu_memory))
     if s.kind == "homeassistant":
-        probes += homeassistant_probes(container=s.container, cgroup_path=s.cgroup_path,
-                                       health_url=s.health_url, token=s.token,
-                                       timeout_s=s.timeout_s, cgroup_root=s.cgroup_root,
-                                       proc_root=s.proc_root)
+        probes += homeassistant_probes(
+            container=s.container,
+            cgroup_path=s.cgroup_path,
+            health_url=s.health_url,
+            token=s.token,
+            timeout_s=s.timeout_s,
+            cgroup_root=s.cgroup_root,
+            proc_root=s.proc_root,
+        )
         return probes
     if s.container is not None or s.cgroup_path is not None:
-        probes.append(CgroupProbe(cgroup_path=s.cgroup_path,
-                                  container=None if s.cgroup_path else s.container,
-                                  cgroup_root=s.cgroup_root, proc_root=s.proc_root))
+        probes.append(
+            CgroupProbe(
+                cgroup_path=s.cgroup_path,
+                container=None if s.cgroup_path else s.container,
+                cgroup_root=s.cgroup_root,
+                proc_root=s.proc_root,
+            )
+        )
     if s.health_url:
         probes.append(HttpHealthProbe(s.health_url, token=s.token, timeout_s=s.timeout_s))
     if s.log_file or s.journal_unit:
@@ -179,25 +188,38 @@ def build_watcher(
         p = s.proxy
         service: Literal["stt", "tts"] | None = p.service or _PROXY_SERVICE.get(s.kind)
         if service is None:
-            raise ValueError(f"watcher {s.name!r}: proxy.service must be stt or tts "
-                             f"for kind {s.kind!r}")
+            raise ValueError(f"watcher {s.name!r}: proxy.service must be stt or tts for kind {s.kind!r}")
         proxy_publish = publish if watcher is None else _merge_into(watcher, publish)
-        out.append(WyomingProxy(
-            s.name, p.listen_host, p.listen_port, p.upstream_host, p.upstream_port,
-            service, proxy_publish, wait_parked, p.hold_audio_stop_until_parked, p.hold_max_s,
-            health_interval_s=p.health_interval_s, health_timeout_s=p.health_timeout_s,
-            idle_timeout_s=p.idle_timeout_s, max_connections=p.max_connections,
-        ))
+        out.append(
+            WyomingProxy(
+                s.name,
+                p.listen_host,
+                p.listen_port,
+                p.upstream_host,
+                p.upstream_port,
+                service,
+                proxy_publish,
+                wait_parked,
+                p.hold_audio_stop_until_parked,
+                p.hold_max_s,
+                health_interval_s=p.health_interval_s,
+                health_timeout_s=p.health_timeout_s,
+                idle_timeout_s=p.idle_timeout_s,
+                max_connections=p.max_connections,
+            )
+        )
     return out
 
 
 def _merge_into(watcher: ServiceWatcher, publish: Publish) -> Publish:
     def proxy_publish(obs: Observation) -> None:
         if isinstance(obs, ServiceObservation):
-            watcher.report("wyoming", ProbeResult(up=obs.up, reason=obs.reason,
-                                                  restarts=obs.restarts, counters=obs.counters))
+            watcher.report(
+                "wyoming", ProbeResult(up=obs.up, reason=obs.reason, restarts=obs.restarts, counters=obs.counters)
+            )
         else:
             publish(obs)
+
     return proxy_publish
 
 

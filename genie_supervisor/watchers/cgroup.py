@@ -76,10 +76,8 @@ def read_cpu_usec(directory: str | Path) -> int | None:
 
 def _container_dirs(cgroup_root: Path) -> list[Path]:
     found: list[Path] = []
-    for pattern in ("*/docker-*.scope", "*/*/docker-*.scope", "docker/*", "*/libpod-*.scope",
-                    "*/*/libpod-*.scope"):
-        found.extend(p for p in cgroup_root.glob(pattern)
-                     if p.is_dir() and _CONTAINER_DIR.match(p.name))
+    for pattern in ("*/docker-*.scope", "*/*/docker-*.scope", "docker/*", "*/libpod-*.scope", "*/*/libpod-*.scope"):
+        found.extend(p for p in cgroup_root.glob(pattern) if p.is_dir() and _CONTAINER_DIR.match(p.name))
     return sorted(set(found))
 
 
@@ -154,9 +152,7 @@ class CgroupProbe:
         if self._resolved is None or not self._resolved.is_dir():
             self._resolved = self.cgroup_path
             if self.container is not None:  # containers get a new cgroup on every restart
-                self._resolved = find_container_cgroup(
-                    self.container, self.cgroup_root, self.proc_root
-                )
+                self._resolved = find_container_cgroup(self.container, self.cgroup_root, self.proc_root)
         try:
             if self._resolved is None:
                 raise FileNotFoundError(f"no cgroup found for {what}")

@@ -88,8 +88,7 @@ class UnderrunCounter:
 
     # -- journal --------------------------------------------------------------------------------
 
-    async def run_background(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
-                             ) -> None:
+    async def run_background(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Follow the journal (when configured) until cancelled; restarts it with back-off."""
         task_status.started()
         if self.journal_command is None:
@@ -121,6 +120,4 @@ class UnderrunCounter:
         """Read new file lines in a worker thread and report the count."""
         if self.log_file is not None:
             await anyio.to_thread.run_sync(self.read_file_sync)
-        return ProbeResult(
-            up=None, reason=self._problem, counters={COUNTER: self.count}, decides_up=False
-        )
+        return ProbeResult(up=None, reason=self._problem, counters={COUNTER: self.count}, decides_up=False)

@@ -41,5 +41,9 @@ def build_homeassistant(
     publish: Publish, *, name: str = "homeassistant", interval_s: float = 5.0, **options: object
 ) -> ServiceWatcher:
     """A ServiceWatcher for Home Assistant (options as for `homeassistant_probes`)."""
-    return ServiceWatcher(name, homeassistant_probes(**options), publish,  # type: ignore[arg-type]
-                          interval_s=interval_s)
+    return ServiceWatcher(
+        name,
+        homeassistant_probes(**options),
+        publish,  # type: ignore[arg-type]
+        interval_s=interval_s,
+    )

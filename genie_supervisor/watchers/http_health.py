@@ -36,8 +36,7 @@ class HttpHealthProbe:
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         try:
             if self._client is not None:
-                response = await self._client.get(self.url, headers=headers,
-                                                  timeout=self.timeout_s)
+                response = await self._client.get(self.url, headers=headers, timeout=self.timeout_s)
             else:
                 async with httpx.AsyncClient(timeout=self.timeout_s) as client:
                     response = await client.get(self.url, headers=headers)

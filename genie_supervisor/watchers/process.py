@@ -131,8 +131,7 @@ class ProcessProbe:
 
     def __init__(self, selector: ProcessSelector, gpu_memory: GpuMemory | None = None) -> None:
         if not selector.configured():
-            raise ValueError("a process probe needs one of systemd_unit, process_name, "
-                             "cmdline_pattern or pid_file")
+            raise ValueError("a process probe needs one of systemd_unit, process_name, cmdline_pattern or pid_file")
         self.selector = selector
         self.gpu_memory = gpu_memory
         self.restarts = 0
@@ -151,10 +150,10 @@ class ProcessProbe:
             self._procs.clear()
             self._was_up = False
             if not self._seen:
-                return ProbeResult(up=None, reason=f"never found ({self.selector.describe()})",
-                                   restarts=self.restarts)
-            return ProbeResult(up=False, reason=f"process not found ({self.selector.describe()})",
-                               restarts=self.restarts)
+                return ProbeResult(up=None, reason=f"never found ({self.selector.describe()})", restarts=self.restarts)
+            return ProbeResult(
+                up=False, reason=f"process not found ({self.selector.describe()})", restarts=self.restarts
+            )
 
         previous = set(self._procs)
         if self._seen and (not self._was_up or (previous and not previous & pids)):

@@ -76,8 +76,11 @@ def parse_header(line: bytes) -> tuple[str, int, int]:
         raise BadEvent("header has no 'type' string")
     if "data" in header and not isinstance(header["data"], dict):
         raise BadEvent(f"'data' is a {type(header['data']).__name__}, not an object")
-    return (event_type, _length(header, "data_length", MAX_DATA_BYTES),
-            _length(header, "payload_length", MAX_PAYLOAD_BYTES))
+    return (
+        event_type,
+        _length(header, "data_length", MAX_DATA_BYTES),
+        _length(header, "payload_length", MAX_PAYLOAD_BYTES),
+    )
 
 
 def _check_data(data: bytes) -> None:
@@ -133,7 +136,7 @@ class EventParser:
                 return False
             line = bytes(buf[:newline])
             if not line.strip():
-                del buf[:newline + 1]
+                del buf[: newline + 1]
                 return True
             event_type, data_length, payload_length = parse_header(line)
             self._head = (event_type, newline + 1, data_length, payload_length)
@@ -142,7 +145,7 @@ class EventParser:
         if len(buf) < total:
             return False
         if data_length:
-            _check_data(bytes(buf[head:head + data_length]))
+            _check_data(bytes(buf[head : head + data_length]))
         out.append(ClientEvent(event_type, bytes(buf[:total])))
         del buf[:total]
         self._head = None

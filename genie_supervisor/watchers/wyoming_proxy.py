@@ -228,9 +228,7 @@ class WyomingProxy:
 
     async def check_health(self) -> tuple[bool, str]:
         """Send `describe` upstream and expect `info` within `health_timeout_s`; publish the result."""
-        up, reason = await probe_wyoming(
-            self.upstream_host, self.upstream_port, self.health_timeout_s
-        )
+        up, reason = await probe_wyoming(self.upstream_host, self.upstream_port, self.health_timeout_s)
         self._set_up(up, reason)
         return up, reason
 
@@ -244,9 +242,7 @@ class WyomingProxy:
 
     async def serve(self, *, task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED) -> None:
         """Bind, report the bound port through `task_status`, and proxy until cancelled."""
-        listener = await anyio.create_tcp_listener(
-            local_host=self.listen_host, local_port=self.listen_port
-        )
+        listener = await anyio.create_tcp_listener(local_host=self.listen_host, local_port=self.listen_port)
         async with listener, anyio.create_task_group() as tg:
             self.port = int(listener.listeners[0].extra(SocketAttribute.local_port))
             log.info(
@@ -268,13 +264,18 @@ class WyomingProxy:
     async def _handle(self, client: SocketStream) -> None:
         if self.open_connections >= self.max_connections:
             self.stats.refused += 1
-            log.warning("wyoming_proxy_refused", proxy=self.name, open=self.open_connections,
-                        max_connections=self.max_connections)
+            log.warning(
+                "wyoming_proxy_refused",
+                proxy=self.name,
+                open=self.open_connections,
+                max_connections=self.max_connections,
+            )
             async with client:
                 with anyio.move_on_after(1.0):
                     try:
-                        await client.send(_error_event(
-                            f"too many connections (max_connections {self.max_connections})", "busy"))
+                        await client.send(
+                            _error_event(f"too many connections (max_connections {self.max_connections})", "busy")
+                        )
                     except _SOCKET_ERRORS:
                         pass
             return
@@ -350,11 +351,15 @@ class _Connection:
         proxy.stats.upstream_failures += 1
         what = "mid-request" if self.session.active else "idle"
         self.session.set_active(False, "upstream-closed")
-        up, reason = await probe_wyoming(proxy.upstream_host, proxy.upstream_port,
-                                         proxy.health_timeout_s)
+        up, reason = await probe_wyoming(proxy.upstream_host, proxy.upstream_port, proxy.health_timeout_s)
         if up:
-            log.warning("wyoming_upstream_dropped_connection", proxy=proxy.name,
-                        session=self.session.id, detail=f"{end.detail} ({what})", probe=reason)
+            log.warning(
+                "wyoming_upstream_dropped_connection",
+                proxy=proxy.name,
+                session=self.session.id,
+                detail=f"{end.detail} ({what})",
+                probe=reason,
+            )
             proxy._set_up(True, reason, always=False)
         else:
             proxy._set_up(False, f"{end.detail} ({what}); {reason}")
@@ -368,8 +373,13 @@ class _Connection:
                 break
             await anyio.sleep(left)
         self.proxy.stats.idle_timeouts += 1
-        log.info("wyoming_client_idle_timeout", proxy=self.proxy.name, session=self.session.id,
-                 idle_timeout_s=idle, stt_active=self.session.active)
+        log.info(
+            "wyoming_client_idle_timeout",
+            proxy=self.proxy.name,
+            session=self.session.id,
+            idle_timeout_s=idle,
+            stt_active=self.session.active,
+        )
         self._stop("idle-timeout")
 
     async def _connect(self) -> bool:
@@ -395,8 +405,12 @@ class _Connection:
             except anyio.EndOfStream:
                 self.client_eof = True
                 if parser.pending:
-                    log.info("wyoming_client_truncated", proxy=proxy.name, session=session.id,
-                             detail="closed mid-event; the partial event was not forwarded")
+                    log.info(
+                        "wyoming_client_truncated",
+                        proxy=proxy.name,
+                        session=session.id,
+                        detail="closed mid-event; the partial event was not forwarded",
+                    )
                 if self.upstream is None:
                     self._stop()
                     return
@@ -424,8 +438,13 @@ class _Connection:
             await self._send_upstream(bytes(out))
             if parser.error is not None:
                 proxy.stats.bad_input += 1
-                log.warning("wyoming_client_bad_input", proxy=proxy.name, session=session.id,
-                            error=parser.error, stt_active=session.active)
+                log.warning(
+                    "wyoming_client_bad_input",
+                    proxy=proxy.name,
+                    session=session.id,
+                    error=parser.error,
+                    stt_active=session.active,
+                )
                 self._stop("bad-input")
                 return
 

@@ -20,15 +20,9 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from genie_supervisor.api.server import bind_socket
 from tests.awaitlog import Log
 from tests.daemon import write_policy
-
-
-def free_port() -> int:
-    """A loopback port nobody listens on right now."""
-    with bind_socket("127.0.0.1", 0) as s:
-        return int(s.getsockname()[1])
+from tests.net import free_port
 
 
 class DaemonProcess:

@@ -18,10 +18,10 @@ import anyio.to_thread
 import pytest
 
 from engine import ModelInfo
-from genie_supervisor.api.server import bind_socket
 from genie_supervisor.errors import PolicyErrors
 from tests.daemon import client, make_supervisor, wait_for, write_policy
 from tests.models import SMOLLM2, require
+from tests.net import free_port as _free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -142,11 +142,6 @@ async def test_notify_ready_waits_for_every_component(tmp_path: Path) -> None:
     finally:
         release.set()
         listener.close()
-
-
-def _free_port() -> int:
-    with bind_socket("127.0.0.1", 0) as s:
-        return int(s.getsockname()[1])
 
 
 class _Lines:

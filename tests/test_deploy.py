@@ -18,14 +18,14 @@ import yaml
 
 from genie_supervisor.config import load_config, parse_hostport
 from genie_supervisor.doctor.broker import mqtt_ping
+from tests.broker import MOSQUITTO
+from tests.net import free_port as _free_port
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
 UNITS = sorted((DEPLOY / "systemd").glob("*.service"))
 DROPINS = sorted((DEPLOY / "systemd").glob("*.service.d/*.conf"))
 SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
-MOSQUITTO = shutil.which("mosquitto") or next(
-    (p for p in ("/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto") if os.access(p, os.X_OK)), None)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -119,14 +119,6 @@ def test_voice_units_listen_where_the_proxies_forward() -> None:
         assert uri is not None and parse_hostport(uri.group(1)) == parse_hostport(svc.proxy.upstream)
         after = unit_settings(DEPLOY / "systemd" / f"{unit}.d" / "genie.conf")["Unit"]["After"]
         assert after == ["genie-supervisor.service"]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _run_mosquitto(tmp_path: Path, conf_text: str, probes: list[dict[str, Any]]) -> list[tuple[bool, str]]:

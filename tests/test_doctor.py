@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -22,19 +21,11 @@ from genie_supervisor.doctor.broker import connect_packet, mqtt_ping
 from genie_supervisor.doctor.checks import check_service, check_thermal, l4t_release
 from genie_supervisor.events import TelemetrySample
 from genie_supervisor.policy.schema import Policy
+from tests.broker import MOSQUITTO, needs_broker
 from tests.models import SMOLLM2, require
-
-MOSQUITTO = shutil.which("mosquitto") or next(
-    (p for p in ("/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto") if os.access(p, os.X_OK)), None)
-needs_broker = pytest.mark.skipif(MOSQUITTO is None, reason="the mosquitto binary is not installed")
+from tests.net import free_port
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def write_policy(path: Path, budget_mb: float) -> Path:

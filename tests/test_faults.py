@@ -25,10 +25,11 @@ from genie_supervisor.exit_deadline import ExitDeadline, describe, stuck_threads
 from genie_supervisor.logging import FOREIGN_LOGGERS, configure_logging
 from genie_supervisor.mqtt.entities import Topics
 from tests.apitools import synth
+from tests.broker import Mosquitto, needs_broker
 from tests.daemon import client, make_supervisor, write_policy
 from tests.daemon_process import DaemonProcess
 from tests.models import SMOLLM2, require
-from tests.test_mqtt import Mosquitto, is_, needs_broker, subscriber
+from tests.test_mqtt import is_, subscriber
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -8,11 +8,6 @@ command callbacks are a recording fake (the app boundary).
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import signal
-import socket
-import subprocess
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -39,12 +34,10 @@ from genie_supervisor.mqtt.publisher import Message, StatePublisher
 from genie_supervisor.policy.schema import builtin_policy
 from genie_supervisor.state import StateStore
 from genie_supervisor.voice import VoiceHints
+from tests.broker import Mosquitto, needs_broker
+from tests.net import HOST, free_port
 
-HOST = "127.0.0.1"
 NODE = "testbox"
-MOSQUITTO = shutil.which("mosquitto") or next(
-    (p for p in ("/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto") if os.access(p, os.X_OK)), None)
-needs_broker = pytest.mark.skipif(MOSQUITTO is None, reason="the mosquitto binary is not installed")
 
 # -- what Home Assistant accepts ------------------------------------------------------------------
 ABBREVIATIONS = {
@@ -236,75 +229,7 @@ def test_malformed_commands_are_refused(path: str, payload: bytes) -> None:
         parse_command(path, f"genie/testbox/{path}", payload, sample_inputs())
 
 
-# -- a real broker --------------------------------------------------------------------------------
-def free_port() -> int:
-    """A loopback port that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
-
-
-class Mosquitto:
-    """A Mosquitto process on a fixed loopback port that can be stopped and started again."""
-
-    def __init__(self, workdir: Path, *, persistence: bool = False, anonymous: bool = True,
-                 extra: tuple[str, ...] = ()) -> None:
-        self.port = free_port()
-        self.conf = workdir / "mosquitto.conf"
-        lines = [f"listener {self.port} {HOST}", *extra, f"allow_anonymous {str(anonymous).lower()}",
-                 f"persistence {str(persistence).lower()}"]
-        if os.geteuid() == 0:
-            lines.append("user root")  # started as root it would switch users and lose the temp folder
-        if persistence:
-            lines.append(f"persistence_location {workdir}/")
-        self.conf.write_text("\n".join(lines) + "\n")
-        self.log = workdir / "mosquitto.log"
-        self.proc: anyio.abc.Process | None = None
-
-    async def start(self) -> None:
-        """Start and wait (bounded) until the port accepts connections."""
-        assert MOSQUITTO is not None
-        with self.log.open("ab") as out:
-            self.proc = await anyio.open_process([MOSQUITTO, "-c", str(self.conf)], stdout=out,
-                                                 stderr=subprocess.STDOUT)
-        with anyio.fail_after(10):
-            while True:
-                try:
-                    stream = await anyio.connect_tcp(HOST, self.port)
-                except OSError:
-                    assert self.proc.returncode is None, self.log.read_text()
-                    await anyio.sleep(0.02)  # readiness poll of a process we do not control
-                    continue
-                await stream.aclose()
-                return
-
-    async def stop(self) -> None:
-        """SIGTERM and wait for the process to exit."""
-        if self.proc is not None and self.proc.returncode is None:
-            self.proc.send_signal(signal.SIGTERM)
-            with anyio.fail_after(10):
-                await self.proc.wait()
-        self.proc = None
-
-    @property
-    def url(self) -> str:
-        """The broker's URL."""
-        return f"mqtt://{HOST}:{self.port}"
-
-
-@pytest.fixture
-async def broker(tmp_path: Path) -> AsyncIterator[Mosquitto]:
-    """A fresh Mosquitto without persistence."""
-    if MOSQUITTO is None:
-        pytest.skip("the mosquitto binary is not installed")
-    b = Mosquitto(tmp_path)
-    await b.start()
-    try:
-        yield b
-    finally:
-        await b.stop()
-
-
+# -- a real broker (tests/broker.py, the `broker` fixture of tests/conftest.py) -------------------
 class Recorder:
     """Messages of one subscriber connection, awaitable by predicate."""
 

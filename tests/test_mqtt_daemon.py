@@ -12,8 +12,9 @@ from genie_supervisor.app import Supervisor
 from genie_supervisor.config import load_config
 from genie_supervisor.telemetry import SimulatedSource
 from tests.apitools import synth
+from tests.broker import Mosquitto, needs_broker
 from tests.daemon import write_policy
-from tests.test_mqtt import Mosquitto, is_, needs_broker, subscriber
+from tests.test_mqtt import is_, subscriber
 
 pytestmark = [needs_broker, pytest.mark.timeout(90)]
 BASE = "genie/genie"

@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import typing
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,35 +37,22 @@ from genie_supervisor.mqtt.entities import CommandRefusal, Inputs, entities
 from genie_supervisor.state import GateMode, StateStore
 from genie_supervisor.telemetry import SimulatedSource
 from tests.apitools import synth
+from tests.broker import Mosquitto, needs_broker
 from tests.daemon import write_policy
+from tests.net import HOST
 from tests.test_mqtt import (
     AVAIL,
-    HOST,
     INFO,
     TOPICS,
     FakeApp,
-    Mosquitto,
     T,
     check_device_message,
     is_,
     mqtt_config,
-    needs_broker,
     running_bridge,
     sample_inputs,
     subscriber,
 )
-
-
-@pytest.fixture
-async def broker(tmp_path: Path) -> AsyncIterator[Mosquitto]:
-    """A fresh Mosquitto without persistence (as tests/test_mqtt.py's)."""
-    b = Mosquitto(tmp_path)
-    await b.start()
-    try:
-        yield b
-    finally:
-        await b.stop()
-
 
 ENGINE_STATES = ("disabled", "unloaded", "loading", "error", "idle", "prefill", "decoding", "paused", "throttled")
 """Every state EngineHost.state and ModelManager.stats() report (engine_host.py, models.py)."""

@@ -24,13 +24,12 @@ from genie_supervisor.mqtt import MqttBridge
 from genie_supervisor.mqtt.bridge import BROKER_TIMEOUT_S
 from genie_supervisor.status import format_status
 from genie_supervisor.urls import redact_url
+from tests.broker import Mosquitto, needs_broker
+from tests.net import HOST
 from tests.test_mqtt import (
     AVAIL,
-    HOST,
-    Mosquitto,
     is_,
     mqtt_config,
-    needs_broker,
     running_bridge,
     subscriber,
 )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import socket
 import warnings
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -33,17 +32,10 @@ from wyoming.tts import (
 from genie_supervisor.events import ServiceObservation, VoiceActivity
 from genie_supervisor.watchers.wyoming_proxy import EventScanner, WyomingProxy, probe_wyoming
 from tests.awaitlog import Log as BaseLog
+from tests.net import HOST, free_port
 
-HOST = "127.0.0.1"
 RATE, WIDTH, CHANNELS = 16000, 2, 1
 ATTRIBUTION = Attribution(name="tests", url="http://localhost")
-
-
-def free_port() -> int:
-    """A loopback port that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
 
 
 class Log(BaseLog):

@@ -10,7 +10,7 @@ import pytest
 from engine.chat_template import render_chat
 from engine.errors import TemplateError
 from engine.gguf_file import read_gguf
-from tests.models import CACHE, FIXTURES
+from tests.models import CACHE, FIXTURES, missing
 
 MODELS_DIR = CACHE
 FIXTURES_DIR = FIXTURES
@@ -19,7 +19,7 @@ FIXTURES_DIR = FIXTURES
 def _chat_cases(fixture: str) -> list[dict[str, Any]]:
     path = FIXTURES_DIR / fixture / "greedy.jsonl"
     if not path.exists():
-        pytest.skip(f"oracle fixture {path} is missing")
+        missing(f"oracle fixture {path} is missing")
     rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
     return [r for r in rows if r["kind"] == "chat"]
 
@@ -29,7 +29,7 @@ def smollm2_template() -> str:
     """SmolLM2's ``tokenizer.chat_template`` from its GGUF."""
     path = MODELS_DIR / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if not path.exists():
-        pytest.skip(f"model {path} is missing")
+        missing(f"model {path} is missing")
     template = read_gguf(path).get("tokenizer.chat_template")
     assert isinstance(template, str)
     return template

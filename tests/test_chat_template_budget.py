@@ -24,7 +24,7 @@ from engine.errors import ModelFormatError, TemplateBudgetError, TemplateError
 from engine.gguf_file import read_gguf
 from engine.synth import write_synthetic_gguf
 from tests.apitools import SHAPES, http, make_api_supervisor
-from tests.models import FIXTURES, SMOLLM2, require
+from tests.models import FIXTURES, SMOLLM2, missing, require
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -242,7 +242,7 @@ def test_gemma3_template_gives_llama_cpp_prompts() -> None:
     """Gemma 3's own template, under the budget, gives llama.cpp's prompt text for every chat case."""
     path = FIXTURES / "gemma3-270m-q4_k_m" / "greedy.jsonl"
     if not path.exists():
-        pytest.skip(f"oracle fixture {path} is missing")
+        missing(f"oracle fixture {path} is missing")
     import json
 
     cases = [r for r in map(json.loads, path.read_text(encoding="utf-8").splitlines()) if r["kind"] == "chat"]

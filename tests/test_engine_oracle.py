@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from tests.models import FIXTURES, MODELS, shared_model
+from tests.models import FIXTURES, MODELS, missing, shared_model
 
 GAP = 0.1  # llama.cpp's own top-2 log-prob gap below which quantized arithmetic may flip the pick
 # Agreement each backend promises on the public fixtures (default f16 KV cache).
@@ -24,7 +24,7 @@ EXACT_PROMPT = 64  # llama.cpp tiles the attention of longer prompt batches (oth
 def _cases(name: str) -> list[dict]:
     path = FIXTURES / name / "greedy.jsonl"
     if not path.exists():
-        pytest.skip(f"oracle fixture {path} is missing")
+        missing(f"oracle fixture {path} is missing")
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 

@@ -13,7 +13,7 @@ from engine.errors import ModelFormatError
 from engine.gguf_file import GGUFFile, read_gguf
 from engine.tokenizer import StreamDecoder, Tokenizer, build_tokenizer
 from engine.tokenizer_bpe import PRE_TOKENIZERS, BPEModel, byte_encode
-from tests.models import CACHE, FIXTURES
+from tests.models import CACHE, FIXTURES, missing
 
 MODELS_DIR = CACHE
 FIXTURES_DIR = FIXTURES
@@ -25,7 +25,7 @@ MODELS = {
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
-        pytest.skip(f"oracle fixture {path} is missing")
+        missing(f"oracle fixture {path} is missing")
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
 
 
@@ -35,7 +35,7 @@ def model(request: pytest.FixtureRequest) -> tuple[str, Tokenizer, str]:
     file_name, fixture = MODELS[request.param]
     path = MODELS_DIR / file_name
     if not path.exists():
-        pytest.skip(f"model {path} is missing (fetch it with `genie-supervisor models fetch`)")
+        missing(f"model {path} is missing (fetch it with `genie-supervisor models fetch`)")
     return request.param, Tokenizer.from_gguf(read_gguf(path)), fixture
 
 
@@ -44,7 +44,7 @@ def smollm2() -> Tokenizer:
     """SmolLM2's byte-level BPE tokenizer."""
     path = MODELS_DIR / MODELS["smollm2"][0]
     if not path.exists():
-        pytest.skip(f"model {path} is missing")
+        missing(f"model {path} is missing")
     return build_tokenizer(read_gguf(path))
 
 
@@ -53,7 +53,7 @@ def gemma3() -> Tokenizer:
     """Gemma 3's SentencePiece tokenizer."""
     path = MODELS_DIR / MODELS["gemma3"][0]
     if not path.exists():
-        pytest.skip(f"model {path} is missing")
+        missing(f"model {path} is missing")
     return build_tokenizer(read_gguf(path))
 
 

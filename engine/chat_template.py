@@ -85,7 +85,7 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
 
 def render_chat(
     template: str | None,
-    messages: list[dict],
+    messages: list[dict[str, Any]],
     *,
     add_generation_prompt: bool = True,
     bos_token: str = "",

@@ -19,9 +19,9 @@ if TYPE_CHECKING:
     from ..admission import Admission
     from ..arbiter import DecodeGate
     from ..config import Config
+    from ..events import VoiceActivity
     from ..models import ModelManager
     from ..policy import Policy
-    from ..voice import VoiceActivity
 
 
 class VoiceHintHandler(Protocol):

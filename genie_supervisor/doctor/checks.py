@@ -13,14 +13,14 @@ import re
 import socket
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from engine.errors import EngineError
 from engine.model import MemoryPlan, plan_memory
 from engine.spec import read_spec
 
-from ..config import Config, ConfigErrors, ServiceConfig, load_config, parse_hostport
-from ..errors import PolicyErrors
+from ..config import Config, ServiceConfig, load_config, parse_hostport
+from ..errors import ConfigErrors, PolicyErrors
 from ..events import TelemetrySample
 from ..policy import Policy, load_policy
 from ..policy.schema import builtin_policy
@@ -288,13 +288,13 @@ OpenModel = Callable[[str], object]
 """Reads a GGUF header (engine.open_model_file)."""
 
 
-def _plan(gf: object, n_ctx: int, kv_dtype: str, quantized: bool = False, backend: str | None = None) -> MemoryPlan:
+def _plan(gf: Any, n_ctx: int, kv_dtype: str, quantized: bool = False, backend: str | None = None) -> MemoryPlan:
     return plan_memory(
         gf,
         read_spec(gf),
         n_ctx,
         kv_dtype,
-        quantized=quantized,  # type: ignore[arg-type]
+        quantized=quantized,
         backend=backend,
     )
 

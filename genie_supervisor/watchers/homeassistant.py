@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from .base import Probe, Publish, ServiceWatcher
 from .cgroup import CgroupProbe
@@ -38,12 +39,12 @@ def homeassistant_probes(
 
 
 def build_homeassistant(
-    publish: Publish, *, name: str = "homeassistant", interval_s: float = 5.0, **options: object
+    publish: Publish, *, name: str = "homeassistant", interval_s: float = 5.0, **options: Any
 ) -> ServiceWatcher:
     """A ServiceWatcher for Home Assistant (options as for `homeassistant_probes`)."""
     return ServiceWatcher(
         name,
         homeassistant_probes(**options),
-        publish,  # type: ignore[arg-type]
+        publish,
         interval_s=interval_s,
     )

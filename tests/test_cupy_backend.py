@@ -41,7 +41,7 @@ default "auto" tiles are checked in tests/test_cupy_prefill.py)."""
 
 
 def _rng() -> np.random.Generator:
-    return np.random.default_rng()  # fresh inputs on every run
+    return np.random.default_rng(17)  # seeded: the same inputs on every run, so a failure reproduces
 
 
 def _tensor(t: str, rows: int, cols: int, rng: np.random.Generator) -> tuple[TensorInfo, np.ndarray]:
@@ -256,7 +256,7 @@ def test_kv_store_int8_matches_host_rule(ops: CupyOps, d: int) -> None:
     the host rule (`engine.kv_cache.quantize_rows`), at the right positions, nothing else."""
     from engine.kv_cache import Int8Rows, quantize_rows
 
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(18)
     t, kv, n_ctx, start = 37, 3, 96, 11
     x = (rng.standard_normal((t, kv, d)) * rng.uniform(0.01, 10, (t, kv, 1))).astype(np.float32)
     x[0, 0, :32] = 0.0  # an all-zero block: scale 0, values 0

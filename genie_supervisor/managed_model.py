@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
+
 from .backends import Backend, Plan
 from .config import ModelEntry
 from .errors import AdmissionError, BudgetError, EngineUnavailable, ModelTooLarge
@@ -174,3 +176,74 @@ def load_error(m: ManagedModel) -> AdmissionError:
     if isinstance(exc, BudgetError):
         return ModelTooLarge(exc.needed_mb, exc.available_mb, str(exc))
     return EngineUnavailable(f"model {m.id!r} failed to load: {m.error}")
+
+
+def next_victim(m: ManagedModel, plan: Plan, models: list[ManagedModel], budget: float | None) -> ManagedModel | None:
+    """The model to evict before `m` (planned as `plan`) loads: None when it fits the LLM `budget`
+    next to what is loaded (and no member of its swap group is loaded); a loaded group mate first,
+    else the idle-before-busy, lowest-priority, least recently used non-resident model. Raises
+    ModelTooLarge with the numbers when nothing can make room."""
+    need = plan.total / MiB
+    detail = (
+        f"weights {plan.weights / MiB:.1f} + KV {plan.kv / MiB:.1f} + scratch "
+        f"{plan.scratch / MiB:.1f} MiB at n_ctx {plan.n_ctx}"
+    )
+    if budget is not None and need > budget:
+        raise ModelTooLarge(
+            need,
+            budget,
+            f"model {m.id!r} needs {need:.1f} MiB ({detail}) but the LLM "
+            f"budget (policy memory.llm_budget_mb) is {budget:.1f} MiB",
+        )
+    mates = [
+        o
+        for o in models
+        if o is not m and m.entry.group is not None and o.entry.group == m.entry.group and o.state == "ready"
+    ]
+    if mates:
+        return mates[0]
+    used = sum(o.plan_mb or 0 for o in models if o is not m and o.state in ("ready", "loading"))
+    if budget is None or used + need <= budget:
+        return None
+    candidates = [o for o in models if o is not m and o.state == "ready" and not o.entry.resident]
+    if not candidates:
+        resident = sum(
+            o.plan_mb or 0 for o in models if o is not m and o.entry.resident and o.state in ("ready", "loading")
+        )
+        raise ModelTooLarge(
+            need,
+            budget,
+            f"model {m.id!r} needs {need:.1f} MiB ({detail}); "
+            f"{used:.1f} MiB of the {budget:.1f} MiB budget are in use "
+            f"({resident:.1f} MiB by resident models, which are never evicted)",
+        )
+    return min(candidates, key=lambda o: (o.in_flight > 0, o.entry.priority, o.last_used))
+
+
+NO_HOST: dict[str, Any] = {
+    "state": None,
+    "model": None,
+    "path": None,
+    "arch": None,
+    "backend": None,
+    "n_ctx": None,
+    "kv_dtype": None,
+    "error": None,
+    "memory_plan": None,
+}
+"""The engine view's keys when no builtin engine host serves the default model (`describe`)."""
+
+
+async def first_token(backend: Backend) -> None:
+    """Ask `backend` for one token of a tiny chat and wait for it (the start-up warm-up)."""
+    from engine import SamplingParams
+
+    stream = await backend.generate(
+        [{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=1, temperature=0.0), "background"
+    )
+    try:
+        async for _ in stream:
+            break
+    finally:
+        with anyio.CancelScope(shield=True):
+            await stream.aclose()

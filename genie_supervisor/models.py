@@ -39,7 +39,7 @@ from .errors import (
     UnknownModel,
 )
 from .events import EngineStats, Observation
-from .managed_model import Lease, ManagedModel, MiB, aggregate_stats, load_error
+from .managed_model import NO_HOST, Lease, ManagedModel, aggregate_stats, first_token, load_error, next_victim
 from .state import DEFAULT_LLM_BUDGET_MB
 
 log = structlog.get_logger(__name__)
@@ -235,53 +235,8 @@ class ModelManager:
         self._notify()
         await m.backend.load()
 
-    def _used_mb(self, exclude: ManagedModel) -> float:
-        return sum(o.plan_mb or 0 for o in self.models.values() if o is not exclude and o.state in ("ready", "loading"))
-
     async def _make_room(self, m: ManagedModel, plan: Plan) -> None:
-        budget = self._budget_mb
-        need = plan.total / MiB
-        detail = (
-            f"weights {plan.weights / MiB:.1f} + KV {plan.kv / MiB:.1f} + scratch "
-            f"{plan.scratch / MiB:.1f} MiB at n_ctx {plan.n_ctx}"
-        )
-        if budget is not None and need > budget:
-            raise ModelTooLarge(
-                need,
-                budget,
-                f"model {m.id!r} needs {need:.1f} MiB ({detail}) but the LLM "
-                f"budget (policy memory.llm_budget_mb) is {budget:.1f} MiB",
-            )
-        while True:
-            mates = [
-                o
-                for o in self.models.values()
-                if o is not m and m.entry.group is not None and o.entry.group == m.entry.group and o.state == "ready"
-            ]
-            used = self._used_mb(m)
-            if not mates and (budget is None or used + need <= budget):
-                return
-            if mates:
-                victim = mates[0]
-            else:
-                candidates = [
-                    o for o in self.models.values() if o is not m and o.state == "ready" and not o.entry.resident
-                ]
-                if not candidates:
-                    resident = sum(
-                        o.plan_mb or 0
-                        for o in self.models.values()
-                        if o is not m and o.entry.resident and o.state in ("ready", "loading")
-                    )
-                    assert budget is not None
-                    raise ModelTooLarge(
-                        need,
-                        budget,
-                        f"model {m.id!r} needs {need:.1f} MiB ({detail}); "
-                        f"{used:.1f} MiB of the {budget:.1f} MiB budget are in use "
-                        f"({resident:.1f} MiB by resident models, which are never evicted)",
-                    )
-                victim = min(candidates, key=lambda o: (o.in_flight > 0, o.entry.priority, o.last_used))
+        while (victim := next_victim(m, plan, list(self.models.values()), self._budget_mb)) is not None:
             await self._evict(victim, reason=f"make room for {m.id}")
 
     async def _evict(self, victim: ManagedModel, *, reason: str, force: bool = False) -> None:
@@ -396,21 +351,11 @@ class ModelManager:
                     self._notify()
 
     async def _warmup(self, residents: list[ManagedModel]) -> None:
-        from engine import SamplingParams
-
         for m in residents:
             t0 = time.monotonic()
             try:
                 async with self.lease(m) as lease:
-                    stream = await lease.backend.generate(
-                        [{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=1, temperature=0.0), "background"
-                    )
-                    try:
-                        async for _ in stream:
-                            break
-                    finally:
-                        with anyio.CancelScope(shield=True):
-                            await stream.aclose()
+                    await first_token(lease.backend)
                 self.first_reply_ms[m.id] = round((time.monotonic() - t0) * 1000.0, 1)
             except Exception as exc:  # a banner, not a start condition
                 self.first_reply_ms[m.id] = None
@@ -464,20 +409,9 @@ class ModelManager:
     def describe(self) -> dict[str, Any]:
         """The default model's engine view (state, model, backend, memory plan) plus every model."""
         host = self.host
+        default_id = self.default.id if self.default else None
         base: dict[str, Any] = (
-            host.describe()
-            if host is not None
-            else {
-                "state": self.state,
-                "model": self.default.id if self.default else None,
-                "path": None,
-                "arch": None,
-                "backend": self.backend,
-                "n_ctx": None,
-                "kv_dtype": None,
-                "error": None,
-                "memory_plan": None,
-            }
+            host.describe() if host is not None else {**NO_HOST, "model": default_id, "backend": self.backend}
         )
         base["state"] = self.state
         m = self.default

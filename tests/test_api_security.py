@@ -26,8 +26,9 @@ from genie_supervisor.config import load_config
 from genie_supervisor.errors import ConfigErrors
 from genie_supervisor.status import cmd_status
 from tests.daemon import write_policy
+from tests.lines import Lines as _Lines
 from tests.models import SMOLLM2, require
-from tests.test_daemon import _free_port, _Lines
+from tests.net import free_port as _free_port
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import queue
 import signal
 import socket
 import subprocess
@@ -20,6 +19,7 @@ import pytest
 from engine import ModelInfo
 from genie_supervisor.errors import PolicyErrors
 from tests.daemon import client, make_supervisor, wait_for, write_policy
+from tests.lines import Lines as _Lines
 from tests.models import SMOLLM2, require
 from tests.net import free_port as _free_port
 
@@ -142,35 +142,6 @@ async def test_notify_ready_waits_for_every_component(tmp_path: Path) -> None:
     finally:
         release.set()
         listener.close()
-
-
-class _Lines:
-    """Reads a process's stdout in a thread so tests can wait for a log line with a deadline."""
-
-    def __init__(self, proc: subprocess.Popen[str]) -> None:
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.seen: list[str] = []
-        assert proc.stdout is not None
-        self.thread = threading.Thread(target=self._pump, args=(proc.stdout,), daemon=True)
-        self.thread.start()
-
-    def _pump(self, stream: Any) -> None:
-        for line in stream:
-            self.lines.put(line)
-
-    def wait_for(self, text: str, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise AssertionError(f"no line with {text!r} within {timeout} s; got:\n" + "".join(self.seen[-30:]))
-            try:
-                line = self.lines.get(timeout=left)
-            except queue.Empty:
-                continue
-            self.seen.append(line)
-            if text in line:
-                return line
 
 
 def _run(args: list[str], tmp_path: Path) -> subprocess.Popen[str]:

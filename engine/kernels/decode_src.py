@@ -20,6 +20,9 @@ attention accumulators in registers.
   the same GEMV with the rounded input kept as int8 blocks and `__dp4a` integer dot products on
   16-byte weight slices (`qdot_src`); used by the decoder wherever the rounding is on.
 - `embed_<T>`, `add_rmsnorm` (gemma3's post norms), `glu` (unfused gate/up), `argmax_ids`.
+
+This file is over 450 lines on purpose: it is a table of generated CUDA source (kernel templates
+filled per shape), read as CUDA, not as Python; splitting it would scatter one translation unit.
 """
 
 from __future__ import annotations

@@ -1,13 +1,17 @@
-"""Fixtures shared by the test files: `broker`, a fresh Mosquitto on a free loopback port."""
+"""Fixtures shared by the test files: `broker` (a fresh Mosquitto on a free loopback port),
+`model_loader` (the shared SmolLM2 as a Supervisor's loader), `smollm2_template`."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from engine.gguf_file import read_gguf
 from tests.broker import MOSQUITTO, Mosquitto
+from tests.models import SMOLLM2, require, shared_model
 
 
 @pytest.fixture
@@ -21,3 +25,18 @@ async def broker(tmp_path: Path) -> AsyncIterator[Mosquitto]:
         yield b
     finally:
         await b.stop()
+
+
+@pytest.fixture
+def model_loader() -> Any:
+    """The session's shared SmolLM2 (loaded once), handed to the Supervisor as its loader."""
+    model = shared_model(require(SMOLLM2))
+    return lambda *_a, **_k: model
+
+
+@pytest.fixture(scope="module")
+def smollm2_template() -> str:
+    """SmolLM2's ``tokenizer.chat_template`` from its GGUF."""
+    template = read_gguf(require(SMOLLM2)).get("tokenizer.chat_template")
+    assert isinstance(template, str)
+    return template

@@ -9,10 +9,8 @@ import pytest
 
 from engine.chat_template import render_chat
 from engine.errors import TemplateError
-from engine.gguf_file import read_gguf
-from tests.models import CACHE, FIXTURES, missing
+from tests.models import FIXTURES, missing
 
-MODELS_DIR = CACHE
 FIXTURES_DIR = FIXTURES
 
 
@@ -22,17 +20,6 @@ def _chat_cases(fixture: str) -> list[dict[str, Any]]:
         missing(f"oracle fixture {path} is missing")
     rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
     return [r for r in rows if r["kind"] == "chat"]
-
-
-@pytest.fixture(scope="module")
-def smollm2_template() -> str:
-    """SmolLM2's ``tokenizer.chat_template`` from its GGUF."""
-    path = MODELS_DIR / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if not path.exists():
-        missing(f"model {path} is missing")
-    template = read_gguf(path).get("tokenizer.chat_template")
-    assert isinstance(template, str)
-    return template
 
 
 def test_smollm2_template_renders_llama_cpp_prompts(smollm2_template: str) -> None:

@@ -21,10 +21,9 @@ from engine.chat_template import (
     render_chat,
 )
 from engine.errors import ModelFormatError, TemplateBudgetError, TemplateError
-from engine.gguf_file import read_gguf
 from engine.synth import write_synthetic_gguf
 from tests.apitools import SHAPES, http, make_api_supervisor
-from tests.models import FIXTURES, SMOLLM2, missing, require
+from tests.models import FIXTURES, missing
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -83,14 +82,6 @@ MISTRAL_TEMPLATE = (
     "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token + ' ' }}"
     "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}"
 )
-
-
-@pytest.fixture(scope="module")
-def smollm2_template() -> str:
-    """SmolLM2's ``tokenizer.chat_template`` from its GGUF."""
-    template = read_gguf(require(SMOLLM2)).get("tokenizer.chat_template")
-    assert isinstance(template, str)
-    return template
 
 
 def _chat(n_turns: int, system: bool = True) -> list[dict[str, Any]]:

@@ -26,13 +26,6 @@ HOLDOFF_MS = 300
 _REFERENCE: dict[str, Any] = {}
 
 
-@pytest.fixture
-def model_loader() -> Any:
-    """The session's shared SmolLM2 (loaded once), handed to the Supervisor as its loader."""
-    model = shared_model(require(SMOLLM2))
-    return lambda *_a, **_k: model
-
-
 def greedy() -> SamplingParams:
     return SamplingParams(max_tokens=N_TOKENS, temperature=0.0)
 

@@ -22,20 +22,13 @@ from genie_supervisor.telemetry import SimulatedSource
 from genie_supervisor.watchers.wyoming_proxy import WyomingProxy
 from tests.awaitlog import Log
 from tests.daemon import client, make_supervisor, wait_for, write_policy
-from tests.models import SMOLLM2, require, shared_model
+from tests.models import SMOLLM2
 from tests.test_wyoming_proxy import HOST, client_exchange, free_port, stt_request
 
 pytestmark = pytest.mark.timeout(180)
 
 HI: list[Any] = [{"role": "user", "content": "Write a long story about a dragon who learns to bake bread."}]
 HOLDOFF_MS = 4000  # long enough that a voice reply that waited for it could not pass the checks below
-
-
-@pytest.fixture
-def model_loader() -> Any:
-    """The session's shared SmolLM2 (loaded once), handed to the Supervisor as its loader."""
-    model = shared_model(require(SMOLLM2))
-    return lambda *_a, **_k: model
 
 
 def oai(sup: Supervisor) -> openai.AsyncOpenAI:

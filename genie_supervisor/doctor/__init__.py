@@ -32,7 +32,7 @@ from ..events import TelemetrySample
 from ..logging import configure_logging
 from ..telemetry import TelemetrySource, create_source, is_jetson
 from ..watchers.http_health import HttpHealthProbe
-from ..watchers.wyoming_proxy import probe_wyoming
+from ..watchers.wyoming_connection import probe_wyoming
 from .broker import check_broker, mqtt_ping
 from .checks import (
     Check,

@@ -16,7 +16,8 @@ import pytest
 from tests.net import HOST, free_port
 
 MOSQUITTO = shutil.which("mosquitto") or next(
-    (p for p in ("/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto") if os.access(p, os.X_OK)), None)
+    (p for p in ("/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto") if os.access(p, os.X_OK)), None
+)
 """The mosquitto binary, None where it is not installed."""
 needs_broker = pytest.mark.skipif(MOSQUITTO is None, reason="the mosquitto binary is not installed")
 """Marks a test that starts a Mosquitto (skipped without the binary)."""
@@ -25,12 +26,17 @@ needs_broker = pytest.mark.skipif(MOSQUITTO is None, reason="the mosquitto binar
 class Mosquitto:
     """A Mosquitto process on a fixed loopback port that can be stopped and started again."""
 
-    def __init__(self, workdir: Path, *, persistence: bool = False, anonymous: bool = True,
-                 extra: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, workdir: Path, *, persistence: bool = False, anonymous: bool = True, extra: tuple[str, ...] = ()
+    ) -> None:
         self.port = free_port()
         self.conf = workdir / "mosquitto.conf"
-        lines = [f"listener {self.port} {HOST}", *extra, f"allow_anonymous {str(anonymous).lower()}",
-                 f"persistence {str(persistence).lower()}"]
+        lines = [
+            f"listener {self.port} {HOST}",
+            *extra,
+            f"allow_anonymous {str(anonymous).lower()}",
+            f"persistence {str(persistence).lower()}",
+        ]
         if os.geteuid() == 0:
             lines.append("user root")  # started as root it would switch users and lose the temp folder
         if persistence:
@@ -43,8 +49,9 @@ class Mosquitto:
         """Start and wait (bounded) until the port accepts connections."""
         assert MOSQUITTO is not None
         with self.log.open("ab") as out:
-            self.proc = await anyio.open_process([MOSQUITTO, "-c", str(self.conf)], stdout=out,
-                                                 stderr=subprocess.STDOUT)
+            self.proc = await anyio.open_process(
+                [MOSQUITTO, "-c", str(self.conf)], stdout=out, stderr=subprocess.STDOUT
+            )
         with anyio.fail_after(10):
             while True:
                 try:

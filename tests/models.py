@@ -12,7 +12,9 @@ import pytest
 CACHE = Path(os.environ.get("GENIE_MODELS_DIR") or Path.home() / ".cache" / "genie-supervisor" / "models")
 SMOLLM2 = CACHE / "SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA3 = CACHE / "gemma-3-270m-q4_k_m.gguf"
-FIXTURES = Path(os.environ.get("GENIE_FIXTURES_DIR") or Path(__file__).resolve().parents[1].parent / "shared" / "fixtures")
+FIXTURES = Path(
+    os.environ.get("GENIE_FIXTURES_DIR") or Path(__file__).resolve().parents[1].parent / "shared" / "fixtures"
+)
 """llama.cpp's oracle files: $GENIE_FIXTURES_DIR, else ../shared/fixtures beside the checkout."""
 
 MODELS = {"smollm2-135m-q4_1": SMOLLM2, "gemma3-270m-q4_k_m": GEMMA3}

@@ -125,9 +125,19 @@ def decode_sources(sm_counts: tuple[int, ...]) -> dict[str, str]:
             for n_sm in sm_counts:
                 n_split = max(1, min(64, -(-2 * n_sm // c.n_kv_heads)))
                 out[f"decode[{name},{kv},split={n_split}]"] = decode_src.source(
-                    types, n_heads=c.n_heads, n_kv_heads=c.n_kv_heads, head_dim=hd, v_head_dim=hd,
-                    rope_half=hd // 2, neox=neox, kv_half=kv == "float16", kv_int8=kv == "int8",
-                    n_split=n_split, min_chunk=32, warps=decode_src.attn_warps(c.n_heads // c.n_kv_heads, hd))
+                    types,
+                    n_heads=c.n_heads,
+                    n_kv_heads=c.n_kv_heads,
+                    head_dim=hd,
+                    v_head_dim=hd,
+                    rope_half=hd // 2,
+                    neox=neox,
+                    kv_half=kv == "float16",
+                    kv_int8=kv == "int8",
+                    n_split=n_split,
+                    min_chunk=32,
+                    warps=decode_src.attn_warps(c.n_heads // c.n_kv_heads, hd),
+                )
     return out
 
 
@@ -138,8 +148,18 @@ def sources(arch: str) -> dict[str, str]:
     out |= decode_sources(SM_COUNTS[arch])
     # every weight type at once (the real models mix more types than the presets: Q5_0, Q8_0, F16, ...)
     out["decode[every type]"] = decode_src.source(
-        every_type, n_heads=8, n_kv_heads=2, head_dim=64, v_head_dim=64, rope_half=32, neox=True,
-        kv_half=True, n_split=16, min_chunk=32, warps=decode_src.attn_warps(4, 64))
+        every_type,
+        n_heads=8,
+        n_kv_heads=2,
+        head_dim=64,
+        v_head_dim=64,
+        rope_half=32,
+        neox=True,
+        kv_half=True,
+        n_split=16,
+        min_chunk=32,
+        warps=decode_src.attn_warps(4, 64),
+    )
     return out
 
 
@@ -150,11 +170,21 @@ def placeholders(src: str) -> list[str]:
 
 def test_the_placeholder_check_sees_each_generators_fields() -> None:
     """The raw templates of every generator have fields the check finds (so a left-over one fails)."""
-    for template in (decode_src.SHAPED, decode_src.GEMV, qdot_src.QGEMV, ops_src.ATTN, quant_units.PER_TYPE,
-                     sample_src.SOURCE):
+    for template in (
+        decode_src.SHAPED,
+        decode_src.GEMV,
+        qdot_src.QGEMV,
+        ops_src.ATTN,
+        quant_units.PER_TYPE,
+        sample_src.SOURCE,
+    ):
         assert placeholders(template)
     assert placeholders("int a = {NSPLIT}; float b = %(CHUNK)d; x = $N; y = @T@;") == [
-        "{NSPLIT}", "%(CHUNK)d", "$N", "@T@"]
+        "{NSPLIT}",
+        "%(CHUNK)d",
+        "$N",
+        "@T@",
+    ]
 
 
 @pytest.mark.parametrize("arch", sorted(SM_COUNTS))
@@ -170,8 +200,11 @@ def compile_all(todo: dict[str, str], arch: str, extra: tuple[str, ...]) -> tupl
     compile_ = COMPILE
     with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
         results = dict(zip(todo, pool.map(lambda src: compile_(src, arch, extra), todo.values()), strict=True))
-    return len(todo), {key: [line for line in log.splitlines() if "error" in line][:5] or log[-2000:]
-                       for key, (ok, log) in results.items() if not ok}
+    return len(todo), {
+        key: [line for line in log.splitlines() if "error" in line][:5] or log[-2000:]
+        for key, (ok, log) in results.items()
+        if not ok
+    }
 
 
 needs_nvrtc = pytest.mark.skipif(COMPILE is None, reason=f"NVRTC unavailable: {WHERE}")
@@ -191,7 +224,9 @@ def test_the_backend_build_compiles(arch: str) -> None:
     """The elementwise/prefill kernels, the sampler and the Qwen3-4B-shape decode module (fp16 KV
     cache) compile with exactly the backend's options (device optimisation on)."""
     every = sources(arch)
-    todo = {k: v for k, v in every.items() if k in ("kernels", "sample") or k.startswith("decode[qwen3-4b-q4_k_m,float16,")}
+    todo = {
+        k: v for k, v in every.items() if k in ("kernels", "sample") or k.startswith("decode[qwen3-4b-q4_k_m,float16,")
+    }
     assert len(todo) == 2 + len(SM_COUNTS[arch])
     n, failed = compile_all(todo, arch, ())
     assert not failed, f"{len(failed)} of {n} sources do not compile for {arch} ({WHERE})"

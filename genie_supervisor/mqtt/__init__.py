@@ -3,6 +3,6 @@
 from ..errors import CommandError
 from .bridge import MqttBridge
 from .commands import MqttCommands
-from .entities import Topics
+from .entity_model import Topics
 
 __all__ = ["CommandError", "MqttBridge", "MqttCommands", "Topics"]

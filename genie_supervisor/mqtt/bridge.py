@@ -22,16 +22,11 @@ bridge keeps retrying in the background.
 from __future__ import annotations
 
 import json
-import logging
 import math
 import random
-import secrets
-import ssl
 import time
-from collections.abc import Callable, Iterator
-from datetime import datetime, timezone
+from collections.abc import Callable
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 import aiomqtt
 import anyio
@@ -51,6 +46,8 @@ from .commands import (
     parse_command,
     quote,
 )
+from .connection import BROKER_TIMEOUT_S as BROKER_TIMEOUT_S
+from .connection import broker_url, describe, leaves, make_client, now_iso, payload_bytes, scan_retained
 from .discovery import (
     DeviceInfo,
     device_config,
@@ -59,20 +56,16 @@ from .discovery import (
     plan_cleanup,
     signature,
 )
-from .entities import CommandRefusal, Entity, Inputs, Topics, entities
+from .entities import entities
+from .entity_model import CommandRefusal, Entity, Inputs, Topics
 from .publisher import Message, StatePublisher, render
 
 log = structlog.get_logger(__name__)
 
 BACKOFF_START_S = 0.5
 """First wait after a failed or lost connection."""
-BROKER_TIMEOUT_S = 10.0
-"""Longest wait on the broker (CONNACK, SUBACK, PUBACK); a connection refused after the TLS
-handshake (a missing client certificate under TLS 1.3) is seen when the CONNACK wait runs out."""
 SHUTDOWN_TIMEOUT_S = 2.0
 """Longest a clean shutdown spends publishing ``offline`` and disconnecting."""
-SCAN_TIMEOUT_S = 3.0
-"""Longest the start-up scan for our own retained discovery waits."""
 HA_BIRTH_DELAY_S = (0.5, 2.5)
 """Discovery and state are re-sent this long (uniformly jittered) after Home Assistant comes online."""
 RENDER_COALESCE_S = 0.05
@@ -147,12 +140,7 @@ class MqttBridge:
     @property
     def broker(self) -> str:
         """The broker URL without credentials (for logs and /status)."""
-        try:
-            parts = urlsplit(self._config.url or "")
-            host = parts.hostname or ""
-            return f"{parts.scheme}://{host}:{parts.port}" if parts.port else f"{parts.scheme}://{host}"
-        except ValueError:
-            return redact_url(self._config.url) or ""
+        return broker_url(self._config.url)
 
     def status(self) -> dict[str, Any]:
         """Connection state for /status (no credentials)."""
@@ -181,7 +169,7 @@ class MqttBridge:
 
     def _set_connected(self, up: bool) -> None:
         self.connected = up
-        self.since = _now_iso()
+        self.since = now_iso()
         self._status_change()
 
     async def _reconnect_loop(self) -> None:
@@ -191,11 +179,11 @@ class MqttBridge:
             try:
                 await self._connection()
             except Exception as exc:  # cancellation is not an Exception: it always propagates
-                self.last_error = _describe(exc)
+                self.last_error = describe(exc)
                 self._status_change()
                 if self.connections > got_online:
                     delay = BACKOFF_START_S
-                unexpected = [e for e in _leaves(exc) if not isinstance(e, aiomqtt.MqttError)]
+                unexpected = [e for e in leaves(exc) if not isinstance(e, aiomqtt.MqttError)]
                 log.warning(
                     "mqtt_connection_lost" if self.connections > got_online else "mqtt_connect_failed",
                     broker=self.broker,
@@ -207,32 +195,12 @@ class MqttBridge:
             delay = min(delay * 2, self._config.reconnect_max_s)
             await anyio.sleep(wait)
 
-    def _client(self) -> aiomqtt.Client:
-        cfg = self._config
-        parts = urlsplit(cfg.url or "")
-        tls = cfg.tls or parts.scheme == "mqtts"
-        username = cfg.username if cfg.username is not None else (unquote(parts.username) if parts.username else None)
-        password = cfg.password if cfg.password is not None else (unquote(parts.password) if parts.password else None)
-        return aiomqtt.Client(
-            parts.hostname or "localhost",
-            parts.port or (8883 if tls else 1883),
-            username=username,
-            password=password,
-            identifier=cfg.client_id or f"genie-{self.topics.node_id}",
-            protocol=aiomqtt.ProtocolVersion.V5 if cfg.protocol == "5" else aiomqtt.ProtocolVersion.V311,
-            will=aiomqtt.Will(self.topics.availability, "offline", qos=1, retain=True),
-            keepalive=cfg.keepalive,
-            tls_context=tls_context(cfg) if tls else None,
-            timeout=BROKER_TIMEOUT_S,
-            logger=logging.getLogger("genie_supervisor.mqtt.paho"),
-        )
-
     async def _connection(self) -> None:
-        client = self._client()
+        client = make_client(self._config, self.topics)
         try:
             await client.__aenter__()  # connect; the exit below is shielded so it runs on cancellation
         except BaseException:
-            self.since = self.since or _now_iso()
+            self.since = self.since or now_iso()
             raise
         self._set_connected(True)
         try:
@@ -256,7 +224,7 @@ class MqttBridge:
         t = self.topics
         self._publisher.reset()
         self._signature = None
-        retained = await self._scan_retained(client)
+        retained = await scan_retained(client, t)
         await client.subscribe(
             [(t.state(path), 1) for path in COMMAND_PATHS]
             + [(topic, 1) for topic in sorted({t.ha_status, "homeassistant/status"})]
@@ -290,27 +258,6 @@ class MqttBridge:
             await self._receive(client)
             tg.cancel_scope.cancel()  # the message stream ended: the connection is gone
         raise aiomqtt.MqttError("message stream ended")
-
-    async def _scan_retained(self, client: aiomqtt.Client) -> dict[str, bytes]:
-        """Our retained discovery messages, collected until our own marker message comes back."""
-        t = self.topics
-        marker_topic = t.state("_sync")
-        filters = [t.device_config, t.entity_config_filter, marker_topic]
-        await client.subscribe([(f, 1) for f in filters])
-        marker = secrets.token_hex(8).encode()
-        await client.publish(marker_topic, marker, qos=1)
-        found: dict[str, bytes] = {}
-        with anyio.move_on_after(SCAN_TIMEOUT_S) as scope:
-            async for msg in client.messages:
-                body = _bytes(msg.payload)
-                if msg.topic.value == marker_topic and body == marker:
-                    break
-                if msg.retain and msg.topic.value != marker_topic:
-                    found[msg.topic.value] = body
-        if scope.cancelled_caught:
-            log.warning("mqtt_discovery_scan_incomplete", waited_s=SCAN_TIMEOUT_S)
-        await client.unsubscribe(filters)
-        return found
 
     def _inputs(self) -> Inputs:
         c = self._commands
@@ -398,7 +345,7 @@ class MqttBridge:
 
     async def _receive(self, client: aiomqtt.Client) -> None:
         async for msg in client.messages:
-            topic, body = msg.topic.value, _bytes(msg.payload)
+            topic, body = msg.topic.value, payload_bytes(msg.payload)
             try:
                 await self._handle(topic, body, retained=msg.retain)
             except Exception:  # one bad message never ends the connection
@@ -453,54 +400,8 @@ class MqttBridge:
 
     def _refuse(self, topic: str, path: str, payload: str, reason: str) -> None:
         """Publish the refusal, and send the refused control's state again so Home Assistant snaps back."""
-        self.last_command_error = CommandRefusal(topic, payload, reason, _now_iso())
+        self.last_command_error = CommandRefusal(topic, payload, reason, now_iso())
         for e in entities(self._inputs()):
             if e.command == path and e.state is not None:
                 self._publisher.forget(self.topics.state(e.state))
         self.notify()
-
-
-def _now_iso() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-class _ClosingSSLSocket(ssl.SSLSocket):
-    """Closes itself when the handshake fails (paho leaves that socket to the garbage collector)."""
-
-    def do_handshake(self, block: bool = False) -> None:
-        try:
-            super().do_handshake(block)
-        except BaseException:
-            self.close()
-            raise
-
-
-def tls_context(cfg: MqttConfig) -> ssl.SSLContext:
-    """The client's TLS context: the broker's certificate checked against ``ca_file`` (default: the
-    system's CAs) and its host name; ``cert_file`` / ``key_file`` as the client certificate."""
-    context = ssl.create_default_context(cafile=cfg.ca_file)
-    if cfg.cert_file is not None:
-        context.load_cert_chain(cfg.cert_file, cfg.key_file)
-    context.sslsocket_class = _ClosingSSLSocket
-    return context
-
-
-def _bytes(payload: Any) -> bytes:
-    if payload is None:
-        return b""
-    if isinstance(payload, (bytes, bytearray)):
-        return bytes(payload)
-    return str(payload).encode()
-
-
-def _leaves(exc: BaseException) -> Iterator[BaseException]:
-    subs = getattr(exc, "exceptions", None)
-    if isinstance(subs, tuple) and subs:
-        for sub in subs:
-            yield from _leaves(sub)
-    else:
-        yield exc
-
-
-def _describe(exc: BaseException) -> str:
-    return "; ".join(f"{type(e).__name__}: {e}" for e in _leaves(exc))

@@ -18,7 +18,8 @@ import anyio
 
 from ..errors import CommandError
 from ..jsonlimits import loads_bounded
-from .entities import OFF, ON, PRESS, Inputs, policy_choices
+from .entities import policy_choices
+from .entity_model import OFF, ON, PRESS, Inputs
 
 
 def _none() -> None:

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .entities import Entity, Topics
+from .entity_model import Entity, Topics
 
 _EXPIRING = frozenset({"sensor", "binary_sensor"})
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from .entities import Entity, Inputs, Topics
+from .entity_model import Entity, Inputs, Topics
 
 
 @dataclass(frozen=True)

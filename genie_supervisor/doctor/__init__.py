@@ -36,14 +36,12 @@ from ..watchers.wyoming_connection import probe_wyoming
 from .broker import check_broker, mqtt_ping
 from .checks import (
     Check,
-    OpenModel,
     ProbeHttp,
     ProbeTcp,
     check_api_access,
     check_config,
     check_cuda,
     check_http,
-    check_model,
     check_policy,
     check_service,
     check_telemetry,
@@ -51,6 +49,7 @@ from .checks import (
     describe_board,
     port_free,
 )
+from .memory import OpenModel, check_model
 
 __all__ = ["Check", "Probes", "audit", "cmd_doctor", "exit_code", "render"]
 

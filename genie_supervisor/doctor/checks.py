@@ -8,16 +8,11 @@ function), so tests drive them without the real machine. `fail` means the daemon
 from __future__ import annotations
 
 import ipaddress
-import os
 import re
 import socket
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Literal
-
-from engine.errors import EngineError
-from engine.model import MemoryPlan, plan_memory
-from engine.spec import read_spec
+from typing import Literal
 
 from ..config import Config, ServiceConfig, load_config, parse_hostport
 from ..errors import ConfigErrors, PolicyErrors
@@ -280,155 +275,6 @@ def check_api_access(cfg: Config) -> Check:
         "set api.api_key_file (deploy/setup-jetson.sh creates /etc/genie-supervisor/api-key), "
         "or listen on 127.0.0.1 (docs/security.md)",
     )
-
-
-# --- model and memory --------------------------------------------------------------------------
-
-OpenModel = Callable[[str], object]
-"""Reads a GGUF header (engine.open_model_file)."""
-
-
-def _plan(gf: Any, n_ctx: int, kv_dtype: str, quantized: bool = False, backend: str | None = None) -> MemoryPlan:
-    return plan_memory(
-        gf,
-        read_spec(gf),
-        n_ctx,
-        kv_dtype,
-        quantized=quantized,
-        backend=backend,
-    )
-
-
-def _resolved(backend: str) -> str | None:
-    """The backend `auto` (or a name) resolves to here, None when none is usable."""
-    from engine.backends import resolve_backend
-
-    try:
-        return resolve_backend(backend)
-    except ValueError:
-        return None
-
-
-def weights_stay_quantized(backend: str) -> bool:
-    """Whether the configured backend keeps weights in their GGUF blocks (the daemon's plan does the same)."""
-    from engine.backends import resolve_backend
-
-    try:
-        return resolve_backend(backend) == "native"
-    except ValueError:
-        return False
-
-
-def largest_ctx_within(
-    gf: object, kv_dtype: str, budget_mb: float, start: int, quantized: bool = False, backend: str | None = None
-) -> int | None:
-    """The largest power-of-two context (>= 128, below `start`) whose plan fits, None if none does."""
-    n = start // 2
-    while n >= 128:
-        if _plan(gf, n, kv_dtype, quantized, backend).total / MiB <= budget_mb:
-            return n
-        n //= 2
-    return None
-
-
-def check_model(cfg: Config, policy: Policy, sample: TelemetrySample | None, open_model: OpenModel) -> list[Check]:
-    """The model file and its memory plan against the policy's budget and the box's memory."""
-    eng = cfg.engine
-    if eng.model is None:
-        return [Check("model", "ok", "none configured: the daemon runs without an LLM")]
-    path = eng.model
-    if not os.path.isfile(path):
-        return [
-            Check(
-                "model",
-                "fail",
-                f"{path}: not found",
-                "genie-supervisor models fetch smollm2 (or gemma3) --cache-dir "
-                "/var/cache/genie-supervisor/models, or point engine.model at your GGUF",
-            )
-        ]
-    if not os.access(path, os.R_OK):
-        return [
-            Check(
-                "model",
-                "fail",
-                f"{path}: not readable by this user",
-                "chmod a+r the file (the daemon runs as user genie)",
-            )
-        ]
-    try:
-        gf = open_model(path)
-        spec = read_spec(gf)  # type: ignore[arg-type]
-    except (EngineError, OSError, ValueError) as exc:
-        return [
-            Check(
-                "model",
-                "fail",
-                f"{path}: {exc}",
-                "use a GGUF of a supported architecture (llama, qwen2, qwen3, gemma3; docs/engine.md)",
-            )
-        ]
-    size_mb = os.path.getsize(path) / MiB
-    checks = [
-        Check(
-            "model", "ok", f"{os.path.basename(path)}: {spec.arch}, {spec.n_layers} layers, {size_mb:.0f} MiB on disk"
-        )
-    ]
-    q = weights_stay_quantized(eng.backend)
-    b = _resolved(eng.backend)
-    checks.append(
-        check_memory(
-            _plan(gf, eng.n_ctx, eng.kv_dtype, q, b),
-            policy,
-            sample,
-            fits_ctx=lambda budget: largest_ctx_within(gf, eng.kv_dtype, budget, eng.n_ctx, q, b),
-        )
-    )
-    return checks
-
-
-def check_memory(
-    plan: MemoryPlan,
-    policy: Policy,
-    sample: TelemetrySample | None,
-    fits_ctx: Callable[[float], int | None] = lambda _budget: None,
-) -> Check:
-    """A memory plan against the LLM budget (fail: refused at start), MemTotal (fail) and
-    MemAvailable (warn: the load would push the voice services into swap)."""
-    mem = policy.memory
-    total_mb = plan.total / MiB
-    detail = (
-        f"weights {plan.weights / MiB:.0f} + KV {plan.kv / MiB:.0f} (n_ctx {plan.n_ctx}) + "
-        f"scratch {plan.scratch / MiB:.0f} = {total_mb:.0f} MiB; budget {mem.llm_budget_mb:.0f} MiB"
-    )
-    box_total = sample.mem_total_mb if sample else None
-    box_avail = sample.mem_available_mb if sample else None
-    if box_total is not None:
-        detail += f"; box {box_avail or 0:.0f} of {box_total:.0f} MiB available"
-    if total_mb > mem.llm_budget_mb:
-        n = fits_ctx(mem.llm_budget_mb)
-        fix = (f"set engine.n_ctx to {n} or less, " if n else "") + (
-            "use a smaller model, or raise memory.llm_budget_mb in the policy"
-        )
-        return Check("memory", "fail", f"over budget: {detail}", fix)
-    if box_total is not None and total_mb > box_total:
-        return Check("memory", "fail", f"larger than the box's memory: {detail}", "use a smaller model")
-    reserved = sum(mem.reservations.values())
-    if box_total is not None and mem.llm_budget_mb + reserved > box_total:
-        return Check(
-            "memory",
-            "warn",
-            f"{detail}; budget + reservations ({reserved:.0f} MiB) exceed MemTotal",
-            "lower memory.llm_budget_mb or memory.reservations in the policy",
-        )
-    if box_avail is not None and total_mb > box_avail:
-        return Check(
-            "memory",
-            "warn",
-            f"more than is available now: {detail}",
-            "stop something, or start genie-supervisor before the voice services (its unit is ordered Before= them)",
-        )
-    return Check("memory", "ok", f"fits: {detail}")
 
 
 # --- thermal -----------------------------------------------------------------------------------

@@ -10,19 +10,18 @@ expiry, policy (first load; a bad file stops the start), arbiter, telemetry samp
 HTTP server, engine (model load), MQTT. SIGTERM/SIGINT shut down within ``api.shutdown_timeout_s``
 (under ``genie-supervisor run`` an `ExitDeadline` ends the process at that bound even when a worker
 thread is stuck in one long call); SIGHUP reloads the policy (a bad file keeps the old one, and says
-so in /status).
+so in /status). The policy in force and its run-time controls (select, thermal soft limit, reload, the
+MQTT wiring) are `SupervisorControls` (controls.py); the ``genie-supervisor run`` process is run.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import socket
 import sys
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -38,11 +37,12 @@ from .api.server import HttpServer, bind_socket, create_app
 from .arbiter import Arbiter, DecodeGate
 from .backends import BackendContext
 from .config import Config, parse_hostport
-from .errors import ConfigErrors, PolicyErrors, SupervisorError
+from .controls import SupervisorControls
+from .errors import SupervisorError
 from .exit_deadline import ExitDeadline
 from .models import ModelManager
 from .policy import Policy, PolicyWatcher
-from .policy.schema import builtin_policy, with_thermal_soft_limit
+from .policy.schema import builtin_policy
 from .state import StateStore
 from .systemd import Notifier
 from .telemetry import TelemetrySource, create_source, run_sampler
@@ -71,7 +71,7 @@ class _CountedVoiceHints(VoiceHints):
         return activity
 
 
-class Supervisor:
+class Supervisor(SupervisorControls):
     """Every component of the daemon, wired; `run` starts them and owns their lifetime."""
 
     def __init__(
@@ -155,62 +155,6 @@ class Supervisor:
 
     # -- state ------------------------------------------------------------------------------
     @property
-    def policy(self) -> Policy:
-        """The policy in force (with the thermal soft limit set over MQTT, if any)."""
-        if self.policy_watcher is not None and self.policy_watcher.policy is not None:
-            base = self.policy_watcher.policy
-        else:
-            base = self._builtin or builtin_policy()
-        if self.thermal_soft_limit is None:
-            return base
-        key = (id(base), self.thermal_soft_limit)
-        if self._limited is None or self._limited[0] != key:
-            try:
-                self._limited = (key, with_thermal_soft_limit(base, self.thermal_soft_limit))
-            except ValueError as exc:  # a new policy file the limit no longer fits: drop the limit
-                log.warning("thermal_soft_limit_dropped", limit_c=self.thermal_soft_limit, reason=str(exc))
-                self.thermal_soft_limit = None
-                return base
-        return self._limited[1]
-
-    def policy_options(self) -> list[str]:
-        """Policy files selectable at run time: the *.yaml next to the policy in force."""
-        if self.policy_watcher is None:
-            return [self.policy.name]
-        folder = Path(self.policy_watcher.path).parent
-        return sorted(p.stem for p in folder.glob("*.yaml"))
-
-    async def select_policy(self, name: str) -> None:
-        """Put the policy file `name` (from `policy_options`) in force; a bad file changes nothing."""
-        if self.policy_watcher is None or name not in self.policy_options():
-            raise ValueError(f"unknown policy {name!r} (options: {', '.join(self.policy_options())})")
-        path = Path(self.policy_watcher.path).parent / f"{name}.yaml"
-        if not await self.policy_watcher.switch(path):
-            raise ValueError(f"policy {name!r} was rejected; {self.policy.name!r} stays in force")
-
-    def active_policy_option(self) -> str | None:
-        """The selected policy file's name (the select entity's state)."""
-        return Path(self.policy_watcher.path).stem if self.policy_watcher is not None else None
-
-    async def set_thermal_soft_limit(self, celsius: float) -> None:
-        """Enter the first thermal level at `celsius` (keeps its hysteresis); re-evaluates now."""
-        with_thermal_soft_limit(
-            self.policy_watcher.policy
-            if self.policy_watcher and self.policy_watcher.policy
-            else (self._builtin or builtin_policy()),
-            celsius,
-        )  # validate first
-        self.thermal_soft_limit = celsius
-        log.info("thermal_soft_limit_set", limit_c=celsius)
-        snap = self.store.snapshot()
-        self.store.set_policy(self.policy.name, snap.policy_error)  # wakes the arbiter
-
-    def current_thermal_soft_limit(self) -> float | None:
-        """The first thermal level's enter temperature in force (the number entity's state)."""
-        levels = self.policy.thermal.levels
-        return levels[0].enter_c if levels else None
-
-    @property
     def uptime_s(self) -> float:
         """Seconds since `run` began."""
         return time.monotonic() - self._t0
@@ -274,10 +218,6 @@ class Supervisor:
             version=self.version,
         )
 
-    def _on_policy(self, policy: Policy, error: PolicyErrors | None) -> None:
-        self.store.set_policy(policy.name, str(error) if error else None)
-        self.store.set_hint_timeout(policy.voice.hint_timeout_s or self.cfg.voice.hint_timeout_s)
-
     def _on_unload(self) -> None:
         # The policy says unload_llm (which implies refuse_new): drain and unload every model.
         log.warning("unload_llm_requested", action="draining and unloading every model")
@@ -294,13 +234,6 @@ class Supervisor:
             self.models.publish_stats()
 
     # -- lifecycle --------------------------------------------------------------------------
-    async def reload_policy(self) -> bool:
-        """Reload the policy file now (SIGHUP); False if it was rejected (the old one stays)."""
-        if self.policy_watcher is None:
-            log.info("policy_reload_skipped", reason="no policy file configured (built-in policy)")
-            return False
-        return await self.policy_watcher.reload()
-
     def request_stop(self, reason: str = "requested") -> None:
         """Begin a graceful shutdown (during start-up: cancel the start)."""
         if self._stop_reason is None:
@@ -396,45 +329,6 @@ class Supervisor:
         await self._start_mqtt(tg)
         await tg.start(self.notifier.run_watchdog)
 
-    async def _start_mqtt(self, tg: TaskGroup) -> None:
-        # --- MQTT hook (lead: finish the wiring) ------------------------------------------------
-        # Wired: the bridge, voice hints, policy reload, LLM enable/disable and unload (the model
-        # manager). Not wired yet (they answer with an error): policy select and the thermal soft
-        # limit; they need a policy-override API that does not exist yet.
-        if not self.cfg.mqtt.url:
-            return
-        try:
-            from .mqtt import MqttBridge, MqttCommands
-        except ImportError as exc:  # pragma: no cover - the package ships with mqtt/
-            log.warning("mqtt_unavailable", url=redact_url(self.cfg.mqtt.url), reason=str(exc))
-            return
-
-        async def voice_hint(payload: dict[str, Any]) -> None:
-            self.voice.handle(payload, "mqtt")
-
-        async def reload_policy() -> None:
-            await self.reload_policy()
-
-        async def unload_model() -> None:
-            await self.models.unload()
-
-        commands = MqttCommands(
-            select_policy=self.select_policy,
-            set_llm_enabled=self.models.set_enabled,
-            reload_policy=reload_policy,
-            unload_model=unload_model,
-            set_thermal_soft_limit=self.set_thermal_soft_limit,
-            voice_hint=voice_hint,
-            policy_options=self.policy_options,
-            active_policy=self.active_policy_option,
-            thermal_soft_limit=self.current_thermal_soft_limit,
-            llm_enabled=lambda: self.models.enabled,
-        )
-        self.mqtt = MqttBridge(
-            self.cfg.mqtt, self.cfg.node_id, self.store, gate_metrics=self.gate.metrics, commands=commands
-        )
-        await tg.start(self.mqtt.run)
-
     async def _signals(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
             task_status.started()
@@ -508,58 +402,3 @@ def _unwrap(exc: BaseException) -> BaseException:
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
     return exc
-
-
-async def _main(sup: Supervisor) -> None:
-    await sup.run()
-
-
-def cmd_run(args: argparse.Namespace) -> int:
-    """``genie-supervisor run``: load the config (flags override it) and run until SIGTERM."""
-    from .config import load_config
-    from .logging import configure_logging
-
-    overrides = {k: getattr(args, k, None) for k in ("model", "policy", "mqtt", "listen", "platform")}
-    try:
-        cfg = load_config(args.config, overrides)
-    except ConfigErrors as exc:
-        print(str(exc), file=sys.stderr)
-        return 1
-    configure_logging(cfg.log.level, cfg.log.format)
-    deadline = ExitDeadline()
-    sup = Supervisor(cfg, handle_signals=True, exit_deadline=deadline)
-    rc = _serve(sup)
-    deadline.finish(rc, sup.shutdown_timeout_s)  # a worker thread stuck in a long call: exit anyway
-    return rc
-
-
-def _serve(sup: Supervisor) -> int:
-    """Run the daemon's loop to the end; the exit status."""
-    from engine.errors import EngineError
-
-    from .errors import TelemetryError
-
-    backend = "asyncio"
-    options: dict[str, Any] = {}
-    try:
-        import uvloop  # noqa: F401
-
-        options["use_uvloop"] = True
-    except ImportError:
-        log.info("uvloop_unavailable", fallback="asyncio default loop")
-    try:
-        anyio.run(_main, sup, backend=backend, backend_options=options)
-    except BaseException as raw:  # noqa: B036 - mapped to an exit status below, or re-raised
-        err = _unwrap(raw)
-        if isinstance(err, (PolicyErrors, ConfigErrors)):
-            print(str(err), file=sys.stderr)
-            return 1
-        if isinstance(err, (SupervisorError, TelemetryError, EngineError, OSError, ValueError)):
-            log.error("supervisor_failed", error=f"{type(err).__name__}: {err}")
-            print(f"error: {err}", file=sys.stderr)
-            return 1
-        if isinstance(err, KeyboardInterrupt):
-            return 130
-        log.critical("supervisor_crashed", exc_info=err)  # the traceback (no locals), then exit 1
-        return 1
-    return 0

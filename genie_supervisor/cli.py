@@ -74,7 +74,7 @@ def _build_parser() -> argparse.ArgumentParser:
 def _dispatch(args: argparse.Namespace) -> int:
     handler: Callable[[argparse.Namespace], int]
     if args.command == "run":
-        from .app import cmd_run as handler
+        from .run import cmd_run as handler
     elif args.command == "chat":
         from engine.cli import cmd_chat as handler
     elif args.command == "bench":

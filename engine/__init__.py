@@ -110,7 +110,7 @@ class Model:
 
             ops: Any = CupyOps(options=opts)
         elif backend == "native":
-            from .backends.cpu_native import NativeOps
+            from .backends.cpu_native_ops import NativeOps
 
             ops = NativeOps(threads=threads, options=opts)
         else:

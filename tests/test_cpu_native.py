@@ -13,15 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.backends.cpu_native import (
-    ACT_KIND,
-    GGML_TYPE,
-    NativeOps,
-    QParts,
-    QWeight,
-    build_library,
-    native_available,
-)
+from engine.backends.cpu_native import ACT_KIND, GGML_TYPE, build_library, native_available
+from engine.backends.cpu_native_ops import NativeOps, QParts, QWeight
 from engine.quants import BLOCK_BYTES, dequantize, k_scales_mins
 
 OK, WHY = native_available()

@@ -14,7 +14,8 @@ import ctypes.util
 import numpy as np
 import pytest
 
-from engine.backends.cpu_native import NativeOps, build_library, native_available
+from engine.backends.cpu_native import build_library, native_available
+from engine.backends.cpu_native_ops import NativeOps
 from tests.test_cpu_native import PORTABLE_FLAGS, fma32
 
 OK, WHY = native_available()

@@ -119,8 +119,7 @@ class Model:
             ops = NumpyOps()
         self.backend = ops.name
         self.transformer = Transformer(gf, self.spec, ops, n_ctx, kv_dtype)
-        make_decoder = getattr(ops, "make_decoder", None)
-        self.decoder: Any = make_decoder(self.transformer) if make_decoder is not None else None
+        self.decoder: Any = ops.make_decoder(self.transformer)
         """Optional backend fast path for one-token steps (e.g. a replayed CUDA graph)."""
         self.lock = PriorityLock()
         """Held by a generation for its whole length: the KV cache holds one sequence."""
@@ -181,7 +180,7 @@ class Model:
             raise ContextOverflowError(len(ids), self.transformer.n_ctx)
         want = len(ids) if last_n is None else min(last_n, len(ids))
         split = len(ids)
-        if want < len(ids) and getattr(self.transformer.ops, "batch_dependent", False):
+        if want < len(ids) and self.transformer.ops.batch_dependent:
             split = len(ids) - want + 1
         bounds = [(s, min(s + LOGITS_CHUNK, split)) for s in range(0, split, LOGITS_CHUNK)]
         bounds += [(s, s + 1) for s in range(split, len(ids))]
@@ -216,7 +215,7 @@ class Model:
         (`ops.prefill_graphs`): run it whole with `step_logits`."""
         with self._thread_lock:
             tf = self.transformer
-            graphs = getattr(tf.ops, "prefill_graphs", None)
+            graphs = tf.ops.prefill_graphs
             if graphs is not None and graphs.bucket_for(len(ids), pos, 1, tf.n_ctx) is not None:
                 return None
             del tf.kv.tokens[pos:]
@@ -235,15 +234,13 @@ class Model:
             tf = self.transformer
             tf.run_layers(p, p.layer, p.layer + max(1, n_layers))
             if p.layer < len(tf.layers):
-                mark = getattr(tf.ops, "mark", None)
-                if mark is not None:
-                    ahead, p.queued = p.queued, mark()
+                event = tf.ops.mark()
+                if event is not None:
+                    ahead, p.queued = p.queued, event
                     if ahead is not None:
                         ahead.synchronize()
                 else:
-                    sync = getattr(tf.ops, "synchronize", None)
-                    if sync is not None:
-                        sync()
+                    tf.ops.synchronize()
                 return None
             p.queued = None
             out = tf.ops.to_host(tf.end(p))[0]

@@ -149,11 +149,10 @@ class Generation:
         check_prompt_ids(self.prompt_ids, model.info.n_vocab)
         self.sampling = sampling
         self.gate: Gate = gate if gate is not None else OpenGate()
-        ops = getattr(getattr(model, "transformer", None), "ops", None)
         chunk = (
             prefill_chunk
             or getattr(gate, "prefill_chunk", None)
-            or getattr(ops, "prefill_chunk", None)
+            or model.transformer.ops.prefill_chunk
             or DEFAULT_PREFILL_CHUNK
         )
         self.prefill_chunk = max(1, int(chunk))

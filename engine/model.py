@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from .backends.ops import Ops
 from .errors import ContextOverflowError, ModelFormatError
 from .gguf_file import SUPPORTED_TYPES, GGUFFile, TensorInfo
 from .kv_cache import KVCache, kv_bytes
@@ -198,10 +199,10 @@ class Pass:
 class Transformer:
     """Weights + KV cache + forward pass. Not thread-safe: callers hold `lock`."""
 
-    def __init__(self, gf: GGUFFile, spec: ModelSpec, ops: Any, n_ctx: int, kv_dtype: str) -> None:
+    def __init__(self, gf: GGUFFile, spec: ModelSpec, ops: Ops, n_ctx: int, kv_dtype: str) -> None:
         _check_types(gf)
         self.spec = spec
-        self.ops = ops
+        self.ops: Ops = ops
         self.lock = threading.Lock()
         e, hd, vd = spec.n_embd, spec.head_dim, spec.v_head_dim
         q_rows, kv_rows = spec.n_heads * hd, spec.n_kv_heads * hd
@@ -292,7 +293,7 @@ class Transformer:
         t = len(ids)
         if start + t > self.n_ctx:
             raise ContextOverflowError(start + t, self.n_ctx)
-        graphs = getattr(self.ops, "prefill_graphs", None) if graph and not hidden else None
+        graphs = self.ops.prefill_graphs if graph and not hidden else None
         if graphs is not None:
             bucket = graphs.bucket_for(t, start, last_n, self.n_ctx)
             if bucket is not None:

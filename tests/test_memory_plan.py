@@ -135,7 +135,7 @@ def test_generate_uses_the_backends_prefill_chunk(tmp_path: Path) -> None:
     `prefill_chunk`; 64 where it has none) and awaits the gate before each of them."""
     m = load_model(_model(tmp_path, weight_type="Q8_0"), backend="numpy", n_ctx=256)
     prompt = np.random.default_rng(0).integers(0, 512, 40).tolist()
-    assert not hasattr(m.transformer.ops, "prefill_chunk")
+    assert m.transformer.ops.prefill_chunk is None  # the backend declares no preference
     assert _collect_prefill_waits(m, prompt) == (DEFAULT_PREFILL_CHUNK, 1)
     m.transformer.ops.prefill_chunk = 16  # what CupyOps advertises (512)
     assert _collect_prefill_waits(m, prompt) == (16, 3)

@@ -89,6 +89,8 @@ class CupyOps:
 
     name = "cupy"
     xp = cp
+    batch_dependent = False
+    """Every row's result is independent of the batch (see `Ops.batch_dependent`)."""
 
     prefill_chunk = PREFILL_CHUNK
     """Prompt tokens per forward pass that `Model.generate` uses by default (512: a chunk's GEMMs

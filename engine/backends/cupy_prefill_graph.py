@@ -70,7 +70,7 @@ class PrefillGraphs:
     def run(self, tf: Any, ids: Any, bucket: int) -> Any:
         """Logits [1, vocab] of the last of `ids` (its K/V and the chunk's written into the cache),
         from the bucket's graph (captured now if new); None where capture failed."""
-        key = (bucket, getattr(tf.ops, "prefill_dtype", ""))  # the tiles' precision is baked in
+        key = (bucket, tf.ops.prefill_dtype)  # the tiles' precision is baked in
         b = self._graphs.get(key)
         t = len(ids)
         if b is None:

@@ -19,6 +19,26 @@ class NumpyOps:
 
     name = "numpy"
     xp = np
+    batch_dependent = False
+    """Every row's result is independent of the batch (see `Ops.batch_dependent`)."""
+    prefill_chunk: int | None = None
+    """No preference: the engine's default chunk."""
+    prefill_graphs: Any = None
+    """No prefill graphs on the CPU."""
+    prefill_dtype = ""
+    """Float32 everywhere: no tile precision to choose."""
+
+    # --- abilities (the CPU has none of the device's) -----------------------------------------
+    def make_decoder(self, transformer: Any) -> Any | None:
+        """No separate one-token decoder: decode steps run the forward pass."""
+        return None
+
+    def mark(self) -> Any | None:
+        """None: every op has finished when it returns."""
+        return None
+
+    def synchronize(self) -> None:
+        """Nothing is queued on the CPU."""
 
     # --- weights -------------------------------------------------------------------------
     def weight(self, t: TensorInfo) -> np.ndarray:

@@ -30,17 +30,17 @@ import structlog
 from anyio.abc import TaskGroup, TaskStatus
 
 from . import __version__
-from .admission import Admission
 from .api.deps import ApiDeps
 from .api.ops import jsonable
 from .api.server import HttpServer, bind_socket, create_app
 from .arbiter import Arbiter, DecodeGate
-from .backends import BackendContext
 from .config import Config, parse_hostport
 from .controls import SupervisorControls
 from .errors import SupervisorError
 from .exit_deadline import ExitDeadline
-from .models import ModelManager
+from .llm.admission import Admission
+from .llm.manager import ModelManager
+from .llm.serving import BackendContext
 from .policy import Policy, PolicyWatcher
 from .policy.schema import builtin_policy
 from .state import StateStore

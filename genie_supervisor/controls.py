@@ -19,7 +19,7 @@ from .api.deps import VoiceHintHandler
 from .arbiter import DecodeGate
 from .config import Config
 from .errors import PolicyErrors
-from .models import ModelManager
+from .llm.manager import ModelManager
 from .policy import Policy, PolicyWatcher
 from .policy.schema import builtin_policy, with_thermal_soft_limit
 from .state import StateStore

@@ -9,11 +9,11 @@ from typing import Any
 import anyio
 import pytest
 
-from genie_supervisor.admission import Admission, QueueFull, UnknownPriority
 from genie_supervisor.arbiter import Arbiter, DecodeGate
-from genie_supervisor.backends import BackendContext
 from genie_supervisor.config import Config
-from genie_supervisor.models import ModelManager
+from genie_supervisor.llm.admission import Admission, QueueFull, UnknownPriority
+from genie_supervisor.llm.manager import ModelManager
+from genie_supervisor.llm.serving import BackendContext
 from genie_supervisor.policy.evaluate import evaluate
 from genie_supervisor.policy.schema import Policy, builtin_policy
 from genie_supervisor.state import (
@@ -134,7 +134,7 @@ def test_evaluate_carries_the_policy_budget_and_classes() -> None:
     assert evaluate(policy, snap).priorities == d.priorities
 
 
-@pytest.mark.parametrize("module", ["genie_supervisor/models.py", "genie_supervisor/admission.py"])
+@pytest.mark.parametrize("module", ["genie_supervisor/llm/manager.py", "genie_supervisor/llm/admission.py"])
 def test_models_and_admission_never_read_the_policy(module: str) -> None:
     """models.py and admission.py import nothing from the policy package and reach for no `.policy` attribute."""
     tree = ast.parse((ROOT / module).read_text(encoding="utf-8"), module)

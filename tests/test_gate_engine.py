@@ -13,7 +13,7 @@ import pytest
 
 from engine import SamplingParams
 from genie_supervisor.app import Supervisor
-from genie_supervisor.engine_host import HostedGeneration
+from genie_supervisor.llm.host import HostedGeneration
 from genie_supervisor.telemetry import SimulatedSource
 from tests.daemon import client, make_supervisor, wait_for, write_policy
 from tests.models import SMOLLM2, require, shared_model

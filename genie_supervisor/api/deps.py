@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 from fastapi import Request
 
 if TYPE_CHECKING:
-    from ..admission import Admission
     from ..arbiter import DecodeGate
     from ..config import Config
     from ..events import VoiceActivity
-    from ..models import ModelManager
+    from ..llm.admission import Admission
+    from ..llm.manager import ModelManager
     from ..policy import Policy
 
 

@@ -7,8 +7,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from ..admission import PRIORITY_HEADER
 from ..errors import BadRequest
+from ..llm.admission import PRIORITY_HEADER
 from .deps import get_deps
 from .generation import GenerationResponse, Job, Result
 from .schemas import LlamaCompletionRequest, parse_body

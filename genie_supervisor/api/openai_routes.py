@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from ..admission import PRIORITY_HEADER
+from ..llm.admission import PRIORITY_HEADER
 from .deps import get_deps
 from .generation import GenerationResponse, Job, Result, new_id, now_s
 from .schemas import ChatRequest, CompletionRequest, parse_body

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 import anyio
 import structlog
 
-from .errors import QueueFull, QueueTimeout, UnknownPriority
-from .state import DEFAULT_PRIORITIES, PriorityClass, PriorityTable
+from ..errors import QueueFull, QueueTimeout, UnknownPriority
+from ..state import DEFAULT_PRIORITIES, PriorityClass, PriorityTable
 
 log = structlog.get_logger(__name__)
 

@@ -28,9 +28,8 @@ import anyio
 import structlog
 from anyio.abc import TaskGroup, TaskStatus
 
-from .backends import BackendContext, Plan, create_backend
-from .config import Config
-from .errors import (
+from ..config import Config
+from ..errors import (
     BackendUnavailable,
     BudgetError,
     EngineUnavailable,
@@ -38,9 +37,10 @@ from .errors import (
     ModelTooLarge,
     UnknownModel,
 )
-from .events import EngineStats, Observation
+from ..events import EngineStats, Observation
+from ..state import DEFAULT_LLM_BUDGET_MB
 from .managed_model import NO_HOST, Lease, ManagedModel, aggregate_stats, first_token, load_error, next_victim
-from .state import DEFAULT_LLM_BUDGET_MB
+from .serving import BackendContext, Plan, create_backend
 
 log = structlog.get_logger(__name__)
 

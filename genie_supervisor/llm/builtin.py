@@ -9,9 +9,9 @@ from typing import Any
 from engine import SamplingParams, load_model
 
 from ..config import ModelEntry
-from ..engine_host import EngineHost, HostedGeneration, Prompt
 from ..errors import BackendUnavailable, EngineUnavailable
-from . import BackendContext, Plan
+from .host import EngineHost, HostedGeneration, Prompt
+from .serving import BackendContext, Plan
 
 MiB = 1024 * 1024
 

@@ -7,10 +7,10 @@ from typing import Any
 
 import anyio
 
-from .backends import Backend, Plan
-from .config import ModelEntry
-from .errors import AdmissionError, BudgetError, EngineUnavailable, ModelTooLarge
-from .events import EngineStats
+from ..config import ModelEntry
+from ..errors import AdmissionError, BudgetError, EngineUnavailable, ModelTooLarge
+from ..events import EngineStats
+from .serving import Backend, Plan
 
 MiB = 1024 * 1024
 

@@ -18,10 +18,10 @@ import anyio
 
 from engine import GenerationStats, SamplingParams, TokenEvent
 
-from .errors import EngineUnavailable
+from ..errors import EngineUnavailable
 
 if TYPE_CHECKING:
-    from .engine_host import EngineHost
+    from .host import EngineHost
 
 
 class _Shutdown(Exception):

@@ -36,11 +36,11 @@ from engine.backends import resolve_backend
 from engine.model import MemoryPlan, plan_memory
 from engine.spec import read_spec
 
-from .arbiter import Arbiter, DecodeGate
-from .errors import AdmissionError as AdmissionError  # re-export
-from .errors import BudgetError, ContextTooLong, EngineUnavailable, RequestRefused
-from .events import EngineStats, Observation
-from .hosted_generation import HostedGeneration as HostedGeneration  # re-export
+from ..arbiter import Arbiter, DecodeGate
+from ..errors import AdmissionError as AdmissionError  # re-export
+from ..errors import BudgetError, ContextTooLong, EngineUnavailable, RequestRefused
+from ..events import EngineStats, Observation
+from .generation import HostedGeneration as HostedGeneration  # re-export
 
 log = structlog.get_logger(__name__)
 

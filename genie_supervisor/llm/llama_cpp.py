@@ -35,7 +35,7 @@ from engine.spec import read_spec
 from ..arbiter import VOICE_CLASS
 from ..config import ModelEntry
 from ..errors import BackendUnavailable, UpstreamError
-from . import BackendContext, Plan
+from .serving import BackendContext, Plan
 
 log = structlog.get_logger(__name__)
 

@@ -63,8 +63,17 @@ def _caches(shape: str, kv: str, n_ctx: int) -> tuple[list, np.ndarray, np.ndarr
     return layers, kref, vref
 
 
-def run(shape: str, kv: str, chunk: int, pos: int, caches: tuple, n_ctx: int = 4096,
-        stage: int = 0, lanes: int | None = None, warps: int | None = None) -> dict:
+def run(
+    shape: str,
+    kv: str,
+    chunk: int,
+    pos: int,
+    caches: tuple,
+    n_ctx: int = 4096,
+    stage: int = 0,
+    lanes: int | None = None,
+    warps: int | None = None,
+) -> dict:
     import cupy as cp
 
     from engine.kernels import decode_src
@@ -73,10 +82,21 @@ def run(shape: str, kv: str, chunk: int, pos: int, caches: tuple, n_ctx: int = 4
     layers, kref, vref = caches
     n_sm = int(cp.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"])
     n_split = max(1, min(64, -(-2 * n_sm // kvh)))
-    src = decode_src.source(["Q8_0"], n_heads=h, n_kv_heads=kvh, head_dim=d, v_head_dim=d,
-                            rope_half=d // 2, neox=True, kv_half=kv == "f16", n_split=n_split,
-                            kv_int8=kv == "int8", min_chunk=chunk, lanes_per_pos=lanes,
-                            warps=warps)
+    src = decode_src.source(
+        ["Q8_0"],
+        n_heads=h,
+        n_kv_heads=kvh,
+        head_dim=d,
+        v_head_dim=d,
+        rope_half=d // 2,
+        neox=True,
+        kv_half=kv == "f16",
+        n_split=n_split,
+        kv_int8=kv == "int8",
+        min_chunk=chunk,
+        lanes_per_pos=lanes,
+        warps=warps,
+    )
     if stage:  # profiling: stop the kernel early (1: after the scan, 2: after the slice writes)
         src = f"#define ATT_STAGE {stage}\n" + src
     fn = cp.RawModule(code=src, options=("--std=c++17",)).get_function("attn_decode")
@@ -94,9 +114,30 @@ def run(shape: str, kv: str, chunk: int, pos: int, caches: tuple, n_ctx: int = 4
 
     def launch(i: int) -> None:
         kc, vc, kd, vd = layers[i]
-        fn((kvh, n_split), (32 * nw,), (q, kc, vc, null if kd is None else kd, null if vd is None else vd,
-                                    ids, pm, pl, pacc, counter, out, np.int32(n_ctx), np.int32(0), scale,
-                                    np.int32(0), null, null, null))
+        fn(
+            (kvh, n_split),
+            (32 * nw,),
+            (
+                q,
+                kc,
+                vc,
+                null if kd is None else kd,
+                null if vd is None else vd,
+                ids,
+                pm,
+                pl,
+                pacc,
+                counter,
+                out,
+                np.int32(n_ctx),
+                np.int32(0),
+                scale,
+                np.int32(0),
+                null,
+                null,
+                null,
+            ),
+        )
 
     launch(0)
     err = 0.0
@@ -109,9 +150,18 @@ def run(shape: str, kv: str, chunk: int, pos: int, caches: tuple, n_ctx: int = 4
     stream = cp.cuda.Stream(non_blocking=True)
     us = _time(cp, stream, lambda: [launch(i) for i in range(n_layers)], reps=1) / n_layers
     kv_bytes = sum(x.nbytes for x in layers[0] if x is not None) * (pos + 1) / n_ctx
-    return {"shape": shape, "kv": kv, "chunk": chunk, "pos": pos, "stage": stage, "lanes": lanes, "warps": nw,
-            "us": round(us, 2),
-            "GBps": round(kv_bytes / us / 1e3, 1), "rel_err": err}
+    return {
+        "shape": shape,
+        "kv": kv,
+        "chunk": chunk,
+        "pos": pos,
+        "stage": stage,
+        "lanes": lanes,
+        "warps": nw,
+        "us": round(us, 2),
+        "GBps": round(kv_bytes / us / 1e3, 1),
+        "rel_err": err,
+    }
 
 
 def main() -> None:
@@ -129,13 +179,20 @@ def main() -> None:
         for kv in a.kv.split(","):
             caches = _caches(shape, kv, 4096)
             for pos, chunk, stage, lanes, warps in itertools.product(
-                    map(int, a.pos.split(",")), map(int, a.chunks.split(",")), map(int, a.stages.split(",")),
-                    map(int, a.lanes.split(",")), map(int, a.warps.split(","))):
+                map(int, a.pos.split(",")),
+                map(int, a.chunks.split(",")),
+                map(int, a.stages.split(",")),
+                map(int, a.lanes.split(",")),
+                map(int, a.warps.split(",")),
+            ):
                 r = run(shape, kv, chunk, pos, caches, stage=stage, lanes=lanes or None, warps=warps or None)
                 rows.append(r)
-                print(f"{shape:9s} {kv:5s} pos {pos:5d} chunk {chunk:4d} stage {stage} lanes {lanes:2d} warps {r['warps']}: "
-                      f"{r['us']:6.2f} us "
-                      f"({r['GBps']:7.1f} GB/s of cache)  rel.err {r['rel_err']:.1e}", flush=True)
+                print(
+                    f"{shape:9s} {kv:5s} pos {pos:5d} chunk {chunk:4d} stage {stage} lanes {lanes:2d} warps {r['warps']}: "
+                    f"{r['us']:6.2f} us "
+                    f"({r['GBps']:7.1f} GB/s of cache)  rel.err {r['rel_err']:.1e}",
+                    flush=True,
+                )
                 assert r["rel_err"] < 2e-3, r
     if a.out:
         p = Path(a.out) / f"attn_sweep-{time.strftime('%Y%m%d-%H%M%S')}.json"

@@ -27,9 +27,11 @@ def _time(cp, stream, fn, reps: int = 20, flush=None) -> float:  # type: ignore[
     `flush` (a device buffer larger than L2): each call comes after a write of it, so the weights
     come from DRAM as in a real step; the writes alone are timed the same way and subtracted."""
     if flush is not None:
+
         def both() -> None:
             flush.fill(0)
             fn()
+
         return _time(cp, stream, both, reps) - _time(cp, stream, lambda: flush.fill(0), reps)
     with stream:
         fn()
@@ -91,8 +93,10 @@ def profile_model(m, key: str, pos: int, out=print) -> None:  # type: ignore[no-
         if "gemv" in ln.name:
             groups[g][2] += int(ln.args[0].nbytes)
     total = sum(v[0] for v in groups.values())
-    out(f"\n== {key}: {len(dec.plan)} launches, sum of single launches {total:.0f} us/token "
-        f"(each after an L2 flush: weights from DRAM)")
+    out(
+        f"\n== {key}: {len(dec.plan)} launches, sum of single launches {total:.0f} us/token "
+        f"(each after an L2 flush: weights from DRAM)"
+    )
     for g, (us, n, nbytes) in sorted(groups.items(), key=lambda kv: -kv[1][0]):
         bw = f"{nbytes / us / 1e3:7.0f} GB/s" if nbytes else ""
         out(f"  {g:14} {n:4d} launches {us:8.1f} us ({us / n:6.2f} each) {bw}")
@@ -110,8 +114,10 @@ def profile_model(m, key: str, pos: int, out=print) -> None:  # type: ignore[no-
         for g in sorted(groups, key=lambda g: -groups[g][0]):
             rest = [ln for ln in dec.plan if ln.name.split("[")[0] != g]
             if rest and len(rest) < len(dec.plan):
-                out(f"  in the graph: {g:14} {full - _graph_us(cp, dec.stream, rest):8.1f} us "
-                    f"(step without it {_graph_us(cp, dec.stream, rest):.0f} us)")
+                out(
+                    f"  in the graph: {g:14} {full - _graph_us(cp, dec.stream, rest):8.1f} us "
+                    f"(step without it {_graph_us(cp, dec.stream, rest):.0f} us)"
+                )
     # integer GEMVs of layer 0 and the head: threads per row x grid cap variants
     seen = set()
     for ln in dec.plan:
@@ -127,9 +133,11 @@ def profile_model(m, key: str, pos: int, out=print) -> None:  # type: ignore[no-
                 row.append((tpr, blocks, _time(cp, dec.stream, v, flush=flush)))
         nb = int(ln.args[0].nbytes)
         best = min(row, key=lambda r: r[2])
-        out(f"  {ln.name:26} plan tpr{int(ln.args[-1])}x{ln.grid[0]} {_time(cp, dec.stream, ln, flush=flush):.1f}us; "
+        out(
+            f"  {ln.name:26} plan tpr{int(ln.args[-1])}x{ln.grid[0]} {_time(cp, dec.stream, ln, flush=flush):.1f}us; "
             f"best tpr{best[0]}x{best[1]} {best[2]:.1f}us = {nb / best[2] / 1e3:.0f} GB/s; "
-            + " ".join(f"{t}x{b}:{u:.1f}" for t, b, u in row))
+            + " ".join(f"{t}x{b}:{u:.1f}" for t, b, u in row)
+        )
 
 
 def main() -> int:

@@ -79,12 +79,7 @@ def main() -> int:
         "",
         "| model | backend | prefill tok/s | llama.cpp | ratio | decode tok/s | llama.cpp | ratio "
         "| peak RSS MiB | load s |"
-        + (
-            f" {args.against} prefill | {args.against} decode | this/ref prefill "
-            "| this/ref decode |"
-            if base
-            else ""
-        ),
+        + (f" {args.against} prefill | {args.against} decode | this/ref prefill | this/ref decode |" if base else ""),
         "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|---|" if base else ""),
     ]
 
@@ -112,15 +107,10 @@ def main() -> int:
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     def median(rs: list[dict]) -> dict:
-        return {
-            k: statistics.median(r[k] for r in rs)
-            for k in ("prefill_tps", "decode_tps", "peak_rss_mb", "load_s")
-        }
+        return {k: statistics.median(r[k] for r in rs) for k in ("prefill_tps", "decode_tps", "peak_rss_mb", "load_s")}
 
     try:
-        for name, backend in [
-            (m, b) for m in args.models.split(",") for b in args.backends.split(",")
-        ]:
+        for name, backend in [(m, b) for m in args.models.split(",") for b in args.backends.split(",")]:
             mine, theirs = [], []
             for _ in range(args.repeat):  # alternate, so drift on a shared machine hits both alike
                 mine.append(measure(name, backend, ROOT))
@@ -142,12 +132,8 @@ def main() -> int:
             lines.append(row)
     finally:
         if base:
-            subprocess.run(
-                ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=False
-            )
-    lines.append(
-        f"\nload average at end: {os.getloadavg()[0]:.2f} (other work on the machine skews this)"
-    )
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=False)
+    lines.append(f"\nload average at end: {os.getloadavg()[0]:.2f} (other work on the machine skews this)")
     text = "\n".join(lines)
     print(text)
     results = ROOT / "bench" / "results"

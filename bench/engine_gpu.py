@@ -114,8 +114,19 @@ def _generate_stats(m, prompt: list[int], n: int):  # type: ignore[no-untyped-de
     return anyio.run(run)
 
 
-PREFILL_OPS = ("embed_rows", "rms_norm", "act_quant", "matmul", "dequant_f16", "dequant_f32", "_gemm",
-               "rope", "kv_store", "attention", "gated_act")
+PREFILL_OPS = (
+    "embed_rows",
+    "rms_norm",
+    "act_quant",
+    "matmul",
+    "dequant_f16",
+    "dequant_f32",
+    "_gemm",
+    "rope",
+    "kv_store",
+    "attention",
+    "gated_act",
+)
 
 
 def prefill_profile(tf, ops, prompt: list[int], cp, label: str) -> list[str]:  # type: ignore[no-untyped-def]
@@ -133,6 +144,7 @@ def prefill_profile(tf, ops, prompt: list[int], cp, label: str) -> list[str]:  #
             e1.record()
             marks[name].append((e0, e1))
             return r
+
         return run
 
     for n, fn in orig.items():
@@ -154,19 +166,32 @@ def prefill_profile(tf, ops, prompt: list[int], cp, label: str) -> list[str]:  #
         for n in orig:
             delattr(ops, n)
     span = cp.cuda.get_elapsed_time(s0, s1)
-    lines = [f"  prefill {label} ({len(prompt)} tokens): GPU span {span:.1f} ms, host returns after "
-             f"{host_ms:.1f} ms, wall {wall_ms:.1f} ms"]
+    lines = [
+        f"  prefill {label} ({len(prompt)} tokens): GPU span {span:.1f} ms, host returns after "
+        f"{host_ms:.1f} ms, wall {wall_ms:.1f} ms"
+    ]
     for n in PREFILL_OPS:
         if marks[n]:
             each = [cp.cuda.get_elapsed_time(a, b) for a, b in marks[n]]
             ms = sum(each)
-            lines.append(f"    {n:12} {len(marks[n]):5d} calls {ms:8.2f} ms ({ms / max(span, 1e-9):5.1%} of span), "
-                         f"longest call {max(each):6.2f} ms")
+            lines.append(
+                f"    {n:12} {len(marks[n]):5d} calls {ms:8.2f} ms ({ms / max(span, 1e-9):5.1%} of span), "
+                f"longest call {max(each):6.2f} ms"
+            )
     return lines
 
 
-def bench_model(key: str, path: str, prompt_len: int, n_decode: int, bw: float, cp, runs: int,  # type: ignore[no-untyped-def]
-                profile_out: list[str] | None = None, kv_dtype: str = "f16") -> dict:
+def bench_model(
+    key: str,
+    path: str,
+    prompt_len: int,
+    n_decode: int,
+    bw: float,
+    cp,
+    runs: int,  # type: ignore[no-untyped-def]
+    profile_out: list[str] | None = None,
+    kv_dtype: str = "f16",
+) -> dict:
     from engine.backends.cupy_launch import pdl_launcher
     from engine.gguf_file import read_gguf
     from engine.spec import read_spec
@@ -298,9 +323,14 @@ def bench_model(key: str, path: str, prompt_len: int, n_decode: int, bw: float, 
         "pool_held_bytes": int(held),
         "cuda_used_bytes": int(used),
         "plan_bytes": int(plan.total),
-        "plan_parts": {"weights": plan.weights, "kv": plan.kv, "tables": plan.tables,
-                       "decode_scratch": plan.decode_scratch, "prefill_scratch": plan.prefill_scratch,
-                       **dict(plan.parts)},
+        "plan_parts": {
+            "weights": plan.weights,
+            "kv": plan.kv,
+            "tables": plan.tables,
+            "decode_scratch": plan.decode_scratch,
+            "prefill_scratch": plan.prefill_scratch,
+            **dict(plan.parts),
+        },
         "plan_chunk": plan.chunk,
         "llama_cpp_bytes_estimated": llama,
         "pool_vs_llama_cpp": round(held / llama["total"], 3),
@@ -317,15 +347,21 @@ def bench_model(key: str, path: str, prompt_len: int, n_decode: int, bw: float, 
 def print_memory(r: dict) -> None:
     """Plan parts, pool, CUDA, llama.cpp's estimate for one result row (MiB)."""
     p, ll = r["plan_parts"], r["llama_cpp_bytes_estimated"]
-    print(f"{r['model']}: plan {r['plan_bytes'] / MIB:.1f} MiB = "
-          + " + ".join(f"{k} {v / MIB:.1f}" for k, v in p.items() if k not in ("prefill_scratch",))
-          + f" (prefill chunk {r['plan_chunk']})")
-    print(f"  pool held {r['pool_held_bytes'] / MIB:.1f} MiB (plan/held {r['plan_bytes'] / r['pool_held_bytes']:.3f}), "
-          f"CUDA used {r['cuda_used_bytes'] / MIB:.1f} MiB (cudaMemGetInfo delta: + context, cuBLAS, graph)")
-    print(f"  llama.cpp (estimated by llama.cpp's formula, not measured): model {ll['model'] / MIB:.1f} + "
-          f"KV f16 {ll['kv_f16'] / MIB:.1f} + compute {ll['compute'] / MIB:.1f} = {ll['total'] / MIB:.1f} MiB; "
-          f"ours/llama.cpp: pool {r['pool_vs_llama_cpp']:.3f}, plan {r['plan_vs_llama_cpp']:.3f}, "
-          f"CUDA used {r['cuda_used_vs_llama_cpp']:.3f}")
+    print(
+        f"{r['model']}: plan {r['plan_bytes'] / MIB:.1f} MiB = "
+        + " + ".join(f"{k} {v / MIB:.1f}" for k, v in p.items() if k not in ("prefill_scratch",))
+        + f" (prefill chunk {r['plan_chunk']})"
+    )
+    print(
+        f"  pool held {r['pool_held_bytes'] / MIB:.1f} MiB (plan/held {r['plan_bytes'] / r['pool_held_bytes']:.3f}), "
+        f"CUDA used {r['cuda_used_bytes'] / MIB:.1f} MiB (cudaMemGetInfo delta: + context, cuBLAS, graph)"
+    )
+    print(
+        f"  llama.cpp (estimated by llama.cpp's formula, not measured): model {ll['model'] / MIB:.1f} + "
+        f"KV f16 {ll['kv_f16'] / MIB:.1f} + compute {ll['compute'] / MIB:.1f} = {ll['total'] / MIB:.1f} MiB; "
+        f"ours/llama.cpp: pool {r['pool_vs_llama_cpp']:.3f}, plan {r['plan_vs_llama_cpp']:.3f}, "
+        f"CUDA used {r['cuda_used_vs_llama_cpp']:.3f}"
+    )
 
 
 def main() -> int:
@@ -353,39 +389,60 @@ def main() -> int:
             path = os.path.join(tmp, key + ".gguf")
             t0 = time.perf_counter()
             write_config(path, preset_config(LLAMA_CPP[key]["preset"], fast=True))
-            print(f"{key}: generated {os.path.getsize(path) / 1e9:.2f} GB in {time.perf_counter() - t0:.1f} s", flush=True)
+            print(
+                f"{key}: generated {os.path.getsize(path) / 1e9:.2f} GB in {time.perf_counter() - t0:.1f} s", flush=True
+            )
             for kv in a.kv.split(","):
-                row = bench_model(key, path, a.prompt, a.decode, bw, cp, a.runs,
-                                  prof if a.profile and kv == "f16" else None, kv)
+                row = bench_model(
+                    key, path, a.prompt, a.decode, bw, cp, a.runs, prof if a.profile and kv == "f16" else None, kv
+                )
                 row["kv_dtype"] = kv
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             os.remove(path)
     print()
     for r in rows:
-        print(f"{r['model']} (KV {r['kv_dtype']}): decode via Model.generate {r['generate_decode_tok_s']} tok/s, "
-              f"GPU replay {r['decode_gpu_replay_tok_s']} tok/s, decoder {r['decoder']}")
-        print(f"  prefill (median of {r['prefill_runs']}): auto {r['prefill_auto_tok_s']}, fp32 tiles "
-              f"{r['prefill_f32_tok_s']}, fp16 tiles {r['prefill_f16_tok_s']} tok/s; via Model.generate "
-              f"({r['generate_prefill_chunk']}-token chunks) {r['generate_prefill_tok_s']} tok/s")
+        print(
+            f"{r['model']} (KV {r['kv_dtype']}): decode via Model.generate {r['generate_decode_tok_s']} tok/s, "
+            f"GPU replay {r['decode_gpu_replay_tok_s']} tok/s, decoder {r['decoder']}"
+        )
+        print(
+            f"  prefill (median of {r['prefill_runs']}): auto {r['prefill_auto_tok_s']}, fp32 tiles "
+            f"{r['prefill_f32_tok_s']}, fp16 tiles {r['prefill_f16_tok_s']} tok/s; via Model.generate "
+            f"({r['generate_prefill_chunk']}-token chunks) {r['generate_prefill_tok_s']} tok/s"
+        )
         print_memory(r)
-    print(f"{'model':10} {'KV':>4} {'decode tok/s':>12} {'llama.cpp':>9} {'ratio':>6} {'of limit':>8} "
-          f"{'prefill tok/s':>13} {'llama.cpp':>9} {'ratio':>6} {'GPU MiB':>8}")
+    print(
+        f"{'model':10} {'KV':>4} {'decode tok/s':>12} {'llama.cpp':>9} {'ratio':>6} {'of limit':>8} "
+        f"{'prefill tok/s':>13} {'llama.cpp':>9} {'ratio':>6} {'GPU MiB':>8}"
+    )
     for r in rows:
         ref = LLAMA_CPP[r["model"]]
-        print(f"{r['model']:10} {r['kv_dtype']:>4} {r['decode_tok_s']:12.1f} {ref['decode']:9.0f} {r['decode_vs_llama_cpp']:6.2f} "
-              f"{r['decode_fraction_of_limit']:8.1%} {r['prefill_tok_s']:13.1f} {ref['prefill']:9.0f} "
-              f"{r['prefill_vs_llama_cpp']:6.2f} {r['pool_held_bytes'] / 2**20:8.0f}")
+        print(
+            f"{r['model']:10} {r['kv_dtype']:>4} {r['decode_tok_s']:12.1f} {ref['decode']:9.0f} {r['decode_vs_llama_cpp']:6.2f} "
+            f"{r['decode_fraction_of_limit']:8.1%} {r['prefill_tok_s']:13.1f} {ref['prefill']:9.0f} "
+            f"{r['prefill_vs_llama_cpp']:6.2f} {r['pool_held_bytes'] / 2**20:8.0f}"
+        )
         if r["prefill_graph"]:
-            print(f"{'':15} prefill op by op (same run): {r['prefill_eager_tok_s']:.1f} tok/s, first-chunk graph "
-                  f"{r['prefill_tok_s'] / r['prefill_eager_tok_s']:.2f}x")
+            print(
+                f"{'':15} prefill op by op (same run): {r['prefill_eager_tok_s']:.1f} tok/s, first-chunk graph "
+                f"{r['prefill_tok_s'] / r['prefill_eager_tok_s']:.2f}x"
+            )
         if r["decode_plain_launch_tok_s"]:
-            print(f"{'':15} plain launches (same run): {r['decode_plain_launch_tok_s']:.1f} tok/s, "
-                  f"PDL {r['decode_pdl_vs_plain']:.3f}x")
+            print(
+                f"{'':15} plain launches (same run): {r['decode_plain_launch_tok_s']:.1f} tok/s, "
+                f"PDL {r['decode_pdl_vs_plain']:.3f}x"
+            )
     Path(a.out).mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    result = {"device": name, "copy_bandwidth_Bps": bw, "prompt": a.prompt, "decode": a.decode,
-              "version": "cupy-v7 (decode: programmatic dependent launch between the step's kernels, GEMVs load their first weights and attention asks for its K/V rows before waiting; prefill: a prompt's first chunk replayed from a CUDA graph for models < 1 GiB (op by op measured in the same run); integer GEMV unroll 2 (GLU 1) and threads a row chosen with weights from DRAM; the plain-launch step measured in the same run) over cupy-v5 (decode: attention with q in registers, one-ahead prefetch, parallel merge, O-projection rounding fused (no qprep), int8 KV option; prefill: auto tiles (fp16 for matrices >= 4M values), attention in query blocks by strided-batched GEMMs, 512-token chunks in generate; memory plan of the GPU backend; device sampling)", "rows": rows}
+    result = {
+        "device": name,
+        "copy_bandwidth_Bps": bw,
+        "prompt": a.prompt,
+        "decode": a.decode,
+        "version": "cupy-v7 (decode: programmatic dependent launch between the step's kernels, GEMVs load their first weights and attention asks for its K/V rows before waiting; prefill: a prompt's first chunk replayed from a CUDA graph for models < 1 GiB (op by op measured in the same run); integer GEMV unroll 2 (GLU 1) and threads a row chosen with weights from DRAM; the plain-launch step measured in the same run) over cupy-v5 (decode: attention with q in registers, one-ahead prefetch, parallel merge, O-projection rounding fused (no qprep), int8 KV option; prefill: auto tiles (fp16 for matrices >= 4M values), attention in query blocks by strided-batched GEMMs, 512-token chunks in generate; memory plan of the GPU backend; device sampling)",
+        "rows": rows,
+    }
     tag = f"-{a.tag}" if a.tag else ""
     if prof:
         (Path(a.out) / f"decode_profile-{stamp}{tag}.txt").write_text("\n".join(prof) + "\n")

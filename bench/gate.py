@@ -106,14 +106,20 @@ async def main(args: argparse.Namespace) -> None:
         tg.cancel_scope.cancel()
     m = gate.metrics()
 
-    print(f"model {model.info.name} on {model.backend}, {args.cycles} pause cycles, {args.tokens // 2} tokens per speed run")
+    print(
+        f"model {model.info.name} on {model.backend}, {args.cycles} pause cycles, {args.tokens // 2} tokens per speed run"
+    )
     print(f"decode tok/s: no gate {tps_ref:.2f}, open gate {tps_gate:.2f}, ratio gate/no-gate {tps_gate / tps_ref:.3f}")
-    print(f"pause reaction ms (request -> parked): p50 {statistics.median(reactions):.1f}  "
-          f"p99 {pct(reactions, 0.99):.1f}  (gate metrics p50 {m['reaction_ms_p50']:.1f} p99 {m['reaction_ms_p99']:.1f}); "
-          f"mean decode step {step_s * 1000:.1f} ms -> p50 {statistics.median(reactions) / (step_s * 1000):.2f} steps")
-    print(f"loop lag ms: idle p50 {statistics.median(idle):.2f} p99 {pct(idle, 0.99):.2f}  |  "
-          f"decoding p50 {statistics.median(busy):.2f} p99 {pct(busy, 0.99):.2f}  "
-          f"(ratio p99 decoding/idle {pct(busy, 0.99) / max(pct(idle, 0.99), 1e-6):.1f})")
+    print(
+        f"pause reaction ms (request -> parked): p50 {statistics.median(reactions):.1f}  "
+        f"p99 {pct(reactions, 0.99):.1f}  (gate metrics p50 {m['reaction_ms_p50']:.1f} p99 {m['reaction_ms_p99']:.1f}); "
+        f"mean decode step {step_s * 1000:.1f} ms -> p50 {statistics.median(reactions) / (step_s * 1000):.2f} steps"
+    )
+    print(
+        f"loop lag ms: idle p50 {statistics.median(idle):.2f} p99 {pct(idle, 0.99):.2f}  |  "
+        f"decoding p50 {statistics.median(busy):.2f} p99 {pct(busy, 0.99):.2f}  "
+        f"(ratio p99 decoding/idle {pct(busy, 0.99) / max(pct(idle, 0.99), 1e-6):.1f})"
+    )
 
 
 if __name__ == "__main__":

@@ -47,8 +47,7 @@ async def aprefill_s(model: Any, ids: list[int], chunk: int, group: int | None) 
     """Seconds of one prefill through Model.generate (no prefix cache)."""
     model.transformer.kv.tokens = []
     kw = {} if group is None else {"prefill_layer_group": group}
-    gen = model.generate(ids, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
-                         prefill_chunk=chunk, **kw)
+    gen = model.generate(ids, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), prefill_chunk=chunk, **kw)
     async for _ in gen:
         pass
     return float(gen.stats.prefill_s)
@@ -77,11 +76,13 @@ def speed(new: Any, old: Any, n_vocab: int, groups: list[int], runs: int, new_b:
     control: what load order alone does)."""
     ids = np.random.default_rng(0).integers(0, n_vocab, 512).tolist()
     variants: dict[str, tuple[Any, int, int | None]] = {
-        "prev_chunk512": (old, 512, None), "new_chunk512": (new, 512, 0),
+        "prev_chunk512": (old, 512, None),
+        "new_chunk512": (new, 512, 0),
         **({"new_chunk512_loaded_after_prev": (new_b, 512, 0)} if new_b is not None else {}),
         **{f"new_chunk512_group{g}": (new, 512, g) for g in groups},
         **{f"prev_chunk512_group{g}": (old, 512, g) for g in groups if prev_has_groups(old)},
-        "prev_chunk64": (old, 64, None), "new_chunk64": (new, 64, 0),
+        "prev_chunk64": (old, 64, None),
+        "new_chunk64": (new, 64, 0),
     }
     for m, c, g in variants.values():  # warm-up (graphs, cuBLAS, tiles)
         prefill_s(m, ids, c, g)
@@ -97,11 +98,21 @@ def speed(new: Any, old: Any, n_vocab: int, groups: list[int], runs: int, new_b:
     tps = {k: 512 / float(np.median(v)) for k, v in times.items()}
     best = {k: 512 / float(np.min(v)) for k, v in times.items()}
     ratios = {k: tps[k] / tps["prev_chunk512"] for k in tps if k.startswith("new_chunk512")}
-    ratios.update({f"new_chunk512_group{g}_vs_prev_group{g}": tps[f"new_chunk512_group{g}"] / tps[f"prev_chunk512_group{g}"]
-                   for g in groups if f"prev_chunk512_group{g}" in tps})
+    ratios.update(
+        {
+            f"new_chunk512_group{g}_vs_prev_group{g}": tps[f"new_chunk512_group{g}"] / tps[f"prev_chunk512_group{g}"]
+            for g in groups
+            if f"prev_chunk512_group{g}" in tps
+        }
+    )
     ratios["new_chunk64"] = tps["new_chunk64"] / tps["prev_chunk64"]
-    return {"prefill_tps": tps, "ratio_to_prev": ratios, "runs": runs, "prefill_tps_best": best,
-            "prefill_ms_all": {k: [round(x * 1000, 3) for x in v] for k, v in times.items()}}
+    return {
+        "prefill_tps": tps,
+        "ratio_to_prev": ratios,
+        "runs": runs,
+        "prefill_tps_best": best,
+        "prefill_ms_all": {k: [round(x * 1000, 3) for x in v] for k, v in times.items()},
+    }
 
 
 async def decode_reaction(model: Any, cycles: int, n_vocab: int) -> dict[str, Any]:
@@ -138,8 +149,13 @@ async def decode_reaction(model: Any, cycles: int, n_vocab: int) -> dict[str, An
             await anyio.sleep(0.01)
             gate.open()
         tg.cancel_scope.cancel()
-    return {"decode_step_ms": step_ms, "reaction_ms_p50": statistics.median(reactions),
-            "reaction_ms_p99": pct(reactions, 0.99), "reaction_ms_max": max(reactions), "n": len(reactions)}
+    return {
+        "decode_step_ms": step_ms,
+        "reaction_ms_p50": statistics.median(reactions),
+        "reaction_ms_p99": pct(reactions, 0.99),
+        "reaction_ms_max": max(reactions),
+        "n": len(reactions),
+    }
 
 
 async def prefill_reaction(model: Any, cycles: int, n_vocab: int, group: int, n_prompt: int = 2048) -> dict[str, Any]:
@@ -156,6 +172,7 @@ async def prefill_reaction(model: Any, cycles: int, n_vocab: int, group: int, n_
             r = fn(*a)
             pieces.append((time.perf_counter() - t0) * 1000.0)
             return r
+
         return run
 
     for n in names:
@@ -169,12 +186,19 @@ async def prefill_reaction(model: Any, cycles: int, n_vocab: int, group: int, n_
         for _ in range(cycles):
             gate = DecodeGate()
             model.transformer.kv.tokens = []
-            gen = model.generate(ids, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), gate=gate,
-                                 prefill_chunk=512, prefill_layer_group=group)
+            gen = model.generate(
+                ids,
+                SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+                gate=gate,
+                prefill_chunk=512,
+                prefill_layer_group=group,
+            )
             async with anyio.create_task_group() as tg:
+
                 async def consume(gen: Any = gen) -> None:
                     async for _ in gen:
                         pass
+
                 tg.start_soon(consume)
                 await anyio.sleep(rng.uniform(0.05, 0.85) * full / 1000)
                 t0 = time.monotonic()
@@ -191,12 +215,22 @@ async def prefill_reaction(model: Any, cycles: int, n_vocab: int, group: int, n_
             setattr(model, n, orig[n])
     n_pieces = -(-n_prompt // 512) * (-(-len(model.transformer.layers) // group) if group else 1)
     ahead = 1 if group and pipelined(model) else 0
-    return {"group": group, "prefill_ms": full, "pieces": n_pieces, "pieces_queued_ahead": ahead,
-            "piece_gpu_ms": full / n_pieces, "bound_ms": (1 + ahead) * pct(pieces, 0.99) + 2,
-            "piece_ms_p50": statistics.median(pieces),
-            "piece_ms_p99": pct(pieces, 0.99), "piece_ms_max": max(pieces),
-            "reaction_ms_p50": statistics.median(reactions), "reaction_ms_p99": pct(reactions, 0.99),
-            "reaction_ms_max": max(reactions), "n": len(reactions), "not_inside_prefill": outside}
+    return {
+        "group": group,
+        "prefill_ms": full,
+        "pieces": n_pieces,
+        "pieces_queued_ahead": ahead,
+        "piece_gpu_ms": full / n_pieces,
+        "bound_ms": (1 + ahead) * pct(pieces, 0.99) + 2,
+        "piece_ms_p50": statistics.median(pieces),
+        "piece_ms_p99": pct(pieces, 0.99),
+        "piece_ms_max": max(pieces),
+        "reaction_ms_p50": statistics.median(reactions),
+        "reaction_ms_p99": pct(reactions, 0.99),
+        "reaction_ms_max": max(reactions),
+        "n": len(reactions),
+        "not_inside_prefill": outside,
+    }
 
 
 def main() -> None:
@@ -222,15 +256,26 @@ def main() -> None:
             t0 = time.time()
             cfg = preset_config(PRESETS[key], fast=True)
             if a.backend != "cupy":  # smoke: a small model of the same architecture
-                cfg = preset_config(PRESETS[key], fast=True, n_layers=4, n_embd=256, n_ff=512, n_heads=4,
-                                    n_kv_heads=2, n_vocab=512, head_dim=None)
+                cfg = preset_config(
+                    PRESETS[key],
+                    fast=True,
+                    n_layers=4,
+                    n_embd=256,
+                    n_ff=512,
+                    n_heads=4,
+                    n_kv_heads=2,
+                    n_vocab=512,
+                    head_dim=None,
+                )
             write_config(path, cfg)
             new = load_model(path, backend=a.backend, n_ctx=4096, kv_dtype="f16")
             old = prev.load_model(path, backend=a.backend, n_ctx=4096, kv_dtype="f16")
             new_b = load_model(path, backend=a.backend, n_ctx=4096, kv_dtype="f16")
             print(f"{key}: generated + loaded three times in {time.time() - t0:.0f} s", flush=True)
-            r: dict[str, Any] = {"layers": len(new.transformer.layers),
-                                 "first_chunk_graph": getattr(new.transformer.ops, "prefill_graphs", None) is not None}
+            r: dict[str, Any] = {
+                "layers": len(new.transformer.layers),
+                "first_chunk_graph": getattr(new.transformer.ops, "prefill_graphs", None) is not None,
+            }
             r["speed"] = speed(new, old, new.spec.n_vocab, groups, a.runs, new_b)
             print(key, json.dumps(r["speed"]), flush=True)
             del old, new_b
@@ -250,29 +295,39 @@ def main() -> None:
         r = res[key]
         lines.append(f"## {key} ({r['layers']} layers, first-chunk graph: {r['first_chunk_graph']})")
         lines.append("")
-        lines.append("| prefill variant (512-token prompt) | tok/s (median) | best | vs previous engine, whole chunk (median) "
-                     "| vs previous engine, same groups |")
+        lines.append(
+            "| prefill variant (512-token prompt) | tok/s (median) | best | vs previous engine, whole chunk (median) "
+            "| vs previous engine, same groups |"
+        )
         lines.append("|---|---|---|---|---|")
         sp = r["speed"]
         for k, v in sp["prefill_tps"].items():
             ratio = sp["ratio_to_prev"].get(k)
             same = next((x for n, x in sp["ratio_to_prev"].items() if n.startswith(k + "_vs_prev_group")), None)
-            lines.append(f"| {k} | {v:.0f} | {sp['prefill_tps_best'][k]:.0f} | {'' if ratio is None else f'{ratio:.3f}'} "
-                         f"| {'' if same is None else f'{same:.3f}'} |")
+            lines.append(
+                f"| {k} | {v:.0f} | {sp['prefill_tps_best'][k]:.0f} | {'' if ratio is None else f'{ratio:.3f}'} "
+                f"| {'' if same is None else f'{same:.3f}'} |"
+            )
         if "decode" in r:
             d = r["decode"]
-            lines += ["", f"Decoding: step {d['decode_step_ms']:.2f} ms, pause reaction p50 {d['reaction_ms_p50']:.2f} "
-                      f"ms, p99 {d['reaction_ms_p99']:.2f} ms (bound: step + 2 = {d['decode_step_ms'] + 2:.2f}; "
-                      f"{'PASS' if d['reaction_ms_p99'] <= d['decode_step_ms'] + 2 else 'FAIL'}), n {d['n']}", "",
-                      "| prefill 2,048 tokens, chunk 512, layer group | prefill ms | piece (GPU, mean) ms | pieces queued ahead | "
-                      "host call p50 / p99 ms | reaction p50 / p99 ms | bound ((1 + ahead) x host call p99 + 2) | pauses parked inside / after the prefill |",
-                      "|---|---|---|---|---|---|---|---|"]
+            lines += [
+                "",
+                f"Decoding: step {d['decode_step_ms']:.2f} ms, pause reaction p50 {d['reaction_ms_p50']:.2f} "
+                f"ms, p99 {d['reaction_ms_p99']:.2f} ms (bound: step + 2 = {d['decode_step_ms'] + 2:.2f}; "
+                f"{'PASS' if d['reaction_ms_p99'] <= d['decode_step_ms'] + 2 else 'FAIL'}), n {d['n']}",
+                "",
+                "| prefill 2,048 tokens, chunk 512, layer group | prefill ms | piece (GPU, mean) ms | pieces queued ahead | "
+                "host call p50 / p99 ms | reaction p50 / p99 ms | bound ((1 + ahead) x host call p99 + 2) | pauses parked inside / after the prefill |",
+                "|---|---|---|---|---|---|---|---|",
+            ]
             for p in r["prefill"]:
                 ok = "PASS" if p["reaction_ms_p99"] <= p["bound_ms"] else "FAIL"
-                lines.append(f"| {p['group'] or 'whole chunk'} | {p['prefill_ms']:.1f} | {p['piece_gpu_ms']:.2f} | "
-                             f"{p['pieces_queued_ahead']} | {p['piece_ms_p50']:.2f} / {p['piece_ms_p99']:.2f} | "
-                             f"{p['reaction_ms_p50']:.2f} / {p['reaction_ms_p99']:.2f} | {p['bound_ms']:.2f} {ok} | "
-                             f"{p['n']} / {p['not_inside_prefill']} |")
+                lines.append(
+                    f"| {p['group'] or 'whole chunk'} | {p['prefill_ms']:.1f} | {p['piece_gpu_ms']:.2f} | "
+                    f"{p['pieces_queued_ahead']} | {p['piece_ms_p50']:.2f} / {p['piece_ms_p99']:.2f} | "
+                    f"{p['reaction_ms_p50']:.2f} / {p['reaction_ms_p99']:.2f} | {p['bound_ms']:.2f} {ok} | "
+                    f"{p['n']} / {p['not_inside_prefill']} |"
+                )
         lines.append("")
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -23,9 +23,14 @@ from bench.soak_stack import NODE, POLICY_INVALID, POLICY_VARIANTS, Daemon
 
 SMOL, GEMMA = "smollm2", "gemma3"
 PROMPTS = (
-    "Turn on the kitchen lights.", "What is the capital of France?", "Write a haiku about rain.",
-    "List three colours.", "Say hello in Spanish.", "What day comes after Monday?",
-    "Give me a short tip for sleeping well.", "Count from one to five.",
+    "Turn on the kitchen lights.",
+    "What is the capital of France?",
+    "Write a haiku about rain.",
+    "List three colours.",
+    "Say hello in Spanish.",
+    "What day comes after Monday?",
+    "Give me a short tip for sleeping well.",
+    "Count from one to five.",
 )
 LLM_OPS = ("chat", "chat_stream", "completion", "completion_stream", "disconnect")
 CONTROL_OPS = ("policy_reload", "policy_select", "llm_toggle", "swap", "unload")
@@ -211,10 +216,13 @@ async def _reload_to(ctx: Ctx, text: str, trigger: str, *, valid: bool, name: st
         ctx.publish("policy/reload", "PRESS")
     ctx.bump(f"policy_reload_{trigger}")
     if valid:
-        got = await ctx.wait_status(lambda s: s["policy"]["generation"] > gen and not s["policy"]["error"]
-                                    and s["policy"]["name"] == name)
+        got = await ctx.wait_status(
+            lambda s: s["policy"]["generation"] > gen and not s["policy"]["error"] and s["policy"]["name"] == name
+        )
     else:
-        got = await ctx.wait_status(lambda s: bool(s["policy"]["error"]) and s["policy"]["name"] == before["policy"]["name"])
+        got = await ctx.wait_status(
+            lambda s: bool(s["policy"]["error"]) and s["policy"]["name"] == before["policy"]["name"]
+        )
     return got is not None
 
 
@@ -238,6 +246,7 @@ async def policy_reload(ctx: Ctx, res: OpResult) -> OpResult:
 
 async def policy_select(ctx: Ctx, res: OpResult) -> OpResult:
     """MQTT `policy/set` to soak-alt and back to soak; each confirmed in /status."""
+
     def in_force(name: str) -> Callable[[dict[str, Any]], bool]:
         return lambda s: bool(s["policy"]["name"] == name and not s["policy"]["error"])
 
@@ -259,7 +268,9 @@ async def llm_toggle(ctx: Ctx, res: OpResult, toggles: int = 20) -> OpResult:
         ctx.bump("llm_toggles", toggles)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            st = await ctx.wait_status(lambda s: bool(s["engine"].get("enabled")), timeout=max(deadline - time.monotonic(), 0.1))
+            st = await ctx.wait_status(
+                lambda s: bool(s["engine"].get("enabled")), timeout=max(deadline - time.monotonic(), 0.1)
+            )
             if st is None:
                 break
             await asyncio.sleep(1.0)
@@ -276,8 +287,10 @@ async def llm_toggle(ctx: Ctx, res: OpResult, toggles: int = 20) -> OpResult:
 
 async def swap(ctx: Ctx, res: OpResult) -> OpResult:
     """Ask for the other model of the swap group by name (SmolLM2 comes back with the next request)."""
-    r = await ctx.http.post("/v1/chat/completions", json={
-        "model": GEMMA, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 8})
+    r = await ctx.http.post(
+        "/v1/chat/completions",
+        json={"model": GEMMA, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 8},
+    )
     res.status = str(r.status_code)
     if r.status_code != 200:
         return res.fail(res.status, r.text)
@@ -297,8 +310,13 @@ async def unload(ctx: Ctx, res: OpResult) -> OpResult:
 
 OPS: dict[str, Callable[[Ctx, OpResult], Awaitable[OpResult]]] = {
     **{name: llm_request for name in LLM_OPS},
-    "voice_http": voice_http, "voice_mqtt": voice_mqtt, "policy_reload": policy_reload,
-    "policy_select": policy_select, "llm_toggle": llm_toggle, "swap": swap, "unload": unload,
+    "voice_http": voice_http,
+    "voice_mqtt": voice_mqtt,
+    "policy_reload": policy_reload,
+    "policy_select": policy_select,
+    "llm_toggle": llm_toggle,
+    "swap": swap,
+    "unload": unload,
 }
 
 

@@ -55,7 +55,8 @@ POLICY_INVALID = "version: 1\nname: soak-broken\nvoice:\n  stt: {action: explode
 """Rejected by validation (unknown action): the daemon must keep the policy in force."""
 
 MOSQUITTO = shutil.which("mosquitto") or next(
-    (p for p in ("/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto") if os.access(p, os.X_OK)), None)
+    (p for p in ("/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto") if os.access(p, os.X_OK)), None
+)
 
 
 class Mosquitto:
@@ -101,8 +102,16 @@ class SoakFiles:
     """Where the broker listens (loopback)."""
 
 
-def write_files(workdir: Path, mqtt_port: int, *, smollm2: Path, gemma3: Path, threads: int | None,
-                api_key: str | None, max_running: int) -> SoakFiles:
+def write_files(
+    workdir: Path,
+    mqtt_port: int,
+    *,
+    smollm2: Path,
+    gemma3: Path,
+    threads: int | None,
+    api_key: str | None,
+    max_running: int,
+) -> SoakFiles:
     """Config with both models in swap group `small`, policy folder with two valid files."""
     pol_dir = workdir / "policies"
     pol_dir.mkdir(parents=True, exist_ok=True)
@@ -135,8 +144,9 @@ def write_files(workdir: Path, mqtt_port: int, *, smollm2: Path, gemma3: Path, t
 class Daemon:
     """`genie-supervisor run --config FILE` as a subprocess, its log (JSON lines) in `log_path`."""
 
-    def __init__(self, files: SoakFiles, log_path: Path, headers: dict[str, str],
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, files: SoakFiles, log_path: Path, headers: dict[str, str], env: dict[str, str] | None = None
+    ) -> None:
         self.files = files
         self.env = env or {}
         self.url = f"http://{HOST}:{files.http_port}"
@@ -148,9 +158,13 @@ class Daemon:
     def start(self, timeout: float = 120) -> None:  # noqa: ASYNC109
         """Start and wait until /health answers ok."""
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen([sys.executable, "-m", "genie_supervisor", "run", "--config", str(self.files.config)],
-                                     stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                     env={**os.environ, **self.env})
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "genie_supervisor", "run", "--config", str(self.files.config)],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env={**os.environ, **self.env},
+        )
         wait_healthy(self.url, self.files.http_port, self.proc, self.log_path, timeout, self.headers)
 
     @property

@@ -64,8 +64,17 @@ async def run_proxy(upstream_port: int) -> None:
     from genie_supervisor.watchers import WyomingProxy
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))
-    proxy = WyomingProxy("whisper", HOST, 0, HOST, upstream_port, "stt", lambda obs: None,
-                         hold_audio_stop_until_parked=False, health_interval_s=None)
+    proxy = WyomingProxy(
+        "whisper",
+        HOST,
+        0,
+        HOST,
+        upstream_port,
+        "stt",
+        lambda obs: None,
+        hold_audio_stop_until_parked=False,
+        health_interval_s=None,
+    )
     async with anyio.create_task_group() as tg:
         port = await tg.start(proxy.serve)
         print("READY", port, flush=True)
@@ -106,8 +115,9 @@ async def one_request(port: int, head: bytes, stop: bytes) -> tuple[float, float
 
 
 def start(role: str, port: int) -> tuple[subprocess.Popen[str], int]:
-    proc = subprocess.Popen([sys.executable, __file__, "--role", role, "--port", str(port)],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--role", role, "--port", str(port)], stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdout is not None
     line = proc.stdout.readline().split()
     if not line or line[0] != "READY":
@@ -131,21 +141,24 @@ async def measure(server_port: int, proxy_port: int, requests: int, chunks: int)
         results["direct"].append(await one_request(server_port, head, stop))
         results["proxy"].append(await one_request(proxy_port, head, stop))
 
-    print(f"{requests} requests per route, {chunks} x 100 ms audio chunks (3200 B) each, "
-          f"fresh connection per request")
+    print(f"{requests} requests per route, {chunks} x 100 ms audio chunks (3200 B) each, fresh connection per request")
     print(f"{'route':<8} {'metric':<18} {'p50 us':>10} {'p99 us':>10} {'mean us':>10}")
     summary = {}
     for metric, index in (("request", 0), ("stop->transcript", 1)):
         for route in ("direct", "proxy"):
             values = [r[index] for r in results[route]]
             summary[route, metric] = (pct(values, 0.5), pct(values, 0.99))
-            print(f"{route:<8} {metric:<18} {pct(values, 0.5):>10.0f} {pct(values, 0.99):>10.0f} "
-                  f"{statistics.fmean(values):>10.0f}")
+            print(
+                f"{route:<8} {metric:<18} {pct(values, 0.5):>10.0f} {pct(values, 0.99):>10.0f} "
+                f"{statistics.fmean(values):>10.0f}"
+            )
     for metric in ("request", "stop->transcript"):
         d50, d99 = summary["direct", metric]
         p50, p99 = summary["proxy", metric]
-        print(f"{metric:<18} added p50 {p50 - d50:+.0f} us, p99 {p99 - d99:+.0f} us; "
-              f"ratio p50 {p50 / d50:.2f}x, p99 {p99 / d99:.2f}x")
+        print(
+            f"{metric:<18} added p50 {p50 - d50:+.0f} us, p99 {p99 - d99:+.0f} us; "
+            f"ratio p50 {p50 / d50:.2f}x, p99 {p99 / d99:.2f}x"
+        )
 
 
 def main() -> None:
@@ -170,8 +183,7 @@ def main() -> None:
     server, server_port = start("server", free)
     proxy, proxy_port = start("proxy", server_port)
     try:
-        anyio.run(measure, server_port, proxy_port, args.requests, args.chunks,
-                  backend_options=backend_options)
+        anyio.run(measure, server_port, proxy_port, args.requests, args.chunks, backend_options=backend_options)
     finally:
         for proc in (proxy, server):
             proc.terminate()

@@ -16,9 +16,9 @@ from genie_supervisor.config import load_config
 from genie_supervisor.telemetry import SimulatedSource
 
 SHAPES: dict[str, dict[str, int]] = {
-    "small": dict(n_layers=1, n_embd=64, n_ff=128, n_heads=4, n_kv_heads=2, n_vocab=512),      # ~0.9 MiB at n_ctx 256
-    "mid": dict(n_layers=2, n_embd=128, n_ff=256, n_heads=4, n_kv_heads=2, n_vocab=512),       # ~2.4 MiB
-    "big": dict(n_layers=4, n_embd=256, n_ff=768, n_heads=4, n_kv_heads=2, n_vocab=512),       # ~14.9 MiB
+    "small": dict(n_layers=1, n_embd=64, n_ff=128, n_heads=4, n_kv_heads=2, n_vocab=512),  # ~0.9 MiB at n_ctx 256
+    "mid": dict(n_layers=2, n_embd=128, n_ff=256, n_heads=4, n_kv_heads=2, n_vocab=512),  # ~2.4 MiB
+    "big": dict(n_layers=4, n_embd=256, n_ff=768, n_heads=4, n_kv_heads=2, n_vocab=512),  # ~14.9 MiB
 }
 
 POLICY = """\
@@ -46,27 +46,38 @@ def synth(tmp_path: Path, name: str, shape: str = "small", seed: int = 0) -> Pat
     return path
 
 
-def make_api_supervisor(tmp_path: Path, body: str, *, budget: float = 1024, wait_s: float = 30,
-                        model_loader: Any = None) -> Supervisor:
+def make_api_supervisor(
+    tmp_path: Path, body: str, *, budget: float = 1024, wait_s: float = 30, model_loader: Any = None
+) -> Supervisor:
     """A Supervisor on a free port with `body` (YAML: models, api, backend, ...) and a test policy."""
     policy = tmp_path / "policy.yaml"
     policy.write_text(POLICY.format(budget=budget, wait=wait_s), encoding="utf-8")
     cfg_path = tmp_path / "supervisor.yaml"
-    cfg_path.write_text("\n".join([
-        "telemetry: {platform: simulated, interval_s: 0.05}",
-        f"policy: {{path: {policy}, watch: false}}",
-        "engine: {backend: numpy, n_ctx: 256}",
-        body,
-    ]) + "\n", encoding="utf-8")
-    return Supervisor(load_config(cfg_path), telemetry_source=SimulatedSource(),
-                      http_socket=bind_socket("127.0.0.1", 0), environ={}, model_loader=model_loader)
+    cfg_path.write_text(
+        "\n".join(
+            [
+                "telemetry: {platform: simulated, interval_s: 0.05}",
+                f"policy: {{path: {policy}, watch: false}}",
+                "engine: {backend: numpy, n_ctx: 256}",
+                body,
+            ]
+        )
+        + "\n",
+        encoding="utf-8",
+    )
+    return Supervisor(
+        load_config(cfg_path),
+        telemetry_source=SimulatedSource(),
+        http_socket=bind_socket("127.0.0.1", 0),
+        environ={},
+        model_loader=model_loader,
+    )
 
 
 def oai(sup: Supervisor) -> openai.AsyncOpenAI:
     """The official client against the daemon (no retries: 429/503 are what tests look at)."""
     assert sup.http is not None
-    return openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{sup.http.port}/v1", api_key="x", max_retries=0,
-                              timeout=60)
+    return openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{sup.http.port}/v1", api_key="x", max_retries=0, timeout=60)
 
 
 def http(sup: Supervisor, timeout: float = 30) -> httpx.AsyncClient:

@@ -20,8 +20,7 @@ class Log:
         self._changed.set()
         self._changed = anyio.Event()
 
-    async def wait_for(self, pred: Callable[[Any], Any], start: int = 0,
-                       within_s: float = 5.0) -> Any:
+    async def wait_for(self, pred: Callable[[Any], Any], start: int = 0, within_s: float = 5.0) -> Any:
         with anyio.fail_after(within_s):
             while True:
                 for item in self.items[start:]:

@@ -36,8 +36,9 @@ def write_policy(path: Path, name: str = "test-policy", *, holdoff_ms: int = 300
     return path
 
 
-def write_config(path: Path, policy: Path | None, *, model: Path | None = None, extra: str = "",
-                 warmup: bool = False) -> Path:
+def write_config(
+    path: Path, policy: Path | None, *, model: Path | None = None, extra: str = "", warmup: bool = False
+) -> Path:
     """A daemon config for tests: simulated platform sampled every 50 ms, policy not polled, no warm-up."""
     lines = [
         "telemetry: {platform: simulated, interval_s: 0.05}",
@@ -50,12 +51,23 @@ def write_config(path: Path, policy: Path | None, *, model: Path | None = None, 
     return path
 
 
-def make_supervisor(tmp_path: Path, *, policy: Path | None = None, model: Path | None = None,
-                    source: SimulatedSource | None = None, **kwargs: Any) -> Supervisor:
+def make_supervisor(
+    tmp_path: Path,
+    *,
+    policy: Path | None = None,
+    model: Path | None = None,
+    source: SimulatedSource | None = None,
+    **kwargs: Any,
+) -> Supervisor:
     """A Supervisor on a free loopback port with a simulated platform (fakes via `kwargs`)."""
     cfg = load_config(write_config(tmp_path / "supervisor.yaml", policy, model=model))
-    return Supervisor(cfg, telemetry_source=source or SimulatedSource(), http_socket=bind_socket("127.0.0.1", 0),
-                      environ=kwargs.pop("environ", {}), **kwargs)
+    return Supervisor(
+        cfg,
+        telemetry_source=source or SimulatedSource(),
+        http_socket=bind_socket("127.0.0.1", 0),
+        environ=kwargs.pop("environ", {}),
+        **kwargs,
+    )
 
 
 def client(sup: Supervisor) -> httpx.AsyncClient:

@@ -1,9 +1,9 @@
 """`genie-supervisor run` as a real process: its config, its JSON log lines as awaitable events, signals.
 
-    async with DaemonProcess(tmp_path, model=SMOLLM2) as d:     # returns once `supervisor_ready` is logged
-        await d.event("policy_loaded")
-        d.signal(signal.SIGTERM)
-        assert await d.wait(within_s=7) == 0
+async with DaemonProcess(tmp_path, model=SMOLLM2) as d:     # returns once `supervisor_ready` is logged
+    await d.event("policy_loaded")
+    d.signal(signal.SIGTERM)
+    assert await d.wait(within_s=7) == 0
 """
 
 from __future__ import annotations
@@ -28,25 +28,41 @@ from tests.net import free_port
 class DaemonProcess:
     """One daemon process with a config written from `engine` / `policy_body` / `extra` YAML lines."""
 
-    def __init__(self, tmp_path: Path, *, model: Path | None, backend: str = "auto", n_ctx: int = 512,
-                 extra: str = "", policy_chunk: int = 16, env: dict[str, str] | None = None,
-                 ready_within_s: float = 60) -> None:
+    def __init__(
+        self,
+        tmp_path: Path,
+        *,
+        model: Path | None,
+        backend: str = "auto",
+        n_ctx: int = 512,
+        extra: str = "",
+        policy_chunk: int = 16,
+        env: dict[str, str] | None = None,
+        ready_within_s: float = 60,
+    ) -> None:
         self.port = free_port()
         """The API's port."""
         self.policy = write_policy(tmp_path / "policy.yaml", "faults")
         """The policy file (STT pauses; `policy_chunk` tokens a prefill step)."""
-        self.policy.write_text(self.policy.read_text().replace("prefill_chunk_tokens: 16",
-                                                               f"prefill_chunk_tokens: {policy_chunk}"))
+        self.policy.write_text(
+            self.policy.read_text().replace("prefill_chunk_tokens: 16", f"prefill_chunk_tokens: {policy_chunk}")
+        )
         self.config = tmp_path / "supervisor.yaml"
         """The config file."""
-        self.config.write_text("\n".join([
-            "telemetry: {platform: simulated, interval_s: 0.05}",
-            f"policy: {{path: {self.policy}, watch: false}}",
-            f"engine: {{model: {model if model else 'null'}, backend: {backend}, n_ctx: {n_ctx}}}",
-            f"http: {{listen: '127.0.0.1:{self.port}'}}",
-            "log: {format: json}",
-            extra if "api:" in extra else "api: {warmup: false}\n" + extra,
-        ]) + "\n", encoding="utf-8")
+        self.config.write_text(
+            "\n".join(
+                [
+                    "telemetry: {platform: simulated, interval_s: 0.05}",
+                    f"policy: {{path: {self.policy}, watch: false}}",
+                    f"engine: {{model: {model if model else 'null'}, backend: {backend}, n_ctx: {n_ctx}}}",
+                    f"http: {{listen: '127.0.0.1:{self.port}'}}",
+                    "log: {format: json}",
+                    extra if "api:" in extra else "api: {warmup: false}\n" + extra,
+                ]
+            )
+            + "\n",
+            encoding="utf-8",
+        )
         self.log = Log()
         """Every stdout line as a dict (JSON lines; anything else as ``{"event": None, "raw": line}``)."""
         self.stderr = tmp_path / "daemon.stderr"
@@ -69,7 +85,12 @@ class DaemonProcess:
         with self.stderr.open("wb") as err:
             self._proc = await anyio.open_process(
                 [sys.executable, "-m", "genie_supervisor", "run", "--config", str(self.config)],
-                cwd=self._cwd, env=self._env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err)
+                cwd=self._cwd,
+                env=self._env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=err,
+            )
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         self._tg.start_soon(self._pump)
@@ -110,15 +131,24 @@ class DaemonProcess:
         """The whole log so far, as text (for assertion messages and greps)."""
         return "\n".join(json.dumps(e) if e.get("event") is not None else e["raw"] for e in self.log.items)
 
-    async def event(self, name: str, pred: Callable[[dict[str, Any]], Any] = lambda _e: True, *,
-                    start: int = 0, within_s: float = 10) -> dict[str, Any]:
+    async def event(
+        self,
+        name: str,
+        pred: Callable[[dict[str, Any]], Any] = lambda _e: True,
+        *,
+        start: int = 0,
+        within_s: float = 10,
+    ) -> dict[str, Any]:
         """The first log entry from index `start` with event `name` matching `pred` (bounded wait)."""
         try:
             entry: dict[str, Any] = await self.log.wait_for(
-                lambda e: e.get("event") == name and pred(e), start=start, within_s=within_s)
+                lambda e: e.get("event") == name and pred(e), start=start, within_s=within_s
+            )
         except TimeoutError:
-            raise AssertionError(f"no {name!r} log line within {within_s} s; log:\n{self.lines()[-6000:]}"
-                                 f"\nstderr:\n{self.stderr.read_text()[-3000:]}") from None
+            raise AssertionError(
+                f"no {name!r} log line within {within_s} s; log:\n{self.lines()[-6000:]}"
+                f"\nstderr:\n{self.stderr.read_text()[-3000:]}"
+            ) from None
         return entry
 
     def mark(self) -> int:

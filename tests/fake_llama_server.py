@@ -44,13 +44,28 @@ def create_app(alias: str, n_ctx: int) -> FastAPI:
     def too_long(n_prompt: int, n_predict: int) -> JSONResponse | None:
         if n_prompt + max(0, n_predict) <= n_ctx:
             return None
-        return JSONResponse(status_code=400, content={"error": {
-            "code": 400, "type": "exceed_context_size_error", "n_prompt_tokens": n_prompt, "n_ctx": n_ctx,
-            "message": f"the request exceeds the available context size ({n_prompt} + {n_predict} > {n_ctx})"}})
+        return JSONResponse(
+            status_code=400,
+            content={
+                "error": {
+                    "code": 400,
+                    "type": "exceed_context_size_error",
+                    "n_prompt_tokens": n_prompt,
+                    "n_ctx": n_ctx,
+                    "message": f"the request exceeds the available context size ({n_prompt} + {n_predict} > {n_ctx})",
+                }
+            },
+        )
 
     def timings(n_prompt: int, n_pred: int) -> dict[str, float]:
-        return {"prompt_n": n_prompt, "prompt_ms": 1.0 * n_prompt, "prompt_per_second": 1000.0,
-                "predicted_n": n_pred, "predicted_ms": 2.0 * n_pred, "predicted_per_second": 500.0}
+        return {
+            "prompt_n": n_prompt,
+            "prompt_ms": 1.0 * n_prompt,
+            "prompt_per_second": 1000.0,
+            "predicted_n": n_pred,
+            "predicted_ms": 2.0 * n_pred,
+            "predicted_per_second": 500.0,
+        }
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -58,8 +73,12 @@ def create_app(alias: str, n_ctx: int) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": alias, "object": "model", "created": 0, "owned_by": "llamacpp",
-                                            "meta": {"n_ctx_train": n_ctx}}]}
+        return {
+            "object": "list",
+            "data": [
+                {"id": alias, "object": "model", "created": 0, "owned_by": "llamacpp", "meta": {"n_ctx_train": n_ctx}}
+            ],
+        }
 
     @app.post("/completion")
     async def completion(request: Request) -> Response:
@@ -73,9 +92,16 @@ def create_app(alias: str, n_ctx: int) -> FastAPI:
         words, finish = _words(n, list(body.get("stop") or []))
 
         def final(content: str) -> dict[str, Any]:
-            return {"content": content, "stop": True, "model": alias, "tokens_predicted": len(words),
-                    "tokens_evaluated": n_prompt, "stop_type": "limit" if finish == "length" else "word",
-                    "stopping_word": "", "timings": timings(n_prompt, len(words))}
+            return {
+                "content": content,
+                "stop": True,
+                "model": alias,
+                "tokens_predicted": len(words),
+                "tokens_evaluated": n_prompt,
+                "stop_type": "limit" if finish == "length" else "word",
+                "stopping_word": "",
+                "timings": timings(n_prompt, len(words)),
+            }
 
         if not body.get("stream"):
             return JSONResponse(final("".join(words)))
@@ -99,13 +125,33 @@ def create_app(alias: str, n_ctx: int) -> FastAPI:
         usage = {"prompt_tokens": n_prompt, "completion_tokens": len(words), "total_tokens": n_prompt + len(words)}
         base = {"id": "chatcmpl-fake", "created": int(time.time()), "model": alias}
         if not body.get("stream"):
-            return JSONResponse({**base, "object": "chat.completion", "usage": usage,
-                                 "choices": [{"index": 0, "finish_reason": finish,
-                                              "message": {"role": "assistant", "content": "".join(words)}}]})
+            return JSONResponse(
+                {
+                    **base,
+                    "object": "chat.completion",
+                    "usage": usage,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "finish_reason": finish,
+                            "message": {"role": "assistant", "content": "".join(words)},
+                        }
+                    ],
+                }
+            )
 
         def chunk(delta: dict[str, Any], fin: str | None) -> str:
-            return "data: " + json.dumps({**base, "object": "chat.completion.chunk",
-                                          "choices": [{"index": 0, "delta": delta, "finish_reason": fin}]}) + "\n\n"
+            return (
+                "data: "
+                + json.dumps(
+                    {
+                        **base,
+                        "object": "chat.completion.chunk",
+                        "choices": [{"index": 0, "delta": delta, "finish_reason": fin}],
+                    }
+                )
+                + "\n\n"
+            )
 
         async def events() -> AsyncIterator[str]:
             yield chunk({"role": "assistant", "content": None}, None)
@@ -113,8 +159,19 @@ def create_app(alias: str, n_ctx: int) -> FastAPI:
                 yield chunk({"content": w}, None)
             yield chunk({}, finish)
             if (body.get("stream_options") or {}).get("include_usage"):
-                yield "data: " + json.dumps({**base, "object": "chat.completion.chunk", "choices": [],
-                                             "usage": usage, "timings": timings(n_prompt, len(words))}) + "\n\n"
+                yield (
+                    "data: "
+                    + json.dumps(
+                        {
+                            **base,
+                            "object": "chat.completion.chunk",
+                            "choices": [],
+                            "usage": usage,
+                            "timings": timings(n_prompt, len(words)),
+                        }
+                    )
+                    + "\n\n"
+                )
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")

@@ -21,8 +21,7 @@ PARAMS = {
     "top_k1": SamplingParams(temperature=1.0, top_k=1, top_p=1.0, min_p=0.0),
     "top_p": SamplingParams(temperature=1.0, top_k=0, top_p=0.9, min_p=0.0),
     "min_p": SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.1),
-    "penalty": SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.5,
-                              repeat_last_n=32),
+    "penalty": SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.5, repeat_last_n=32),
     "defaults": SamplingParams(),
     "all": SamplingParams(temperature=0.6, top_k=500, top_p=0.8, min_p=0.02, repeat_penalty=1.2),
 }
@@ -95,8 +94,9 @@ def host_plan(logits: np.ndarray, p: SamplingParams, history: Sequence[int] = ()
     return HostPlan(idx[:keep], cdf, tp_margin, mp_margin, False)
 
 
-def check_plan(plan: HostPlan, logits: np.ndarray, p: SamplingParams, history: Sequence[int],
-               us: Sequence[float]) -> None:
+def check_plan(
+    plan: HostPlan, logits: np.ndarray, p: SamplingParams, history: Sequence[int], us: Sequence[float]
+) -> None:
     """The plan picks what `Sampler.pick` picks."""
     s = Sampler(p)
     for u in us:

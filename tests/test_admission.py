@@ -27,10 +27,12 @@ async def test_64_streaming_clients_with_queue_of_16_get_answers_or_429(tmp_path
     outcomes: list[str] = []
     with anyio.fail_after(100):
         async with sup, oai(sup) as oa, http(sup) as client:
+
             async def one(i: int) -> None:
                 try:
-                    stream = await oa.chat.completions.create(model="tiny", messages=HI, max_tokens=4,
-                                                              temperature=0, stream=True)
+                    stream = await oa.chat.completions.create(
+                        model="tiny", messages=HI, max_tokens=4, temperature=0, stream=True
+                    )
                     finish, text = None, ""
                     async for chunk in stream:
                         for c in chunk.choices:
@@ -66,8 +68,11 @@ async def test_disconnects_leave_the_queue_and_stop_generation_at_the_parked_ste
             first = anyio.Event()
 
             async def stream_then_leave() -> None:
-                async with client.stream("POST", "/v1/chat/completions", json={
-                        "messages": HI, "max_tokens": 200, "temperature": 0, "stream": True}) as s:
+                async with client.stream(
+                    "POST",
+                    "/v1/chat/completions",
+                    json={"messages": HI, "max_tokens": 200, "temperature": 0, "stream": True},
+                ) as s:
                     async for line in s.aiter_lines():
                         if '"content":"' in line and '"content":""' not in line:
                             first.set()
@@ -104,6 +109,7 @@ async def test_bad_input_gets_4xx_in_openai_shape_never_500(tmp_path: Path) -> N
     sup = make_api_supervisor(tmp_path, _one_model(tmp_path, "{max_body_bytes: 4096, warmup: false}"))
     with anyio.fail_after(60):
         async with sup, http(sup) as client:
+
             async def post(path: str, status: int, param: str | None = None, **kw: Any) -> dict[str, Any]:
                 r = await client.post(path, **kw)
                 assert r.status_code == status, (path, kw, r.status_code, r.text)
@@ -147,8 +153,11 @@ async def test_bad_input_gets_4xx_in_openai_shape_never_500(tmp_path: Path) -> N
             assert "voice" in err["message"]
             r = await client.get(chat)
             assert r.status_code == 405 and "error" in r.json()
-            ok = await client.post(chat, json={"messages": HI, "max_tokens": 1, "frequency_penalty": 0.5,
-                                               "logit_bias": {}, "user": "u"}, headers={"X-Genie-Priority": "voice"})
+            ok = await client.post(
+                chat,
+                json={"messages": HI, "max_tokens": 1, "frequency_penalty": 0.5, "logit_bias": {}, "user": "u"},
+                headers={"X-Genie-Priority": "voice"},
+            )
             assert ok.status_code == 200  # unknown fields are ignored
             assert sup.admission.admitted["voice"] == 1
             with pytest.raises(httpx.HTTPStatusError):
@@ -165,8 +174,14 @@ async def test_voice_turn_preempts_a_background_generation(tmp_path: Path) -> No
 
             async def background() -> None:
                 stream = await oa.chat.completions.create(
-                    model="tiny", messages=HI, max_tokens=200, temperature=0, stream=True,
-                    extra_headers={"X-Genie-Priority": "background"}, extra_body={"ignore_eos": True})
+                    model="tiny",
+                    messages=HI,
+                    max_tokens=200,
+                    temperature=0,
+                    stream=True,
+                    extra_headers={"X-Genie-Priority": "background"},
+                    extra_body={"ignore_eos": True},
+                )
                 n = 0
                 async for _chunk in stream:
                     n += 1
@@ -175,8 +190,9 @@ async def test_voice_turn_preempts_a_background_generation(tmp_path: Path) -> No
 
             async def voice() -> None:
                 await first_token.wait()
-                r = await oa.chat.completions.create(model="tiny", messages=HI, max_tokens=3, temperature=0,
-                                                     extra_headers={"X-Genie-Priority": "voice"})
+                r = await oa.chat.completions.create(
+                    model="tiny", messages=HI, max_tokens=3, temperature=0, extra_headers={"X-Genie-Priority": "voice"}
+                )
                 assert r.choices[0].message.content is not None
                 order.append("voice")
 

@@ -25,8 +25,12 @@ async def test_chat_streamed_text_equals_whole_text_and_usage_is_right(tmp_path:
     """At temperature 0 the streamed chat text equals the non-streamed one; usage counts match the tokenizer."""
     model = shared_model(require(SMOLLM2))
     with anyio.fail_after(100):
-        async with make_supervisor(tmp_path, policy=write_policy(tmp_path / "p.yaml"), model=SMOLLM2,
-                                   model_loader=lambda *_a, **_k: model) as sup, _openai(sup) as oa:
+        async with (
+            make_supervisor(
+                tmp_path, policy=write_policy(tmp_path / "p.yaml"), model=SMOLLM2, model_loader=lambda *_a, **_k: model
+            ) as sup,
+            _openai(sup) as oa,
+        ):
             other: Any = [{"role": "user", "content": "Hi"}]
 
             async def same_cache() -> None:
@@ -35,8 +39,7 @@ async def test_chat_streamed_text_equals_whole_text_and_usage_is_right(tmp_path:
                 await oa.chat.completions.create(model="default", messages=other, max_tokens=1, temperature=0)
 
             await same_cache()
-            whole = await oa.chat.completions.create(model="default", messages=MESSAGES, max_tokens=8,
-                                                     temperature=0)
+            whole = await oa.chat.completions.create(model="default", messages=MESSAGES, max_tokens=8, temperature=0)
             text = whole.choices[0].message.content
             assert text and whole.choices[0].finish_reason in ("stop", "length")
             assert whole.object == "chat.completion" and whole.choices[0].message.role == "assistant"
@@ -47,9 +50,14 @@ async def test_chat_streamed_text_equals_whole_text_and_usage_is_right(tmp_path:
             assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
 
             await same_cache()
-            stream = await oa.chat.completions.create(model="default", messages=MESSAGES, max_tokens=8,
-                                                      temperature=0, stream=True,
-                                                      stream_options={"include_usage": True})
+            stream = await oa.chat.completions.create(
+                model="default",
+                messages=MESSAGES,
+                max_tokens=8,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
             pieces, finish, last_usage, roles = [], None, None, []
             async for chunk in stream:
                 if chunk.usage is not None:
@@ -69,9 +77,13 @@ async def test_completions_models_and_llama_completion_shape(tmp_path: Path) -> 
     """/v1/completions streams and not, /v1/models lists the model ready, /completion answers in llama-server's shape."""
     model = shared_model(require(SMOLLM2))
     with anyio.fail_after(100):
-        async with make_supervisor(tmp_path, policy=write_policy(tmp_path / "p.yaml"), model=SMOLLM2,
-                                   model_loader=lambda *_a, **_k: model) as sup, client(sup) as http, \
-                _openai(sup) as oa:
+        async with (
+            make_supervisor(
+                tmp_path, policy=write_policy(tmp_path / "p.yaml"), model=SMOLLM2, model_loader=lambda *_a, **_k: model
+            ) as sup,
+            client(sup) as http,
+            _openai(sup) as oa,
+        ):
             listed = await oa.models.list()
             assert [m.id for m in listed.data] == ["SmolLM2-135M-Instruct.Q4_1"]
             raw = (await http.get("/v1/models")).json()["data"][0]
@@ -83,8 +95,9 @@ async def test_completions_models_and_llama_completion_shape(tmp_path: Path) -> 
             assert whole.object == "text_completion" and whole.usage is not None
             assert whole.usage.prompt_tokens == len(model.tokenizer.encode(prompt))
             streamed = ""
-            async for chunk in await oa.completions.create(model="default", prompt=prompt, max_tokens=5,
-                                                           temperature=0, stream=True):
+            async for chunk in await oa.completions.create(
+                model="default", prompt=prompt, max_tokens=5, temperature=0, stream=True
+            ):
                 streamed += "".join(c.text for c in chunk.choices)
             assert streamed == whole.choices[0].text
 
@@ -94,12 +107,16 @@ async def test_completions_models_and_llama_completion_shape(tmp_path: Path) -> 
             assert body["stop"] is True and body["tokens_predicted"] == whole.usage.completion_tokens
             assert body["tokens_evaluated"] == whole.usage.prompt_tokens
             assert body["stop_type"] in ("eos", "limit", "word")
-            assert {"prompt_n", "prompt_ms", "predicted_n", "predicted_ms", "predicted_per_second"} <= set(body["timings"])
+            assert {"prompt_n", "prompt_ms", "predicted_n", "predicted_ms", "predicted_per_second"} <= set(
+                body["timings"]
+            )
 
-            async with http.stream("POST", "/completion", json={"prompt": prompt, "n_predict": 5, "temperature": 0,
-                                                                 "stream": True}) as s:
+            async with http.stream(
+                "POST", "/completion", json={"prompt": prompt, "n_predict": 5, "temperature": 0, "stream": True}
+            ) as s:
                 events = [line[6:] async for line in s.aiter_lines() if line.startswith("data: ")]
             import json
+
             parsed = [json.loads(e) for e in events]
             assert all(p["stop"] is False for p in parsed[:-1]) and parsed[-1]["stop"] is True
             assert "".join(p["content"] for p in parsed) == body["content"]
@@ -107,7 +124,9 @@ async def test_completions_models_and_llama_completion_shape(tmp_path: Path) -> 
             status = (await http.get("/status")).json()
             assert status["admission"]["running"] == 0 and status["models"][0]["in_flight"] == 0
             metrics = (await http.get("/metrics")).text
-            assert 'genie_model_state{backend="builtin",model="SmolLM2-135M-Instruct.Q4_1",state="ready"} 1.0' in metrics
+            assert (
+                'genie_model_state{backend="builtin",model="SmolLM2-135M-Instruct.Q4_1",state="ready"} 1.0' in metrics
+            )
             assert "genie_tokens_total" in metrics and "genie_gate_pauses" in metrics
             health = (await http.get("/health")).json()
             assert health["backend_kind"] == "builtin" and health["backend_identity"] == f"builtin/{health['backend']}"

@@ -41,8 +41,14 @@ N_VOCAB = 49152
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/completion", "/unload", "/v1/voice/events")
 """Every POST route."""
 JSON = {"content-type": "application/json"}
-GENERATED = settings(max_examples=60, deadline=None, derandomize=True, database=None, print_blob=True,
-                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+GENERATED = settings(
+    max_examples=60,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 """Generation routes: 60 examples each, reproducible."""
 FEWER = settings(GENERATED, max_examples=50)
 """The small control routes: 50 examples each."""
@@ -56,15 +62,22 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Supervisor]:
     """
     require(SMOLLM2)
     tmp = tmp_path_factory.mktemp("badinput")
-    cfg = write_config(tmp / "supervisor.yaml", write_policy(tmp / "p.yaml"), model=SMOLLM2,
-                       extra="api: {warmup: false, default_max_tokens: 2}")
+    cfg = write_config(
+        tmp / "supervisor.yaml",
+        write_policy(tmp / "p.yaml"),
+        model=SMOLLM2,
+        extra="api: {warmup: false, default_max_tokens: 2}",
+    )
 
     def build() -> Supervisor:
-        return Supervisor(load_config(cfg), telemetry_source=SimulatedSource(),
-                          http_socket=bind_socket("127.0.0.1", 0), environ={})
+        return Supervisor(
+            load_config(cfg), telemetry_source=SimulatedSource(), http_socket=bind_socket("127.0.0.1", 0), environ={}
+        )
 
-    with anyio.from_thread.start_blocking_portal() as portal, \
-            portal.wrap_async_context_manager(portal.call(build)) as sup:
+    with (
+        anyio.from_thread.start_blocking_portal() as portal,
+        portal.wrap_async_context_manager(portal.call(build)) as sup,
+    ):
         yield sup
 
 
@@ -93,8 +106,9 @@ def assert_clean(r: httpx.Response) -> dict[str, Any] | None:
         assert error.get("param") is None or isinstance(error["param"], str), error
         return dict(error)
     if r.headers.get("content-type", "").startswith("text/event-stream"):
-        events = [json.loads(line[6:]) for line in r.text.splitlines()
-                  if line.startswith("data: ") and line != "data: [DONE]"]
+        events = [
+            json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ") and line != "data: [DONE]"
+        ]
         assert not [e for e in events if "error" in e], events
     return None
 
@@ -113,14 +127,38 @@ def nested(depth: int, inner: bytes = b"1") -> bytes:
 
 # -- strategies: the schemas' fields, each either a good value or a bad one -------------------------
 
-NASTY = ["", "\x00", "a\x00b", "\ud800", "\udfff", "é", "\U0001f600", "<|im_end|>", "{{ x }}", "%s%n",
-         "\u202e", "\r\n", "default", "voice"]
-scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=True, allow_infinity=True),
-                    st.text(max_size=8), st.sampled_from(NASTY))
-anything = st.recursive(scalars, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=6), c, max_size=3),
-                        max_leaves=6)
-numbers = st.one_of(st.integers(), st.floats(allow_nan=True, allow_infinity=True),
-                    st.sampled_from([0, -1, 1, 2, 0.5, -0.0, 1e308, 2**63, 2**64, 10**30, -(10**30)]))
+NASTY = [
+    "",
+    "\x00",
+    "a\x00b",
+    "\ud800",
+    "\udfff",
+    "é",
+    "\U0001f600",
+    "<|im_end|>",
+    "{{ x }}",
+    "%s%n",
+    "\u202e",
+    "\r\n",
+    "default",
+    "voice",
+]
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=8),
+    st.sampled_from(NASTY),
+)
+anything = st.recursive(
+    scalars, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=6), c, max_size=3), max_leaves=6
+)
+numbers = st.one_of(
+    st.integers(),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([0, -1, 1, 2, 0.5, -0.0, 1e308, 2**63, 2**64, 10**30, -(10**30)]),
+)
 texts = st.one_of(st.text(max_size=12), st.sampled_from(NASTY))
 ids = st.one_of(st.integers(0, N_VOCAB - 1), st.integers(), st.sampled_from([-1, N_VOCAB - 1, N_VOCAB, 2**63, 10**40]))
 
@@ -134,35 +172,54 @@ def field(good: st.SearchStrategy[Any], bad: st.SearchStrategy[Any] = numbers) -
     return st.one_of(good, good, good, good, bad, anything)
 
 
-few_tokens = (st.sampled_from([1, 2]), st.sampled_from([0, -1, -2, 4097, 1_048_577, 2**64, 10**30, 1.0, 1.5, "1",
-                                                         True, None, [], {}]))
+few_tokens = (
+    st.sampled_from([1, 2]),
+    st.sampled_from([0, -1, -2, 4097, 1_048_577, 2**64, 10**30, 1.0, 1.5, "1", True, None, [], {}]),
+)
 """max_tokens / n_predict: 1 or 2 when valid, so that a generation is quick."""
 unit = st.floats(0, 1)
 SAMPLING: Spec = {
     "model": (st.sampled_from(["default", "SmolLM2-135M-Instruct.Q4_1"]), st.sampled_from(["nope", ""]) | texts),
-    "temperature": (st.floats(0, 2), numbers), "top_p": (unit, numbers), "min_p": (unit, numbers),
-    "top_k": (st.integers(0, 100_000), numbers), "seed": (st.integers(-1, 2**64 - 1), numbers),
-    "stop": (st.lists(st.text(max_size=4), max_size=3) | st.text(max_size=4),
-             st.lists(texts, max_size=20) | texts | st.just(["a" * 1025])),
+    "temperature": (st.floats(0, 2), numbers),
+    "top_p": (unit, numbers),
+    "min_p": (unit, numbers),
+    "top_k": (st.integers(0, 100_000), numbers),
+    "seed": (st.integers(-1, 2**64 - 1), numbers),
+    "stop": (
+        st.lists(st.text(max_size=4), max_size=3) | st.text(max_size=4),
+        st.lists(texts, max_size=20) | texts | st.just(["a" * 1025]),
+    ),
     "stream": (st.booleans(), numbers | texts),
     "priority": (st.sampled_from(["voice", "tool", "background"]), texts),
 }
-OPENAI: Spec = {**SAMPLING, "n": (st.just(1), numbers),
-                "stream_options": (st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}),
-                                   st.fixed_dictionaries({"include_usage": anything}) | numbers)}
+OPENAI: Spec = {
+    **SAMPLING,
+    "n": (st.just(1), numbers),
+    "stream_options": (
+        st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}),
+        st.fixed_dictionaries({"include_usage": anything}) | numbers,
+    ),
+}
 ROLES = ["system", "developer", "user", "assistant", "tool"]
 good_message = st.fixed_dictionaries(
     {"role": st.sampled_from(ROLES)},
-    optional={"content": st.text(max_size=12) | st.lists(st.fixed_dictionaries({"type": st.just("text"),
-                                                                                 "text": st.text(max_size=8)}),
-                                                          max_size=2),
-              "name": st.text(max_size=6)})
-part = st.fixed_dictionaries({"type": field(st.just("text"), st.sampled_from(["image_url", ""]))},
-                             optional={"text": field(st.text(max_size=12), texts)})
+    optional={
+        "content": st.text(max_size=12)
+        | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=8)}), max_size=2),
+        "name": st.text(max_size=6),
+    },
+)
+part = st.fixed_dictionaries(
+    {"type": field(st.just("text"), st.sampled_from(["image_url", ""]))},
+    optional={"text": field(st.text(max_size=12), texts)},
+)
 any_message = st.fixed_dictionaries(
     {"role": field(st.sampled_from(ROLES), st.just("bob") | texts)},
-    optional={"content": field(st.text(max_size=12) | st.lists(part, max_size=2) | st.none(), texts),
-              "name": field(st.text(max_size=6), texts)})
+    optional={
+        "content": field(st.text(max_size=12) | st.lists(part, max_size=2) | st.none(), texts),
+        "name": field(st.text(max_size=6), texts),
+    },
+)
 extra = st.dictionaries(st.text(max_size=8), anything, max_size=2)
 prompt_ids = st.lists(st.integers(0, N_VOCAB - 1), min_size=1, max_size=6)
 
@@ -170,44 +227,96 @@ prompt_ids = st.lists(st.integers(0, N_VOCAB - 1), min_size=1, max_size=6)
 def body(required: Spec, optional: Spec) -> st.SearchStrategy[Any]:
     """A route's body: one field bad; many bad; a required one missing; valid with extra fields; not JSON at all."""
     spec = {**required, **optional}
-    valid = st.fixed_dictionaries({k: g for k, (g, _) in required.items()},
-                                  optional={k: g for k, (g, _) in optional.items()})
+    valid = st.fixed_dictionaries(
+        {k: g for k, (g, _) in required.items()}, optional={k: g for k, (g, _) in optional.items()}
+    )
     one_bad = st.sampled_from(sorted(spec)).flatmap(
-        lambda k: st.builds(lambda d, v: {**d, k: v}, valid, spec[k][1] | anything))
-    many_bad = st.fixed_dictionaries({k: field(g, b) for k, (g, b) in required.items()},
-                                     optional={k: field(g, b) for k, (g, b) in optional.items()})
+        lambda k: st.builds(lambda d, v: {**d, k: v}, valid, spec[k][1] | anything)
+    )
+    many_bad = st.fixed_dictionaries(
+        {k: field(g, b) for k, (g, b) in required.items()}, optional={k: field(g, b) for k, (g, b) in optional.items()}
+    )
     shaped = st.one_of(one_bad, one_bad, one_bad, many_bad, st.builds(lambda d, e: {**e, **d}, valid, extra))
     if required:
-        shaped |= st.builds(lambda d, k: {f: v for f, v in d.items() if f != k}, valid, st.sampled_from(sorted(required)))
-    encoded = st.builds(lambda v, ascii_: json.dumps(v, ensure_ascii=ascii_).encode("utf-8", "surrogatepass"),
-                        shaped, st.booleans())
-    raw = st.one_of(st.binary(max_size=40), st.sampled_from([
-        b"", b"\x00", b"{", b"null", b"[]", b'{"a":1}{', b"\xff\xfe{}", b'{"max_tokens": 1' + b"0" * 5000 + b"}",
-        nested(MAX_DEPTH + 1), nested(3000), b'{"x":' + nested(MAX_DEPTH) + b"}"]))
+        shaped |= st.builds(
+            lambda d, k: {f: v for f, v in d.items() if f != k}, valid, st.sampled_from(sorted(required))
+        )
+    encoded = st.builds(
+        lambda v, ascii_: json.dumps(v, ensure_ascii=ascii_).encode("utf-8", "surrogatepass"), shaped, st.booleans()
+    )
+    raw = st.one_of(
+        st.binary(max_size=40),
+        st.sampled_from(
+            [
+                b"",
+                b"\x00",
+                b"{",
+                b"null",
+                b"[]",
+                b'{"a":1}{',
+                b"\xff\xfe{}",
+                b'{"max_tokens": 1' + b"0" * 5000 + b"}",
+                nested(MAX_DEPTH + 1),
+                nested(3000),
+                b'{"x":' + nested(MAX_DEPTH) + b"}",
+            ]
+        ),
+    )
     return st.one_of(shaped, shaped, encoded, raw)
 
 
-CHAT = body({"messages": (st.lists(good_message, min_size=1, max_size=3),
-                          st.lists(any_message, max_size=3) | st.lists(anything, max_size=2)),
-             "max_tokens": few_tokens},
-            {**OPENAI, "max_completion_tokens": few_tokens})
-COMPLETIONS = body({"prompt": (st.text(min_size=1, max_size=12) | prompt_ids | st.lists(prompt_ids, min_size=1, max_size=1),
-                               st.lists(ids, max_size=6) | st.lists(st.lists(ids, max_size=4), max_size=2)
-                               | st.lists(texts, max_size=2) | texts),
-                    "max_tokens": few_tokens}, OPENAI)
-LLAMA = body({"prompt": (st.text(min_size=1, max_size=12) | prompt_ids,
-                         st.lists(ids, max_size=6) | st.lists(ids | texts, max_size=4) | texts),
-              "n_predict": few_tokens},
-             {**SAMPLING, "repeat_penalty": (st.floats(0.5, 2), numbers), "repeat_last_n": (st.integers(0, 64), numbers),
-              "ignore_eos": (st.booleans(), numbers), "stop": (st.lists(st.text(max_size=4), max_size=3),
-                                                               st.lists(texts, max_size=20) | texts)})
+CHAT = body(
+    {
+        "messages": (
+            st.lists(good_message, min_size=1, max_size=3),
+            st.lists(any_message, max_size=3) | st.lists(anything, max_size=2),
+        ),
+        "max_tokens": few_tokens,
+    },
+    {**OPENAI, "max_completion_tokens": few_tokens},
+)
+COMPLETIONS = body(
+    {
+        "prompt": (
+            st.text(min_size=1, max_size=12) | prompt_ids | st.lists(prompt_ids, min_size=1, max_size=1),
+            st.lists(ids, max_size=6)
+            | st.lists(st.lists(ids, max_size=4), max_size=2)
+            | st.lists(texts, max_size=2)
+            | texts,
+        ),
+        "max_tokens": few_tokens,
+    },
+    OPENAI,
+)
+LLAMA = body(
+    {
+        "prompt": (
+            st.text(min_size=1, max_size=12) | prompt_ids,
+            st.lists(ids, max_size=6) | st.lists(ids | texts, max_size=4) | texts,
+        ),
+        "n_predict": few_tokens,
+    },
+    {
+        **SAMPLING,
+        "repeat_penalty": (st.floats(0.5, 2), numbers),
+        "repeat_last_n": (st.integers(0, 64), numbers),
+        "ignore_eos": (st.booleans(), numbers),
+        "stop": (st.lists(st.text(max_size=4), max_size=3), st.lists(texts, max_size=20) | texts),
+    },
+)
 UNLOAD = body({}, {"model": (st.sampled_from(["default", "nope"]), texts), "force": (st.booleans(), numbers | texts)})
-VOICE = body({}, {"service": (st.sampled_from(["stt", "tts"]), st.just("wake") | texts),
-                  "event": (st.sampled_from(["start", "stop"]), st.just("maybe") | texts),
-                  "session": (st.text(max_size=6), numbers)})
+VOICE = body(
+    {},
+    {
+        "service": (st.sampled_from(["stt", "tts"]), st.just("wake") | texts),
+        "event": (st.sampled_from(["start", "stop"]), st.just("maybe") | texts),
+        "session": (st.text(max_size=6), numbers),
+    },
+)
 
 
 # -- the depth scan on its own ------------------------------------------------------------------------
+
 
 def _depth(value: Any) -> int:
     """The reference: nesting depth by recursion (fine at the sizes generated)."""
@@ -219,9 +328,14 @@ def _depth(value: Any) -> int:
 
 
 @settings(max_examples=200, deadline=None, derandomize=True, database=None)
-@given(st.recursive(scalars | st.sampled_from(['"[', '\\"[{', "\\", "]}\\\\"]),
-                    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=4), c, max_size=3),
-                    max_leaves=30), st.booleans())
+@given(
+    st.recursive(
+        scalars | st.sampled_from(['"[', '\\"[{', "\\", "]}\\\\"]),
+        lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=4), c, max_size=3),
+        max_leaves=30,
+    ),
+    st.booleans(),
+)
 def test_max_depth_agrees_with_a_recursive_count(value: Any, ascii_: bool) -> None:
     """The scan's depth of any JSON document (brackets and escapes inside strings too) equals a recursive count."""
     raw = json.dumps(value, ensure_ascii=ascii_)
@@ -249,12 +363,16 @@ def test_engine_refuses_prompt_ids_outside_the_vocabulary() -> None:
     """The engine itself names the first prompt id outside 0..n_vocab-1 (negative ones too) before generating."""
     model = shared_model(require(SMOLLM2))
     for bad, i in (([1, N_VOCAB], 1), ([-1, 2], 0)):
-        with pytest.raises(ValueError, match=rf"prompt\[{i}\]: token id {bad[i]} is outside the vocabulary "
-                                             rf"\(0\.\.{N_VOCAB - 1}\)"):
+        with pytest.raises(
+            ValueError,
+            match=rf"prompt\[{i}\]: token id {bad[i]} is outside the vocabulary "
+            rf"\(0\.\.{N_VOCAB - 1}\)",
+        ):
             model.generate(bad, SamplingParams(max_tokens=1))
 
 
 # -- regressions: the 500s a probe found -------------------------------------------------------------
+
 
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("depth", [1_000, 100_000])
@@ -290,9 +408,11 @@ def test_token_ids_outside_the_vocabulary_are_a_400_naming_the_id(api: httpx.Cli
         r = post(api, route, {**request, "stream": stream})
         shown = str(bad) if bad is not None else "1000000000000000000... (41 digits)"
         assert_error(r, 400, f"{param}: token id {shown} is outside the vocabulary {vocab}", param)
-    for route, request in (("/v1/completions", {"prompt": [0, N_VOCAB - 1], "max_tokens": 1}),
-                           ("/v1/completions", {"prompt": [[1, 2]], "max_tokens": 1}),
-                           ("/completion", {"prompt": [N_VOCAB - 1, 0], "n_predict": 1})):
+    for route, request in (
+        ("/v1/completions", {"prompt": [0, N_VOCAB - 1], "max_tokens": 1}),
+        ("/v1/completions", {"prompt": [[1, 2]], "max_tokens": 1}),
+        ("/completion", {"prompt": [N_VOCAB - 1, 0], "n_predict": 1}),
+    ):
         r = post(api, route, {**request, "stream": stream})
         assert r.status_code == 200 and assert_clean(r) is None, r.text
 
@@ -309,8 +429,12 @@ def test_parseable_but_invalid_values_are_named_400s(api: httpx.Client) -> None:
         ("/v1/chat/completions", {**chat, "stop": ["x"] * 17}, "stop", "at most 16 stop strings"),
         ("/completion", {"prompt": "Hi", "n_predict": 1, "stop": ["x"] * 17}, "stop", "at most 16 stop strings"),
         ("/v1/chat/completions", {**chat, "stop": ["ok", "y" * 1025]}, "stop[1]", "at most 1024 characters"),
-        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 1}',
-         "messages.0.content", "lone UTF-16 surrogate"),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 1}',
+            "messages.0.content",
+            "lone UTF-16 surrogate",
+        ),
         ("/v1/chat/completions", {**chat, "model": "m" * 257}, "model", "at most 256 characters"),
         ("/v1/chat/completions", {**chat, "n": 2}, "n", "n must be 1"),
         ("/v1/chat/completions", {**chat, "messages": []}, "messages", "at least 1 item"),
@@ -319,11 +443,19 @@ def test_parseable_but_invalid_values_are_named_400s(api: httpx.Client) -> None:
         ("/v1/completions", {"prompt": [[1], [2]], "max_tokens": 1}, "prompt", "one prompt per request"),
         ("/v1/completions", {"prompt": "Hi", "max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
         ("/v1/completions", {"prompt": "Hi " * 4200, "max_tokens": 1}, None, "context"),
-        ("/completion", {"prompt": [1, "x"], "n_predict": 1}, "prompt",
-         "a list prompt holds token ids (integers), all of one kind; got strings and token ids (integers)"),
+        (
+            "/completion",
+            {"prompt": [1, "x"], "n_predict": 1},
+            "prompt",
+            "a list prompt holds token ids (integers), all of one kind; got strings and token ids (integers)",
+        ),
         ("/v1/completions", {"prompt": [[1], 2], "max_tokens": 1}, "prompt", "all of one kind"),
-        ("/completion", {"prompt": "Hi", "n_predict": 1, "repeat_penalty": 5e-324}, "repeat_penalty",
-         "greater than or equal to 0.000001"),
+        (
+            "/completion",
+            {"prompt": "Hi", "n_predict": 1, "repeat_penalty": 5e-324},
+            "repeat_penalty",
+            "greater than or equal to 0.000001",
+        ),
     ]
     for route, request, param, words in cases:
         r = post(api, route, request)
@@ -336,8 +468,11 @@ def test_a_vanishing_temperature_is_greedy(api: httpx.Client) -> None:
     """A temperature of 5e-324 (valid, but logits / T overflows) answers as temperature 0 does."""
     texts = []
     for temperature in (0, 5e-324, 1e-31):
-        r = post(api, "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 3,
-                                          "temperature": temperature, "seed": 1})
+        r = post(
+            api,
+            "/v1/completions",
+            {"prompt": "The capital of France is", "max_tokens": 3, "temperature": temperature, "seed": 1},
+        )
         assert r.status_code == 200, r.text
         texts.append(r.json()["choices"][0]["text"])
     assert texts[0] == texts[1] == texts[2] and texts[0]
@@ -356,12 +491,17 @@ def test_an_unexpected_exception_in_a_route_is_a_json_500(daemon: Supervisor, ap
     finally:
         del sup.status
     assert r.status_code == 500 and r.headers["content-type"].startswith("application/json")
-    assert r.json()["error"] == {"message": "internal error: RuntimeError", "type": "server_error",
-                                 "param": None, "code": "internal_error"}
+    assert r.json()["error"] == {
+        "message": "internal error: RuntimeError",
+        "type": "server_error",
+        "param": None,
+        "code": "internal_error",
+    }
     assert api.get("/status").status_code == 200
 
 
 # -- generated bad input, route by route (voice events and unload last: they change state) ------------
+
 
 @GENERATED
 @given(CHAT)

@@ -69,20 +69,32 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     (tmp / "api-key").write_text(KEY + "\n", encoding="utf-8")
     port = _free_port()
     cfg = tmp / "supervisor.yaml"
-    cfg.write_text("\n".join([
-        "log: {level: debug, format: json}",
-        "telemetry: {platform: simulated, interval_s: 0.05}",
-        f"policy: {{path: {write_policy(tmp / 'p.yaml')}, watch: false}}",
-        "engine: {backend: auto, n_ctx: 512}",
-        f"http: {{listen: '127.0.0.1:{port}', cors_origins: ['{ORIGIN}'], allowed_hosts: [genie.lan]}}",
-        "api: {api_key_file: api-key, warmup: false}",
-        "models:",
-        f"  {MODEL_ID}: {{path: {model}, roles: [default], resident: true}}",
-        f"  spare: {{path: {model}}}",  # never loaded: POST /unload of it is a harmless 200
-    ]) + "\n", encoding="utf-8")
+    cfg.write_text(
+        "\n".join(
+            [
+                "log: {level: debug, format: json}",
+                "telemetry: {platform: simulated, interval_s: 0.05}",
+                f"policy: {{path: {write_policy(tmp / 'p.yaml')}, watch: false}}",
+                "engine: {backend: auto, n_ctx: 512}",
+                f"http: {{listen: '127.0.0.1:{port}', cors_origins: ['{ORIGIN}'], allowed_hosts: [genie.lan]}}",
+                "api: {api_key_file: api-key, warmup: false}",
+                "models:",
+                f"  {MODEL_ID}: {{path: {model}, roles: [default], resident: true}}",
+                f"  spare: {{path: {model}}}",  # never loaded: POST /unload of it is a harmless 200
+            ]
+        )
+        + "\n",
+        encoding="utf-8",
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC")}
-    proc = subprocess.Popen([sys.executable, "-m", "genie_supervisor", "run", "--config", str(cfg)], cwd=tmp,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "genie_supervisor", "run", "--config", str(cfg)],
+        cwd=tmp,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     out = _Lines(proc)
     try:
         out.wait_for('"supervisor_ready"', 90)
@@ -103,7 +115,9 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
 CHAT = {"model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "temperature": 0}
 ROUTES = [
     pytest.param("POST", "/v1/chat/completions", CHAT, id="openai-chat"),
-    pytest.param("POST", "/v1/completions", {"model": "default", "prompt": "Hi", "max_tokens": 1}, id="openai-completions"),
+    pytest.param(
+        "POST", "/v1/completions", {"model": "default", "prompt": "Hi", "max_tokens": 1}, id="openai-completions"
+    ),
     pytest.param("GET", "/v1/models", None, id="openai-models"),
     pytest.param("POST", "/completion", {"prompt": "Hi", "n_predict": 1}, id="llama-completion"),
     pytest.param("GET", "/status", None, id="ops-status"),
@@ -129,8 +143,13 @@ def _assert_401(r: httpx.Response) -> None:
 @pytest.mark.parametrize(("method", "path", "body"), ROUTES)
 def test_route_needs_the_key_in_either_header(daemon: Daemon, method: str, path: str, body: Any) -> None:
     """Each route family answers 401 without the key or with a wrong one, and 2xx with it as Bearer or x-api-key."""
-    with daemon.client(None) as anon, daemon.client(WRONG) as wrong, daemon.client(WRONG, "x-api-key") as wrong_x, \
-            daemon.client(KEY) as bearer, daemon.client(KEY, "x-api-key") as xkey:
+    with (
+        daemon.client(None) as anon,
+        daemon.client(WRONG) as wrong,
+        daemon.client(WRONG, "x-api-key") as wrong_x,
+        daemon.client(KEY) as bearer,
+        daemon.client(KEY, "x-api-key") as xkey,
+    ):
         for refused in (anon, wrong, wrong_x):
             _assert_401(_call(refused, method, path, body))
         with daemon.client(None, headers={"Authorization": f"Basic {KEY}"}) as basic:
@@ -155,8 +174,10 @@ def test_openai_client_with_the_key_works_and_a_wrong_key_raises(daemon: Daemon)
         reply = good.chat.completions.create(**CHAT)
         assert reply.choices[0].finish_reason in ("stop", "length")
         assert [m.id for m in good.models.list().data] == [MODEL_ID, "spare"]
-    with openai.OpenAI(base_url=f"{daemon.base}/v1", api_key=WRONG, max_retries=0, timeout=60) as bad, \
-            pytest.raises(openai.AuthenticationError) as info:
+    with (
+        openai.OpenAI(base_url=f"{daemon.base}/v1", api_key=WRONG, max_retries=0, timeout=60) as bad,
+        pytest.raises(openai.AuthenticationError) as info,
+    ):
         bad.chat.completions.create(**CHAT)
     assert info.value.status_code == 401 and info.value.code == "invalid_api_key"
 
@@ -190,8 +211,11 @@ def test_cors_preflight_for_a_listed_origin_and_refusal_for_another(daemon: Daem
 def test_cross_origin_unload_is_refused_and_the_model_stays_loaded(daemon: Daemon) -> None:
     """POST /unload from an unlisted Origin (even with the key, even with an empty body) gets 403; the model stays ready."""
     with daemon.client(headers={"Origin": EVIL}) as page, daemon.client() as http:
-        for r in (page.post("/unload"), page.post("/unload", json={"model": MODEL_ID, "force": True}),
-                  page.post("/unload", headers={"Origin": "null"})):
+        for r in (
+            page.post("/unload"),
+            page.post("/unload", json={"model": MODEL_ID, "force": True}),
+            page.post("/unload", headers={"Origin": "null"}),
+        ):
             assert r.status_code == 403, r.text
             assert r.json()["error"]["code"] == "origin_not_allowed"
         running = http.get("/running").json()["running"]
@@ -211,8 +235,9 @@ def test_text_plain_voice_event_is_refused_and_the_gate_stays_open(daemon: Daemo
         status = http.get("/status").json()
         assert status["voice"]["stt_active"] is False and status["gate"]["mode"] == "open"
         for ctype in ("application/json; charset=utf-8", "application/merge-patch+json"):
-            r = http.post("/v1/voice/events", content=b'{"service": "tts", "event": "stop"}',
-                          headers={"Content-Type": ctype})
+            r = http.post(
+                "/v1/voice/events", content=b'{"service": "tts", "event": "stop"}', headers={"Content-Type": ctype}
+            )
             assert r.status_code == 200, (ctype, r.text)
         assert http.post("/unload", json={"model": "spare"}).status_code == 200
         r = http.post("/v1/voice/events", headers={"Content-Type": "text/plain"})  # empty: the route's own 400
@@ -229,14 +254,20 @@ def test_a_host_that_is_not_this_daemon_is_refused(daemon: Daemon) -> None:
                 assert r.json()["error"]["code"] == "host_not_allowed"
         r = http.post("/unload", json={"model": MODEL_ID}, headers={"Host": "evil.example"})
         assert r.status_code == 403
-        for host in (f"localhost:{daemon.port}", f"127.0.0.1:{daemon.port}", "genie.lan", f"GENIE.LAN:{daemon.port}",
-                     "192.168.1.20:8080"):
+        for host in (
+            f"localhost:{daemon.port}",
+            f"127.0.0.1:{daemon.port}",
+            "genie.lan",
+            f"GENIE.LAN:{daemon.port}",
+            "192.168.1.20:8080",
+        ):
             assert http.get("/v1/models", headers={"Host": host}).status_code == 200, host
         assert http.get("/running").json()["running"][0]["state"] == "ready"
 
 
-def test_status_command_sends_the_key_from_the_environment(daemon: Daemon, monkeypatch: pytest.MonkeyPatch,
-                                                           capsys: pytest.CaptureFixture[str]) -> None:
+def test_status_command_sends_the_key_from_the_environment(
+    daemon: Daemon, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """`genie-supervisor status` passes $GENIE_API_KEY; without it, it exits 1 saying how to give the key."""
     args = argparse.Namespace(url=daemon.base)
     monkeypatch.delenv("GENIE_API_KEY", raising=False)
@@ -284,17 +315,21 @@ def test_key_file_is_read_with_its_newline_stripped_and_never_dumped(tmp_path: P
     assert _config(tmp_path, "http: {listen: '127.0.0.1:1'}").api.key() is None
 
 
-@pytest.mark.parametrize(("body", "content", "message"), [
-    ("api: {api_key_file: missing}", None, "cannot read the API key file {dir}/missing"),
-    ("api: {api_key_file: k}", "\n", "the API key file {dir}/k is empty"),
-    ("api: {api_key_file: k, api_key: x}", "x", "give api_key or api_key_file, not both"),
-    ("api: {api_key: ''}", None, "the API key is empty"),
-    ("api: {api_key_file: '${GENIE_TEST_UNSET_VAR}/k'}", None, "$GENIE_TEST_UNSET_VAR is not set"),
-    ("http: {cors_origins: ['http://a.example/path']}", None, "expected an origin like http://HOST[:PORT]"),
-    ("http: {allowed_hosts: ['http://a.example']}", None, "expected a host name or IP address"),
-])
-def test_bad_key_or_origin_config_is_an_error_naming_file_and_key(tmp_path: Path, body: str, content: str | None,
-                                                                   message: str) -> None:
+@pytest.mark.parametrize(
+    ("body", "content", "message"),
+    [
+        ("api: {api_key_file: missing}", None, "cannot read the API key file {dir}/missing"),
+        ("api: {api_key_file: k}", "\n", "the API key file {dir}/k is empty"),
+        ("api: {api_key_file: k, api_key: x}", "x", "give api_key or api_key_file, not both"),
+        ("api: {api_key: ''}", None, "the API key is empty"),
+        ("api: {api_key_file: '${GENIE_TEST_UNSET_VAR}/k'}", None, "$GENIE_TEST_UNSET_VAR is not set"),
+        ("http: {cors_origins: ['http://a.example/path']}", None, "expected an origin like http://HOST[:PORT]"),
+        ("http: {allowed_hosts: ['http://a.example']}", None, "expected a host name or IP address"),
+    ],
+)
+def test_bad_key_or_origin_config_is_an_error_naming_file_and_key(
+    tmp_path: Path, body: str, content: str | None, message: str
+) -> None:
     """A missing or empty key file, two keys, an empty key, a path as origin: a config error naming the file."""
     if content is not None:
         (tmp_path / "k").write_text(content, encoding="utf-8")
@@ -311,8 +346,9 @@ def test_host_rules_follow_the_listen_address_and_the_key(tmp_path: Path) -> Non
     assert loop.host_ok("localhost:8080") and loop.host_ok("127.0.0.1:8080") and loop.host_ok("[::1]:8080")
     assert loop.host_ok("10.0.0.5") and not loop.host_ok("orin:8080") and not loop.host_ok("attacker.example")
     assert not loop.host_ok("") and not loop.host_ok(None) and not loop.host_ok("[::1") and not loop.host_ok("a:b:c")
-    lan = Guarded.from_config(_config(tmp_path, "http: {listen: '0.0.0.0:8080', allowed_hosts: [genie.lan]}"),
-                              hostname="orin.home")
+    lan = Guarded.from_config(
+        _config(tmp_path, "http: {listen: '0.0.0.0:8080', allowed_hosts: [genie.lan]}"), hostname="orin.home"
+    )
     assert all(lan.host_ok(h) for h in ("orin:8080", "orin.local", "orin.home", "genie.lan", "192.168.1.9:8080"))
     assert not lan.host_ok("attacker.example:8080")
     named = Guarded.from_config(_config(tmp_path, "http: {listen: 'orin.lan:8080'}"), hostname="orin")

@@ -30,14 +30,21 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def _policy(budget: float, classes: list[dict[str, Any]], default: str) -> Policy:
-    return Policy.model_validate({"version": 1, "name": "p", "memory": {"llm_budget_mb": budget},
-                                  "priorities": {"classes": classes, "default_class": default}})
+    return Policy.model_validate(
+        {
+            "version": 1,
+            "name": "p",
+            "memory": {"llm_budget_mb": budget},
+            "priorities": {"classes": classes, "default_class": default},
+        }
+    )
 
 
 def _parts(arbiter: Arbiter) -> tuple[ModelManager, Admission]:
     cfg = Config()
-    manager = ModelManager(cfg, BackendContext(cfg, arbiter.gate, arbiter, lambda _obs: None),
-                           publish=lambda _obs: None)
+    manager = ModelManager(
+        cfg, BackendContext(cfg, arbiter.gate, arbiter, lambda _obs: None), publish=lambda _obs: None
+    )
     return manager, Admission(max_running=1, max_queue=8)
 
 
@@ -61,8 +68,16 @@ async def test_policy_reload_reaches_manager_and_admission_through_the_arbiter_b
     store, arbiter = StateStore(), Arbiter(DecodeGate())
     manager, admission = _parts(arbiter)
     arbiter.attach(models=manager, admission=admission)
-    box = {"policy": _policy(512, [{"name": "voice", "max_queue": 2, "max_wait_s": 5},
-                                   {"name": "background", "max_queue": 4, "max_wait_s": 60}], "background")}
+    box = {
+        "policy": _policy(
+            512,
+            [
+                {"name": "voice", "max_queue": 2, "max_wait_s": 5},
+                {"name": "background", "max_queue": 4, "max_wait_s": 60},
+            ],
+            "background",
+        )
+    }
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
             await tg.start(arbiter.run, store, lambda: box["policy"])
@@ -71,13 +86,22 @@ async def test_policy_reload_reaches_manager_and_admission_through_the_arbiter_b
             with pytest.raises(UnknownPriority, match="'tool' is not one of voice, background"):
                 admission.resolve("tool")
 
-            box["policy"] = _policy(1024, [{"name": "voice", "max_queue": 2, "max_wait_s": 5},
-                                           {"name": "tool", "max_queue": 0, "max_wait_s": 9},
-                                           {"name": "background", "max_queue": 4, "max_wait_s": 60}], "tool")
+            box["policy"] = _policy(
+                1024,
+                [
+                    {"name": "voice", "max_queue": 2, "max_wait_s": 5},
+                    {"name": "tool", "max_queue": 0, "max_wait_s": 9},
+                    {"name": "background", "max_queue": 4, "max_wait_s": 60},
+                ],
+                "tool",
+            )
             store.set_policy("p", None)  # what a reload does (Supervisor._on_policy); no await follows
             assert manager.budget_mb == 1024
-            assert admission.classes() == [PriorityClass("voice", 2, 5.0), PriorityClass("tool", 0, 9.0),
-                                           PriorityClass("background", 4, 60.0)]
+            assert admission.classes() == [
+                PriorityClass("voice", 2, 5.0),
+                PriorityClass("tool", 0, 9.0),
+                PriorityClass("background", 4, 60.0),
+            ]
             assert admission.resolve(None) == "tool" and admission.resolve("tool") == "tool"
             async with admission.slot("tool"):
                 with pytest.raises(QueueFull, match=r"the queue of class tool is full \(0 waiting\)"):
@@ -94,7 +118,10 @@ def test_manager_and_admission_without_an_arbiter_use_the_builtin_policy_default
     assert manager.budget_mb == decided.llm_budget_mb == 2560
     assert admission.classes() == list(decided.priorities.classes) == list(DEFAULT_PRIORITIES.classes)
     assert [(c.name, c.max_queue, c.max_wait_s) for c in admission.classes()] == [
-        ("voice", 4, 5.0), ("tool", 8, 30.0), ("background", 16, 300.0)]
+        ("voice", 4, 5.0),
+        ("tool", 8, 30.0),
+        ("background", 16, 300.0),
+    ]
     assert admission.resolve(None) == decided.priorities.default_class == "background"
 
 
@@ -147,5 +174,6 @@ def test_models_and_admission_never_read_the_policy(module: str) -> None:
             imported += [a.name for a in node.names]
     assert imported, "the walk found the imports"
     assert not [m for m in imported if m.split(".")[:2] == ["genie_supervisor", "policy"]]
-    assert not [n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
-                and n.attr in ("policy", "policy_watcher")]
+    assert not [
+        n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr in ("policy", "policy_watcher")
+    ]

@@ -79,10 +79,7 @@ def test_hf_helpers_are_available() -> None:
     )
     messages = [{"role": "user", "content": "<a & b>"}, {"role": "assistant", "content": "x"}]
     out = render_chat(template, messages, bos_token="<s>", eos_token="</s>")
-    assert out == (
-        '<s>[{"role": "user", "content": "<a & b>"}, {"role": "assistant", "content": "x"}]'
-        "[user]4!</s>"
-    )
+    assert out == ('<s>[{"role": "user", "content": "<a & b>"}, {"role": "assistant", "content": "x"}][user]4!</s>')
 
 
 @pytest.mark.parametrize(

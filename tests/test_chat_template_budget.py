@@ -41,15 +41,15 @@ GEMMA3_TEMPLATE = (
     "    {%- endif -%}\n"
     "    {%- set loop_messages = messages[1:] -%}\n"
     "{%- else -%}\n"
-    "    {%- set first_user_prefix = \"\" -%}\n"
+    '    {%- set first_user_prefix = "" -%}\n'
     "    {%- set loop_messages = messages -%}\n"
     "{%- endif -%}\n"
     "{%- for message in loop_messages -%}\n"
     "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
-    "        {{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}\n"
+    '        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}\n'
     "    {%- endif -%}\n"
     "    {%- if (message['role'] == 'assistant') -%}\n"
-    "        {%- set role = \"model\" -%}\n"
+    '        {%- set role = "model" -%}\n'
     "    {%- else -%}\n"
     "        {%- set role = message['role'] -%}\n"
     "    {%- endif -%}\n"
@@ -65,7 +65,7 @@ GEMMA3_TEMPLATE = (
     "            {%- endif -%}\n"
     "        {%- endfor -%}\n"
     "    {%- else -%}\n"
-    "        {{ raise_exception(\"Invalid content type\") }}\n"
+    '        {{ raise_exception("Invalid content type") }}\n'
     "    {%- endif -%}\n"
     "    {{ '<end_of_turn>\n' }}\n"
     "{%- endfor -%}\n"
@@ -150,13 +150,11 @@ def test_time_budget_is_checked_inside_the_render() -> None:
         ("{% for a in range(100000) %}{% for b in range(100000) if false %}{% endfor %}{% endfor %}", "steps"),
         ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "depth"),
         ("{% for x in [1] recursive %}{{ loop([1]) }}{% endfor %}", "depth"),
-        ("{% macro f(n) %}{% if n < 40 %}{{ f(n + 1) }}{{ f(n + 1) }}{% endif %}{% endmacro %}{{ f(0) }}",
-         "steps"),
+        ("{% macro f(n) %}{% if n < 40 %}{{ f(n + 1) }}{{ f(n + 1) }}{% endif %}{% endmacro %}{{ f(0) }}", "steps"),
         # strings and lists that double, join or pad past the size bound
         ("{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}", "chars"),
         ("{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}{% endfor %}", "chars"),
-        ("{% set ns = namespace(s=['x']) %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
-         "chars"),
+        ("{% set ns = namespace(s=['x']) %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}{% endfor %}", "chars"),
         ("{% set l = ['x' * 1000] * 1000 %}{{ (l + l + l + l + l) | join }}", "chars"),
         ("{% set l = ['x' * 1000] * 1000 %}{{ ''.join(l + l + l + l + l) }}", "chars"),
         ("{% set l = ['x' * 1000] * 1000 %}{{ (l + l + l + l + l) | join(attribute='upper') }}", "chars"),
@@ -308,8 +306,10 @@ LATE_RUNAWAY = "{% if messages | length > 5 %}" + NESTED_LOOPS + "{% endif %}" +
 async def test_api_answers_400_for_a_chat_past_the_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A chat the template cannot render within its budget gets a 400 naming the budget; the daemon keeps serving."""
     path = _synth_with_template(tmp_path, monkeypatch, LATE_RUNAWAY, "late")
-    sup = make_api_supervisor(tmp_path, f"models:\n  late: {{path: {path}, resident: true}}\n"
-                                         "api: {max_running: 1, max_queue: 4, warmup: false}\n")
+    sup = make_api_supervisor(
+        tmp_path,
+        f"models:\n  late: {{path: {path}, resident: true}}\napi: {{max_running: 1, max_queue: 4, warmup: false}}\n",
+    )
     async with sup, http(sup) as client:
         r = await client.post("/v1/chat/completions", json={"messages": HI * 6, "max_tokens": 2})
         assert r.status_code == 400, r.text
@@ -318,4 +318,3 @@ async def test_api_answers_400_for_a_chat_past_the_budget(tmp_path: Path, monkey
         r = await client.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 2, "temperature": 0})
         assert r.status_code == 200, r.text
         assert isinstance(r.json()["choices"][0]["message"]["content"], str)
-

@@ -45,14 +45,31 @@ def test_shipped_example_loads_clean() -> None:
 
 def test_cli_overrides_win(tmp_path: Path) -> None:
     """CLI flags override the file; None flags are ignored."""
-    f = write(tmp_path, """
+    f = write(
+        tmp_path,
+        """
         http: {listen: 127.0.0.1:1}
         telemetry: {platform: linux}
-        """)
-    c = load_config(f, {"listen": "0.0.0.0:9000", "mqtt": "mqtt://broker:1884", "model": "/m.gguf",
-                        "policy": "/p.yaml", "platform": "simulated", "unused": None})
+        """,
+    )
+    c = load_config(
+        f,
+        {
+            "listen": "0.0.0.0:9000",
+            "mqtt": "mqtt://broker:1884",
+            "model": "/m.gguf",
+            "policy": "/p.yaml",
+            "platform": "simulated",
+            "unused": None,
+        },
+    )
     assert (c.http.listen, c.mqtt.url, c.engine.model, c.policy.path, c.telemetry.platform) == (
-        "0.0.0.0:9000", "mqtt://broker:1884", "/m.gguf", "/p.yaml", "simulated")
+        "0.0.0.0:9000",
+        "mqtt://broker:1884",
+        "/m.gguf",
+        "/p.yaml",
+        "simulated",
+    )
 
 
 def test_bad_override_is_reported() -> None:
@@ -63,17 +80,22 @@ def test_bad_override_is_reported() -> None:
 
 def test_relative_paths_resolve_against_the_file(tmp_path: Path) -> None:
     """Relative model and policy paths are taken relative to the config file's folder."""
-    f = write(tmp_path, """
+    f = write(
+        tmp_path,
+        """
         engine: {model: models/m.gguf}
         policy: {path: p.yaml}
-        """)
+        """,
+    )
     c = load_config(f)
     assert c.engine.model == str(tmp_path / "models/m.gguf") and c.policy.path == str(tmp_path / "p.yaml")
 
 
 def test_errors_name_file_line_key_value(tmp_path: Path) -> None:
     """Unknown keys, wrong types, bad values and cross-field rules are reported each at its line."""
-    f = write(tmp_path, """
+    f = write(
+        tmp_path,
+        """
         node_id: Box 1
         http:
           listen: nope
@@ -91,7 +113,8 @@ def test_errors_name_file_line_key_value(tmp_path: Path) -> None:
             proxy: {listen: "0.0.0.0:1", upstream: "127.0.0.1:2"}
         telemetry:
           platform: jetsonn
-        """)
+        """,
+    )
     assert errors_of(f) == [
         f"{f}:1 node_id: String should match pattern '^[a-z0-9_-]{{1,64}}$' (got 'Box 1')",
         f"{f}:3 http.listen: expected HOST:PORT with a port 1-65535, got 'nope'",
@@ -107,11 +130,14 @@ def test_errors_name_file_line_key_value(tmp_path: Path) -> None:
 
 def test_malformed_yaml(tmp_path: Path) -> None:
     """Malformed YAML is reported at the parser's line."""
-    f = write(tmp_path, """
+    f = write(
+        tmp_path,
+        """
         log:
           level: info
          format: json
-        """)
+        """,
+    )
     (err,) = errors_of(f)
     assert err.startswith(f"{f}:3: malformed YAML:")
 
@@ -124,30 +150,41 @@ def test_missing_file(tmp_path: Path) -> None:
 
 def test_bad_service_name(tmp_path: Path) -> None:
     """Service names must be safe in MQTT topics."""
-    f = write(tmp_path, """
+    f = write(
+        tmp_path,
+        """
         services:
           Whisper STT:
             kind: process
-        """)
+        """,
+    )
     assert errors_of(f) == [f"{f}:2 services.Whisper STT: service name 'Whisper STT' must be 1-64 of a-z, 0-9, _ and -"]
 
 
 def test_bad_cmdline_regex(tmp_path: Path) -> None:
     """A cmdline pattern must be a valid regular expression."""
-    f = write(tmp_path, """
+    f = write(
+        tmp_path,
+        """
         services:
           whisper:
             kind: process
             match:
               cmdline_pattern: "whisper("
-        """)
+        """,
+    )
     (err,) = errors_of(f)
     assert err.startswith(f"{f}:5 services.whisper.match.cmdline_pattern: not a valid regular expression")
 
 
-@pytest.mark.parametrize(("value", "expected"), [
-    ("127.0.0.1:8080", ("127.0.0.1", 8080)), ("tcp://host:10300", ("host", 10300)), ("[::1]:80", ("::1", 80)),
-])
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("127.0.0.1:8080", ("127.0.0.1", 8080)),
+        ("tcp://host:10300", ("host", 10300)),
+        ("[::1]:80", ("::1", 80)),
+    ],
+)
 def test_parse_hostport(value: str, expected: tuple[str, int]) -> None:
     """HOST:PORT, tcp://HOST:PORT and [v6]:PORT parse."""
     assert parse_hostport(value) == expected

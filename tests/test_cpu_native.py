@@ -31,10 +31,7 @@ def _f16(x: np.ndarray) -> np.ndarray:
 def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
     """float32 fused multiply-add: the product of two float32 values is exact in long double."""
     ld = np.longdouble
-    return (
-        np.asarray(a, F32).astype(ld) * np.asarray(b, F32).astype(ld)
-        + np.asarray(c, F32).astype(ld)
-    ).astype(F32)
+    return (np.asarray(a, F32).astype(ld) * np.asarray(b, F32).astype(ld) + np.asarray(c, F32).astype(ld)).astype(F32)
 
 
 def hsum8(acc: np.ndarray) -> np.ndarray:
@@ -118,9 +115,7 @@ def _k_values(type_name: str, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np
     if type_name == "Q6_K":
         ql = flat[:, 0:128].reshape(-1, 2, 64)
         qh = flat[:, 128:192].reshape(-1, 2, 32)
-        lo = np.stack(
-            [ql[:, :, :32] & 15, ql[:, :, 32:] & 15, ql[:, :, :32] >> 4, ql[:, :, 32:] >> 4], 2
-        )
+        lo = np.stack([ql[:, :, :32] & 15, ql[:, :, 32:] & 15, ql[:, :, :32] >> 4, ql[:, :, 32:] >> 4], 2)
         hi = np.stack([(qh >> s) & 3 for s in (0, 2, 4, 6)], axis=2)
         v = (lo | (hi << 4)).astype(np.int64) - 32
         sc = flat[:, 192:208].view(np.int8).astype(np.int64)
@@ -301,9 +296,7 @@ def test_simd_and_portable_paths_agree(lib, portable_lib, type_name: str) -> Non
     for rows in (33, 16):  # 16: the orders of llama.cpp's repacked Q4_K / Q6_K
         raw = random_blocks(type_name, rows, n, rng)
         x = rng.standard_normal((6, n)).astype(F32)  # 4 + 2 rows: the K-row dot and its remainder
-        assert np.array_equal(
-            native_gemm(lib, type_name, raw, x, 2), native_gemm(portable_lib, type_name, raw, x, 1)
-        )
+        assert np.array_equal(native_gemm(lib, type_name, raw, x, 2), native_gemm(portable_lib, type_name, raw, x, 1))
 
 
 def test_fp16_rounding_matches_numpy(lib) -> None:  # type: ignore[no-untyped-def]
@@ -329,17 +322,13 @@ def test_ops_keep_blocks_and_fuse(lib) -> None:  # type: ignore[no-untyped-def]
     b = QWeight(random_blocks("Q5_0", 16, 64, rng), "Q5_0", (16, 64))
     c = QWeight(random_blocks("Q8_0", 16, 64, rng), "Q8_0", (16, 64))
     same = ops.concat_rows([a, b])
-    assert (
-        isinstance(same, QWeight) and same.shape == (64, 64) and same.nbytes == a.nbytes + b.nbytes
-    )
+    assert isinstance(same, QWeight) and same.shape == (64, 64) and same.nbytes == a.nbytes + b.nbytes
     mixed = ops.concat_rows([a, b, c])
     assert isinstance(mixed, QParts) and mixed.shape == (80, 64)
     x = rng.standard_normal((3, 64)).astype(F32)
     bias = rng.standard_normal(80).astype(F32)
     y = ops.linear(x, mixed, bias)
-    want = np.concatenate(
-        [twin("Q5_0", a.raw, x), twin("Q5_0", b.raw, x), twin("Q8_0", c.raw, x)], axis=1
-    )
+    want = np.concatenate([twin("Q5_0", a.raw, x), twin("Q5_0", b.raw, x), twin("Q8_0", c.raw, x)], axis=1)
     assert np.array_equal(y, want + bias)
     rows = ops.embed_rows(c, np.array([3, 0, 3]), 64)
     assert np.array_equal(rows, dequantize(c.raw, "Q8_0", (16, 64))[[3, 0, 3]])
@@ -353,8 +342,7 @@ def test_fallback_build_says_why_the_better_one_failed(monkeypatch, caplog) -> N
     from engine.backends import cpu_native
 
     good = cpu_native._flag_sets()[-1]
-    monkeypatch.setattr(cpu_native, "_flag_sets",
-                        lambda extra=(): [good + ["-fno-such-flag-genie"], good])
+    monkeypatch.setattr(cpu_native, "_flag_sets", lambda extra=(): [good + ["-fno-such-flag-genie"], good])
     with caplog.at_level("WARNING", logger="engine.backends.cpu_native"):
         lib, why = cpu_native._build()
     assert lib is not None

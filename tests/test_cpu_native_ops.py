@@ -118,9 +118,7 @@ def _v_expf(x: np.ndarray) -> np.ndarray:
 def twin_swiglu(g: np.ndarray, u: np.ndarray) -> np.ndarray:
     nv = g.shape[-1] & ~7
     with np.errstate(over="ignore"):
-        e = np.concatenate(
-            [twin_v_expf((F32(0) - g[:, :nv]).astype(F32)), libm("expf", -g[:, nv:])], axis=1
-        )
+        e = np.concatenate([twin_v_expf((F32(0) - g[:, :nv]).astype(F32)), libm("expf", -g[:, nv:])], axis=1)
     return ((g / (F32(1) + e).astype(F32)).astype(F32) * u).astype(F32)
 
 
@@ -172,9 +170,7 @@ def twin_attention(q, kc, vc, start, window, scale):  # type: ignore[no-untyped-
                     vs = F32(_libm.expf(float(sc - m)))
                 acc = fma32(vh[ic], np.full(dv, vs, F32), acc).astype(F16).astype(F32)
                 s_sum = fma32(np.array(s_sum), np.array(ms), np.array(vs))[()]
-            out[ti, hi * dv : (hi + 1) * dv] = (acc * (F32(1) / s_sum if s_sum else F32(0))).astype(
-                F32
-            )
+            out[ti, hi * dv : (hi + 1) * dv] = (acc * (F32(1) / s_sum if s_sum else F32(0))).astype(F32)
     return out
 
 
@@ -211,9 +207,7 @@ def test_rms_norm_is_ggml_bit_for_bit(build: str, request: pytest.FixtureRequest
 
 
 @pytest.mark.parametrize("build", BUILDS)
-def test_rope_tables_and_rotation_are_ggml_bit_for_bit(
-    build: str, request: pytest.FixtureRequest
-) -> None:
+def test_rope_tables_and_rotation_are_ggml_bit_for_bit(build: str, request: pytest.FixtureRequest) -> None:
     """RoPE tables follow ggml's float theta recurrence with libm cosf/sinf; rotation fuses one multiply-add."""
     o = request.getfixturevalue(build)
     cos, sin = o.rope_tables(300, 64, 100000.0, 1.0)
@@ -278,6 +272,4 @@ def test_attention_rows_do_not_depend_on_batching(ops: NativeOps) -> None:
     vc = rng.standard_normal((3, 32, 64)).astype(F16)
     whole = ops.attention(q, kc, vc, 4, 0, 0.125)
     for i in range(9):
-        assert np.array_equal(
-            ops.attention(q[i : i + 1], kc, vc, 4 + i, 0, 0.125), whole[i : i + 1]
-        )
+        assert np.array_equal(ops.attention(q[i : i + 1], kc, vc, 4 + i, 0, 0.125), whole[i : i + 1])

@@ -26,8 +26,16 @@ from engine.synth import preset_config, write_config, write_synthetic_gguf  # no
 pytestmark = pytest.mark.gpu
 
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"]
-ACT = {"Q4_0": "q8_0", "Q4_1": "q8_0", "Q5_0": "q8_0", "Q5_1": "q8_0", "Q8_0": "q8_0",
-       "Q4_K": "q8_k", "Q5_K": "q8_k", "Q6_K": "q8_k"}
+ACT = {
+    "Q4_0": "q8_0",
+    "Q4_1": "q8_0",
+    "Q5_0": "q8_0",
+    "Q5_1": "q8_0",
+    "Q8_0": "q8_0",
+    "Q4_K": "q8_k",
+    "Q5_K": "q8_k",
+    "Q6_K": "q8_k",
+}
 
 
 @pytest.fixture(scope="module")
@@ -180,10 +188,17 @@ def test_argmax_on_device(ops: CupyOps) -> None:
 
 SHAPE = dict(n_layers=3, n_embd=256, n_ff=512, n_heads=4, n_kv_heads=2, n_vocab=512)
 MODEL_CASES = [
-    ("llama", "Q4_1", {}), ("llama", "F16", {}), ("llama", "Q5_0", {"tied": False}),
-    ("qwen2", "Q8_0", {}), ("qwen2", "Q5_1", {}), ("qwen2", "BF16", {}),
-    ("qwen3", "Q4_K", {"head_dim": 128}), ("qwen3", "Q6_K", {}), ("qwen3", "Q4_0", {}),
-    ("gemma3", "Q5_K", {"sliding_window": 16, "n_layers": 6}), ("gemma3", "F32", {"sliding_window": 16}),
+    ("llama", "Q4_1", {}),
+    ("llama", "F16", {}),
+    ("llama", "Q5_0", {"tied": False}),
+    ("qwen2", "Q8_0", {}),
+    ("qwen2", "Q5_1", {}),
+    ("qwen2", "BF16", {}),
+    ("qwen3", "Q4_K", {"head_dim": 128}),
+    ("qwen3", "Q6_K", {}),
+    ("qwen3", "Q4_0", {}),
+    ("gemma3", "Q5_K", {"sliding_window": 16, "n_layers": 6}),
+    ("gemma3", "F32", {"sliding_window": 16}),
 ]
 
 
@@ -201,9 +216,7 @@ def act_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
 
 
 @pytest.mark.parametrize("arch,t,extra", MODEL_CASES)
-def test_model_logits_match_numpy(
-    tmp_path: Path, arch: str, t: str, extra: dict, act_mode: str
-) -> None:
+def test_model_logits_match_numpy(tmp_path: Path, arch: str, t: str, extra: dict, act_mode: str) -> None:
     """Teacher-forced argmax agrees >= 99.5% (prefill path), decode steps agree too."""
     exact = act_mode == "exact" or t in ("F32", "F16", "BF16")
     kw = {**SHAPE, **extra}
@@ -224,9 +237,7 @@ def test_model_logits_match_numpy(
     assert _rel(steps, b[:40]) < (1e-3 if exact else 4e-2)
 
 
-def test_greedy_generation_identical_on_smollm2_shape(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_greedy_generation_identical_on_smollm2_shape(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """64 greedy tokens on a SmolLM2-135M-shaped Q4_1 model: CuPy == NumPy (activation
     rounding off: with it on, the two diverge after ~20-40 tokens on random weights; see act_mode)."""
     import engine.model
@@ -236,7 +247,9 @@ def test_greedy_generation_identical_on_smollm2_shape(
     prompt = np.random.default_rng(5).integers(0, 49152, 24).tolist()
     outs = []
     for backend in ("numpy", "cupy"):
-        m = load_model(p, backend=backend, n_ctx=256, kv_dtype="f32", options=EXACT)  # f16 rounding could flip a close call
+        m = load_model(
+            p, backend=backend, n_ctx=256, kv_dtype="f32", options=EXACT
+        )  # f16 rounding could flip a close call
         tf = m.transformer
         tf.kv.tokens = []
         logits = tf.ops.to_host(tf.forward(prompt, 0, last_n=1))[0]

@@ -31,16 +31,34 @@ pytestmark = pytest.mark.gpu
 
 SHAPE = dict(n_layers=3, n_embd=256, n_ff=512, n_heads=4, n_kv_heads=2, n_vocab=512)
 CASES = [
-    ("llama", "Q4_1", {}, "f16"), ("llama", "F16", {}, "f32"), ("llama", "Q5_0", {"tied": False}, "f16"),
-    ("qwen2", "Q8_0", {}, "f16"), ("qwen2", "Q5_1", {}, "f32"), ("qwen2", "BF16", {}, "f16"),
-    ("qwen3", "Q4_K", {"head_dim": 128}, "f16"), ("qwen3", "Q6_K", {}, "f16"), ("qwen3", "Q4_0", {}, "f16"),
-    ("qwen3", "Q4_K", {"type_overrides": {"blk.0.attn_v.weight": "Q6_K", "blk.1.ffn_up.weight": "Q6_K",
-                                          "blk.2.ffn_down.weight": "Q6_K"}}, "f16"),
+    ("llama", "Q4_1", {}, "f16"),
+    ("llama", "F16", {}, "f32"),
+    ("llama", "Q5_0", {"tied": False}, "f16"),
+    ("qwen2", "Q8_0", {}, "f16"),
+    ("qwen2", "Q5_1", {}, "f32"),
+    ("qwen2", "BF16", {}, "f16"),
+    ("qwen3", "Q4_K", {"head_dim": 128}, "f16"),
+    ("qwen3", "Q6_K", {}, "f16"),
+    ("qwen3", "Q4_0", {}, "f16"),
+    (
+        "qwen3",
+        "Q4_K",
+        {
+            "type_overrides": {
+                "blk.0.attn_v.weight": "Q6_K",
+                "blk.1.ffn_up.weight": "Q6_K",
+                "blk.2.ffn_down.weight": "Q6_K",
+            }
+        },
+        "f16",
+    ),
     ("gemma3", "Q5_K", {"sliding_window": 16, "n_layers": 6}, "f16"),
     ("gemma3", "F32", {"sliding_window": 16}, "f32"),
     # int8 KV cache: 8-lane attention (head size 64, 128), generic attention (96), sliding window
-    ("llama", "Q4_1", {}, "int8"), ("qwen3", "Q4_K", {"head_dim": 128}, "int8"),
-    ("qwen3", "Q8_0", {"head_dim": 96}, "int8"), ("gemma3", "Q5_K", {"sliding_window": 16, "n_layers": 6}, "int8"),
+    ("llama", "Q4_1", {}, "int8"),
+    ("qwen3", "Q4_K", {"head_dim": 128}, "int8"),
+    ("qwen3", "Q8_0", {"head_dim": 96}, "int8"),
+    ("gemma3", "Q5_K", {"sliding_window": 16, "n_layers": 6}, "int8"),
 ]
 
 
@@ -66,8 +84,7 @@ def act_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
 
 
 @pytest.mark.parametrize("arch,t,extra,kv", CASES)
-def test_decoder_logits_match_generic(tmp_path: Path, arch: str, t: str, extra: dict, kv: str,
-                                      act_mode: str) -> None:
+def test_decoder_logits_match_generic(tmp_path: Path, arch: str, t: str, extra: dict, kv: str, act_mode: str) -> None:
     """Prefill and decode mixed (generic chunk, decoder steps, generic chunk, decoder steps) give
     the logits of one generic pass over the whole sequence; past the sliding window for gemma3."""
     exact = act_mode == "exact" or t in ("F32", "F16", "BF16")
@@ -121,7 +138,9 @@ def test_greedy_generate_identical_on_smollm2_shape(tmp_path: Path, monkeypatch:
     monkeypatch.setattr(engine.model, "ACT_QUANT", {})
     p = write_config(tmp_path / "smol.gguf", preset_config("smollm2-135m-q4_1", seed=11))
     prompt = np.random.default_rng(5).integers(0, 49152, 24).tolist()
-    gpu = load_model(p, backend="cupy", n_ctx=256, kv_dtype="f32", options=EXACT)  # f16 rounding could flip a close call
+    gpu = load_model(
+        p, backend="cupy", n_ctx=256, kv_dtype="f32", options=EXACT
+    )  # f16 rounding could flip a close call
     assert gpu.decoder is not None and gpu.decoder.mode == "graph"
     a = _generate(gpu, prompt, 64)
     b = _generate(load_model(p, backend="numpy", n_ctx=256, kv_dtype="f32"), prompt, 64)
@@ -133,8 +152,7 @@ def test_eager_fallback_matches_graph(tmp_path: Path, monkeypatch: pytest.Monkey
     ids = np.random.default_rng(30).integers(0, SHAPE["n_vocab"], 30).tolist()
     outs = []
     for mode in ("graph", "eager"):
-        m = load_model(p, backend="cupy", n_ctx=64, kv_dtype="f16",
-                       options=replace(EXACT, cupy_decoder=mode))
+        m = load_model(p, backend="cupy", n_ctx=64, kv_dtype="f16", options=replace(EXACT, cupy_decoder=mode))
         assert m.decoder.mode == mode
         m.step_logits(ids[:5], 0)
         outs.append(np.stack([m.step_logits([ids[i]], i) for i in range(5, 30)]))
@@ -149,8 +167,9 @@ def test_programmatic_dependent_launch_matches_plain_launches(tmp_path: Path) ->
     if pdl_launcher() is None:
         pytest.skip("programmatic dependent launch needs compute capability 9.0 and a CUDA 12.3+ driver")
     over = {"blk.0.attn_v.weight": "Q6_K", "blk.1.ffn_down.weight": "Q6_K"}
-    p = write_synthetic_gguf(tmp_path / "m.gguf", "qwen3", weight_type="Q4_K", seed=9,
-                             type_overrides=over, head_dim=128, **SHAPE)
+    p = write_synthetic_gguf(
+        tmp_path / "m.gguf", "qwen3", weight_type="Q4_K", seed=9, type_overrides=over, head_dim=128, **SHAPE
+    )
     ids = np.random.default_rng(2).integers(0, SHAPE["n_vocab"], 40).tolist()
     m = load_model(p, backend="cupy", n_ctx=128, kv_dtype="f16", options=EXACT)
     dec = m.decoder
@@ -193,8 +212,16 @@ def test_steady_state_decode_allocates_nothing(tmp_path: Path) -> None:
 
 
 # --- the integer-dot GEMV (qgemv_<T>: int8 activations, __dp4a) ---------------------------------
-QCASES = [("Q4_K", 77, 2560), ("Q4_K", 1000, 9728), ("Q6_K", 333, 2560), ("Q6_K", 40, 9728),
-          ("Q4_1", 577, 576), ("Q4_1", 64, 1536), ("Q8_0", 301, 576), ("Q8_0", 50, 1536)]
+QCASES = [
+    ("Q4_K", 77, 2560),
+    ("Q4_K", 1000, 9728),
+    ("Q6_K", 333, 2560),
+    ("Q6_K", 40, 9728),
+    ("Q4_1", 577, 576),
+    ("Q4_1", 64, 1536),
+    ("Q8_0", 301, 576),
+    ("Q8_0", 50, 1536),
+]
 
 
 @pytest.mark.parametrize("epi", [0, 1, 2])
@@ -230,17 +257,30 @@ def test_qgemv_matches_numpy_and_float_path(t: str, rows: int, cols: int, epi: i
     else:
         g, u = acc[:rows], acc[rows:]
         ref = g / (1 + np.exp(-g)) * u
-    mod = cd._module(decode_src.source([t], n_heads=4, n_kv_heads=2, head_dim=64, v_head_dim=64,
-                                       rope_half=32, neox=True, kv_half=True, n_split=8))
+    mod = cd._module(
+        decode_src.source(
+            [t], n_heads=4, n_kv_heads=2, head_dim=64, v_head_dim=64, rope_half=32, neox=True, kv_half=True, n_split=8
+        )
+    )
     n_sm = int(cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["multiProcessorCount"])
     outs = {}
     for use_q in (True, False):
         cd.USE_QGEMV = use_q
         try:
             y = cp.asarray(y0 if epi == 1 else np.full(rows, np.nan, np.float32))
-            ls = cd.gemv_launches(mod.get_function, n_sm, qw, cp.asarray(x), cp.asarray(nw), eps, aq, y,
-                                  cp.asarray(bias) if epi == 0 else None, epi,
-                                  rows if epi == 2 else None)
+            ls = cd.gemv_launches(
+                mod.get_function,
+                n_sm,
+                qw,
+                cp.asarray(x),
+                cp.asarray(nw),
+                eps,
+                aq,
+                y,
+                cp.asarray(bias) if epi == 0 else None,
+                epi,
+                rows if epi == 2 else None,
+            )
         finally:
             cd.USE_QGEMV = True
         names = [ln.name for ln in ls]

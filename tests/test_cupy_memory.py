@@ -45,7 +45,8 @@ def test_pool_stays_within_the_memory_plan(tmp_path: Path, kv: str) -> None:
     assert plan.kv == tf.kv.nbytes
     assert dec is not None
     assert cupy_plan.decode_scratch_bytes(m.spec, dec.n_split) == dec.scratch_bytes, (
-        "CupyDecoder's buffers changed: update cupy_plan.decode_scratch_bytes")
+        "CupyDecoder's buffers changed: update cupy_plan.decode_scratch_bytes"
+    )
     assert plan.decode_scratch >= dec.scratch_bytes
 
     prompt = np.random.default_rng(2).integers(0, m.spec.n_vocab, 3000).tolist()
@@ -68,9 +69,12 @@ def test_pool_stays_within_the_memory_plan(tmp_path: Path, kv: str) -> None:
     assert ops._attn is not None and ops._attn.scores.nbytes == parts["prefill_scores"]
     rows = 0 if ops._attn.k is None else ops._attn.k.nbytes + ops._attn.v.nbytes
     assert rows == parts["prefill_kv_rows"]
-    print(f"\nkv {kv}: pool held {held / MIB:.1f} MiB, plan {plan.total / MIB:.1f} MiB "
-          f"(weights {plan.weights / MIB:.1f}, kv {plan.kv / MIB:.1f}, tables {plan.tables / MIB:.1f}, "
-          f"decode {plan.decode_scratch / MIB:.2f}, prefill {plan.prefill_scratch / MIB:.1f}: "
-          + ", ".join(f"{k} {v / MIB:.1f}" for k, v in plan.parts) + f"); plan/held {plan.total / held:.3f}")
+    print(
+        f"\nkv {kv}: pool held {held / MIB:.1f} MiB, plan {plan.total / MIB:.1f} MiB "
+        f"(weights {plan.weights / MIB:.1f}, kv {plan.kv / MIB:.1f}, tables {plan.tables / MIB:.1f}, "
+        f"decode {plan.decode_scratch / MIB:.2f}, prefill {plan.prefill_scratch / MIB:.1f}: "
+        + ", ".join(f"{k} {v / MIB:.1f}" for k, v in plan.parts)
+        + f"); plan/held {plan.total / held:.3f}"
+    )
     assert held <= plan.total
     assert plan.total <= 1.25 * held

@@ -35,11 +35,19 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 def model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Model]:
     """A 12-layer Qwen3-shaped Q4_K model, eager prefill (first-chunk graphs off: every chunk
     can be split into layer groups)."""
-    p = write_synthetic_gguf(tmp_path_factory.mktemp("preempt") / "m.gguf", "qwen3", weight_type="Q4_K",
-                             seed=5, n_layers=N_LAYERS, n_embd=512, n_ff=1536, n_heads=8, n_kv_heads=4,
-                             n_vocab=1024)
-    m = load_model(p, backend="cupy", n_ctx=2048, kv_dtype="f16",
-                   options=EngineOptions(cupy_prefill_graph=False))
+    p = write_synthetic_gguf(
+        tmp_path_factory.mktemp("preempt") / "m.gguf",
+        "qwen3",
+        weight_type="Q4_K",
+        seed=5,
+        n_layers=N_LAYERS,
+        n_embd=512,
+        n_ff=1536,
+        n_heads=8,
+        n_kv_heads=4,
+        n_vocab=1024,
+    )
+    m = load_model(p, backend="cupy", n_ctx=2048, kv_dtype="f16", options=EngineOptions(cupy_prefill_graph=False))
     assert m.transformer.ops.prefill_graphs is None
     yield m
 
@@ -68,8 +76,9 @@ class _Calls:
     def __init__(self, m: Model, mp: pytest.MonkeyPatch) -> None:
         self.n = 0
         ops, tf = m.transformer.ops, m.transformer
-        targets: list[tuple[Any, str]] = [(ops, n) for n in dir(type(ops))
-                                          if not n.startswith("__") and callable(getattr(ops, n))]
+        targets: list[tuple[Any, str]] = [
+            (ops, n) for n in dir(type(ops)) if not n.startswith("__") and callable(getattr(ops, n))
+        ]
         targets += [(tf, n) for n in ("forward", "begin", "run_layers", "end", "head")]
         if m.decoder is not None:
             targets += [(m.decoder, "_launch")]
@@ -82,6 +91,7 @@ class _Calls:
         def counted(*a: Any, **k: Any) -> Any:
             self.n += 1
             return fn(*a, **k)
+
         return counted
 
 
@@ -130,6 +140,7 @@ def _recorder(m: Model, mp: pytest.MonkeyPatch) -> list[np.ndarray]:
             if r is not None:
                 got.append(r)
             return r
+
         mp.setattr(m, name, rec)
     return got
 
@@ -190,8 +201,11 @@ def test_pause_during_long_prefill_parks_before_it_completes_and_launches_nothin
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("chunk,group", [(256, 0), (512, 3), (200, 1), (512, 5)],
-                         ids=["chunks-256", "groups-of-3", "groups-of-1", "groups-of-5-uneven"])
+@pytest.mark.parametrize(
+    "chunk,group",
+    [(256, 0), (512, 3), (200, 1), (512, 5)],
+    ids=["chunks-256", "groups-of-3", "groups-of-1", "groups-of-5-uneven"],
+)
 def test_prefill_paused_at_every_piece_equals_uninterrupted(
     model: Model, monkeypatch: pytest.MonkeyPatch, chunk: int, group: int
 ) -> None:

@@ -29,10 +29,17 @@ pytestmark = pytest.mark.gpu
 
 SHAPE = dict(n_layers=3, n_embd=256, n_ff=512, n_heads=4, n_kv_heads=2, n_vocab=512)
 MODEL_CASES = [
-    ("llama", "Q4_1", {}), ("llama", "F16", {}), ("llama", "Q5_0", {"tied": False}),
-    ("qwen2", "Q8_0", {}), ("qwen2", "Q5_1", {}), ("qwen2", "BF16", {}),
-    ("qwen3", "Q4_K", {"head_dim": 128}), ("qwen3", "Q6_K", {}), ("qwen3", "Q4_0", {}),
-    ("gemma3", "Q5_K", {"sliding_window": 16, "n_layers": 6}), ("gemma3", "F32", {"sliding_window": 16}),
+    ("llama", "Q4_1", {}),
+    ("llama", "F16", {}),
+    ("llama", "Q5_0", {"tied": False}),
+    ("qwen2", "Q8_0", {}),
+    ("qwen2", "Q5_1", {}),
+    ("qwen2", "BF16", {}),
+    ("qwen3", "Q4_K", {"head_dim": 128}),
+    ("qwen3", "Q6_K", {}),
+    ("qwen3", "Q4_0", {}),
+    ("gemma3", "Q5_K", {"sliding_window": 16, "n_layers": 6}),
+    ("gemma3", "F32", {"sliding_window": 16}),
 ]
 
 
@@ -53,8 +60,7 @@ def test_fp16_tiles_keep_teacher_forced_argmax(
     monkeypatch.setattr(engine.model, "ACT_QUANT", {})
     p = write_synthetic_gguf(tmp_path / "m.gguf", arch, weight_type=t, seed=7, **{**SHAPE, **extra})
     ids = np.random.default_rng(3).integers(0, SHAPE["n_vocab"], 300).tolist()
-    gpu = load_model(p, backend="cupy", n_ctx=512, kv_dtype="f16",
-                     options=EngineOptions(cupy_prefill="float16"))
+    gpu = load_model(p, backend="cupy", n_ctx=512, kv_dtype="f16", options=EngineOptions(cupy_prefill="float16"))
     assert gpu.transformer.ops.prefill_dtype == "float16"
     a = gpu.logits(ids)
     b = load_model(p, backend="numpy", n_ctx=512, kv_dtype="f16").logits(ids)
@@ -74,8 +80,11 @@ def test_auto_tiles_by_matrix_size() -> None:
 
     rng = np.random.default_rng(75)
     ops = CupyOps(prefill_dtype="auto")
-    for rows, cols, t, want in [(2048, 2048, "Q4_K", "float16"), (512, 256, "Q4_K", "float32"),
-                                (2048, 2048, "BF16", "float32")]:
+    for rows, cols, t, want in [
+        (2048, 2048, "Q4_K", "float16"),
+        (512, 256, "Q4_K", "float32"),
+        (2048, 2048, "BF16", "float32"),
+    ]:
         raw = quantize(rng.standard_normal((rows, cols), dtype=np.float32) / np.sqrt(cols), t)
         raw = raw.view(np.uint16) if t == "BF16" else raw
         info = TensorInfo("w", t, (rows, cols), raw)
@@ -126,11 +135,20 @@ def test_first_chunk_graph_matches_eager_prefill(tmp_path: Path, monkeypatch: py
     import engine.model
 
     monkeypatch.setattr(engine.model, "ACT_QUANT", {})
-    p = write_synthetic_gguf(tmp_path / "m.gguf", "llama", weight_type="Q4_1", seed=4, n_layers=2,
-                             n_embd=256, n_ff=512, n_heads=4, n_kv_heads=2, n_vocab=512)
+    p = write_synthetic_gguf(
+        tmp_path / "m.gguf",
+        "llama",
+        weight_type="Q4_1",
+        seed=4,
+        n_layers=2,
+        n_embd=256,
+        n_ff=512,
+        n_heads=4,
+        n_kv_heads=2,
+        n_vocab=512,
+    )
     rng = np.random.default_rng(3)
-    m = load_model(p, backend="cupy", n_ctx=256, kv_dtype="f32",
-                   options=EngineOptions(cupy_prefill="float32"))
+    m = load_model(p, backend="cupy", n_ctx=256, kv_dtype="f32", options=EngineOptions(cupy_prefill="float32"))
     tf = m.transformer
     graphs = tf.ops.prefill_graphs
     assert graphs is not None and graphs.buckets == (256,)

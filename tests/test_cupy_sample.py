@@ -107,8 +107,16 @@ def test_seeded_generation_samples_on_the_device(tmp_path: Path, monkeypatch: py
     m = load_model(p, backend="cupy", n_ctx=256)
     assert isinstance(m.decoder, CupyDecoder)
     prompt = np.random.default_rng(3).integers(0, SHAPE["n_vocab"], 12).tolist()
-    params = SamplingParams(temperature=0.9, top_k=200, top_p=0.95, min_p=0.01, repeat_penalty=1.1,
-                            max_tokens=64, ignore_eos=True, seed=1234)
+    params = SamplingParams(
+        temperature=0.9,
+        top_k=200,
+        top_p=0.95,
+        min_p=0.01,
+        repeat_penalty=1.1,
+        max_tokens=64,
+        ignore_eos=True,
+        seed=1234,
+    )
     # one run first, so every compared run takes the same path: the prompt's K/V from the prefix
     # cache and its last token through the decoder (a first run prefills it from the first-chunk
     # graph, whose padded GEMMs may round a q8 step differently: another, equally valid, draw)
@@ -120,8 +128,7 @@ def test_seeded_generation_samples_on_the_device(tmp_path: Path, monkeypatch: py
     b = _generate(m, prompt, params)
     assert a == b
 
-    def host_sample(self: CupyDecoder, token: int, pos: int, sp: SamplingParams, u: float,
-                    history: Any) -> int:
+    def host_sample(self: CupyDecoder, token: int, pos: int, sp: SamplingParams, u: float, history: Any) -> int:
         return Sampler(sp).pick(self.logits(token, pos), u, history)
 
     monkeypatch.setattr(CupyDecoder, "sample", host_sample)
@@ -135,8 +142,7 @@ def test_sampled_decode_allocates_nothing(tmp_path: Path) -> None:
     no device allocation, pool bytes unchanged."""
     p = write_synthetic_gguf(tmp_path / "m.gguf", "qwen3", weight_type="Q4_K", seed=5, **SHAPE)
     m = load_model(p, backend="cupy", n_ctx=512, kv_dtype="f16")
-    sampler = Sampler(SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05,
-                                     repeat_penalty=1.1, seed=1))
+    sampler = Sampler(SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.1, seed=1))
     prompt = np.random.default_rng(1).integers(0, SHAPE["n_vocab"], 16).tolist()
     m.transformer.kv.tokens = []
     tok = int(np.argmax(m.step_logits(prompt, 0)))

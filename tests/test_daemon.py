@@ -93,8 +93,9 @@ class _StubModel:
     backend = "stub"
 
     def __init__(self, path: str) -> None:
-        self.info = ModelInfo(name="stub", arch="llama", backend="stub", n_ctx=512, n_vocab=10,
-                              weights_bytes=1, kv_bytes=1, path=path)
+        self.info = ModelInfo(
+            name="stub", arch="llama", backend="stub", n_ctx=512, n_vocab=10, weights_bytes=1, kv_bytes=1, path=path
+        )
 
 
 async def test_notify_ready_waits_for_every_component(tmp_path: Path) -> None:
@@ -117,15 +118,15 @@ async def test_notify_ready_waits_for_every_component(tmp_path: Path) -> None:
             received.append((await anyio.to_thread.run_sync(listener.recv, 4096)).decode())
 
     env = {"NOTIFY_SOCKET": sock_path, "WATCHDOG_USEC": "100000"}
-    sup = make_supervisor(tmp_path, policy=write_policy(tmp_path / "p.yaml"), model=model,
-                          environ=env, model_loader=slow_loader)
+    sup = make_supervisor(
+        tmp_path, policy=write_policy(tmp_path / "p.yaml"), model=model, environ=env, model_loader=slow_loader
+    )
     try:
         with anyio.fail_after(30):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(sup.run)
                 await recv_until("STATUS=starting")
-                await wait_for(sup, lambda: sup.http is not None and sup.http.serving
-                               and sup.engine.state == "loading")
+                await wait_for(sup, lambda: sup.http is not None and sup.http.serving and sup.engine.state == "loading")
                 async with client(sup) as http:  # HTTP is up while the model loads ...
                     assert (await http.get("/health")).json()["status"] == "loading"
                 assert not any("READY=1" in m for m in received)  # ... but READY waits for it
@@ -146,8 +147,14 @@ async def test_notify_ready_waits_for_every_component(tmp_path: Path) -> None:
 
 def _run(args: list[str], tmp_path: Path) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC")}
-    return subprocess.Popen([sys.executable, "-m", "genie_supervisor", "run", *args], cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return subprocess.Popen(
+        [sys.executable, "-m", "genie_supervisor", "run", *args],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
 
 
 def test_run_subprocess_sighup_reload_and_sigterm_exit(tmp_path: Path) -> None:
@@ -181,8 +188,9 @@ def test_run_subprocess_bad_policy_exits_1_with_file_line(tmp_path: Path) -> Non
     """`genie-supervisor run` with an invalid policy prints file:line key: message and exits 1."""
     bad = tmp_path / "bad.yaml"
     bad.write_text(BAD_POLICY, encoding="utf-8")
-    with _run(["--policy", str(bad), "--platform", "simulated", "--listen", f"127.0.0.1:{_free_port()}"],
-              tmp_path) as proc:
+    with _run(
+        ["--policy", str(bad), "--platform", "simulated", "--listen", f"127.0.0.1:{_free_port()}"], tmp_path
+    ) as proc:
         try:
             _, err = proc.communicate(timeout=30)
         finally:

@@ -71,8 +71,13 @@ def test_systemd_analyze_verify_passes(unit: Path, tmp_path: Path) -> None:
             (tmp_path / dropin.parent.name).mkdir()
             shutil.copy(dropin, tmp_path / dropin.parent.name / dropin.name)
     assert SYSTEMD_ANALYZE is not None
-    result = subprocess.run([SYSTEMD_ANALYZE, "verify", "--man=no", str(copy)], capture_output=True,
-                            text=True, timeout=30, env={**os.environ, "SYSTEMD_LOG_LEVEL": "warning"})
+    result = subprocess.run(
+        [SYSTEMD_ANALYZE, "verify", "--man=no", str(copy)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "SYSTEMD_LOG_LEVEL": "warning"},
+    )
     problems = [line for line in (result.stdout + result.stderr).splitlines() if unit.name in line]
     assert result.returncode == 0 and not problems, result.stdout + result.stderr
 
@@ -151,36 +156,52 @@ def test_mosquitto_accepts_the_broker_config_on_loopback_only(tmp_path: Path) ->
     text = (DEPLOY / "mosquitto" / "genie.conf").read_text()
     active = [line for line in text.splitlines() if line.strip() and not line.startswith("#")]
     assert [line for line in active if line.startswith("listener")] == ["listener 1883 127.0.0.1"]
-    [(up, why)] = _run_mosquitto(tmp_path, text.replace("listener 1883 127.0.0.1", f"listener {port} 127.0.0.1"),
-                                 [{"url": f"mqtt://127.0.0.1:{port}"}])
+    [(up, why)] = _run_mosquitto(
+        tmp_path,
+        text.replace("listener 1883 127.0.0.1", f"listener {port} 127.0.0.1"),
+        [{"url": f"mqtt://127.0.0.1:{port}"}],
+    )
     assert up, why + (tmp_path / "log").read_text()
 
 
-@pytest.mark.skipif(MOSQUITTO is None or shutil.which("mosquitto_passwd") is None or shutil.which("openssl") is None,
-                    reason="mosquitto, mosquitto_passwd and openssl are needed")
+@pytest.mark.skipif(
+    MOSQUITTO is None or shutil.which("mosquitto_passwd") is None or shutil.which("openssl") is None,
+    reason="mosquitto, mosquitto_passwd and openssl are needed",
+)
 def test_the_documented_lan_and_tls_sections_of_the_broker_config_work(tmp_path: Path) -> None:
     """Switched to its LAN and TLS sections, the broker config refuses anonymous clients and takes the user, over TLS too."""
     from tests.test_mqtt_security import make_pki
 
     pki = make_pki(tmp_path)
     passwd = tmp_path / "passwd"
-    subprocess.run(["mosquitto_passwd", "-b", "-c", str(passwd), "genie", "pw"], check=True, capture_output=True,
-                   timeout=10)
+    subprocess.run(
+        ["mosquitto_passwd", "-b", "-c", str(passwd), "genie", "pw"], check=True, capture_output=True, timeout=10
+    )
     plain, tls = _free_port(), _free_port()
     text = (DEPLOY / "mosquitto" / "genie.conf").read_text()
     text = text.replace("\nlistener 1883 127.0.0.1\nallow_anonymous true\n", "\n")
     text = re.sub(r"^#(LAN|TLS) ", "", text, flags=re.M)
-    for old, new in (("listener 1883", f"listener {plain} 127.0.0.1"), ("listener 8883", f"listener {tls} 127.0.0.1"),
-                     ("/etc/mosquitto/passwd", str(passwd)), ("/etc/mosquitto/certs/ca.crt", str(pki["ca"])),
-                     ("/etc/mosquitto/certs/server.crt", str(pki["server"])),
-                     ("/etc/mosquitto/certs/server.key", str(pki["server_key"]))):
+    for old, new in (
+        ("listener 1883", f"listener {plain} 127.0.0.1"),
+        ("listener 8883", f"listener {tls} 127.0.0.1"),
+        ("/etc/mosquitto/passwd", str(passwd)),
+        ("/etc/mosquitto/certs/ca.crt", str(pki["ca"])),
+        ("/etc/mosquitto/certs/server.crt", str(pki["server"])),
+        ("/etc/mosquitto/certs/server.key", str(pki["server_key"])),
+    ):
         assert re.search(rf"^{re.escape(old)}$|^\S+ {re.escape(old)}$", text, flags=re.M), old
         text = text.replace(old, new)
     user = {"username": "genie", "password": "pw"}
-    anonymous, ok, anonymous_tls, ok_tls = _run_mosquitto(tmp_path, text, [
-        {"url": f"mqtt://127.0.0.1:{plain}"}, {"url": f"mqtt://127.0.0.1:{plain}", **user},
-        {"url": f"mqtts://127.0.0.1:{tls}", "ca_file": str(pki["ca"])},
-        {"url": f"mqtts://127.0.0.1:{tls}", "ca_file": str(pki["ca"]), **user}])
+    anonymous, ok, anonymous_tls, ok_tls = _run_mosquitto(
+        tmp_path,
+        text,
+        [
+            {"url": f"mqtt://127.0.0.1:{plain}"},
+            {"url": f"mqtt://127.0.0.1:{plain}", **user},
+            {"url": f"mqtts://127.0.0.1:{tls}", "ca_file": str(pki["ca"])},
+            {"url": f"mqtts://127.0.0.1:{tls}", "ca_file": str(pki["ca"]), **user},
+        ],
+    )
     assert not anonymous[0] and "refused the connection" in anonymous[1], anonymous
     assert not anonymous_tls[0] and "refused the connection" in anonymous_tls[1], anonymous_tls
     assert ok[0] and ok_tls[0], (ok, ok_tls)

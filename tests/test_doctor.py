@@ -29,13 +29,16 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def write_policy(path: Path, budget_mb: float) -> Path:
-    path.write_text(f"version: 1\nname: test-{budget_mb:g}\nmemory:\n  llm_budget_mb: {budget_mb}\n"
-                    "thermal:\n  levels:\n    - {name: hot, enter_c: 90, leave_c: 85, action: pause}\n")
+    path.write_text(
+        f"version: 1\nname: test-{budget_mb:g}\nmemory:\n  llm_budget_mb: {budget_mb}\n"
+        "thermal:\n  levels:\n    - {name: hot, enter_c: 90, leave_c: 85, action: pause}\n"
+    )
     return path
 
 
-def write_config(tmp_path: Path, *, budget_mb: float = 2560, model: Path | None = None,
-                 mqtt: str | None = None, extra: str = "") -> Path:
+def write_config(
+    tmp_path: Path, *, budget_mb: float = 2560, model: Path | None = None, mqtt: str | None = None, extra: str = ""
+) -> Path:
     policy = write_policy(tmp_path / "policy.yaml", budget_mb)
     cfg = tmp_path / "supervisor.yaml"
     cfg.write_text(
@@ -43,8 +46,8 @@ def write_config(tmp_path: Path, *, budget_mb: float = 2560, model: Path | None 
         f"mqtt:\n  url: {mqtt or 'null'}\n"
         f"engine:\n  model: {model or 'null'}\n  backend: numpy\n  n_ctx: 4096\n"
         f"policy:\n  path: {policy}\n"
-        "telemetry:\n  platform: simulated\n  simulated:\n    mem_total_mb: 7620\n    mem_available_mb: 5000\n"
-        + extra)
+        "telemetry:\n  platform: simulated\n  simulated:\n    mem_total_mb: 7620\n    mem_available_mb: 5000\n" + extra
+    )
     return cfg
 
 
@@ -75,8 +78,9 @@ def test_model_that_fits_the_budget_passes_with_exit_0(tmp_path: Path, capsys: p
     assert "verdict: all good" in out
 
 
-def test_model_over_budget_fails_with_exit_1_and_the_numbers(tmp_path: Path,
-                                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_model_over_budget_fails_with_exit_1_and_the_numbers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A 400 MiB budget is below the weights alone: refused, and no context length would help."""
     cfg = write_config(tmp_path, budget_mb=400, model=require(SMOLLM2))
     code, out = doctor(capsys, "--config", str(cfg))
@@ -98,8 +102,7 @@ def test_over_budget_only_because_of_the_context_suggests_a_context_that_fits(tm
 
 def test_plan_above_available_memory_warns(tmp_path: Path) -> None:
     """Within budget but more than MemAvailable: starts (warn), the load would push others out."""
-    cfg = write_config(tmp_path, budget_mb=2560, model=require(SMOLLM2),
-                       extra="    temps_c: {cpu: 40}\n")
+    cfg = write_config(tmp_path, budget_mb=2560, model=require(SMOLLM2), extra="    temps_c: {cpu: 40}\n")
     cfg.write_text(cfg.read_text().replace("mem_available_mb: 5000", "mem_available_mb: 500"))
     checks = audit(str(cfg))
     assert by_name(checks)["memory"].status == "warn"
@@ -131,8 +134,7 @@ def test_not_a_gguf_fails(tmp_path: Path) -> None:
 # --- broker ------------------------------------------------------------------------------------
 
 
-def test_missing_broker_warns_and_fails_only_with_strict(tmp_path: Path,
-                                                         capsys: pytest.CaptureFixture[str]) -> None:
+def test_missing_broker_warns_and_fails_only_with_strict(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Nothing listens on the port: the daemon would still start (it reconnects), so warn."""
     cfg = write_config(tmp_path, mqtt=f"mqtt://127.0.0.1:{free_port()}")
     code, out = doctor(capsys, "--config", str(cfg))
@@ -232,7 +234,8 @@ def test_explicit_platform_that_cannot_work_fails(tmp_path: Path, capsys: pytest
 def test_board_line_reads_the_l4t_release(tmp_path: Path) -> None:
     (tmp_path / "etc").mkdir()
     (tmp_path / "etc" / "nv_tegra_release").write_text(
-        "# R36 (release), REVISION: 3.0, GCID: 36191598, BOARD: generic, EABI: aarch64, DATE: Mon May 6\n")
+        "# R36 (release), REVISION: 3.0, GCID: 36191598, BOARD: generic, EABI: aarch64, DATE: Mon May 6\n"
+    )
     assert l4t_release(str(tmp_path)) == (36, "R36.3.0")
     board = by_name(audit(str(write_config(tmp_path)), probes=Probes(root=str(tmp_path))))["board"]
     assert board.detail == "Jetson, L4T R36.3.0 (JetPack 6)"
@@ -264,8 +267,13 @@ def test_json_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
 
 
 def test_policy_level_above_the_kernel_trip_point_warns() -> None:
-    policy = Policy.model_validate({"version": 1, "name": "p", "thermal": {"levels": [
-        {"name": "hot", "enter_c": 100, "leave_c": 95, "action": "pause"}]}})
+    policy = Policy.model_validate(
+        {
+            "version": 1,
+            "name": "p",
+            "thermal": {"levels": [{"name": "hot", "enter_c": 100, "leave_c": 95, "action": "pause"}]},
+        }
+    )
     sample = TelemetrySample(platform="simulated", temps_c={"tj": 50.0}, trip_points_c={"tj": (99.0, 103.0)})
     check = check_thermal(sample, policy)
     assert check.status == "warn" and "first trip (99 °C)" in check.detail
@@ -275,14 +283,31 @@ def test_service_found_by_pid_file_with_a_healthy_upstream(tmp_path: Path) -> No
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         (tmp_path / "svc.pid").write_text(f"{proc.pid}\n")
-        svc = ServiceConfig.model_validate({"kind": "wyoming_stt", "match": {"pid_file": str(tmp_path / "svc.pid")},
-                                            "proxy": {"listen": "127.0.0.1:10300", "upstream": "127.0.0.1:10310"}})
-        check = check_service("whisper", svc, cgroup_root=str(tmp_path), wyoming=lambda h, p: (True, "describe ok"),
-                              http=lambda u, t: (True, "health 200"), bindable=lambda h, p: (True, "free"))
+        svc = ServiceConfig.model_validate(
+            {
+                "kind": "wyoming_stt",
+                "match": {"pid_file": str(tmp_path / "svc.pid")},
+                "proxy": {"listen": "127.0.0.1:10300", "upstream": "127.0.0.1:10310"},
+            }
+        )
+        check = check_service(
+            "whisper",
+            svc,
+            cgroup_root=str(tmp_path),
+            wyoming=lambda h, p: (True, "describe ok"),
+            http=lambda u, t: (True, "health 200"),
+            bindable=lambda h, p: (True, "free"),
+        )
         assert check.status == "ok", check
         assert check.detail == "wyoming_stt: 1 process(es), upstream 127.0.0.1:10310 answers"
-        down = check_service("whisper", svc, cgroup_root=str(tmp_path), wyoming=lambda h, p: (False, "refused"),
-                             http=lambda u, t: (True, ""), bindable=lambda h, p: (False, "Address in use"))
+        down = check_service(
+            "whisper",
+            svc,
+            cgroup_root=str(tmp_path),
+            wyoming=lambda h, p: (False, "refused"),
+            http=lambda u, t: (True, ""),
+            bindable=lambda h, p: (False, "Address in use"),
+        )
         assert down.status == "warn"
         assert "--uri tcp://127.0.0.1:10310" in down.fix and "free 127.0.0.1:10300" in down.fix
     finally:
@@ -297,8 +322,9 @@ def test_api_beyond_loopback_without_a_key_warns(tmp_path: Path) -> None:
     assert access.status == "warn" and "without a key" in access.detail and "api_key_file" in access.fix
     assert exit_code(list(checks.values()), strict=True) == 1
     (tmp_path / "api-key").write_text("k" * 40 + "\n")
-    keyed = by_name(audit(str(write_config(tmp_path, extra="api:\n  api_key_file: api-key\n")),
-                          {"listen": "0.0.0.0:18080"}))["api access"]
+    keyed = by_name(
+        audit(str(write_config(tmp_path, extra="api:\n  api_key_file: api-key\n")), {"listen": "0.0.0.0:18080"})
+    )["api access"]
     assert keyed.status == "ok" and "key required" in keyed.detail and "k" * 40 not in keyed.detail
     assert by_name(audit(str(write_config(tmp_path))))["api access"].status == "ok"
 

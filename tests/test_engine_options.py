@@ -21,9 +21,19 @@ SHAPE = dict(n_layers=2, n_embd=256, n_ff=512, n_heads=4, n_kv_heads=2, n_vocab=
 ENGINE = Path(__file__).resolve().parents[1] / "engine"
 
 
-VARIABLES = ("GENIE_THREADS", "OMP_NUM_THREADS", "GENIE_NATIVE_CFLAGS", "GENIE_QGEMV_UNROLL",
-             "GENIE_QGEMV_UNROLL_GLU", "GENIE_CUPY_PDL", "GENIE_CUPY_PREFILL", "GENIE_CUPY_PREFILL_GRAPH",
-             "GENIE_CUPY_DECODER", "GENIE_CUPY_ATTN_CHUNK", "GENIE_CUPY_ATTN_WARPS")
+VARIABLES = (
+    "GENIE_THREADS",
+    "OMP_NUM_THREADS",
+    "GENIE_NATIVE_CFLAGS",
+    "GENIE_QGEMV_UNROLL",
+    "GENIE_QGEMV_UNROLL_GLU",
+    "GENIE_CUPY_PDL",
+    "GENIE_CUPY_PREFILL",
+    "GENIE_CUPY_PREFILL_GRAPH",
+    "GENIE_CUPY_DECODER",
+    "GENIE_CUPY_ATTN_CHUNK",
+    "GENIE_CUPY_ATTN_WARPS",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -43,7 +53,12 @@ def test_defaults_are_the_engines_and_the_value_is_frozen() -> None:
     assert o == EngineOptions()
     assert (o.threads, o.native_cflags, o.qgemv_unroll, o.qgemv_unroll_glu, o.cupy_pdl) == (None, (), 2, 1, True)
     assert (o.cupy_prefill, o.cupy_prefill_graph, o.cupy_decoder, o.attn_chunk, o.attn_warps) == (
-        "auto", None, "graph", 32, 0)
+        "auto",
+        None,
+        "graph",
+        32,
+        0,
+    )
     with pytest.raises(FrozenInstanceError):
         o.threads = 3  # type: ignore[misc]
 
@@ -51,25 +66,42 @@ def test_defaults_are_the_engines_and_the_value_is_frozen() -> None:
 def test_from_env_parses_every_variable() -> None:
     """Each variable sets its field with the parsing the engine always used."""
     env = {
-        "GENIE_THREADS": "3", "OMP_NUM_THREADS": "7", "GENIE_NATIVE_CFLAGS": " -DA=1  -fno-x ",
-        "GENIE_QGEMV_UNROLL": "4", "GENIE_QGEMV_UNROLL_GLU": "2", "GENIE_CUPY_PDL": "0",
-        "GENIE_CUPY_PREFILL": "float16", "GENIE_CUPY_PREFILL_GRAPH": "1", "GENIE_CUPY_DECODER": "eager",
-        "GENIE_CUPY_ATTN_CHUNK": "64", "GENIE_CUPY_ATTN_WARPS": "8",
+        "GENIE_THREADS": "3",
+        "OMP_NUM_THREADS": "7",
+        "GENIE_NATIVE_CFLAGS": " -DA=1  -fno-x ",
+        "GENIE_QGEMV_UNROLL": "4",
+        "GENIE_QGEMV_UNROLL_GLU": "2",
+        "GENIE_CUPY_PDL": "0",
+        "GENIE_CUPY_PREFILL": "float16",
+        "GENIE_CUPY_PREFILL_GRAPH": "1",
+        "GENIE_CUPY_DECODER": "eager",
+        "GENIE_CUPY_ATTN_CHUNK": "64",
+        "GENIE_CUPY_ATTN_WARPS": "8",
     }
     assert EngineOptions.from_env(env) == EngineOptions(
-        threads=3, native_cflags=("-DA=1", "-fno-x"), qgemv_unroll=4, qgemv_unroll_glu=2,
-        cupy_pdl=False, cupy_prefill="float16", cupy_prefill_graph=True, cupy_decoder="eager",
-        attn_chunk=64, attn_warps=8,
+        threads=3,
+        native_cflags=("-DA=1", "-fno-x"),
+        qgemv_unroll=4,
+        qgemv_unroll_glu=2,
+        cupy_pdl=False,
+        cupy_prefill="float16",
+        cupy_prefill_graph=True,
+        cupy_decoder="eager",
+        attn_chunk=64,
+        attn_warps=8,
     )
 
 
-@pytest.mark.parametrize("env,threads", [
-    ({"OMP_NUM_THREADS": "5"}, 5),  # GENIE_THREADS unset: OpenMP's variable
-    ({"GENIE_THREADS": "", "OMP_NUM_THREADS": "5"}, 5),
-    ({"GENIE_THREADS": "2", "OMP_NUM_THREADS": "5"}, 2),
-    ({"GENIE_THREADS": "0"}, None),  # not a thread count: every core
-    ({"GENIE_THREADS": "many", "OMP_NUM_THREADS": "5"}, None),
-])
+@pytest.mark.parametrize(
+    "env,threads",
+    [
+        ({"OMP_NUM_THREADS": "5"}, 5),  # GENIE_THREADS unset: OpenMP's variable
+        ({"GENIE_THREADS": "", "OMP_NUM_THREADS": "5"}, 5),
+        ({"GENIE_THREADS": "2", "OMP_NUM_THREADS": "5"}, 2),
+        ({"GENIE_THREADS": "0"}, None),  # not a thread count: every core
+        ({"GENIE_THREADS": "many", "OMP_NUM_THREADS": "5"}, None),
+    ],
+)
 def test_threads_come_from_genie_threads_else_omp_num_threads(env: dict[str, str], threads: int | None) -> None:
     """GENIE_THREADS wins when set; a value that is not a positive count means every core."""
     assert EngineOptions.from_env(env).threads == threads
@@ -84,7 +116,11 @@ def test_prefill_graph_is_forced_only_by_0_and_1(value: str, forced: bool | None
 def test_pdl_is_off_only_for_0() -> None:
     """GENIE_CUPY_PDL switches programmatic dependent launch off with 0 and only with 0."""
     assert [EngineOptions.from_env({"GENIE_CUPY_PDL": v}).cupy_pdl for v in ("0", "1", "", "no")] == [
-        False, True, True, True]
+        False,
+        True,
+        True,
+        True,
+    ]
 
 
 def test_from_env_reads_os_environ_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -113,8 +149,10 @@ def test_options_reach_the_native_backend(tmp_path: Path, monkeypatch: pytest.Mo
     assert flag in m.transformer.ops.build_info
     plain = load_model(p, backend="native", n_ctx=64, options=EngineOptions(threads=1))
     assert flag not in plain.transformer.ops.build_info  # a library per flag set: no wrong reuse
-    assert load_model(p, backend="native", n_ctx=64, threads=2,
-                      options=EngineOptions(threads=1)).transformer.ops.threads == 2
+    assert (
+        load_model(p, backend="native", n_ctx=64, threads=2, options=EngineOptions(threads=1)).transformer.ops.threads
+        == 2
+    )
     monkeypatch.setenv("GENIE_THREADS", "3")
     assert load_model(p, backend="native", n_ctx=64).transformer.ops.threads == 3
 
@@ -142,8 +180,7 @@ def test_cupy_memory_plan_follows_the_prefill_options(tmp_path: Path, monkeypatc
 def test_kernel_sources_follow_the_options() -> None:
     """The decode module's source carries the unrolling and attention options, so modules cached by
     source never serve a model built with other options; the defaults give the old source."""
-    shape = dict(n_heads=4, n_kv_heads=2, head_dim=64, v_head_dim=64, rope_half=32, neox=False,
-                 kv_half=True, n_split=8)
+    shape = dict(n_heads=4, n_kv_heads=2, head_dim=64, v_head_dim=64, rope_half=32, neox=False, kv_half=True, n_split=8)
     base = decode_src.source(["Q4_K"], **shape)  # type: ignore[arg-type]
     assert "#define QGEMV_U 2\n#define QGEMV_UG 1\n" in base
     assert qdot_src.source(["Q4_K"]).startswith("#define QGEMV_U 2\n#define QGEMV_UG 1\n")

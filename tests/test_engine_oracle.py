@@ -95,9 +95,7 @@ def test_smollm2_native_logits_equal_llama_cpp_bit_for_bit() -> None:
         completion = case["completion_ids"]
         if not completion or len(case["prompt_ids"]) >= EXACT_PROMPT:
             continue
-        logits = np.asarray(
-            model.logits((case["prompt_ids"] + completion)[:-1], last_n=len(completion)), np.float64
-        )
+        logits = np.asarray(model.logits((case["prompt_ids"] + completion)[:-1], last_n=len(completion)), np.float64)
         for j, ((t1, lp1), (t2, lp2)) in enumerate(case["top2"]):
             err = (logits[j, t1] - logits[j, t2]) - (lp1 - lp2)
             assert abs(err) < 1e-4, (case["message"] or case["prompt_text"][:40], j, err)
@@ -146,10 +144,7 @@ def test_gemma3_chat_prompt_tokens_match_fixture() -> None:
     model = shared_model(MODELS["gemma3-270m-q4_k_m"])
     for case in _cases("gemma3-270m-q4_k_m"):
         if case["kind"] == "chat":
-            assert (
-                model.encode_chat([{"role": "user", "content": case["message"]}])
-                == case["prompt_ids"]
-            )
+            assert model.encode_chat([{"role": "user", "content": case["message"]}]) == case["prompt_ids"]
 
 
 @pytest.mark.timeout(120)

@@ -90,26 +90,40 @@ class _Raises:
 
 def _app(exc: AdmissionError) -> Any:
     fake = cast(Any, _Raises(exc))
-    deps = ApiDeps(config=Config(), admission=fake, models=fake, gate=cast(Any, None), voice=cast(Any, None),
-                   policy=cast(Any, None), status=dict, uptime_s=float, version="test")
+    deps = ApiDeps(
+        config=Config(),
+        admission=fake,
+        models=fake,
+        gate=cast(Any, None),
+        voice=cast(Any, None),
+        policy=cast(Any, None),
+        status=dict,
+        uptime_s=float,
+        version="test",
+    )
     return create_app(deps)
 
 
-@pytest.mark.parametrize("path,body", [
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),  # the generation path
-    ("/unload", {}),                                                                # the app's exception handler
-])
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),  # the generation path
+        ("/unload", {}),  # the app's exception handler
+    ],
+)
 @pytest.mark.parametrize("exc", EXAMPLES, ids=lambda e: f"{type(e).__name__}-{e.status}")
 async def test_the_api_answers_each_error_with_its_status_and_a_json_body(
-        exc: AdmissionError, path: str, body: dict[str, Any]) -> None:
+    exc: AdmissionError, path: str, body: dict[str, Any]
+) -> None:
     """A route that meets an error of the family answers with the error's status and OpenAI JSON body."""
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=_app(exc)), base_url="http://127.0.0.1") as c:
         r = await c.post(path, json=body)
     assert 400 <= r.status_code <= 599
     assert r.status_code == exc.status
     assert r.headers["content-type"] == "application/json"
-    assert r.json() == {"error": {"message": str(exc), "type": _expected_type(exc.status), "param": exc.param,
-                                  "code": exc.code}}
+    assert r.json() == {
+        "error": {"message": str(exc), "type": _expected_type(exc.status), "param": exc.param, "code": exc.code}
+    }
     assert r.headers.get("retry-after") == (str(exc.retry_after) if exc.retry_after is not None else None)
 
 

@@ -48,10 +48,15 @@ async def test_sigterm_exits_within_bound_while_a_worker_thread_is_stuck(tmp_pat
     """SIGTERM during a prefill step that runs for many seconds in a worker thread ends the process
     within api.shutdown_timeout_s (+2 s), exit 0, with a `shutdown_forced` line naming the thread."""
     model = require(SMOLLM2)
-    daemon = DaemonProcess(tmp_path, model=model, backend="numpy", n_ctx=2048, policy_chunk=2048,
-                           extra="api: {warmup: false, shutdown_timeout_s: 3}")
-    async with daemon as d, httpx.AsyncClient(base_url=d.url, timeout=60) as api, \
-            anyio.create_task_group() as tg:
+    daemon = DaemonProcess(
+        tmp_path,
+        model=model,
+        backend="numpy",
+        n_ctx=2048,
+        policy_chunk=2048,
+        extra="api: {warmup: false, shutdown_timeout_s: 3}",
+    )
+    async with daemon as d, httpx.AsyncClient(base_url=d.url, timeout=60) as api, anyio.create_task_group() as tg:
         prompt = [1000 + i % 4000 for i in range(2000)]  # one 2000-token prefill step on NumPy: >10 s
 
         async def request() -> None:
@@ -59,6 +64,7 @@ async def test_sigterm_exits_within_bound_while_a_worker_thread_is_stuck(tmp_pat
                 await api.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
             except httpx.HTTPError:
                 pass  # the connection goes with the process
+
         tg.start_soon(request)
         await _wait_status(d, lambda s: s["engine"]["state"] == "prefill")
         t0 = time.monotonic()
@@ -75,8 +81,10 @@ async def test_sigterm_mid_generation_ends_streams_with_a_finish_reason(tmp_path
     """SIGTERM while the official openai client streams one answer and waits for another: the stream
     ends with a finish_reason chunk and [DONE], the waiting request gets a 503 JSON, exit 0 within bound."""
     model = require(SMOLLM2)
-    async with DaemonProcess(tmp_path, model=model, n_ctx=1024) as d, \
-            openai.AsyncOpenAI(base_url=f"{d.url}/v1", api_key="x", max_retries=0, timeout=90) as client:
+    async with (
+        DaemonProcess(tmp_path, model=model, n_ctx=1024) as d,
+        openai.AsyncOpenAI(base_url=f"{d.url}/v1", api_key="x", max_retries=0, timeout=90) as client,
+    ):
         messages: Any = [{"role": "user", "content": "Tell me a very long story about a lighthouse."}]
         args: Any = dict(model="default", messages=messages, max_tokens=900, extra_body={"ignore_eos": True})
         got_chunks = anyio.Event()
@@ -168,11 +176,17 @@ async def test_broker_killed_mid_generation(tmp_path: Path) -> None:
     topics = Topics.make("genie", "homeassistant", "genie")
     extra = f"mqtt: {{url: '{broker.url}', reconnect_max_s: 1}}"
     try:
-        async with DaemonProcess(tmp_path, model=require(SMOLLM2), extra=extra) as d, \
-                httpx.AsyncClient(base_url=d.url, timeout=60) as api:
+        async with (
+            DaemonProcess(tmp_path, model=require(SMOLLM2), extra=extra) as d,
+            httpx.AsyncClient(base_url=d.url, timeout=60) as api,
+        ):
             await d.event("mqtt_online", lambda e: e["connections"] == 1)
-            body = {"messages": [{"role": "user", "content": "Tell me a very long story about a lighthouse."}],
-                    "max_tokens": 24, "temperature": 0, "stream": True}
+            body = {
+                "messages": [{"role": "user", "content": "Tell me a very long story about a lighthouse."}],
+                "max_tokens": 24,
+                "temperature": 0,
+                "stream": True,
+            }
             events: list[Any] = []
             async with api.stream("POST", "/v1/chat/completions", json=body) as resp:
                 lines = resp.aiter_lines()
@@ -241,17 +255,21 @@ async def test_a_crashing_request_logs_its_traceback_without_the_prompt(tmp_path
     secret = "PROMPT-TEXT-7f3a9c the user's private words"
     root = logging.getLogger()
     saved_root = (list(root.handlers), root.level)
-    saved_foreign = {n: (list(logging.getLogger(n).handlers), logging.getLogger(n).level,
-                         logging.getLogger(n).propagate) for n in FOREIGN_LOGGERS}
+    saved_foreign = {
+        n: (list(logging.getLogger(n).handlers), logging.getLogger(n).level, logging.getLogger(n).propagate)
+        for n in FOREIGN_LOGGERS
+    }
     saved_structlog = structlog.get_config()
     captured = io.StringIO()
     configure_logging("info", "json", captured)
     try:
+
         def loader(path: str, **kwargs: Any) -> Any:
             return _ExplodingTemplate(load_model(path, **kwargs))
 
-        sup = make_supervisor(tmp_path, policy=write_policy(tmp_path / "p.yaml"), model=synth(tmp_path, "tiny"),
-                              model_loader=loader)
+        sup = make_supervisor(
+            tmp_path, policy=write_policy(tmp_path / "p.yaml"), model=synth(tmp_path, "tiny"), model_loader=loader
+        )
         with anyio.fail_after(30):
             async with sup, client(sup) as http:
                 r = await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": secret}]})
@@ -267,7 +285,7 @@ async def test_a_crashing_request_logs_its_traceback_without_the_prompt(tmp_path
     (failed,) = [e for e in lines if e["event"] == "request_failed"]
     frames = [f for exc in failed["exception"] for f in exc["frames"]]
     assert any(f["name"] == "encode_chat" for f in frames), failed  # the traceback is there ...
-    assert not any("locals" in f for f in frames)                   # ... without its locals
+    assert not any("locals" in f for f in frames)  # ... without its locals
     assert "PROMPT-TEXT-7f3a9c" not in captured.getvalue()
 
 

@@ -174,9 +174,19 @@ async def test_arbiter_applies_decisions_and_logs_changes() -> None:
     fired = (FiredRule("voice.stt", "pause", "stt", {"sessions": 1}, 10.0),)
     d1 = Decision(ts=11.0, policy="p", gate="paused", pause_reasons=frozenset({"stt"}), fired=fired)
     assert arb.apply(d1) is True and gate.mode == "paused" and gate.reasons == {"stt"}
-    assert arb.apply(Decision(ts=12.0, policy="p", gate="paused", pause_reasons=frozenset({"stt"}), fired=fired)) is False
-    d3 = Decision(ts=13.0, policy="p", gate="throttled", throttle_tps=5.0, admission="refuse_new",
-                  max_context=512, unload_llm=True, prefill_chunk_tokens=32)
+    assert (
+        arb.apply(Decision(ts=12.0, policy="p", gate="paused", pause_reasons=frozenset({"stt"}), fired=fired)) is False
+    )
+    d3 = Decision(
+        ts=13.0,
+        policy="p",
+        gate="throttled",
+        throttle_tps=5.0,
+        admission="refuse_new",
+        max_context=512,
+        unload_llm=True,
+        prefill_chunk_tokens=32,
+    )
     assert arb.apply(d3) is True
     assert gate.mode == "throttled" and gate.throttle_tps == 5.0
     assert arb.refuse_new and arb.max_context == 512 and arb.prefill_chunk_tokens == 32
@@ -187,7 +197,9 @@ async def test_arbiter_applies_decisions_and_logs_changes() -> None:
 
 async def test_arbiter_loop_pauses_on_stt_and_resumes_after_holdoff() -> None:
     """The arbiter loop evaluates on every change: STT start pauses, stop resumes after the hold-off."""
-    policy = Policy.model_validate({"version": 1, "name": "p", "voice": {"stt": {"action": "pause", "resume_holdoff_ms": 20}}})
+    policy = Policy.model_validate(
+        {"version": 1, "name": "p", "voice": {"stt": {"action": "pause", "resume_holdoff_ms": 20}}}
+    )
     store = StateStore()
     gate = DecodeGate()
     arb = Arbiter(gate)

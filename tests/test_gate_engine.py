@@ -68,7 +68,9 @@ async def reference(sup: Supervisor) -> dict[str, Any]:
     return _REFERENCE
 
 
-async def test_stt_hint_parks_decode_until_stop_and_holdoff_and_text_is_unchanged(tmp_path: Path, model_loader: Any) -> None:
+async def test_stt_hint_parks_decode_until_stop_and_holdoff_and_text_is_unchanged(
+    tmp_path: Path, model_loader: Any
+) -> None:
     """An STT start parks the generation before its next step, no token comes while paused, it resumes after stop + hold-off, and the greedy text equals an uninterrupted run."""
     policy = write_policy(tmp_path / "p.yaml", holdoff_ms=HOLDOFF_MS)
     async with make_supervisor(tmp_path, policy=policy, model=SMOLLM2, model_loader=model_loader) as sup:
@@ -106,8 +108,9 @@ async def test_stt_hint_parks_decode_until_stop_and_holdoff_and_text_is_unchange
 async def test_thermal_level_throttles_to_cap_with_hysteresis(tmp_path: Path, model_loader: Any) -> None:
     """Crossing the warm level throttles decode to its cap (tokens/s within 20%), the level holds until the temperature falls below leave_c, and the text is unchanged."""
     source = SimulatedSource(temps_c={"cpu": 50.0})
-    async with make_supervisor(tmp_path, policy=write_policy(tmp_path / "p0.yaml"), model=SMOLLM2,
-                               model_loader=model_loader, source=source) as sup:
+    async with make_supervisor(
+        tmp_path, policy=write_policy(tmp_path / "p0.yaml"), model=SMOLLM2, model_loader=model_loader, source=source
+    ) as sup:
         ref = await reference(sup)
         cap = round(max(0.5, min(10.0, ref["tps"] / 3)), 2)  # well below this CPU's natural speed
         write_policy(tmp_path / "p0.yaml", "capped", cap=cap)
@@ -129,8 +132,12 @@ async def test_thermal_level_throttles_to_cap_with_hysteresis(tmp_path: Path, mo
 
                 def evaluated_at(temp: float) -> bool:
                     snap = sup.store.snapshot()
-                    return (snap.telemetry is not None and snap.telemetry.temps_c.get("cpu") == temp
-                            and snap.decision is not None and snap.decision.ts >= snap.telemetry.ts)
+                    return (
+                        snap.telemetry is not None
+                        and snap.telemetry.temps_c.get("cpu") == temp
+                        and snap.decision is not None
+                        and snap.decision.ts >= snap.telemetry.ts
+                    )
 
                 source.set(temps_c={"cpu": 75.0})  # below enter_c, above leave_c: stays warm
                 await wait_for(sup, lambda: evaluated_at(75.0))
@@ -157,8 +164,9 @@ async def _lag_samples(stop: anyio.Event, out: list[float], period: float = 0.00
 
 async def test_loop_lag_stays_low_while_cpu_engine_decodes(tmp_path: Path, model_loader: Any) -> None:
     """Event-loop lag while the CPU engine decodes is measured and reported; p99 stays under a generous 250 ms."""
-    async with make_supervisor(tmp_path, policy=write_policy(tmp_path / "p.yaml"), model=SMOLLM2,
-                               model_loader=model_loader) as sup:
+    async with make_supervisor(
+        tmp_path, policy=write_policy(tmp_path / "p.yaml"), model=SMOLLM2, model_loader=model_loader
+    ) as sup:
         idle: list[float] = []
         busy: list[float] = []
         with anyio.fail_after(120):
@@ -174,16 +182,17 @@ async def test_loop_lag_stays_low_while_cpu_engine_decodes(tmp_path: Path, model
                 await gen.collect()
                 stop.set()
         p50, p99 = statistics.median(busy) * 1000, _percentile(busy, 0.99) * 1000
-        print(f"\nloop lag while decoding: p50 {p50:.2f} ms, p99 {p99:.2f} ms over {len(busy)} samples; "
-              f"idle p99 {_percentile(idle, 0.99) * 1000:.2f} ms")
+        print(
+            f"\nloop lag while decoding: p50 {p50:.2f} ms, p99 {p99:.2f} ms over {len(busy)} samples; "
+            f"idle p99 {_percentile(idle, 0.99) * 1000:.2f} ms"
+        )
         assert len(busy) > 10
         assert p99 < 250
 
 
 async def test_shutdown_cancels_a_parked_generation(tmp_path: Path, model_loader: Any) -> None:
     """Leaving the supervisor while a generation is parked ends it as cancelled within the 5 s budget."""
-    sup = make_supervisor(tmp_path, policy=write_policy(tmp_path / "p.yaml"), model=SMOLLM2,
-                          model_loader=model_loader)
+    sup = make_supervisor(tmp_path, policy=write_policy(tmp_path / "p.yaml"), model=SMOLLM2, model_loader=model_loader)
     with anyio.fail_after(120):
         async with anyio.create_task_group() as tg:
             await sup.__aenter__()
@@ -217,10 +226,13 @@ async def test_policy_layer_group_reaches_the_engine_and_follows_reloads(tmp_pat
             return model.generate(*args, **kwargs)
 
     policy = write_policy(tmp_path / "p.yaml", "grouped")
-    policy.write_text(policy.read_text().replace("prefill_chunk_tokens: 16", "prefill_chunk_tokens: 16\n"
-                                                 "  prefill_layer_group: 5"), encoding="utf-8")
-    async with make_supervisor(tmp_path, policy=policy, model=SMOLLM2,
-                               model_loader=lambda *_a, **_k: Recording()) as sup:
+    policy.write_text(
+        policy.read_text().replace("prefill_chunk_tokens: 16", "prefill_chunk_tokens: 16\n  prefill_layer_group: 5"),
+        encoding="utf-8",
+    )
+    async with make_supervisor(
+        tmp_path, policy=policy, model=SMOLLM2, model_loader=lambda *_a, **_k: Recording()
+    ) as sup:
         short = SamplingParams(max_tokens=2, temperature=0.0)
         await (await sup.engine.generate(PROMPT, short)).collect()
         write_policy(policy, "whole-chunks")

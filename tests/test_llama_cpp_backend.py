@@ -26,7 +26,7 @@ HI: list[Any] = [{"role": "user", "content": "hi"}]
 def _wrapper(tmp_path: Path) -> Path:
     """An executable that starts the fake server with whatever llama-server arguments it gets."""
     script = tmp_path / "llama-server"
-    script.write_text(f"#!/bin/sh\nexec {sys.executable} {FAKE} \"$@\"\n", encoding="utf-8")
+    script.write_text(f'#!/bin/sh\nexec {sys.executable} {FAKE} "$@"\n', encoding="utf-8")
     script.chmod(0o755)
     return script
 
@@ -37,7 +37,7 @@ def _started_config(tmp_path: Path) -> str:
 backend: llama_cpp
 llama_cpp: {{binary: {_wrapper(tmp_path)}, pause_with_signals: true, startup_timeout_s: 60}}
 models:
-  brain: {{path: {synth(tmp_path, 'brain')}, roles: [default], resident: true, n_ctx: 128}}
+  brain: {{path: {synth(tmp_path, "brain")}, roles: [default], resident: true, n_ctx: 128}}
 api: {{warmup: false}}
 """
 
@@ -71,8 +71,9 @@ async def test_started_llama_server_serves_openai_client_and_is_sigstopped_on_pa
             assert whole.choices[0].finish_reason == "stop" and whole.usage is not None
             assert whole.usage.completion_tokens == len(REPLY)
             text, usage = "", None
-            async for chunk in await oa.chat.completions.create(model="default", messages=HI, max_tokens=16,
-                                                                stream=True, stream_options={"include_usage": True}):
+            async for chunk in await oa.chat.completions.create(
+                model="default", messages=HI, max_tokens=16, stream=True, stream_options={"include_usage": True}
+            ):
                 text += "".join(c.delta.content or "" for c in chunk.choices)
                 usage = chunk.usage or usage
             assert text == "".join(REPLY) and usage is not None and usage.prompt_tokens == whole.usage.prompt_tokens
@@ -84,8 +85,9 @@ async def test_started_llama_server_serves_openai_client_and_is_sigstopped_on_pa
             assert r["content"] == "".join(REPLY[:3]) and r["tokens_predicted"] == 3 and r["stop_type"] == "limit"
 
             with pytest.raises(openai.BadRequestError) as info:
-                await oa.chat.completions.create(model="brain", max_tokens=8,
-                                                 messages=[{"role": "user", "content": "w " * 200}])
+                await oa.chat.completions.create(
+                    model="brain", max_tokens=8, messages=[{"role": "user", "content": "w " * 200}]
+                )
             assert "context size" in str(info.value)
 
             proc = sup.models.models["brain"].backend.process  # type: ignore[attr-defined]
@@ -114,15 +116,21 @@ async def test_voice_request_passes_an_stt_pause_on_llama_server_while_backgroun
             done: list[str] = []
 
             async def background() -> None:
-                r = await client.post("/v1/chat/completions", json={"model": "brain", "messages": HI, "max_tokens": 4},
-                                      headers={"x-genie-priority": "background"})
+                r = await client.post(
+                    "/v1/chat/completions",
+                    json={"model": "brain", "messages": HI, "max_tokens": 4},
+                    headers={"x-genie-priority": "background"},
+                )
                 assert r.status_code == 200
                 done.append("background")
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(background)
-                r = await client.post("/v1/chat/completions", json={"model": "brain", "messages": HI, "max_tokens": 4},
-                                      headers={"x-genie-priority": "voice"})
+                r = await client.post(
+                    "/v1/chat/completions",
+                    json={"model": "brain", "messages": HI, "max_tokens": 4},
+                    headers={"x-genie-priority": "voice"},
+                )
                 assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "".join(REPLY[:4])
                 done.append("voice")
                 await _until(lambda: _proc_state(proc.pid) == "T")  # stopped again once the voice reply ended
@@ -136,15 +144,14 @@ async def test_int8_kv_starts_llama_server_with_q8_0_caches(tmp_path: Path) -> N
     """kv_dtype int8 starts llama-server with q8_0 K and V caches and plans their smaller KV."""
     argv = tmp_path / "argv"
     script = tmp_path / "llama-server"
-    script.write_text(f"#!/bin/sh\necho \"$@\" > {argv}\nexec {sys.executable} {FAKE} \"$@\"\n",
-                      encoding="utf-8")
+    script.write_text(f'#!/bin/sh\necho "$@" > {argv}\nexec {sys.executable} {FAKE} "$@"\n', encoding="utf-8")
     script.chmod(0o755)
     body = f"""\
 backend: llama_cpp
 llama_cpp: {{binary: {script}, startup_timeout_s: 60}}
 models:
-  brain: {{path: {synth(tmp_path, 'brain')}, resident: true, n_ctx: 128, kv_dtype: int8}}
-  other: {{path: {synth(tmp_path, 'other')}, n_ctx: 128}}
+  brain: {{path: {synth(tmp_path, "brain")}, resident: true, n_ctx: 128, kv_dtype: int8}}
+  other: {{path: {synth(tmp_path, "other")}, n_ctx: 128}}
 api: {{warmup: false}}
 """
     sup = make_api_supervisor(tmp_path, body)
@@ -167,9 +174,9 @@ async def test_missing_llama_server_falls_back_to_builtin(tmp_path: Path) -> Non
     body = f"""\
 backend: llama_cpp
 fallback: builtin
-llama_cpp: {{binary: {tmp_path / 'no-such-llama-server'}}}
+llama_cpp: {{binary: {tmp_path / "no-such-llama-server"}}}
 models:
-  brain: {{path: {synth(tmp_path, 'brain')}, resident: true}}
+  brain: {{path: {synth(tmp_path, "brain")}, resident: true}}
 api: {{warmup: false}}
 """
     sup = make_api_supervisor(tmp_path, body)
@@ -192,8 +199,11 @@ models:
   remote: {{roles: [default], resident: true, n_ctx: 512}}
 api: {{warmup: false}}
 """
-    async with await anyio.open_process([sys.executable, str(FAKE), "--port", str(port), "--alias", "remote"],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as proc:
+    async with await anyio.open_process(
+        [sys.executable, str(FAKE), "--port", str(port), "--alias", "remote"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    ) as proc:
         try:
             with anyio.fail_after(60):
                 async with httpx.AsyncClient() as probe:

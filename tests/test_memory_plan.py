@@ -66,21 +66,38 @@ def test_cupy_plan_of_a_4b_shape_is_gpu_sized() -> None:
         tensors[name] = TensorInfo(name, t, tuple(shape), raw)
     meta: dict[str, Any] = {"general.architecture": "qwen3", "general.name": "x"}
     p = PRESETS["qwen3-4b-q4_k_m"]
-    for k, v in {"block_count": p["n_layers"], "context_length": 40960, "embedding_length": p["n_embd"],
-                 "feed_forward_length": p["n_ff"], "attention.head_count": p["n_heads"],
-                 "attention.head_count_kv": p["n_kv_heads"], "attention.key_length": 128,
-                 "attention.value_length": 128, "attention.layer_norm_rms_epsilon": 1e-6,
-                 "rope.freq_base": 1e6}.items():
+    for k, v in {
+        "block_count": p["n_layers"],
+        "context_length": 40960,
+        "embedding_length": p["n_embd"],
+        "feed_forward_length": p["n_ff"],
+        "attention.head_count": p["n_heads"],
+        "attention.head_count_kv": p["n_kv_heads"],
+        "attention.key_length": 128,
+        "attention.value_length": 128,
+        "attention.layer_norm_rms_epsilon": 1e-6,
+        "rope.freq_base": 1e6,
+    }.items():
         meta[f"qwen3.{k}"] = v
     gf = GGUFFile("qwen3-4b-shape", meta, tensors)
     spec = read_spec(gf)
     plan = plan_memory(gf, spec, 4096, "f16", backend="cupy", prefill_dtype="auto")
     cpu = plan_memory(gf, spec, 4096, "f16")
     mib = 2**20
-    print({k: round(v / mib, 1) for k, v in [("weights", plan.weights), ("kv", plan.kv),
-                                             ("decode", plan.decode_scratch), ("prefill", plan.prefill_scratch),
-                                             ("total", plan.total), ("cpu_total", cpu.total)]},
-          {k: round(v / mib, 1) for k, v in plan.parts})
+    print(
+        {
+            k: round(v / mib, 1)
+            for k, v in [
+                ("weights", plan.weights),
+                ("kv", plan.kv),
+                ("decode", plan.decode_scratch),
+                ("prefill", plan.prefill_scratch),
+                ("total", plan.total),
+                ("cpu_total", cpu.total),
+            ]
+        },
+        {k: round(v / mib, 1) for k, v in plan.parts},
+    )
     assert 2300 * mib < plan.weights < 2450 * mib  # ~2.49 GB of blocks
     assert plan.kv == 576 * mib
     assert 3.0e9 < plan.total < 3.6e9 and cpu.total > 15e9
@@ -119,8 +136,7 @@ def _collect_prefill_waits(model: Any, prompt: list[int], **kw: Any) -> tuple[in
             calls.append(phase)
 
     async def run() -> int:
-        g = model.generate(prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
-                           CountingGate(), **kw)
+        g = model.generate(prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), CountingGate(), **kw)
         async for _ in g:
             pass
         return g.prefill_chunk

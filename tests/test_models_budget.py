@@ -28,7 +28,8 @@ async def test_policy_reload_changes_the_budget_and_classes_the_daemon_serves(tm
             assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_priority"
 
             text = POLICY.format(budget=64, wait=30).replace(
-                "  classes:\n", "  classes:\n    - {name: urgent, max_queue: 1, max_wait_s: 3}\n")
+                "  classes:\n", "  classes:\n    - {name: urgent, max_queue: 1, max_wait_s: 3}\n"
+            )
             (tmp_path / "policy.yaml").write_text(text, encoding="utf-8")
             assert await sup.reload_policy() is True
             assert sup.models.budget_mb == 64 and sup.arbiter.decision is not None

@@ -41,32 +41,76 @@ NODE = "testbox"
 
 # -- what Home Assistant accepts ------------------------------------------------------------------
 ABBREVIATIONS = {
-    "p": "platform", "uniq_id": "unique_id", "stat_t": "state_topic", "cmd_t": "command_topic",
-    "avty_t": "availability_topic", "json_attr_t": "json_attributes_topic", "dev_cla": "device_class",
-    "stat_cla": "state_class", "unit_of_meas": "unit_of_measurement", "ic": "icon",
-    "ent_cat": "entity_category", "exp_aft": "expire_after", "sug_dsp_prc": "suggested_display_precision",
-    "ops": "options", "pl_on": "payload_on", "pl_off": "payload_off", "stat_on": "state_on",
-    "stat_off": "state_off", "pl_prs": "payload_press", "val_tpl": "value_template",
-    "dev": "device", "o": "origin", "cmps": "components",
+    "p": "platform",
+    "uniq_id": "unique_id",
+    "stat_t": "state_topic",
+    "cmd_t": "command_topic",
+    "avty_t": "availability_topic",
+    "json_attr_t": "json_attributes_topic",
+    "dev_cla": "device_class",
+    "stat_cla": "state_class",
+    "unit_of_meas": "unit_of_measurement",
+    "ic": "icon",
+    "ent_cat": "entity_category",
+    "exp_aft": "expire_after",
+    "sug_dsp_prc": "suggested_display_precision",
+    "ops": "options",
+    "pl_on": "payload_on",
+    "pl_off": "payload_off",
+    "stat_on": "state_on",
+    "stat_off": "state_off",
+    "pl_prs": "payload_press",
+    "val_tpl": "value_template",
+    "dev": "device",
+    "o": "origin",
+    "cmps": "components",
 }
-DEVICE_ABBREVIATIONS = {"ids": "identifiers", "mf": "manufacturer", "mdl": "model", "sw": "sw_version",
-                        "name": "name", "hw": "hw_version"}
-COMMON = {"platform", "unique_id", "name", "availability_topic", "icon", "entity_category",
-          "json_attributes_topic", "device", "origin"}
+DEVICE_ABBREVIATIONS = {
+    "ids": "identifiers",
+    "mf": "manufacturer",
+    "mdl": "model",
+    "sw": "sw_version",
+    "name": "name",
+    "hw": "hw_version",
+}
+COMMON = {
+    "platform",
+    "unique_id",
+    "name",
+    "availability_topic",
+    "icon",
+    "entity_category",
+    "json_attributes_topic",
+    "device",
+    "origin",
+}
 ALLOWED = {
-    "sensor": COMMON | {"state_topic", "device_class", "state_class", "unit_of_measurement", "expire_after",
-                        "suggested_display_precision", "options", "value_template"},
-    "binary_sensor": COMMON | {"state_topic", "device_class", "payload_on", "payload_off", "expire_after",
-                               "value_template"},
+    "sensor": COMMON
+    | {
+        "state_topic",
+        "device_class",
+        "state_class",
+        "unit_of_measurement",
+        "expire_after",
+        "suggested_display_precision",
+        "options",
+        "value_template",
+    },
+    "binary_sensor": COMMON
+    | {"state_topic", "device_class", "payload_on", "payload_off", "expire_after", "value_template"},
     "select": COMMON | {"state_topic", "command_topic", "options"},
-    "switch": COMMON | {"state_topic", "command_topic", "payload_on", "payload_off", "state_on", "state_off",
-                        "device_class"},
+    "switch": COMMON
+    | {"state_topic", "command_topic", "payload_on", "payload_off", "state_on", "state_off", "device_class"},
     "button": COMMON | {"command_topic", "payload_press"},
-    "number": COMMON | {"state_topic", "command_topic", "min", "max", "step", "mode", "device_class",
-                        "unit_of_measurement"},
+    "number": COMMON
+    | {"state_topic", "command_topic", "min", "max", "step", "mode", "device_class", "unit_of_measurement"},
 }
-UNITS = {"temperature": {"°C", "°F", "K"}, "data_size": {"B", "kB", "MB", "MiB", "GB", "GiB"},
-         "duration": {"d", "h", "min", "s", "ms"}, "power": {"W", "kW"}}
+UNITS = {
+    "temperature": {"°C", "°F", "K"},
+    "data_size": {"B", "kB", "MB", "MiB", "GB", "GiB"},
+    "duration": {"d", "h", "min", "s", "ms"},
+    "power": {"W", "kW"},
+}
 BINARY_CLASSES = {"running", "connectivity", "problem"}
 
 
@@ -129,14 +173,26 @@ def check_device_message(payload: dict[str, Any], *, availability: str, expire_s
 def sample_inputs(**kw: Any) -> Inputs:
     """Inputs with telemetry, two services, engine stats and a pause counter."""
     store = StateStore()
-    store.publish(TelemetrySample("simulated", temps_c={"cpu": 50.0, "gpu": 48.5}, mem_available_mb=4000.0,
-                                  power_w={"VDD_IN": 7.25}, gpu_load_pct=30.0, swap_used_mb=12.0))
+    store.publish(
+        TelemetrySample(
+            "simulated",
+            temps_c={"cpu": 50.0, "gpu": 48.5},
+            mem_available_mb=4000.0,
+            power_w={"VDD_IN": 7.25},
+            gpu_load_pct=30.0,
+            swap_used_mb=12.0,
+        )
+    )
     store.publish(ServiceObservation("whisper", True, rss_mb=800.0))
     store.publish(ServiceObservation("piper", None))
     store.publish(EngineStats("decoding", model="smollm2", decode_tps=21.5, tokens_total=42))
     store.set_policy("default", None)
-    gate = {"mode": "paused", "reasons": ["stt"], "pauses_total": {"stt": 2, "stt_unknown": 1},
-            "paused_seconds": {"stt": 1.5}}
+    gate = {
+        "mode": "paused",
+        "reasons": ["stt"],
+        "pauses_total": {"stt": 2, "stt_unknown": 1},
+        "paused_seconds": {"stt": 1.5},
+    }
     return Inputs(store.snapshot(), gate, policy_options=("default", "orin-nano-8gb"), **kw)
 
 
@@ -151,13 +207,40 @@ def test_device_discovery_message_is_valid_for_every_component() -> None:
     cmps = check_device_message(msg, availability="genie/testbox/availability", expire_s=15)
     platforms = {cfg["platform"] for cfg in cmps.values()}
     assert platforms == {"sensor", "binary_sensor", "select", "switch", "button", "number"}
-    for key in ("llm_state", "gate_reason", "decode_tps", "first_token_ms", "requests_in_flight",
-                "requests_queued", "tokens_total", "model", "model_memory", "kv_memory", "stt_active",
-                "tts_active", "gpu_temperature", "cpu_temperature", "gpu_load", "power", "ram_available",
-                "swap_used", "active_policy", "policy_error", "platform", "service_whisper_up",
-                "service_whisper_memory", "service_piper_up", "pauses_stt", "paused_seconds_stt",
-                "pauses_stt_unknown", "policy_select", "llm_enabled", "reload_policy", "unload_model",
-                "thermal_soft_limit"):
+    for key in (
+        "llm_state",
+        "gate_reason",
+        "decode_tps",
+        "first_token_ms",
+        "requests_in_flight",
+        "requests_queued",
+        "tokens_total",
+        "model",
+        "model_memory",
+        "kv_memory",
+        "stt_active",
+        "tts_active",
+        "gpu_temperature",
+        "cpu_temperature",
+        "gpu_load",
+        "power",
+        "ram_available",
+        "swap_used",
+        "active_policy",
+        "policy_error",
+        "platform",
+        "service_whisper_up",
+        "service_whisper_memory",
+        "service_piper_up",
+        "pauses_stt",
+        "paused_seconds_stt",
+        "pauses_stt_unknown",
+        "policy_select",
+        "llm_enabled",
+        "reload_policy",
+        "unload_model",
+        "thermal_soft_limit",
+    ):
         assert key in cmps, key
     assert cmps["tokens_total"]["state_class"] == "total_increasing"
     assert cmps["service_whisper_up"]["device_class"] == "connectivity"
@@ -182,17 +265,29 @@ def test_per_entity_discovery_messages_are_valid() -> None:
 def test_cleanup_plans_removal_of_our_stale_discovery_only() -> None:
     """Stale device components become stubs, per-entity leftovers are cleared, current ones stay."""
     ents = entities(sample_inputs())
-    old_device = json.dumps({"dev": {}, "o": {}, "cmps": {
-        "llm_state": {"p": "sensor"}, "old_sensor": {"p": "sensor", "stat_t": "x"},
-        "gone_before": {"p": "switch"}}}).encode()
-    retained = {TOPICS.device_config: old_device,
-                "homeassistant/sensor/testbox/llm_state/config": b"{}",
-                "homeassistant/sensor/testbox/ancient/config": b"{}",
-                "homeassistant/sensor/testbox/already_cleared/config": b""}
+    old_device = json.dumps(
+        {
+            "dev": {},
+            "o": {},
+            "cmps": {
+                "llm_state": {"p": "sensor"},
+                "old_sensor": {"p": "sensor", "stat_t": "x"},
+                "gone_before": {"p": "switch"},
+            },
+        }
+    ).encode()
+    retained = {
+        TOPICS.device_config: old_device,
+        "homeassistant/sensor/testbox/llm_state/config": b"{}",
+        "homeassistant/sensor/testbox/ancient/config": b"{}",
+        "homeassistant/sensor/testbox/already_cleared/config": b"",
+    }
     device_mode = plan_cleanup(retained, TOPICS, ents, per_entity=False)
     assert device_mode.removed == {"old_sensor": "sensor"}
-    assert set(device_mode.clear_topics) == {"homeassistant/sensor/testbox/llm_state/config",
-                                             "homeassistant/sensor/testbox/ancient/config"}
+    assert set(device_mode.clear_topics) == {
+        "homeassistant/sensor/testbox/llm_state/config",
+        "homeassistant/sensor/testbox/ancient/config",
+    }
     entity_mode = plan_cleanup(retained, TOPICS, ents, per_entity=True)
     assert entity_mode.removed == {}
     assert set(entity_mode.clear_topics) == {TOPICS.device_config, "homeassistant/sensor/testbox/ancient/config"}
@@ -218,11 +313,20 @@ def test_state_publisher_sends_changes_once_per_interval_and_the_last_value_wins
     assert pub.changes(msgs("3")) == ([], None)
 
 
-@pytest.mark.parametrize(("path", "payload"), [
-    ("policy/set", b"no-such-policy"), ("llm/enabled/set", b"maybe"), ("policy/reload", b"now"),
-    ("thermal/soft_limit/set", b"hot"), ("thermal/soft_limit/set", b"500"), ("thermal/soft_limit/set", b"nan"),
-    ("voice/events", b"{not json"), ("voice/events", b"[1, 2]"), ("llm/enabled/set", b"\xff\xfe"),
-])
+@pytest.mark.parametrize(
+    ("path", "payload"),
+    [
+        ("policy/set", b"no-such-policy"),
+        ("llm/enabled/set", b"maybe"),
+        ("policy/reload", b"now"),
+        ("thermal/soft_limit/set", b"hot"),
+        ("thermal/soft_limit/set", b"500"),
+        ("thermal/soft_limit/set", b"nan"),
+        ("voice/events", b"{not json"),
+        ("voice/events", b"[1, 2]"),
+        ("llm/enabled/set", b"\xff\xfe"),
+    ],
+)
 def test_malformed_commands_are_refused(path: str, payload: bytes) -> None:
     """Every malformed command payload raises CommandError."""
     with pytest.raises(CommandError):
@@ -246,8 +350,9 @@ class Recorder:
         """Position to search from for messages that come later."""
         return len(self.messages)
 
-    async def wait_for(self, topic: str, pred: Callable[[bytes], bool] = lambda p: True, *, start: int = 0,
-                       within_s: float = 5.0) -> bytes:
+    async def wait_for(
+        self, topic: str, pred: Callable[[bytes], bool] = lambda p: True, *, start: int = 0, within_s: float = 5.0
+    ) -> bytes:
         """The first payload on `topic` at or after `start` that matches `pred`."""
         with anyio.fail_after(within_s):
             while True:
@@ -332,24 +437,31 @@ class FakeApp:
     def commands(self) -> MqttCommands:
         """The MqttCommands the bridge gets."""
         return MqttCommands(
-            select_policy=self.select_policy, set_llm_enabled=self.set_llm_enabled,
-            reload_policy=self.reload_policy, unload_model=self.unload_model,
-            set_thermal_soft_limit=self.set_thermal_soft_limit, voice_hint=self.voice_hint,
-            policy_options=lambda: ["default", "orin-nano-8gb"], active_policy=lambda: self.policy,
-            llm_enabled=lambda: self.enabled, thermal_soft_limit=lambda: self.limit,
+            select_policy=self.select_policy,
+            set_llm_enabled=self.set_llm_enabled,
+            reload_policy=self.reload_policy,
+            unload_model=self.unload_model,
+            set_thermal_soft_limit=self.set_thermal_soft_limit,
+            voice_hint=self.voice_hint,
+            policy_options=lambda: ["default", "orin-nano-8gb"],
+            active_policy=lambda: self.policy,
+            llm_enabled=lambda: self.enabled,
+            thermal_soft_limit=lambda: self.limit,
         )
 
 
 def mqtt_config(url: str, **kw: Any) -> MqttConfig:
     """A test config: fast refresh and reconnection."""
-    return MqttConfig(**{"url": url, "publish_interval_s": 2.0, "reconnect_max_s": 1.0,
-                         "startup_wait_s": 5.0, **kw})
+    return MqttConfig(**{"url": url, "publish_interval_s": 2.0, "reconnect_max_s": 1.0, "startup_wait_s": 5.0, **kw})
 
 
 @asynccontextmanager
-async def running_bridge(config: MqttConfig, store: StateStore | None = None, *,
-                         make_app: Callable[[StateStore], FakeApp] = FakeApp,
-                         ) -> AsyncIterator[tuple[MqttBridge, StateStore, FakeApp]]:
+async def running_bridge(
+    config: MqttConfig,
+    store: StateStore | None = None,
+    *,
+    make_app: Callable[[StateStore], FakeApp] = FakeApp,
+) -> AsyncIterator[tuple[MqttBridge, StateStore, FakeApp]]:
     """A bridge (with a real gate and arbiter on the built-in policy) started as the daemon starts it."""
     store = store or StateStore()
     store.publish(TelemetrySample("simulated", temps_c={"cpu": 45.0, "gpu": 44.0}, mem_available_mb=5000.0))
@@ -382,8 +494,7 @@ async def test_discovery_availability_and_state_follow_the_store(broker: Mosquit
     async with subscriber(broker.port, "homeassistant/#", "genie/#") as (rec, _):
         async with running_bridge(mqtt_config(broker.url)) as (bridge, store, _app):
             assert bridge.connected
-            cmps = check_device_message(json.loads(await rec.wait_for(T.device_config)),
-                                        availability=AVAIL, expire_s=6)
+            cmps = check_device_message(json.loads(await rec.wait_for(T.device_config)), availability=AVAIL, expire_s=6)
             await rec.wait_for(AVAIL, is_("online"))
             gpu = T.state("platform/gpu_temperature")
             assert cmps["gpu_temperature"]["state_topic"] == gpu
@@ -435,9 +546,15 @@ async def test_commands_call_the_app_and_malformed_ones_call_nothing(broker: Mos
                 await client.publish(T.state(path), payload, qos=1)
 
             # malformed first: each is rejected before the valid command behind it is queued
-            for path, bad in [("policy/set", "nope"), ("llm/enabled/set", "maybe"), ("policy/reload", "x"),
-                              ("llm/unload", ""), ("thermal/soft_limit/set", "warm"),
-                              ("thermal/soft_limit/set", "1000"), ("voice/events", "{")]:
+            for path, bad in [
+                ("policy/set", "nope"),
+                ("llm/enabled/set", "maybe"),
+                ("policy/reload", "x"),
+                ("llm/unload", ""),
+                ("thermal/soft_limit/set", "warm"),
+                ("thermal/soft_limit/set", "1000"),
+                ("voice/events", "{"),
+            ]:
                 await send(path, bad)
             await send("policy/set", "orin-nano-8gb")
             assert await app.wait_calls(1) == [("select_policy", "orin-nano-8gb")]
@@ -450,8 +567,13 @@ async def test_commands_call_the_app_and_malformed_ones_call_nothing(broker: Mos
             await send("llm/unload", "PRESS")
             await send("thermal/soft_limit/set", "72.5")
             calls = await app.wait_calls(6)
-            assert calls[1:] == [("set_llm_enabled", False), ("set_llm_enabled", True), ("reload_policy", None),
-                                 ("unload_model", None), ("set_thermal_soft_limit", 72.5)]
+            assert calls[1:] == [
+                ("set_llm_enabled", False),
+                ("set_llm_enabled", True),
+                ("reload_policy", None),
+                ("unload_model", None),
+                ("set_thermal_soft_limit", 72.5),
+            ]
             await rec.wait_for(T.state("thermal/soft_limit"), is_("72.5"), within_s=3)
             await rec.wait_for(T.state("llm/enabled"), is_("ON"), within_s=3)
             assert len(app.calls) == 6
@@ -474,8 +596,11 @@ async def test_clean_shutdown_publishes_offline(broker: Mosquitto) -> None:
 @pytest.mark.timeout(30)
 async def test_stale_retained_discovery_of_ours_is_removed_at_start(broker: Mosquitto) -> None:
     """Old components get removal stubs, old per-entity configs are cleared, others' are untouched."""
-    old = {"dev": {"ids": ["genie_testbox"]}, "o": {"name": "genie-supervisor"},
-           "cmps": {"old_sensor": {"p": "sensor", "uniq_id": "genie_testbox_old_sensor", "stat_t": "x"}}}
+    old = {
+        "dev": {"ids": ["genie_testbox"]},
+        "o": {"name": "genie-supervisor"},
+        "cmps": {"old_sensor": {"p": "sensor", "uniq_id": "genie_testbox_old_sensor", "stat_t": "x"}},
+    }
     async with subscriber(broker.port, "homeassistant/#") as (rec, client):
         await client.publish(T.device_config, json.dumps(old), qos=1, retain=True)
         await client.publish("homeassistant/sensor/testbox/old_thing/config", b"{}", qos=1, retain=True)
@@ -579,8 +704,11 @@ async def test_broker_restart_leaves_offline_then_reconnects_and_republishes(tmp
                         with anyio.fail_after(5):  # within a few seconds of the broker's return
                             await after.wait_for(AVAIL, is_("online"), start=mark)
                         assert bridge.connections == first + 1
-                        check_device_message(json.loads(await after.wait_for(T.device_config, start=mark)),
-                                             availability=AVAIL, expire_s=6)
+                        check_device_message(
+                            json.loads(await after.wait_for(T.device_config, start=mark)),
+                            availability=AVAIL,
+                            expire_s=6,
+                        )
                         await after.wait_for(T.state("platform/gpu_temperature"), is_("66"), start=mark)
             tg.cancel_scope.cancel()
     finally:

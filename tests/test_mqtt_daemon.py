@@ -28,15 +28,19 @@ def _supervisor(tmp_path: Path, broker_url: str, source: SimulatedSource) -> Sup
     (policies / "broken.yaml").write_text("version: 1\nname: broken\nvoice: {stt: {action: explode}}\n")
     model = synth(tmp_path, "tiny")
     cfg = tmp_path / "supervisor.yaml"
-    cfg.write_text("\n".join([
-        "telemetry: {platform: simulated, interval_s: 0.05}",
-        f"policy: {{path: {policies / 'alpha.yaml'}, watch: false}}",
-        f"engine: {{model: {model}, backend: numpy, n_ctx: 256}}",
-        "api: {warmup: false}",
-        f"mqtt: {{url: '{broker_url}', publish_interval_s: 5}}",
-    ]) + "\n")
-    return Supervisor(load_config(cfg), telemetry_source=source, http_socket=bind_socket("127.0.0.1", 0),
-                      environ={})
+    cfg.write_text(
+        "\n".join(
+            [
+                "telemetry: {platform: simulated, interval_s: 0.05}",
+                f"policy: {{path: {policies / 'alpha.yaml'}, watch: false}}",
+                f"engine: {{model: {model}, backend: numpy, n_ctx: 256}}",
+                "api: {warmup: false}",
+                f"mqtt: {{url: '{broker_url}', publish_interval_s: 5}}",
+            ]
+        )
+        + "\n"
+    )
+    return Supervisor(load_config(cfg), telemetry_source=source, http_socket=bind_socket("127.0.0.1", 0), environ={})
 
 
 async def test_select_switch_and_soft_limit_act_on_the_daemon(tmp_path: Path) -> None:
@@ -81,8 +85,9 @@ async def test_select_switch_and_soft_limit_act_on_the_daemon(tmp_path: Path) ->
                 assert [lv.enter_c for lv in sup.policy.thermal.levels] == [60.0, 95.0]
                 source.set(temps_c={"cpu": 65.0})
                 with anyio.fail_after(10):
-                    while sup.store.snapshot().decision is None or \
-                            sup.store.snapshot().decision.thermal_level != "warm":
+                    while (
+                        sup.store.snapshot().decision is None or sup.store.snapshot().decision.thermal_level != "warm"
+                    ):
                         await sup.store.wait_changed(sup.store.version)
                 # a limit at the hot level's enter temperature would break the ordering: refused
                 mark = rec.mark()
@@ -106,8 +111,10 @@ async def test_a_burst_of_toggles_during_a_generation_ends_in_the_last_value(tmp
     await broker.start()
     try:
         async with subscriber(broker.port, f"{BASE}/#") as (rec, client):
-            async with _supervisor(tmp_path, broker.url, SimulatedSource(temps_c={"cpu": 50.0})) as sup, \
-                    anyio.create_task_group() as tg:
+            async with (
+                _supervisor(tmp_path, broker.url, SimulatedSource(temps_c={"cpu": 50.0})) as sup,
+                anyio.create_task_group() as tg,
+            ):
                 assert sup.http is not None
                 api = httpx.AsyncClient(base_url=f"http://127.0.0.1:{sup.http.port}", timeout=60)
                 await rec.wait_for(f"{BASE}/availability", is_("online"), within_s=10)
@@ -123,8 +130,7 @@ async def test_a_burst_of_toggles_during_a_generation_ends_in_the_last_value(tmp
 
                 tg.start_soon(generate)
                 with anyio.fail_after(20):
-                    while (sup.store.snapshot().engine is None
-                           or sup.store.snapshot().engine.requests_in_flight == 0):
+                    while sup.store.snapshot().engine is None or sup.store.snapshot().engine.requests_in_flight == 0:
                         await sup.store.wait_changed(sup.store.version)
                 for n in range(200):
                     await client.publish(f"{BASE}/llm/enabled/set", "OFF" if n % 2 == 0 else "ON", qos=1)

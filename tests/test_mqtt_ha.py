@@ -79,6 +79,7 @@ def test_pending_commands_keep_first_arrival_order_and_the_latest_value() -> Non
 
 def test_every_enum_sensor_lists_every_value_it_can_publish() -> None:
     """llm_state (all engine states, unloaded included, and disabled by the switch) and gate_mode are always options."""
+
     def options(inputs: Inputs) -> dict[str, list[str]]:
         return {e.key: list(e.extra["ops"]) for e in entities(inputs) if e.device_class == "enum"}
 
@@ -98,10 +99,16 @@ def test_every_enum_sensor_lists_every_value_it_can_publish() -> None:
     assert seen["gate_mode"] == set(typing.get_args(GateMode))
 
 
-@pytest.mark.parametrize(("state", "model", "shown"), [
-    ("unloaded", "tiny.gguf", "none"), ("disabled", None, "none"), ("idle", "smollm2", "smollm2"),
-    ("loading", "smollm2", "smollm2"), ("idle", None, "none"),
-])
+@pytest.mark.parametrize(
+    ("state", "model", "shown"),
+    [
+        ("unloaded", "tiny.gguf", "none"),
+        ("disabled", None, "none"),
+        ("idle", "smollm2", "smollm2"),
+        ("loading", "smollm2", "smollm2"),
+        ("idle", None, "none"),
+    ],
+)
 def test_model_sensor_reads_none_without_a_loaded_model(state: str, model: str | None, shown: str) -> None:
     """After an unload the model sensor says `none` (as docs/mqtt.md says), not the file name."""
     store = StateStore()
@@ -125,8 +132,9 @@ def test_discovery_gives_every_entity_an_availability_and_sensors_an_expiry() ->
     cfg = MqttConfig(url="mqtt://127.0.0.1")
     assert cfg.keepalive * 1.5 <= 15, "the broker fires the will 1.5 x keepalive after the daemon goes silent"
     ents = entities(sample_inputs(command_error=CommandRefusal("t", "p", "why", "2026-01-01T00:00:00Z")))
-    cmps = check_device_message(json.loads(json.dumps(device_config(ents, TOPICS, INFO, expire_s=15))),
-                                availability=AVAIL, expire_s=15)
+    cmps = check_device_message(
+        json.loads(json.dumps(device_config(ents, TOPICS, INFO, expire_s=15))), availability=AVAIL, expire_s=15
+    )
     assert all(c["availability_topic"] == AVAIL for c in cmps.values())
     expiring = {k for k, c in cmps.items() if "expire_after" in c}
     assert expiring == {k for k, c in cmps.items() if c["platform"] in ("sensor", "binary_sensor")}
@@ -201,6 +209,7 @@ async def test_deep_json_on_voice_events_keeps_the_connection(broker: Mosquitto)
 @pytest.mark.timeout(30)
 async def test_a_refused_command_is_published_and_the_control_snaps_back(broker: Mosquitto) -> None:
     """An out-of-range number and a value the app refuses each show on command_error; the old value is re-sent."""
+
     class Picky(FakeApp):
         async def set_thermal_soft_limit(self, c: float) -> None:
             if c > 100:
@@ -216,8 +225,9 @@ async def test_a_refused_command_is_published_and_the_control_snaps_back(broker:
                 mark = rec.mark()
                 await client.publish(T.state("thermal/soft_limit/set"), payload, qos=1)
                 await rec.wait_for(err, has(reason), start=mark)
-                attrs = json.loads(await rec.wait_for(T.state("command/last_error/attributes"),
-                                                      has(payload.encode()), start=mark))
+                attrs = json.loads(
+                    await rec.wait_for(T.state("command/last_error/attributes"), has(payload.encode()), start=mark)
+                )
                 assert attrs["topic"] == T.state("thermal/soft_limit/set") and attrs["payload"] == payload
                 assert reason.decode() in attrs["reason"] and attrs["time"].endswith("Z")
                 assert await rec.wait_for(limit, start=mark) == b"80"  # sent again though unchanged
@@ -263,8 +273,12 @@ async def test_a_frozen_daemon_goes_offline_by_its_will(broker: Mosquitto, tmp_p
     script = tmp_path / "bridge.py"
     script.write_text(FROZEN_BRIDGE)
     async with subscriber(broker.port, AVAIL) as (rec, _):
-        proc = await anyio.open_process([sys.executable, str(script), broker.url], stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.DEVNULL, cwd=Path(__file__).parent.parent)
+        proc = await anyio.open_process(
+            [sys.executable, str(script), broker.url],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            cwd=Path(__file__).parent.parent,
+        )
         try:
             await rec.wait_for(AVAIL, is_("online"), within_s=20)
             proc.send_signal(signal.SIGSTOP)
@@ -279,18 +293,46 @@ async def test_a_frozen_daemon_goes_offline_by_its_will(broker: Mosquitto, tmp_p
 
 
 # -- generated bad input --------------------------------------------------------------------------
-_json = st.recursive(st.none() | st.booleans() | st.floats() | st.integers() | st.text(max_size=8),
-                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
-                     max_leaves=8)
+_json = st.recursive(
+    st.none() | st.booleans() | st.floats() | st.integers() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=8,
+)
 PAYLOADS = st.one_of(
     st.binary(max_size=64),
     st.text(max_size=32).map(str.encode),
-    st.sampled_from(["", "ON", "off", "PRESS", "press", "nan", "inf", "-inf", "1e400", "-0", " 72.5 ", "104",
-                     "default", "orin-nano-8gb", "null", "{}", "[]", '{"service": "stt"}', "\x00", "\ud7ff"]
-                    ).map(lambda s: s.encode()),
+    st.sampled_from(
+        [
+            "",
+            "ON",
+            "off",
+            "PRESS",
+            "press",
+            "nan",
+            "inf",
+            "-inf",
+            "1e400",
+            "-0",
+            " 72.5 ",
+            "104",
+            "default",
+            "orin-nano-8gb",
+            "null",
+            "{}",
+            "[]",
+            '{"service": "stt"}',
+            "\x00",
+            "\ud7ff",
+        ]
+    ).map(lambda s: s.encode()),
     _json.map(lambda v: json.dumps(v).encode()),
-    st.fixed_dictionaries({"service": st.sampled_from(["stt", "tts", "x"]), "event": st.sampled_from(["start", "stop", 1]),
-                           "session": _json}).map(lambda v: json.dumps(v).encode()),
+    st.fixed_dictionaries(
+        {
+            "service": st.sampled_from(["stt", "tts", "x"]),
+            "event": st.sampled_from(["start", "stop", 1]),
+            "session": _json,
+        }
+    ).map(lambda v: json.dumps(v).encode()),
     st.integers(1, 6000).map(lambda n: b"[" * n),
     st.integers(1, 2000).map(lambda n: b'{"a":' * n + b"1" + b"}" * n),
     st.integers(4000, 20_000).map(lambda n: b"7" * n),
@@ -306,8 +348,10 @@ def test_generated_garbage_on_every_command_topic_never_drops_the_connection(tmp
         mosquitto = Mosquitto(tmp_path)
         portal.call(mosquitto.start)
         try:
-            with portal.wrap_async_context_manager(running_bridge(mqtt_config(mosquitto.url))) as (bridge, _s, app), \
-                    portal.wrap_async_context_manager(subscriber(mosquitto.port, AVAIL)) as (rec, client):
+            with (
+                portal.wrap_async_context_manager(running_bridge(mqtt_config(mosquitto.url))) as (bridge, _s, app),
+                portal.wrap_async_context_manager(subscriber(mosquitto.port, AVAIL)) as (rec, client),
+            ):
                 portal.call(rec.wait_for, AVAIL, is_("online"))
                 first = bridge.connections
 
@@ -318,8 +362,13 @@ def test_generated_garbage_on_every_command_topic_never_drops_the_connection(tmp
                         while app.limit != limit:
                             await app.changed.wait()
 
-                @settings(max_examples=100, derandomize=True, deadline=None, database=None,
-                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+                @settings(
+                    max_examples=100,
+                    derandomize=True,
+                    deadline=None,
+                    database=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+                )
                 @given(path=st.sampled_from(sorted(COMMAND_PATHS)), payload=PAYLOADS)
                 def check(path: str, payload: bytes) -> None:
                     portal.call(garbage_then_valid, path, payload, next(limits))
@@ -334,22 +383,32 @@ def test_generated_garbage_on_every_command_topic_never_drops_the_connection(tmp
 def _supervisor(tmp_path: Path, broker_url: str) -> Supervisor:
     model = synth(tmp_path, "tiny")
     cfg = tmp_path / "supervisor.yaml"
-    cfg.write_text("\n".join([
-        "telemetry: {platform: simulated, interval_s: 0.05}",
-        f"policy: {{path: {write_policy(tmp_path / 'alpha.yaml', 'alpha')}, watch: false}}",
-        f"models: {{tiny: {{path: {model}}}}}",
-        "engine: {backend: numpy, n_ctx: 256}",
-        "api: {warmup: false}",
-        f"mqtt: {{url: '{broker_url}', publish_interval_s: 5}}",
-    ]) + "\n")
-    return Supervisor(load_config(cfg), telemetry_source=SimulatedSource(temps_c={"cpu": 50.0}),
-                      http_socket=bind_socket("127.0.0.1", 0), environ={})
+    cfg.write_text(
+        "\n".join(
+            [
+                "telemetry: {platform: simulated, interval_s: 0.05}",
+                f"policy: {{path: {write_policy(tmp_path / 'alpha.yaml', 'alpha')}, watch: false}}",
+                f"models: {{tiny: {{path: {model}}}}}",
+                "engine: {backend: numpy, n_ctx: 256}",
+                "api: {warmup: false}",
+                f"mqtt: {{url: '{broker_url}', publish_interval_s: 5}}",
+            ]
+        )
+        + "\n"
+    )
+    return Supervisor(
+        load_config(cfg),
+        telemetry_source=SimulatedSource(temps_c={"cpu": 50.0}),
+        http_socket=bind_socket("127.0.0.1", 0),
+        environ={},
+    )
 
 
 @needs_broker
 @pytest.mark.timeout(90)
 async def test_daemon_status_shows_mqtt_without_secrets_and_unload_reads_unloaded_and_none(
-        broker: Mosquitto, tmp_path: Path) -> None:
+    broker: Mosquitto, tmp_path: Path
+) -> None:
     """/status says MQTT is connected (broker without the URL's password); Unload makes llm/state
     `unloaded` (one of its options) and the model sensor `none`."""
     base = "genie/genie"

@@ -36,7 +36,8 @@ from tests.test_mqtt import (
 
 OPENSSL = shutil.which("openssl")
 MOSQUITTO_PASSWD = shutil.which("mosquitto_passwd") or next(
-    (p for p in ("/usr/bin/mosquitto_passwd", "/usr/local/bin/mosquitto_passwd") if Path(p).exists()), None)
+    (p for p in ("/usr/bin/mosquitto_passwd", "/usr/local/bin/mosquitto_passwd") if Path(p).exists()), None
+)
 needs_openssl = pytest.mark.skipif(OPENSSL is None, reason="the openssl command is not installed")
 needs_passwd = pytest.mark.skipif(MOSQUITTO_PASSWD is None, reason="mosquitto_passwd is not installed")
 
@@ -59,8 +60,9 @@ def password_broker(tmp_path: Path) -> Mosquitto:
     """A Mosquitto that takes only USER / PASSWORD (password_file, no anonymous clients)."""
     assert MOSQUITTO_PASSWD is not None
     passwd = tmp_path / "passwd"
-    subprocess.run([MOSQUITTO_PASSWD, "-b", "-c", str(passwd), USER, PASSWORD], check=True, capture_output=True,
-                   timeout=10)
+    subprocess.run(
+        [MOSQUITTO_PASSWD, "-b", "-c", str(passwd), USER, PASSWORD], check=True, capture_output=True, timeout=10
+    )
     return Mosquitto(tmp_path, anonymous=False, extra=(f"password_file {passwd}",))
 
 
@@ -73,24 +75,59 @@ def openssl(*args: str | Path) -> None:
 def make_pki(d: Path) -> dict[str, Path]:
     """A CA, a server certificate for 127.0.0.1 and a client certificate, all signed by the CA (EC P-256)."""
     ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
-    openssl("req", "-x509", *ec, "-keyout", d / "ca.key", "-out", d / "ca.crt", "-days", "2",
-            "-subj", "/CN=genie test CA", "-addext", "basicConstraints=critical,CA:TRUE",
-            "-addext", "keyUsage=critical,keyCertSign,cRLSign")
+    openssl(
+        "req",
+        "-x509",
+        *ec,
+        "-keyout",
+        d / "ca.key",
+        "-out",
+        d / "ca.crt",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=genie test CA",
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign",
+    )
     out = {"ca": d / "ca.crt"}
-    for name, ext in (("server", "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n"),
-                      ("client", "extendedKeyUsage=clientAuth\n")):
+    for name, ext in (
+        ("server", "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\n"),
+        ("client", "extendedKeyUsage=clientAuth\n"),
+    ):
         (d / f"{name}.ext").write_text(ext)
         openssl("req", *ec, "-keyout", d / f"{name}.key", "-out", d / f"{name}.csr", "-subj", f"/CN=genie {name}")
-        openssl("x509", "-req", "-in", d / f"{name}.csr", "-CA", d / "ca.crt", "-CAkey", d / "ca.key",
-                "-CAcreateserial", "-out", d / f"{name}.crt", "-days", "2", "-extfile", d / f"{name}.ext")
+        openssl(
+            "x509",
+            "-req",
+            "-in",
+            d / f"{name}.csr",
+            "-CA",
+            d / "ca.crt",
+            "-CAkey",
+            d / "ca.key",
+            "-CAcreateserial",
+            "-out",
+            d / f"{name}.crt",
+            "-days",
+            "2",
+            "-extfile",
+            d / f"{name}.ext",
+        )
         out[name], out[f"{name}_key"] = d / f"{name}.crt", d / f"{name}.key"
     return out
 
 
 def tls_broker(tmp_path: Path, pki: dict[str, Path], *, client_cert: bool = False) -> Mosquitto:
     """A Mosquitto speaking only TLS on its port, optionally requiring a client certificate from the CA."""
-    extra = (f"cafile {pki['ca']}", f"certfile {pki['server']}", f"keyfile {pki['server_key']}",
-             f"require_certificate {str(client_cert).lower()}")
+    extra = (
+        f"cafile {pki['ca']}",
+        f"certfile {pki['server']}",
+        f"keyfile {pki['server_key']}",
+        f"require_certificate {str(client_cert).lower()}",
+    )
     return Mosquitto(tmp_path, extra=extra)
 
 
@@ -108,8 +145,10 @@ async def wait_refused(bridge: MqttBridge, within_s: float = 5) -> str:
 @pytest.mark.timeout(30)
 async def test_password_broker_takes_the_right_credentials_as_keys_or_in_the_url(tmp_path: Path) -> None:
     """mqtt.username / mqtt.password, and the same user percent-encoded in the URL, both get online."""
-    async with started(password_broker(tmp_path)) as broker, \
-            subscriber(broker.port, AVAIL, username=USER, password=PASSWORD) as (rec, _):
+    async with (
+        started(password_broker(tmp_path)) as broker,
+        subscriber(broker.port, AVAIL, username=USER, password=PASSWORD) as (rec, _),
+    ):
         async with running_bridge(mqtt_config(broker.url, username=USER, password=PASSWORD)) as (bridge, _s, _a):
             assert bridge.connected
             await rec.wait_for(AVAIL, is_("online"))
@@ -124,7 +163,8 @@ async def test_password_broker_takes_the_right_credentials_as_keys_or_in_the_url
 @needs_passwd
 @pytest.mark.timeout(30)
 async def test_password_broker_refuses_wrong_credentials_reported_not_fatal(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """A wrong password is refused: the daemon starts anyway, keeps retrying, and says why; it is never logged."""
     caplog.set_level(logging.DEBUG)
     async with started(password_broker(tmp_path)) as broker:
@@ -161,8 +201,10 @@ async def test_tls_broker_with_a_generated_ca(tmp_path: Path, pki: dict[str, Pat
     """mqtts:// (or tls: true) with ca_file gets online; without our CA the certificate is refused and reported."""
     async with started(tls_broker(tmp_path, pki)) as broker:
         port = broker.port
-        for cfg in (mqtt_config(f"mqtts://{HOST}:{port}", ca_file=str(pki["ca"])),
-                    mqtt_config(f"mqtt://{HOST}:{port}", tls=True, ca_file=str(pki["ca"]))):
+        for cfg in (
+            mqtt_config(f"mqtts://{HOST}:{port}", ca_file=str(pki["ca"])),
+            mqtt_config(f"mqtt://{HOST}:{port}", tls=True, ca_file=str(pki["ca"])),
+        ):
             async with running_bridge(cfg) as (bridge, _s, _a):
                 assert bridge.connected, bridge.last_error
         async with running_bridge(mqtt_config(f"mqtts://{HOST}:{port}", startup_wait_s=0.5)) as (bridge, _s, _a):
@@ -178,8 +220,11 @@ async def test_tls_broker_requiring_a_client_certificate(tmp_path: Path, pki: di
     """With require_certificate, cert_file + key_file get online; without them the broker refuses."""
     async with started(tls_broker(tmp_path, pki, client_cert=True)) as broker:
         url = f"mqtts://{HOST}:{broker.port}"
-        files: dict[str, Any] = {"ca_file": str(pki["ca"]), "cert_file": str(pki["client"]),
-                                 "key_file": str(pki["client_key"])}
+        files: dict[str, Any] = {
+            "ca_file": str(pki["ca"]),
+            "cert_file": str(pki["client"]),
+            "key_file": str(pki["client_key"]),
+        }
         async with running_bridge(mqtt_config(url, **files)) as (bridge, _s, _a):
             assert bridge.connected, bridge.last_error
         async with running_bridge(mqtt_config(url, ca_file=str(pki["ca"]), startup_wait_s=0.5)) as (bridge, _s, _a):
@@ -200,12 +245,15 @@ def test_tls_files_without_tls_are_a_config_error() -> None:
 
 
 # -- secrets in output ------------------------------------------------------------------------------
-@pytest.mark.parametrize(("url", "shown"), [
-    ("mqtt://genie:hunter2@broker.lan:1883", "mqtt://***@broker.lan:1883"),
-    ("mqtts://hunter2@10.0.0.2", "mqtts://***@10.0.0.2"),
-    ("mqtt://a%40b:hunter2@@h:1", "mqtt://***@h:1"),
-    ("mqtt://broker.lan:1883", "mqtt://broker.lan:1883"),
-])
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("mqtt://genie:hunter2@broker.lan:1883", "mqtt://***@broker.lan:1883"),
+        ("mqtts://hunter2@10.0.0.2", "mqtts://***@10.0.0.2"),
+        ("mqtt://a%40b:hunter2@@h:1", "mqtt://***@h:1"),
+        ("mqtt://broker.lan:1883", "mqtt://broker.lan:1883"),
+    ],
+)
 def test_urls_are_shown_without_credentials(url: str, shown: str) -> None:
     """redact_url drops user and password, keeping scheme, host and port."""
     assert redact_url(url) == shown
@@ -217,8 +265,9 @@ def test_url_password_is_shown_nowhere(tmp_path: Path) -> None:
     from tests.test_mqtt import FakeApp
 
     url = "mqtt://genie:hunter2@127.0.0.1:1"
-    bridge = MqttBridge(MqttConfig(url=url), "box", StateStore(), gate_metrics=dict,
-                        commands=FakeApp(StateStore()).commands())
+    bridge = MqttBridge(
+        MqttConfig(url=url), "box", StateStore(), gate_metrics=dict, commands=FakeApp(StateStore()).commands()
+    )
     assert "hunter2" not in repr(bridge.status()) and bridge.status()["broker"] == "mqtt://127.0.0.1:1"
     bad = tmp_path / "supervisor.yaml"
     bad.write_text("mqtt: {url: 'http://genie:hunter2@127.0.0.1:1'}\n")

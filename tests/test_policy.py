@@ -20,17 +20,24 @@ ROOT = Path(__file__).resolve().parents[1]
 BASE = {
     "version": 1,
     "name": "t",
-    "voice": {"stt": {"action": "pause", "resume_holdoff_ms": 300},
-              "tts": {"action": "throttle", "throttle_tps": 8}},
-    "thermal": {"sensor": "tj", "levels": [
-        {"name": "warm", "enter_c": 80, "leave_c": 75, "action": "throttle", "throttle_tps": 6},
-        {"name": "hot", "enter_c": 90, "leave_c": 85, "action": "pause"},
-    ]},
-    "memory": {"llm_budget_mb": 2560, "reservations": {"whisper": 1000}, "hysteresis_mb": 100, "thresholds": [
-        {"below_available_mb": 1500, "action": "shrink_context", "context_tokens": 1024},
-        {"below_available_mb": 1000, "action": "refuse_new"},
-        {"below_available_mb": 600, "action": "unload_llm"},
-    ]},
+    "voice": {"stt": {"action": "pause", "resume_holdoff_ms": 300}, "tts": {"action": "throttle", "throttle_tps": 8}},
+    "thermal": {
+        "sensor": "tj",
+        "levels": [
+            {"name": "warm", "enter_c": 80, "leave_c": 75, "action": "throttle", "throttle_tps": 6},
+            {"name": "hot", "enter_c": 90, "leave_c": 85, "action": "pause"},
+        ],
+    },
+    "memory": {
+        "llm_budget_mb": 2560,
+        "reservations": {"whisper": 1000},
+        "hysteresis_mb": 100,
+        "thresholds": [
+            {"below_available_mb": 1500, "action": "shrink_context", "context_tokens": 1024},
+            {"below_available_mb": 1000, "action": "refuse_new"},
+            {"below_available_mb": 600, "action": "unload_llm"},
+        ],
+    },
     "failsafe": {"stt_unknown": "pause", "telemetry_unknown": "throttle", "throttle_tps": 4, "telemetry_stale_s": 10},
 }
 
@@ -40,17 +47,28 @@ def policy(**changes: object) -> Policy:
     return Policy.model_validate({**BASE, **changes})
 
 
-def snap(ts: float = 100.0, temp: float | None = 50.0, mem: float | None = 5000.0, voice: VoiceState | None = None,
-         services: dict[str, ServiceObservation] | None = None, tel_ts: float | None = None) -> Snapshot:
+def snap(
+    ts: float = 100.0,
+    temp: float | None = 50.0,
+    mem: float | None = 5000.0,
+    voice: VoiceState | None = None,
+    services: dict[str, ServiceObservation] | None = None,
+    tel_ts: float | None = None,
+) -> Snapshot:
     """A snapshot at `ts` with one fresh telemetry sample."""
     tel = None
     if temp is not None or mem is not None:
-        tel = TelemetrySample("simulated", ts=ts if tel_ts is None else tel_ts,
-                              temps_c={} if temp is None else {"tj": temp}, mem_available_mb=mem)
+        tel = TelemetrySample(
+            "simulated",
+            ts=ts if tel_ts is None else tel_ts,
+            temps_c={} if temp is None else {"tj": temp},
+            mem_available_mb=mem,
+        )
     return Snapshot(ts=ts, started_ts=0.0, telemetry=tel, voice=voice or VoiceState(), services=services or {})
 
 
 # -- evaluation: every rule ------------------------------------------------------------------
+
 
 def test_quiet_box_is_open() -> None:
     """With nothing happening the gate is open and new requests are accepted."""
@@ -96,9 +114,16 @@ def test_thermal_levels_with_hysteresis() -> None:
         prev = evaluate(p, snap(temp=temp), prev)
         seen.append((temp, prev.thermal_level, prev.gate))
     assert seen == [
-        (70, None, "open"), (80, "warm", "throttled"), (78, "warm", "throttled"), (89, "warm", "throttled"),
-        (90, "hot", "paused"), (86, "hot", "paused"), (85, "warm", "throttled"), (79, "warm", "throttled"),
-        (75, None, "open"), (74, None, "open"),
+        (70, None, "open"),
+        (80, "warm", "throttled"),
+        (78, "warm", "throttled"),
+        (89, "warm", "throttled"),
+        (90, "hot", "paused"),
+        (86, "hot", "paused"),
+        (85, "warm", "throttled"),
+        (79, "warm", "throttled"),
+        (75, None, "open"),
+        (74, None, "open"),
     ]
 
 
@@ -199,6 +224,7 @@ def test_hysteresis_state_ignored_across_policies() -> None:
 
 # -- files: errors with file:line ------------------------------------------------------------
 
+
 def write(tmp_path: Path, text: str, name: str = "p.yaml") -> str:
     """Write a dedented policy file and return its path."""
     p = tmp_path / name
@@ -221,27 +247,33 @@ def test_shipped_policies_load(name: str) -> None:
 
 def test_malformed_yaml(tmp_path: Path) -> None:
     """Malformed YAML is reported at the parser's line."""
-    f = write(tmp_path, """
+    f = write(
+        tmp_path,
+        """
         version: 1
         name: x
         voice:
           stt: {action: pause
         thermal: {}
-        """)
+        """,
+    )
     (err,) = errors_of(f)
     assert err.startswith(f"{f}:5: malformed YAML:")
 
 
 def test_unknown_key(tmp_path: Path) -> None:
     """An unknown key is named with its line and the keys that were expected."""
-    f = write(tmp_path, """
+    f = write(
+        tmp_path,
+        """
         version: 1
         name: x
         voice:
           stt:
             action: pause
             resume_holdof_ms: 100
-        """)
+        """,
+    )
     assert errors_of(f) == [
         f"{f}:6 voice.stt.resume_holdof_ms: unknown key (did you mean 'resume_holdoff_ms'?); "
         "expected one of: action, resume_holdoff_ms, throttle_tps"
@@ -250,13 +282,16 @@ def test_unknown_key(tmp_path: Path) -> None:
 
 def test_wrong_type(tmp_path: Path) -> None:
     """A wrong type names the value that was given."""
-    f = write(tmp_path, """
+    f = write(
+        tmp_path,
+        """
         version: 1
         name: x
         thermal:
           levels:
             - {name: warm, enter_c: hot, leave_c: 70, action: pause}
-        """)
+        """,
+    )
     assert errors_of(f) == [
         f"{f}:5 thermal.levels[0].enter_c: Input should be a valid number, unable to parse string as a number (got 'hot')"
     ]
@@ -264,38 +299,49 @@ def test_wrong_type(tmp_path: Path) -> None:
 
 def test_bad_enum_value(tmp_path: Path) -> None:
     """A value outside a choice lists the allowed ones."""
-    f = write(tmp_path, """
+    f = write(
+        tmp_path,
+        """
         version: 1
         name: x
         voice:
           stt: {action: stop}
-        """)
+        """,
+    )
     assert errors_of(f) == [f"{f}:4 voice.stt.action: Input should be 'pause', 'throttle' or 'none' (got 'stop')"]
 
 
 def test_out_of_range(tmp_path: Path) -> None:
     """An out-of-range number names the bound and the value."""
-    f = write(tmp_path, """
+    f = write(
+        tmp_path,
+        """
         version: 1
         name: x
         voice:
           prefill_chunk_tokens: 0
-        """)
+        """,
+    )
     assert errors_of(f) == [f"{f}:4 voice.prefill_chunk_tokens: Input should be greater than or equal to 1 (got 0)"]
 
 
 def test_missing_and_wrong_version(tmp_path: Path) -> None:
     """A missing required key points at its parent, a wrong version names the version."""
-    f = write(tmp_path, """
+    f = write(
+        tmp_path,
+        """
         version: 2
         description: no name
-        """)
+        """,
+    )
     assert errors_of(f) == [f"{f}:1 name: required key is missing", f"{f}:1 version: Input should be 1 (got 2)"]
 
 
 def test_contradictory_thermal_thresholds(tmp_path: Path) -> None:
     """leave_c at or above enter_c is rejected at the leave_c line with one sentence."""
-    f = write(tmp_path, """
+    f = write(
+        tmp_path,
+        """
         version: 1
         name: x
         thermal:
@@ -304,13 +350,16 @@ def test_contradictory_thermal_thresholds(tmp_path: Path) -> None:
               enter_c: 80
               leave_c: 82
               action: pause
-        """)
+        """,
+    )
     assert errors_of(f) == [f"{f}:7 thermal.levels[0].leave_c: leave_c (82) must be below enter_c (80) for hysteresis"]
 
 
 def test_thermal_levels_out_of_order(tmp_path: Path) -> None:
     """A hotter level listed before a cooler one is rejected at its enter_c."""
-    f = write(tmp_path, """
+    f = write(
+        tmp_path,
+        """
         version: 1
         name: x
         thermal:
@@ -320,7 +369,8 @@ def test_thermal_levels_out_of_order(tmp_path: Path) -> None:
               enter_c: 80
               leave_c: 75
               action: pause
-        """)
+        """,
+    )
     assert errors_of(f) == [
         f"{f}:7 thermal.levels[1].enter_c: enter_c (80) must be above the previous level's enter_c (90); "
         "list levels from coolest to hottest"
@@ -329,14 +379,17 @@ def test_thermal_levels_out_of_order(tmp_path: Path) -> None:
 
 def test_hotter_level_cannot_be_milder(tmp_path: Path) -> None:
     """A hotter level that throttles less than a cooler one is contradictory."""
-    f = write(tmp_path, """
+    f = write(
+        tmp_path,
+        """
         version: 1
         name: x
         thermal:
           levels:
             - {name: warm, enter_c: 80, leave_c: 75, action: throttle, throttle_tps: 5}
             - {name: hot, enter_c: 90, leave_c: 85, action: throttle, throttle_tps: 10}
-        """)
+        """,
+    )
     assert errors_of(f) == [
         f"{f}:6 thermal.levels[1].throttle_tps: throttle_tps (10) must not rise above the cooler level's (5)"
     ]
@@ -344,7 +397,9 @@ def test_hotter_level_cannot_be_milder(tmp_path: Path) -> None:
 
 def test_memory_thresholds_out_of_order_and_throttle_without_rate(tmp_path: Path) -> None:
     """Every problem of a file is reported, each at its own line."""
-    f = write(tmp_path, """
+    f = write(
+        tmp_path,
+        """
         version: 1
         name: x
         voice:
@@ -354,7 +409,8 @@ def test_memory_thresholds_out_of_order_and_throttle_without_rate(tmp_path: Path
             - {below_available_mb: 500, action: refuse_new}
             - below_available_mb: 900
               action: unload_llm
-        """)
+        """,
+    )
     assert errors_of(f) == [
         f"{f}:4 voice.tts.throttle_tps: action throttle needs throttle_tps (tokens/s)",
         f"{f}:8 memory.thresholds[1].below_available_mb: below_available_mb (900) must be lower than the "
@@ -364,11 +420,14 @@ def test_memory_thresholds_out_of_order_and_throttle_without_rate(tmp_path: Path
 
 def test_duplicate_key(tmp_path: Path) -> None:
     """A key given twice is an error instead of silently taking the last one."""
-    f = write(tmp_path, """
+    f = write(
+        tmp_path,
+        """
         version: 1
         name: x
         name: y
-        """)
+        """,
+    )
     assert errors_of(f) == [f"{f}:3 name: duplicate key (first at line 2)"]
 
 

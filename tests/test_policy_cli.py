@@ -18,8 +18,10 @@ def test_check_ok(capsys: pytest.CaptureFixture[str]) -> None:
     """Valid files print one ok line each and exit 0."""
     assert main(["policy", "check", ORIN, str(ROOT / "policies/default.yaml")]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out == [f"{ORIN}: ok (policy 'orin-nano-8gb', version 1)",
-                   f"{ROOT / 'policies/default.yaml'}: ok (policy 'default', version 1)"]
+    assert out == [
+        f"{ORIN}: ok (policy 'orin-nano-8gb', version 1)",
+        f"{ROOT / 'policies/default.yaml'}: ok (policy 'default', version 1)",
+    ]
 
 
 def test_check_errors_exit_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -41,15 +43,18 @@ def trace(tmp_path: Path, records: list[dict[str, object]]) -> str:
 
 def test_simulate_prints_timeline(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Simulate prints every decision change: STT pause, hold-off end, thermal throttle and its hysteresis."""
-    t = trace(tmp_path, [
-        {"t": 0.0, "type": "telemetry", "platform": "simulated", "temps_c": {"tj": 60}, "mem_available_mb": 5000},
-        {"t": 1.0, "type": "voice", "service": "stt", "active": True, "session": "a"},
-        {"t": 2.0, "type": "voice", "service": "stt", "active": False, "session": "a"},
-        {"t": 3.0, "type": "telemetry", "platform": "simulated", "temps_c": {"tj": 81}, "mem_available_mb": 5000},
-        {"t": 4.0, "type": "telemetry", "platform": "simulated", "temps_c": {"tj": 77}, "mem_available_mb": 5000},
-        {"t": 5.0, "type": "telemetry", "platform": "simulated", "temps_c": {"tj": 74}, "mem_available_mb": 5000},
-        {"t": 6.0, "type": "tick"},
-    ])
+    t = trace(
+        tmp_path,
+        [
+            {"t": 0.0, "type": "telemetry", "platform": "simulated", "temps_c": {"tj": 60}, "mem_available_mb": 5000},
+            {"t": 1.0, "type": "voice", "service": "stt", "active": True, "session": "a"},
+            {"t": 2.0, "type": "voice", "service": "stt", "active": False, "session": "a"},
+            {"t": 3.0, "type": "telemetry", "platform": "simulated", "temps_c": {"tj": 81}, "mem_available_mb": 5000},
+            {"t": 4.0, "type": "telemetry", "platform": "simulated", "temps_c": {"tj": 77}, "mem_available_mb": 5000},
+            {"t": 5.0, "type": "telemetry", "platform": "simulated", "temps_c": {"tj": 74}, "mem_available_mb": 5000},
+            {"t": 6.0, "type": "tick"},
+        ],
+    )
     assert main(["policy", "simulate", ORIN, "--trace", t]) == 0
     out = capsys.readouterr().out
     lines = [re.sub(r"\s+", " ", x.strip()) for x in out.splitlines()]
@@ -65,10 +70,13 @@ def test_simulate_prints_timeline(tmp_path: Path, capsys: pytest.CaptureFixture[
 def test_simulate_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """--plot writes a PNG of the timeline."""
     pytest.importorskip("matplotlib")
-    t = trace(tmp_path, [
-        {"t": 0.0, "type": "telemetry", "platform": "simulated", "temps_c": {"tj": 95}, "mem_available_mb": 900},
-        {"t": 1.0, "type": "telemetry", "platform": "simulated", "temps_c": {"tj": 60}, "mem_available_mb": 5000},
-    ])
+    t = trace(
+        tmp_path,
+        [
+            {"t": 0.0, "type": "telemetry", "platform": "simulated", "temps_c": {"tj": 95}, "mem_available_mb": 900},
+            {"t": 1.0, "type": "telemetry", "platform": "simulated", "temps_c": {"tj": 60}, "mem_available_mb": 5000},
+        ],
+    )
     png = tmp_path / "out.png"
     assert main(["policy", "simulate", ORIN, "--trace", t, "--plot", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

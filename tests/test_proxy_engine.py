@@ -54,10 +54,21 @@ async def test_stt_through_the_proxy_parks_decode_before_audio_stop_and_resumes_
         f"    proxy: {{listen: '{HOST}:{listen}', upstream: '{HOST}:{upstream}',"
         " hold_audio_stop_until_parked: true, hold_max_ms: 5000}\n"
     )
-    cfg = load_config(write_config(tmp_path / "supervisor.yaml", write_policy(tmp_path / "p.yaml", holdoff_ms=HOLDOFF_MS),
-                                   model=SMOLLM2, extra=extra))
-    sup = Supervisor(cfg, telemetry_source=SimulatedSource(), http_socket=bind_socket("127.0.0.1", 0),
-                     environ={}, model_loader=lambda *_a, **_k: model)
+    cfg = load_config(
+        write_config(
+            tmp_path / "supervisor.yaml",
+            write_policy(tmp_path / "p.yaml", holdoff_ms=HOLDOFF_MS),
+            model=SMOLLM2,
+            extra=extra,
+        )
+    )
+    sup = Supervisor(
+        cfg,
+        telemetry_source=SimulatedSource(),
+        http_socket=bind_socket("127.0.0.1", 0),
+        environ={},
+        model_loader=lambda *_a, **_k: model,
+    )
     order.sup = sup
     try:
         async with sup, anyio.create_task_group() as tg:

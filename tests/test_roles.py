@@ -15,8 +15,12 @@ pytestmark = pytest.mark.timeout(90)
 
 
 def _config(tmp_path: Path) -> str:
-    voice, a, b, huge = (synth(tmp_path, "voice"), synth(tmp_path, "brain-a", "mid", 1),
-                         synth(tmp_path, "brain-b", "mid", 2), synth(tmp_path, "huge", "big"))
+    voice, a, b, huge = (
+        synth(tmp_path, "voice"),
+        synth(tmp_path, "brain-a", "mid", 1),
+        synth(tmp_path, "brain-b", "mid", 2),
+        synth(tmp_path, "huge", "big"),
+    )
     return f"""\
 models:
   voice: {{path: {voice}, roles: [fast], resident: true}}
@@ -37,8 +41,9 @@ async def test_swap_group_under_budget_keeps_resident_and_drains_in_flight(tmp_p
             assert models["voice"].state == "ready" and models["brain-a"].state == "unloaded"
 
             async def ask(model: str) -> str:
-                r = await oa.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
-                                                     max_tokens=2, temperature=0)
+                r = await oa.chat.completions.create(
+                    model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2, temperature=0
+                )
                 assert r.model in models and r.usage is not None and r.usage.completion_tokens == 2
                 return r.model
 
@@ -49,9 +54,17 @@ async def test_swap_group_under_budget_keeps_resident_and_drains_in_flight(tmp_p
             got_first, chunks = anyio.Event(), []
 
             async def long_stream() -> None:
-                async with client.stream("POST", "/v1/chat/completions", json={
-                        "model": "brain", "messages": [{"role": "user", "content": "tell"}], "max_tokens": 6,
-                        "temperature": 0, "stream": True}) as s:
+                async with client.stream(
+                    "POST",
+                    "/v1/chat/completions",
+                    json={
+                        "model": "brain",
+                        "messages": [{"role": "user", "content": "tell"}],
+                        "max_tokens": 6,
+                        "temperature": 0,
+                        "stream": True,
+                    },
+                ) as s:
                     async for line in s.aiter_lines():
                         chunks.append(line)
                         if line.startswith("data: ") and '"content"' in line:

@@ -54,8 +54,11 @@ def test_ties_and_negative_zero_order_by_id() -> None:
         vocab = int(rng.integers(5, 3000))
         x = (rng.integers(-3, 4, vocab) * 0.5).astype(np.float32)
         x[rng.integers(0, vocab, 3)] = -0.0
-        for p in (SamplingParams(temperature=1.0, top_k=int(rng.integers(1, vocab)), top_p=0.7, min_p=0.0),
-                  SamplingParams(temperature=0.5, top_k=0, top_p=1.0, min_p=0.2), PARAMS["greedy_penalty"]):
+        for p in (
+            SamplingParams(temperature=1.0, top_k=int(rng.integers(1, vocab)), top_p=0.7, min_p=0.0),
+            SamplingParams(temperature=0.5, top_k=0, top_p=1.0, min_p=0.2),
+            PARAMS["greedy_penalty"],
+        ):
             hist = random_history(rng, vocab, 10)
             plan = host_plan(x, p, hist)
             if plan.top_p_margin < 1e-6:

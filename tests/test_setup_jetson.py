@@ -96,8 +96,9 @@ def make_root(tmp_path: Path, *, release: str | None = R36, cuda: bool = True, j
         lib = root / "usr/local/cuda/lib64"
         lib.mkdir(parents=True)
         (lib / "libcudart.so.12").write_text("")
-        (root / "usr/local/cuda/version.json").write_text('{\n   "cuda" : {\n      "name" : "CUDA SDK",\n'
-                                                           '      "version" : "12.2.140"\n   }\n}\n')
+        (root / "usr/local/cuda/version.json").write_text(
+            '{\n   "cuda" : {\n      "name" : "CUDA SDK",\n      "version" : "12.2.140"\n   }\n}\n'
+        )
     (root / "usr/sbin").mkdir(parents=True)
     (root / "usr/sbin/mosquitto").write_text("")
     if jtop:
@@ -115,8 +116,7 @@ def fake_env(tmp_path: Path, root: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GENIE_SETUP_")}
     for name, body in FAKES.items():
         path = bin_dir / name
-        path.write_text(PRELUDE.format(python=sys.executable, root=str(root), uid=uid, gid=gid, log=str(log))
-                        + body)
+        path.write_text(PRELUDE.format(python=sys.executable, root=str(root), uid=uid, gid=gid, log=str(log)) + body)
         path.chmod(0o755)
         if name == "chown" and os.geteuid() == 0:
             continue
@@ -127,8 +127,13 @@ def fake_env(tmp_path: Path, root: Path) -> dict[str, str]:
 
 def setup(tmp_path: Path, root: Path, *args: str) -> subprocess.CompletedProcess[str]:
     assert BASH is not None
-    return subprocess.run([BASH, str(SCRIPT), "--root", str(root), *args], env=fake_env(tmp_path, root),
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [BASH, str(SCRIPT), "--root", str(root), *args],
+        env=fake_env(tmp_path, root),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def snapshot(root: Path) -> dict[str, tuple[int, int, int, bytes]]:
@@ -136,8 +141,12 @@ def snapshot(root: Path) -> dict[str, tuple[int, int, int, bytes]]:
     out = {}
     for path in sorted(root.rglob("*")):
         st = path.lstat()
-        out[str(path.relative_to(root))] = (st.st_mode, st.st_uid, st.st_gid,
-                                            path.read_bytes() if path.is_file() else b"")
+        out[str(path.relative_to(root))] = (
+            st.st_mode,
+            st.st_uid,
+            st.st_gid,
+            path.read_bytes() if path.is_file() else b"",
+        )
     return out
 
 
@@ -163,9 +172,15 @@ def test_dry_run_prints_every_step_and_changes_nothing(tmp_path: Path) -> None:
     assert "CUDA 12.2.140" in out
     assert "jtop service absent" in out and "sysfs" in out
     would = [line for line in out.splitlines() if line.startswith("  would  ")]
-    for what in ("create system user genie", "create the venv", "install genie-supervisor[jetson,cuda]",
-                 "supervisor.yaml (mode 0600)", "create a random API key", "fetch the gemma3 demo model",
-                 "enable genie-supervisor.service"):
+    for what in (
+        "create system user genie",
+        "create the venv",
+        "install genie-supervisor[jetson,cuda]",
+        "supervisor.yaml (mode 0600)",
+        "create a random API key",
+        "fetch the gemma3 demo model",
+        "enable genie-supervisor.service",
+    ):
         assert any(what in line for line in would), what
     assert "nothing was changed" in out
     assert snapshot(root) == before
@@ -185,8 +200,11 @@ def test_install_on_a_fake_root_then_rerun_changes_nothing(tmp_path: Path) -> No
     unit = root / "etc/systemd/system/genie-supervisor.service"
     assert unit.read_text() == (REPO / "deploy/systemd/genie-supervisor.service").read_text()
     assert (root / "var/cache/genie-supervisor/models/gemma-3-270m-q4_k_m.gguf").exists()
-    for d, mode in (("var/lib/genie-supervisor", 0o750), ("var/cache/genie-supervisor/models", 0o750),
-                    ("opt/genie-supervisor", 0o755)):
+    for d, mode in (
+        ("var/lib/genie-supervisor", 0o750),
+        ("var/cache/genie-supervisor/models", 0o750),
+        ("opt/genie-supervisor", 0o755),
+    ):
         assert (root / d).stat().st_mode & 0o777 == mode, d
     if os.geteuid() == 0:
         assert (config.stat().st_uid, config.stat().st_gid) == (999, 999)

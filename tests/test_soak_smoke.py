@@ -26,9 +26,35 @@ def test_soak_runs_every_operation_and_writes_the_report(tmp_path: Path) -> None
     smol, gemma = require(SMOLLM2), require(GEMMA3)
     out = tmp_path / "out"
     # One engine thread: on a busy 2-core machine two OpenMP threads can slow decode twentyfold.
-    got = main(["--requests", "30", "--warmup", "1", "--probes", "2", "--swaps", "1", "--toggles", "1",
-                "--threads", "1", "--interval", "0.25", "--api-key", "soak-smoke-key", "--smollm2", str(smol), "--gemma3", str(gemma), "--out", str(out), "--workdir", str(tmp_path / "w")],
-               say=lambda m: None)
+    got = main(
+        [
+            "--requests",
+            "30",
+            "--warmup",
+            "1",
+            "--probes",
+            "2",
+            "--swaps",
+            "1",
+            "--toggles",
+            "1",
+            "--threads",
+            "1",
+            "--interval",
+            "0.25",
+            "--api-key",
+            "soak-smoke-key",
+            "--smollm2",
+            str(smol),
+            "--gemma3",
+            str(gemma),
+            "--out",
+            str(out),
+            "--workdir",
+            str(tmp_path / "w"),
+        ],
+        say=lambda m: None,
+    )
     data = json.loads((out / "results.json").read_text())
     a = data["analysis"]
     assert set(a["ops"]) == set(WEIGHTS) | set(LOAD_OPS)
@@ -42,8 +68,13 @@ def test_soak_runs_every_operation_and_writes_the_report(tmp_path: Path) -> None
     assert a["daemon_exit"] == 0
     assert len(data["samples"]) >= 3 and all(s["rss"] > 0 and s["fds"] > 0 for s in data["samples"])
     assert a["decode_speed_server"]["first"] and a["decode_speed_isolated"]["ratio"]
-    assert got["analysis"]["goals"].keys() == {"rss_slope", "speed", "nothing_in_flight", "no_unexpected_errors",
-                                               "graceful_exit"}
+    assert got["analysis"]["goals"].keys() == {
+        "rss_slope",
+        "speed",
+        "nothing_in_flight",
+        "no_unexpected_errors",
+        "graceful_exit",
+    }
     summary = (out / "summary.md").read_text()
     assert "| rss_slope |" in summary and "| decode speed (tok/s, median) |" in summary
     assert (out / "soak.png").stat().st_size > 10_000

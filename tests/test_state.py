@@ -169,7 +169,10 @@ def test_voice_hints_publish_activity() -> None:
         ({"service": "asr", "event": "start"}, "service must be 'stt' or 'tts', got 'asr'"),
         ({"service": "stt", "event": "go"}, "event must be 'start' or 'stop', got 'go'"),
         ({"service": "stt"}, "event must be 'start' or 'stop', got None"),
-        ({"service": "stt", "event": "start", "x": 1}, "unknown key 'x'; expected service, event and optionally session"),
+        (
+            {"service": "stt", "event": "start", "x": 1},
+            "unknown key 'x'; expected service, event and optionally session",
+        ),
         ({"service": "stt", "event": "start", "session": 3}, "session must be a string, got 3"),
     ],
 )

@@ -57,10 +57,14 @@ def test_each_architecture_loads_and_gives_finite_logits(tmp_path: Path, arch: s
 def test_quantized_logits_match_float_twin(tmp_path: Path, t: str) -> None:
     """A model of type t and the same weights decoded to F32 give nearly the same logits
     (they differ only by llama.cpp's activation rounding)."""
-    a = load_model(write_synthetic_gguf(tmp_path / "q.gguf", "qwen3", weight_type=t, **SHAPE),
-                   backend="numpy", n_ctx=64)
-    b = load_model(write_synthetic_gguf(tmp_path / "f.gguf", "qwen3", weight_type=t,
-                                        dequantized=True, **SHAPE), backend="numpy", n_ctx=64)
+    a = load_model(
+        write_synthetic_gguf(tmp_path / "q.gguf", "qwen3", weight_type=t, **SHAPE), backend="numpy", n_ctx=64
+    )
+    b = load_model(
+        write_synthetic_gguf(tmp_path / "f.gguf", "qwen3", weight_type=t, dequantized=True, **SHAPE),
+        backend="numpy",
+        n_ctx=64,
+    )
     la, lb = a.logits(IDS), b.logits(IDS)
     err = np.linalg.norm(la - lb) / np.linalg.norm(lb)
     assert err < 0.05, err
@@ -68,8 +72,7 @@ def test_quantized_logits_match_float_twin(tmp_path: Path, t: str) -> None:
 
 def test_q4_k_m_mix_and_untied_head(tmp_path: Path) -> None:
     mix = q4_k_m_types(SHAPE["n_layers"])
-    p = write_synthetic_gguf(tmp_path / "m.gguf", "llama", weight_type="Q4_K", type_overrides=mix,
-                             tied=False, **SHAPE)
+    p = write_synthetic_gguf(tmp_path / "m.gguf", "llama", weight_type="Q4_K", type_overrides=mix, tied=False, **SHAPE)
     m = load_model(p, backend="numpy", n_ctx=64)
     assert m.transformer.output is not m.transformer.embed_table
     from engine.gguf_file import read_gguf
@@ -83,8 +86,7 @@ def test_q4_k_m_mix_and_untied_head(tmp_path: Path) -> None:
 
 def test_tied_and_untied_heads_differ(tmp_path: Path) -> None:
     tied = load_model(write_synthetic_gguf(tmp_path / "t.gguf", "llama", **SHAPE), backend="numpy")
-    untied = load_model(write_synthetic_gguf(tmp_path / "u.gguf", "llama", tied=False, **SHAPE),
-                        backend="numpy")
+    untied = load_model(write_synthetic_gguf(tmp_path / "u.gguf", "llama", tied=False, **SHAPE), backend="numpy")
     assert tied.transformer.output is tied.transformer.embed_table
     assert not np.allclose(tied.logits(IDS[:3]), untied.logits(IDS[:3]))
 
@@ -93,8 +95,7 @@ def test_tied_and_untied_heads_differ(tmp_path: Path) -> None:
 def test_unsupported_tensor_type_is_refused_by_name(tmp_path: Path, t: str, nbytes: int) -> None:
     block = 256 if t == "Q2_K" else 32
     raw = np.zeros((SHAPE["n_ff"], SHAPE["n_embd"] // block * nbytes), dtype=np.uint8)
-    p = write_synthetic_gguf(tmp_path / "bad.gguf", "llama", raw_tensors={"blk.1.ffn_up.weight": (raw, t)},
-                             **SHAPE)
+    p = write_synthetic_gguf(tmp_path / "bad.gguf", "llama", raw_tensors={"blk.1.ffn_up.weight": (raw, t)}, **SHAPE)
     with pytest.raises(ModelFormatError) as err:
         load_model(p, backend="numpy")
     assert err.value.key == "blk.1.ffn_up.weight"

@@ -127,9 +127,7 @@ def write(root: Path, path: str, text: str) -> Path:
     return target
 
 
-def add_zone(
-    root: Path, n: int, zone_type: str, milli: int, trips: tuple[tuple[int, str], ...] = ()
-):
+def add_zone(root: Path, n: int, zone_type: str, milli: int, trips: tuple[tuple[int, str], ...] = ()):
     """Add /sys/class/thermal/thermal_zone<n> with its trip points."""
     base = f"/sys/class/thermal/thermal_zone{n}"
     write(root, f"{base}/type", f"{zone_type}\n")
@@ -384,14 +382,8 @@ def test_tegrastats_garbage_and_partial_lines_never_crash() -> None:
     assert parse_tegrastats("RAM lots/many CPU [x,y] GR3D_FREQ ?% cpu@hotC VDD_IN abc/def") is None
     partial = parse_tegrastats(TEGRASTATS_JP6[:120])
     assert partial is not None and partial.mem_total_mb == 7620.0 and partial.power_w == {}
-    future = parse_tegrastats(
-        "RAM 100/200MB NEWFIELD 7 gpu@40C FOO_BAR 12mW/12mW trailing GR3D_FREQ"
-    )
-    assert (
-        future is not None
-        and future.temps_c == {"gpu": 40.0}
-        and future.power_w == {"FOO_BAR": 0.012}
-    )
+    future = parse_tegrastats("RAM 100/200MB NEWFIELD 7 gpu@40C FOO_BAR 12mW/12mW trailing GR3D_FREQ")
+    assert future is not None and future.temps_c == {"gpu": 40.0} and future.power_w == {"FOO_BAR": 0.012}
 
 
 def test_tegrastats_source_streams_from_the_binary(tmp_path: Path) -> None:

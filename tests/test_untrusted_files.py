@@ -26,15 +26,22 @@ from genie_supervisor.policy import load_policy, parse_policy
 from genie_supervisor.yamlsrc import MAX_SOURCE_BYTES
 from tests.daemon import client, make_supervisor, wait_for, write_policy
 
-ALIAS_BOMB = "\n".join(
-    [f'a: &a [{",".join(["lol"] * 9)}]']
-    + [f"{b}: &{b} [{','.join([f'*{a}'] * 9)}]" for a, b in zip("abcdefgh", "bcdefghi", strict=True)]
-) + "\n"  # nine levels of nine aliases: 9**9 nodes once expanded, 300-odd bytes on disk
+ALIAS_BOMB = (
+    "\n".join(
+        [f"a: &a [{','.join(['lol'] * 9)}]"]
+        + [f"{b}: &{b} [{','.join([f'*{a}'] * 9)}]" for a, b in zip("abcdefgh", "bcdefghi", strict=True)]
+    )
+    + "\n"
+)  # nine levels of nine aliases: 9**9 nodes once expanded, 300-odd bytes on disk
 
 
 def _policy_check(path: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "genie_supervisor", "policy", "check", str(path)],
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "genie_supervisor", "policy", "check", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 @pytest.mark.parametrize(("byte", "name"), [(b"\x00", "0x00"), (b"\x07", "0x07")])
@@ -64,11 +71,14 @@ def test_alias_bomb_is_refused_before_it_expands(tmp_path: Path) -> None:
     assert peak < 64 * 2**20
 
 
-@pytest.mark.parametrize(("text", "message"), [
-    ("a: &a [*a]\n", "refers to a node that contains it"),
-    ("a: " + "[" * 100 + "]" * 100 + "\n", "nesting deeper than 64 levels"),
-    ("a: " + "[" * 20000 + "]" * 20000 + "\n", "nesting deeper than 64 levels"),
-])
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("a: &a [*a]\n", "refers to a node that contains it"),
+        ("a: " + "[" * 100 + "]" * 100 + "\n", "nesting deeper than 64 levels"),
+        ("a: " + "[" * 20000 + "]" * 20000 + "\n", "nesting deeper than 64 levels"),
+    ],
+)
 def test_recursive_or_deep_yaml_is_one_issue(text: str, message: str) -> None:
     """A self-referencing alias or a document nested beyond the limit is a named issue, not a RecursionError."""
     with pytest.raises(PolicyErrors) as err:
@@ -129,26 +139,48 @@ async def test_running_daemon_keeps_its_policy_when_the_file_gets_a_nul_byte(tmp
                 assert status["policy"]["name"] == "first" and status["policy"]["error"].startswith(f"{policy}:")
             write_policy(policy, "second")
             assert await watcher.reload() is True
-            await wait_for(sup, lambda: sup.store.snapshot().decision is not None
-                           and sup.store.snapshot().decision.policy == "second")
+            await wait_for(
+                sup,
+                lambda: sup.store.snapshot().decision is not None and sup.store.snapshot().decision.policy == "second",
+            )
             assert (await http.get("/health")).json()["status"] == "ok"
 
 
 # --- generated bad YAML ---------------------------------------------------------------------
 
-_yaml_chars = st.sampled_from(list("ab:- \n\t[]{},&*!|>'\"#%@`?0123456789.\\") + ["\x00", "\x07", "\x85", "\ufeff", "é"])
-_policy_lines = st.sampled_from([
-    "version: 1", "name: p", "voice:", "  stt: {action: pause}", "  stt: {action: throttle, throttle_tps: -1}",
-    "thermal:", "  levels:", "    - {name: w, enter_c: 80, leave_c: 90, action: pause}", "  sensor: [1]",
-    "x: &x [1, 2]", "y: [*x, *x]", "<<: *x", "failsafe: {telemetry_unknown: 3}", "memory: {llm_budget_mb: .inf}",
-    "version: 1\nversion: 2", "priorities: {voice: 1e999}",
-])
+_yaml_chars = st.sampled_from(
+    list("ab:- \n\t[]{},&*!|>'\"#%@`?0123456789.\\") + ["\x00", "\x07", "\x85", "\ufeff", "é"]
+)
+_policy_lines = st.sampled_from(
+    [
+        "version: 1",
+        "name: p",
+        "voice:",
+        "  stt: {action: pause}",
+        "  stt: {action: throttle, throttle_tps: -1}",
+        "thermal:",
+        "  levels:",
+        "    - {name: w, enter_c: 80, leave_c: 90, action: pause}",
+        "  sensor: [1]",
+        "x: &x [1, 2]",
+        "y: [*x, *x]",
+        "<<: *x",
+        "failsafe: {telemetry_unknown: 3}",
+        "memory: {llm_budget_mb: .inf}",
+        "version: 1\nversion: 2",
+        "priorities: {voice: 1e999}",
+    ]
+)
 
 
 @settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
-@given(st.one_of(st.text(_yaml_chars, max_size=200),
-                 st.lists(_policy_lines, max_size=12).map("\n".join),
-                 st.binary(max_size=200).map(lambda b: b.decode("utf-8", "replace"))))
+@given(
+    st.one_of(
+        st.text(_yaml_chars, max_size=200),
+        st.lists(_policy_lines, max_size=12).map("\n".join),
+        st.binary(max_size=200).map(lambda b: b.decode("utf-8", "replace")),
+    )
+)
 def test_generated_policy_and_config_yaml_only_ever_give_named_errors(text: str) -> None:
     """Any text as a policy or a config either validates or raises the file's error type with `file:` lines."""
     for parse, errors in ((lambda t: parse_policy(t, "p.yaml"), PolicyErrors), (_parse_config, ConfigErrors)):
@@ -171,6 +203,7 @@ def _parse_config(text: str) -> None:
 
 
 # --- GGUF headers -----------------------------------------------------------------------------
+
 
 class _Header:
     """A GGUF file written field by field, remembering where each length, count, type and offset is.
@@ -212,8 +245,12 @@ class _Header:
             self.put("float", "<f", value)
 
 
-_VTYPE = {str: gguf.GGUFValueType.STRING, bool: gguf.GGUFValueType.BOOL, int: gguf.GGUFValueType.UINT32,
-          float: gguf.GGUFValueType.FLOAT32}
+_VTYPE = {
+    str: gguf.GGUFValueType.STRING,
+    bool: gguf.GGUFValueType.BOOL,
+    int: gguf.GGUFValueType.UINT32,
+    float: gguf.GGUFValueType.FLOAT32,
+}
 
 
 def _serialize(path: str) -> _Header:
@@ -252,8 +289,9 @@ def _serialize(path: str) -> _Header:
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> _Header:
     path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
-    write_synthetic_gguf(path, "llama", n_layers=1, n_embd=32, n_ff=64, n_heads=2, n_kv_heads=1, n_vocab=320,
-                         weight_type="F32")
+    write_synthetic_gguf(
+        path, "llama", n_layers=1, n_embd=32, n_ff=64, n_heads=2, n_kv_heads=1, n_vocab=320, weight_type="F32"
+    )
     h = _serialize(str(path))
     rewritten = path.with_name("rewritten.gguf")
     rewritten.write_bytes(bytes(h.out))
@@ -264,13 +302,38 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> _Header:
 _EXTREME = st.one_of(st.integers(0, 2**64 - 1), st.sampled_from([0, 1, 2**31, 2**32 - 1, 2**63, 2**64 - 1]))
 
 
-@settings(max_examples=250, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(kind=st.sampled_from(["strlen", "arrcount", "vtype", "etype", "tensor_count", "kv_count", "ndims", "dim",
-                             "ttype", "offset", "version", "int", "float", "truncate", "byte"]),
-       which=st.integers(0, 10_000), value=_EXTREME)
+@settings(
+    max_examples=250,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    kind=st.sampled_from(
+        [
+            "strlen",
+            "arrcount",
+            "vtype",
+            "etype",
+            "tensor_count",
+            "kv_count",
+            "ndims",
+            "dim",
+            "ttype",
+            "offset",
+            "version",
+            "int",
+            "float",
+            "truncate",
+            "byte",
+        ]
+    ),
+    which=st.integers(0, 10_000),
+    value=_EXTREME,
+)
 def test_generated_gguf_headers_give_named_errors_without_huge_allocations(
-        tiny_gguf: _Header, tmp_path: Path, kind: str, which: int, value: int) -> None:
+    tiny_gguf: _Header, tmp_path: Path, kind: str, which: int, value: int
+) -> None:
     """A GGUF whose counts, lengths, types or offsets lie loads or raises an EngineError, allocating < 64 MiB."""
     raw = bytearray(tiny_gguf.out)
     if kind == "truncate":

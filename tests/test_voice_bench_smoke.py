@@ -79,23 +79,61 @@ class _Handler(AsyncEventHandler):
 
     async def _speak(self) -> None:
         rate = 22050
-        pcm = b"".join(int(8000 * math.sin(2 * math.pi * 440 * i / rate)).to_bytes(2, "little", signed=True)
-                       for i in range(int(0.3 * rate)))
+        pcm = b"".join(
+            int(8000 * math.sin(2 * math.pi * 440 * i / rate)).to_bytes(2, "little", signed=True)
+            for i in range(int(0.3 * rate))
+        )
         await self.write_event(AudioStart(rate, 2, 1).event())
         for i in range(0, len(pcm), 4096):
-            await self.write_event(AudioChunk(rate, 2, 1, pcm[i:i + 4096]).event())
+            await self.write_event(AudioChunk(rate, 2, 1, pcm[i : i + 4096]).event())
         await self.write_event(AudioStop().event())
 
 
 def _info(kind: str) -> Info:
     if kind == "stt":
-        return Info(asr=[AsrProgram(name="stt", attribution=ATTRIBUTION, installed=True, description=None,
-                                    version="1", models=[AsrModel(name="m", attribution=ATTRIBUTION, installed=True,
-                                                                  description=None, version="1", languages=["en"])])])
-    return Info(tts=[TtsProgram(name="tts", attribution=ATTRIBUTION, installed=True, description=None, version="1",
-                                voices=[TtsVoice(name="v", attribution=ATTRIBUTION, installed=True, description=None,
-                                                 version="1", languages=["en"])],
-                                supports_synthesize_streaming=True)])
+        return Info(
+            asr=[
+                AsrProgram(
+                    name="stt",
+                    attribution=ATTRIBUTION,
+                    installed=True,
+                    description=None,
+                    version="1",
+                    models=[
+                        AsrModel(
+                            name="m",
+                            attribution=ATTRIBUTION,
+                            installed=True,
+                            description=None,
+                            version="1",
+                            languages=["en"],
+                        )
+                    ],
+                )
+            ]
+        )
+    return Info(
+        tts=[
+            TtsProgram(
+                name="tts",
+                attribution=ATTRIBUTION,
+                installed=True,
+                description=None,
+                version="1",
+                voices=[
+                    TtsVoice(
+                        name="v",
+                        attribution=ATTRIBUTION,
+                        installed=True,
+                        description=None,
+                        version="1",
+                        languages=["en"],
+                    )
+                ],
+                supports_synthesize_streaming=True,
+            )
+        ]
+    )
 
 
 @contextmanager
@@ -144,12 +182,42 @@ def test_harness_runs_three_scenarios_and_writes_the_report(tmp_path: Path) -> N
     the arbitration run pauses decode while STT runs, the contention run never does."""
     model = require(SMOLLM2)
     out = tmp_path / "out"
-    main(["--rounds", "1", "--turns", "1", "--period", "0", "--load-clients", "1", "--load-tokens", "6",
-          "--load-settle", "0.5", "--voice-max-tokens", "4", "--llm-deadline", "2", "--realtime", "0",
-          "--warmup", "0", "--model", str(model), "--out", str(out), "--workdir", str(tmp_path / "work"),
-          "--window", "10"],
-         stack_factory=tiny_stack, audio_cache=tmp_path / "audio", utterances=(Utterance(TEXT, "Done."),),
-         say=lambda m: None)
+    main(
+        [
+            "--rounds",
+            "1",
+            "--turns",
+            "1",
+            "--period",
+            "0",
+            "--load-clients",
+            "1",
+            "--load-tokens",
+            "6",
+            "--load-settle",
+            "0.5",
+            "--voice-max-tokens",
+            "4",
+            "--llm-deadline",
+            "2",
+            "--realtime",
+            "0",
+            "--warmup",
+            "0",
+            "--model",
+            str(model),
+            "--out",
+            str(out),
+            "--workdir",
+            str(tmp_path / "work"),
+            "--window",
+            "10",
+        ],
+        stack_factory=tiny_stack,
+        audio_cache=tmp_path / "audio",
+        utterances=(Utterance(TEXT, "Done."),),
+        say=lambda m: None,
+    )
     results = json.loads((out / "results.json").read_text())
     runs = {r["spec"]["name"]: r for r in results["runs"]}
     assert set(runs) == {"idle", "contention", "arbitration"}

@@ -54,8 +54,14 @@ class Stream:
 
     async def run(self) -> None:
         stream = await self.oa.chat.completions.create(
-            model="", messages=HI, max_tokens=self.max_tokens, temperature=0, stream=True,
-            extra_headers={"X-Genie-Priority": self.priority}, extra_body={"ignore_eos": True})
+            model="",
+            messages=HI,
+            max_tokens=self.max_tokens,
+            temperature=0,
+            stream=True,
+            extra_headers={"X-Genie-Priority": self.priority},
+            extra_body={"ignore_eos": True},
+        )
         async for chunk in stream:
             if any(c.delta.content for c in chunk.choices):
                 self.pieces.append((time.monotonic(), self.sup.gate.mode))
@@ -74,11 +80,16 @@ class Stream:
 
 
 async def test_voice_reply_passes_stt_pause_and_holdoff_while_background_stays_parked(
-        tmp_path: Path, model_loader: Any) -> None:
+    tmp_path: Path, model_loader: Any
+) -> None:
     """While STT is active and during its hold-off, a voice request streams to its end through the pause; the parked background generation yields it the model without taking a step and gets no token until the pause ends."""
     policy = write_policy(tmp_path / "p.yaml", holdoff_ms=HOLDOFF_MS)
-    async with make_supervisor(tmp_path, policy=policy, model=SMOLLM2, model_loader=model_loader) as sup, \
-            client(sup) as http, oai(sup) as oa, anyio.create_task_group() as tg:
+    async with (
+        make_supervisor(tmp_path, policy=policy, model=SMOLLM2, model_loader=model_loader) as sup,
+        client(sup) as http,
+        oai(sup) as oa,
+        anyio.create_task_group() as tg,
+    ):
         with anyio.fail_after(150):
             bg = Stream(sup, oa, "background", 400)
             tg.start_soon(bg.run)
@@ -117,9 +128,12 @@ async def test_thermal_pause_holds_the_voice_request_too(tmp_path: Path, model_l
     """A thermal pause parks a voice request before its first token, also while STT is active; it answers once the box cools."""
     source = SimulatedSource(temps_c={"cpu": 50.0})
     policy = write_policy(tmp_path / "p.yaml", holdoff_ms=0)
-    async with make_supervisor(tmp_path, policy=policy, model=SMOLLM2, model_loader=model_loader,
-                               source=source) as sup, client(sup) as http, oai(sup) as oa, \
-            anyio.create_task_group() as tg:
+    async with (
+        make_supervisor(tmp_path, policy=policy, model=SMOLLM2, model_loader=model_loader, source=source) as sup,
+        client(sup) as http,
+        oai(sup) as oa,
+        anyio.create_task_group() as tg,
+    ):
         with anyio.fail_after(120):
             source.set(temps_c={"cpu": 99.0})
             await wait_for(sup, lambda: sup.gate.reasons == {"thermal"})
@@ -139,11 +153,15 @@ async def test_thermal_pause_holds_the_voice_request_too(tmp_path: Path, model_l
 
 
 async def test_voice_goes_first_when_both_are_eligible_and_background_resumes_after(
-        tmp_path: Path, model_loader: Any) -> None:
+    tmp_path: Path, model_loader: Any
+) -> None:
     """With the gate open, a voice request preempts a running background stream (issue 6): it ends before the background one takes another step."""
     policy = write_policy(tmp_path / "p.yaml", holdoff_ms=0)
-    async with make_supervisor(tmp_path, policy=policy, model=SMOLLM2, model_loader=model_loader) as sup, \
-            oai(sup) as oa, anyio.create_task_group() as tg:
+    async with (
+        make_supervisor(tmp_path, policy=policy, model=SMOLLM2, model_loader=model_loader) as sup,
+        oai(sup) as oa,
+        anyio.create_task_group() as tg,
+    ):
         with anyio.fail_after(120):
             bg = Stream(sup, oa, "background", 30)
             tg.start_soon(bg.run)
@@ -160,14 +178,22 @@ async def test_voice_goes_first_when_both_are_eligible_and_background_resumes_af
 
 # -- the policy's part (pure) ------------------------------------------------------------------
 
+
 def _policy(tts: dict[str, Any]) -> Policy:
-    return Policy.model_validate({
-        "version": 1, "name": "t",
-        "voice": {"stt": {"action": "pause", "resume_holdoff_ms": 300}, "tts": tts},
-        "thermal": {"sensor": "cpu", "levels": [
-            {"name": "warm", "enter_c": 80, "leave_c": 70, "action": "throttle", "throttle_tps": 10},
-            {"name": "hot", "enter_c": 95, "leave_c": 90, "action": "pause"}]},
-    })
+    return Policy.model_validate(
+        {
+            "version": 1,
+            "name": "t",
+            "voice": {"stt": {"action": "pause", "resume_holdoff_ms": 300}, "tts": tts},
+            "thermal": {
+                "sensor": "cpu",
+                "levels": [
+                    {"name": "warm", "enter_c": 80, "leave_c": 70, "action": "throttle", "throttle_tps": 10},
+                    {"name": "hot", "enter_c": 95, "leave_c": 90, "action": "pause"},
+                ],
+            },
+        }
+    )
 
 
 def _decide(policy: Policy, *obs: Any) -> Any:
@@ -198,6 +224,7 @@ def test_policy_gives_the_voice_class_its_own_mode() -> None:
 
 
 # -- the reaction path: no loop turn between a voice event and the pause ----------------------
+
 
 async def test_published_voice_event_pauses_the_gate_before_publish_returns() -> None:
     """The arbiter decides inside StateStore.publish: the gate is paused when publish returns, with no await in between."""

@@ -36,7 +36,9 @@ MIB = 1024 * 1024
 async def start_fake_piper(marker: str) -> anyio.abc.Process:
     return await anyio.open_process(
         [sys.executable, "-c", "import time; time.sleep(60)", marker],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
 
 
@@ -49,8 +51,7 @@ async def test_process_watcher_sees_a_process_die_and_restart() -> None:
     marker = f"--fake-piper-{uuid.uuid4().hex[:8]}"
     selector = ProcessSelector(cmdline_pattern=re.escape(marker))
     published = Log()
-    watcher = ServiceWatcher("piper", [ProcessProbe(selector, gpu_memory=lambda pids: 12.5)],
-                             published, interval_s=0.1)
+    watcher = ServiceWatcher("piper", [ProcessProbe(selector, gpu_memory=lambda pids: 12.5)], published, interval_s=0.1)
     async with anyio.create_task_group() as tg:
         await tg.start(watcher.run)
         assert published.items[0].up is None and "never found" in published.items[0].reason
@@ -90,8 +91,7 @@ async def test_pid_file_unit_cgroup_and_name_selectors_find_a_process(tmp_path: 
         (unit / "cgroup.procs").write_text(f"{proc.pid}\n")
         root = str(tmp_path / "cgroup")
         assert find_pids(ProcessSelector(pid_file=str(pid_file))) == {proc.pid}
-        assert find_pids(ProcessSelector(systemd_unit="wyoming-whisper", cgroup_root=root)) == {
-            proc.pid}
+        assert find_pids(ProcessSelector(systemd_unit="wyoming-whisper", cgroup_root=root)) == {proc.pid}
         by_name = ProcessSelector(process_name=os.path.basename(sys.executable))
         found = await anyio.to_thread.run_sync(find_pids, by_name)
         assert proc.pid in found and os.getpid() not in found
@@ -110,8 +110,17 @@ HA_ID = "a1b2c3d4e5f6" + "0" * 52
 MQTT_ID = "fedcba987654" + "1" * 52
 
 
-def fake_container(root: Path, proc: Path, cid: str, pid: int, cmdline: list[str],
-                   environ: list[str], current: int, inactive_file: int, usage_usec: int) -> Path:
+def fake_container(
+    root: Path,
+    proc: Path,
+    cid: str,
+    pid: int,
+    cmdline: list[str],
+    environ: list[str],
+    current: int,
+    inactive_file: int,
+    usage_usec: int,
+) -> Path:
     """One container in the kernel's cgroup v2 and procfs formats."""
     directory = root / "system.slice" / f"docker-{cid}.scope"
     directory.mkdir(parents=True, exist_ok=True)
@@ -119,9 +128,9 @@ def fake_container(root: Path, proc: Path, cid: str, pid: int, cmdline: list[str
     (directory / "memory.current").write_text(f"{current}\n")
     (directory / "memory.stat").write_text(
         f"anon {current - 2 * inactive_file}\nfile {2 * inactive_file}\nkernel 1234\n"
-        f"active_file {inactive_file}\ninactive_file {inactive_file}\n")
-    (directory / "cpu.stat").write_text(
-        f"usage_usec {usage_usec}\nuser_usec {usage_usec}\nsystem_usec 0\n")
+        f"active_file {inactive_file}\ninactive_file {inactive_file}\n"
+    )
+    (directory / "cpu.stat").write_text(f"usage_usec {usage_usec}\nuser_usec {usage_usec}\nsystem_usec 0\n")
     (proc / str(pid)).mkdir(parents=True, exist_ok=True)
     (proc / str(pid) / "cmdline").write_bytes(b"\0".join(s.encode() for s in cmdline) + b"\0")
     (proc / str(pid) / "environ").write_bytes(b"\0".join(s.encode() for s in environ) + b"\0")
@@ -131,11 +140,28 @@ def fake_container(root: Path, proc: Path, cid: str, pid: int, cmdline: list[str
 @pytest.fixture
 def cgroup_tree(tmp_path: Path) -> tuple[Path, Path]:
     root, proc = tmp_path / "cgroup", tmp_path / "proc"
-    fake_container(root, proc, HA_ID, 4242, ["python3", "-m", "homeassistant", "--config",
-                                             "/config"], ["PATH=/usr/bin", "HOSTNAME=ha-box"],
-                   current=734_003_200, inactive_file=100_000_000, usage_usec=1_000_000)
-    fake_container(root, proc, MQTT_ID, 5151, ["/usr/sbin/mosquitto", "-c", "/m.conf"],
-                   ["HOSTNAME=mqtt"], current=10 * MIB, inactive_file=0, usage_usec=5)
+    fake_container(
+        root,
+        proc,
+        HA_ID,
+        4242,
+        ["python3", "-m", "homeassistant", "--config", "/config"],
+        ["PATH=/usr/bin", "HOSTNAME=ha-box"],
+        current=734_003_200,
+        inactive_file=100_000_000,
+        usage_usec=1_000_000,
+    )
+    fake_container(
+        root,
+        proc,
+        MQTT_ID,
+        5151,
+        ["/usr/sbin/mosquitto", "-c", "/m.conf"],
+        ["HOSTNAME=mqtt"],
+        current=10 * MIB,
+        inactive_file=0,
+        usage_usec=5,
+    )
     return root, proc
 
 
@@ -146,8 +172,7 @@ def test_container_cgroup_found_by_cmdline_hostname_or_id(cgroup_tree: tuple[Pat
     ha = root / "system.slice" / f"docker-{HA_ID}.scope"
     assert find_container_cgroup("homeassistant", root, proc) == ha
     assert find_container_cgroup("ha-box", root, proc) == ha
-    assert find_container_cgroup(MQTT_ID[:12], root, proc) == (
-        root / "system.slice" / f"docker-{MQTT_ID}.scope")
+    assert find_container_cgroup(MQTT_ID[:12], root, proc) == (root / "system.slice" / f"docker-{MQTT_ID}.scope")
     assert find_container_cgroup("frigate", root, proc) is None
     memory = read_memory(ha)
     assert memory.current_bytes == 734_003_200 and memory.inactive_file_bytes == 100_000_000
@@ -175,8 +200,17 @@ def test_cgroup_probe_reports_memory_cpu_and_container_restarts(
     assert gone.up is False and "no cgroup found" in gone.reason
 
     new_id = "0badc0ffee00" + "2" * 52
-    fake_container(root, proc, new_id, 4343, ["python3", "-m", "homeassistant"], [],
-                   current=300 * MIB, inactive_file=0, usage_usec=1)
+    fake_container(
+        root,
+        proc,
+        new_id,
+        4343,
+        ["python3", "-m", "homeassistant"],
+        [],
+        current=300 * MIB,
+        inactive_file=0,
+        usage_usec=1,
+    )
     back = probe.probe_sync()
     assert back.up is True and back.restarts == 1 and back.rss_mb == pytest.approx(300)
 
@@ -201,8 +235,9 @@ async def _http_handler(stream: SocketStream) -> None:
             await anyio.sleep_forever()
         status = {"/health": 200, "/fail": 503}.get(path, 200 if authorized else 401)
         body = b'{"status": "ok"}'
-        await stream.send(f"HTTP/1.1 {status} X\r\nContent-Length: {len(body)}\r\n"
-                          "Connection: close\r\n\r\n".encode() + body)
+        await stream.send(
+            f"HTTP/1.1 {status} X\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body
+        )
 
 
 @pytest.mark.timeout(20)
@@ -235,8 +270,7 @@ async def test_dfn_underruns_counted_from_an_appended_log(tmp_path: Path) -> Non
     log_file = tmp_path / "dfn.log"
     log_file.write_text("old: Processing too slow\n")
     published = Log()
-    watcher = ServiceWatcher("dfn", [UnderrunCounter(log_file=log_file)], published,
-                             interval_s=0.05)
+    watcher = ServiceWatcher("dfn", [UnderrunCounter(log_file=log_file)], published, interval_s=0.05)
 
     def append(text: str) -> None:
         with log_file.open("a") as f:
@@ -259,8 +293,10 @@ async def test_dfn_underruns_counted_from_an_appended_log(tmp_path: Path) -> Non
 @pytest.mark.timeout(20)
 async def test_dfn_underruns_counted_from_a_journal_stream() -> None:
     """Lines from a followed journal command are counted; a missing journalctl is reported."""
-    script = ("import time; print('Processing too slow'); print('fine');"
-              "print('Processing too slow', flush=True); time.sleep(30)")
+    script = (
+        "import time; print('Processing too slow'); print('fine');"
+        "print('Processing too slow', flush=True); time.sleep(30)"
+    )
     counter = UnderrunCounter(journal_command=[sys.executable, "-c", script])
     published = Log()
     watcher = ServiceWatcher("dfn", [counter], published, interval_s=0.05)
@@ -279,14 +315,22 @@ async def test_dfn_underruns_counted_from_a_journal_stream() -> None:
 
 def test_merge_any_down_wins_and_counters_add_up() -> None:
     """A down source makes the service down with that source's reason; numbers come through."""
-    obs = merge("whisper", {
-        "process": ProbeResult(up=True, reason="1 process", rss_mb=300.0, pids=(7,), restarts=2),
-        "wyoming": ProbeResult(up=False, reason="connect failed"),
-        "dfn_log": ProbeResult(up=None, counters={COUNTER: 3}, decides_up=False),
-    })
+    obs = merge(
+        "whisper",
+        {
+            "process": ProbeResult(up=True, reason="1 process", rss_mb=300.0, pids=(7,), restarts=2),
+            "wyoming": ProbeResult(up=False, reason="connect failed"),
+            "dfn_log": ProbeResult(up=None, counters={COUNTER: 3}, decides_up=False),
+        },
+    )
     assert isinstance(obs, ServiceObservation)
     assert (obs.up, obs.reason, obs.rss_mb, obs.pids, obs.restarts) == (
-        False, "wyoming: connect failed", 300.0, (7,), 2)
+        False,
+        "wyoming: connect failed",
+        300.0,
+        (7,),
+        2,
+    )
     assert obs.counters == {COUNTER: 3}
     assert merge("x", {}).up is None
 
@@ -302,14 +346,31 @@ async def test_factory_builds_homeassistant_and_whisper_with_proxy(
     async with listener, anyio.create_task_group() as tg:
         tg.start_soon(listener.serve, _http_handler)
         url = f"http://127.0.0.1:{listener.extra(SocketAttribute.local_port)}/api/"
-        runnables = build_watchers([
-            {"name": "homeassistant", "kind": "homeassistant", "container": "homeassistant",
-             "health_url": url, "token": "tok", "cgroup_root": str(root),
-             "proc_root": str(proc)},
-            {"name": "whisper", "kind": "whisper", "cmdline_pattern": "no-such-whisper-xyz",
-             "proxy": {"listen_port": 0, "upstream_port": 1, "listen_host": "127.0.0.1",
-                       "health_interval_s": None}},
-        ], published)
+        runnables = build_watchers(
+            [
+                {
+                    "name": "homeassistant",
+                    "kind": "homeassistant",
+                    "container": "homeassistant",
+                    "health_url": url,
+                    "token": "tok",
+                    "cgroup_root": str(root),
+                    "proc_root": str(proc),
+                },
+                {
+                    "name": "whisper",
+                    "kind": "whisper",
+                    "cmdline_pattern": "no-such-whisper-xyz",
+                    "proxy": {
+                        "listen_port": 0,
+                        "upstream_port": 1,
+                        "listen_host": "127.0.0.1",
+                        "health_interval_s": None,
+                    },
+                },
+            ],
+            published,
+        )
         ha, whisper, proxy = runnables
         assert isinstance(ha, ServiceWatcher) and isinstance(whisper, ServiceWatcher)
         assert isinstance(proxy, WyomingProxy) and proxy.service == "stt"

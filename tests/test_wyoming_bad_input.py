@@ -105,8 +105,10 @@ class StrictServer(FakeServer):
 
 
 @asynccontextmanager
-async def proxy_and_server(publish: Callable[[Any], None], **options: Any,
-                           ) -> AsyncIterator[tuple[WyomingProxy, StrictServer]]:
+async def proxy_and_server(
+    publish: Callable[[Any], None],
+    **options: Any,
+) -> AsyncIterator[tuple[WyomingProxy, StrictServer]]:
     """A StrictServer and a proxy in front of it (health known up before the test starts)."""
     server = await StrictServer(free_port()).start()
     options.setdefault("health_interval_s", None)
@@ -122,8 +124,7 @@ async def proxy_and_server(publish: Callable[[Any], None], **options: Any,
         await server.stop()
 
 
-async def send_and_wait_closed(port: int, data: bytes, within_s: float = 5.0, *,
-                               eof: bool = False) -> bytes:
+async def send_and_wait_closed(port: int, data: bytes, within_s: float = 5.0, *, eof: bool = False) -> bytes:
     """Send `data` (then EOF when `eof`), read until the proxy closes (EOF or reset); what came back."""
     received = bytearray()
     async with await anyio.connect_tcp(HOST, port) as stream:
@@ -183,8 +184,7 @@ async def test_a_garbage_client_closes_only_its_own_connection(kind: str) -> Non
         assert [e.type for e in answer] == ["transcript"]
         assert proxy.up is True and downs(published) == []
         assert proxy.stats.bad_input == 1 and server.malformed == []
-        assert all(e.type != "transcribe" or e.data == {"language": "en"}
-                   for e in server.received.items)
+        assert all(e.type != "transcribe" or e.data == {"language": "en"} for e in server.received.items)
     assert [v for v in published.voice() if v[1] not in ("transcribe", "transcript")] == []
 
 
@@ -196,14 +196,12 @@ async def test_garbage_after_audio_start_ends_that_stt_session_only() -> None:
         assert proxy.port is not None
         request = encode(stt_request(2)[:-1]) + b'{"type": "audio-chunk", "payload_length": -1}\n'
         await send_and_wait_closed(proxy.port, request)
-        await server.received.wait_for(
-            lambda _: sum(e.type == "audio-chunk" for e in server.received.items) == 2)
+        await server.received.wait_for(lambda _: sum(e.type == "audio-chunk" for e in server.received.items) == 2)
         off = await published.wait_for(lambda o: isinstance(o, VoiceActivity) and not o.active)
         assert off.event == "bad-input"
         assert published.voice() == [(True, "transcribe"), (False, "bad-input")]
         # what was well-formed before the garbage did reach the server, nothing after it
-        assert [e.type for e in server.received.items][-3:] == ["audio-start", "audio-chunk",
-                                                              "audio-chunk"]
+        assert [e.type for e in server.received.items][-3:] == ["audio-start", "audio-chunk", "audio-chunk"]
         assert proxy.up is True and downs(published) == [] and server.malformed == []
 
 
@@ -249,8 +247,7 @@ async def test_idle_and_trickling_connections_are_closed_after_idle_timeout() ->
 
         async with await anyio.connect_tcp(HOST, proxy.port) as stream:
             await stream.send(encode(stt_request(1)[:-1]))  # no audio-stop: the client went quiet
-            off = await published.wait_for(
-                lambda o: isinstance(o, VoiceActivity) and not o.active, within_s=3)
+            off = await published.wait_for(lambda o: isinstance(o, VoiceActivity) and not o.active, within_s=3)
             assert off.event == "idle-timeout"
         assert proxy.stats.idle_timeouts == 3
         assert proxy.up is True and downs(published) == [] and server.malformed == []
@@ -290,8 +287,7 @@ async def test_connections_beyond_max_connections_are_refused_with_an_error_even
             assert json.loads(data)["code"] == "busy" and proxy.stats.refused == 1
             await streams.pop().aclose()
             await until(lambda: proxy.open_connections == 2)
-            assert [e.type for e in await client_exchange(proxy.port, stt_request(1))] == [
-                "transcript"]
+            assert [e.type for e in await client_exchange(proxy.port, stt_request(1))] == ["transcript"]
         finally:
             for s in streams:
                 await s.aclose()
@@ -303,10 +299,14 @@ async def test_the_proxy_binds_loopback_by_default_and_logs_where() -> None:
     """ProxySettings without listen_host binds 127.0.0.1 and the start log names the address."""
     server = await StrictServer(free_port()).start()
     try:
-        (proxy,) = build_watcher(WatcherSettings(
-            name="whisper", kind="whisper",
-            proxy=ProxySettings(upstream_port=server.port, listen_port=0, health_interval_s=None)),
-            Log())
+        (proxy,) = build_watcher(
+            WatcherSettings(
+                name="whisper",
+                kind="whisper",
+                proxy=ProxySettings(upstream_port=server.port, listen_port=0, health_interval_s=None),
+            ),
+            Log(),
+        )
         assert isinstance(proxy, WyomingProxy) and proxy.listen_host == "127.0.0.1"
         with capture_logs() as logs:
             async with anyio.create_task_group() as tg:
@@ -322,14 +322,18 @@ async def test_the_proxy_binds_loopback_by_default_and_logs_where() -> None:
 # -- generated bad input ------------------------------------------------------------------------
 
 _JSON = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.text(max_size=8),
+    st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
     max_leaves=6,
 )
 _LENGTH = st.one_of(
-    st.integers(-10, 200), st.sampled_from([MAX_DATA_BYTES + 1, MAX_PAYLOAD_BYTES + 1, 2**63]),
-    st.floats(allow_nan=False, allow_infinity=False, width=32), st.text(max_size=3), st.none(),
-    st.booleans(), st.lists(st.integers(), max_size=2),
+    st.integers(-10, 200),
+    st.sampled_from([MAX_DATA_BYTES + 1, MAX_PAYLOAD_BYTES + 1, 2**63]),
+    st.floats(allow_nan=False, allow_infinity=False, width=32),
+    st.text(max_size=3),
+    st.none(),
+    st.booleans(),
+    st.lists(st.integers(), max_size=2),
 )
 
 
@@ -338,8 +342,9 @@ def _header(draw: st.DrawFn) -> bytes:
     """One event as bytes: a header (often lying or mistyped), then some data and payload bytes."""
     header: dict[str, Any] = {}
     if draw(st.booleans()):
-        header["type"] = draw(st.sampled_from(["transcribe", "audio-start", "audio-chunk",
-                                               "audio-stop", "describe"]) | _JSON)
+        header["type"] = draw(
+            st.sampled_from(["transcribe", "audio-start", "audio-chunk", "audio-stop", "describe"]) | _JSON
+        )
     if draw(st.booleans()):
         header["data"] = draw(_JSON)
     for key in ("data_length", "payload_length"):
@@ -358,7 +363,8 @@ _CLIENT_BYTES = st.lists(
         st.just(encode(stt_request(1)[:2])),  # a valid start: the garbage may come mid-session
         st.just(encode([Transcript("x").event()])[:-3]),  # a truncated event
     ),
-    min_size=1, max_size=4,
+    min_size=1,
+    max_size=4,
 ).map(b"".join)
 
 
@@ -375,18 +381,23 @@ def test_generated_bad_input_never_reaches_the_upstream_malformed() -> None:
 
             expected = [len(server.received.items)]
 
-            @settings(max_examples=100, derandomize=True, deadline=None, database=None,
-                      suppress_health_check=[HealthCheck.too_slow])
+            @settings(
+                max_examples=100,
+                derandomize=True,
+                deadline=None,
+                database=None,
+                suppress_health_check=[HealthCheck.too_slow],
+            )
             @given(data=_CLIENT_BYTES)
             def check(data: bytes) -> None:
                 types = [e.type for e in EventParser().feed(data)]  # what should reach the server
                 if "audio-stop" in types:  # the server answers it and hangs up
-                    types = types[:types.index("audio-stop") + 1]
+                    types = types[: types.index("audio-stop") + 1]
                 expected[0] += len(types)
                 portal.call(partial(send_and_wait_closed, port, data, eof=True))
                 portal.call(until, lambda: len(server.received.items) >= expected[0])
                 assert server.malformed == [], (data, server.malformed)
-                assert [e.type for e in server.received.items[expected[0] - len(types):]] == types
+                assert [e.type for e in server.received.items[expected[0] - len(types) :]] == types
                 assert proxy.up is True and downs(published) == []
 
             check()

@@ -40,7 +40,7 @@ class AsrProcess:
             while True:
                 lines = self._buffer.split("\n")
                 if wanted in lines[:-1]:
-                    self._buffer = "\n".join(lines[lines.index(wanted) + 1:])
+                    self._buffer = "\n".join(lines[lines.index(wanted) + 1 :])
                     return
                 self._buffer += await self._lines.receive()
 
@@ -48,8 +48,9 @@ class AsrProcess:
 @asynccontextmanager
 async def asr_server(port: int) -> AsyncIterator[AsrProcess]:
     """Start the server on `port`, wait for `ready`; SIGKILL it on exit if it still runs."""
-    process = await anyio.open_process([sys.executable, "-m", "tests.wyoming_asr_server", str(port)],
-                                       cwd=ROOT, stderr=subprocess.DEVNULL)
+    process = await anyio.open_process(
+        [sys.executable, "-m", "tests.wyoming_asr_server", str(port)], cwd=ROOT, stderr=subprocess.DEVNULL
+    )
     try:
         server = AsrProcess(process)
         await server.wait_line("ready")
@@ -74,10 +75,10 @@ async def test_whisper_killed_mid_transcription(tmp_path: Path) -> None:
         f"    proxy: {{listen: '{HOST}:{listen}', upstream: '{HOST}:{upstream}',"
         " health_interval_s: 0.2, hold_max_ms: 100}\n"
     )
-    cfg = load_config(write_config(tmp_path / "supervisor.yaml",
-                                   write_policy(tmp_path / "p.yaml", holdoff_ms=0), extra=extra))
-    sup = Supervisor(cfg, telemetry_source=SimulatedSource(), http_socket=bind_socket("127.0.0.1", 0),
-                     environ={})
+    cfg = load_config(
+        write_config(tmp_path / "supervisor.yaml", write_policy(tmp_path / "p.yaml", holdoff_ms=0), extra=extra)
+    )
+    sup = Supervisor(cfg, telemetry_source=SimulatedSource(), http_socket=bind_socket("127.0.0.1", 0), environ={})
 
     def whisper_up() -> bool | None:
         obs = sup.store.snapshot().services.get("whisper")
@@ -91,14 +92,12 @@ async def test_whisper_killed_mid_transcription(tmp_path: Path) -> None:
                     await client.write_event(event)
                 for _ in range(3):
                     await server.wait_line("event audio-chunk")
-                await wait_for(sup, lambda: sup.store.snapshot().voice.stt_active
-                               and sup.gate.mode == "paused")
+                await wait_for(sup, lambda: sup.store.snapshot().voice.stt_active and sup.gate.mode == "paused")
                 server.process.send_signal(signal.SIGKILL)
                 with anyio.fail_after(10):
                     assert await client.read_event() is None  # EOF: not a reset, not a hang
             await wait_for(sup, lambda: whisper_up() is False)
-            await wait_for(sup, lambda: not sup.store.snapshot().voice.stt_active
-                           and sup.gate.mode != "paused")
+            await wait_for(sup, lambda: not sup.store.snapshot().voice.stt_active and sup.gate.mode != "paused")
             down = sup.store.snapshot().services["whisper"]
             assert "mid-request" in down.reason or "connect failed" in down.reason, down.reason
 

@@ -48,9 +48,16 @@ class Log(BaseLog):
 class FakeServer:
     """A Wyoming STT or TTS server on a fixed port, recording what it receives."""
 
-    def __init__(self, port: int, kind: str = "stt", *, delay_s: float = 0.0,
-                 text: str = "turn on the kitchen lights", streaming: bool = False,
-                 order: Log | None = None) -> None:
+    def __init__(
+        self,
+        port: int,
+        kind: str = "stt",
+        *,
+        delay_s: float = 0.0,
+        text: str = "turn on the kitchen lights",
+        streaming: bool = False,
+        order: Log | None = None,
+    ) -> None:
         self.port, self.kind, self.delay_s, self.text = port, kind, delay_s, text
         self.streaming = streaming
         self.received = Log()
@@ -123,15 +130,37 @@ class _Handler(AsyncEventHandler):
 
 def _info(kind: str) -> Info:
     if kind == "stt":
-        model = AsrModel(name="fake", attribution=ATTRIBUTION, installed=True, description=None,
-                         version="1", languages=["en"])
-        return Info(asr=[AsrProgram(name="fake-stt", attribution=ATTRIBUTION, installed=True,
-                                    description=None, version="1", models=[model])])
-    voice = TtsVoice(name="fake", attribution=ATTRIBUTION, installed=True, description=None,
-                     version="1", languages=["en"])
-    return Info(tts=[TtsProgram(name="fake-tts", attribution=ATTRIBUTION, installed=True,
-                                description=None, version="1", voices=[voice],
-                                supports_synthesize_streaming=True)])
+        model = AsrModel(
+            name="fake", attribution=ATTRIBUTION, installed=True, description=None, version="1", languages=["en"]
+        )
+        return Info(
+            asr=[
+                AsrProgram(
+                    name="fake-stt",
+                    attribution=ATTRIBUTION,
+                    installed=True,
+                    description=None,
+                    version="1",
+                    models=[model],
+                )
+            ]
+        )
+    voice = TtsVoice(
+        name="fake", attribution=ATTRIBUTION, installed=True, description=None, version="1", languages=["en"]
+    )
+    return Info(
+        tts=[
+            TtsProgram(
+                name="fake-tts",
+                attribution=ATTRIBUTION,
+                installed=True,
+                description=None,
+                version="1",
+                voices=[voice],
+                supports_synthesize_streaming=True,
+            )
+        ]
+    )
 
 
 def stt_request(chunks: int = 5) -> list[Event]:
@@ -152,11 +181,13 @@ def encode(events: list[Event]) -> bytes:
 
 
 @asynccontextmanager
-async def running_proxy(upstream_port: int, publish: Callable[[Any], None],
-                        service: str = "stt", **options: Any) -> AsyncIterator[WyomingProxy]:
+async def running_proxy(
+    upstream_port: int, publish: Callable[[Any], None], service: str = "stt", **options: Any
+) -> AsyncIterator[WyomingProxy]:
     options.setdefault("health_interval_s", None)
-    proxy = WyomingProxy("whisper" if service == "stt" else "piper", HOST, 0, HOST,
-                         upstream_port, service, publish, **options)  # type: ignore[arg-type]
+    proxy = WyomingProxy(
+        "whisper" if service == "stt" else "piper", HOST, 0, HOST, upstream_port, service, publish, **options
+    )  # type: ignore[arg-type]
     async with anyio.create_task_group() as tg:
         await tg.start(proxy.serve)
         yield proxy
@@ -168,7 +199,7 @@ async def raw_exchange(port: int, request: bytes, piece: int = 0) -> bytes:
     async with await anyio.connect_tcp(HOST, port) as stream:
         if piece:
             for i in range(0, len(request), piece):
-                await stream.send(request[i:i + piece])
+                await stream.send(request[i : i + piece])
         else:
             await stream.send(request)
         received = bytearray()
@@ -205,9 +236,12 @@ def test_scanner_finds_events_however_the_stream_is_split() -> None:
     data = encode(stt_request(3) + [Transcript("hi").event()])
     whole = [t for _, t in EventScanner().feed(data)]
     scanner = EventScanner()
-    single = [t for i in range(len(data)) for _, t in scanner.feed(data[i:i + 1])]
-    assert whole == single == ["transcribe", "audio-start", "audio-chunk", "audio-chunk",
-                               "audio-chunk", "audio-stop", "transcript"]
+    single = [t for i in range(len(data)) for _, t in scanner.feed(data[i : i + 1])]
+    assert (
+        whole
+        == single
+        == ["transcribe", "audio-start", "audio-chunk", "audio-chunk", "audio-chunk", "audio-stop", "transcript"]
+    )
     assert not scanner.broken
     broken = EventScanner()
     assert broken.feed(b"GET / HTTP/1.1\r\n") == [] and broken.broken
@@ -260,10 +294,8 @@ async def test_stt_active_from_transcribe_until_transcript(streaming: bool) -> N
     assert order.items[0] == "stt:on:transcribe"
     assert order.items[1] == "server:transcribe"
     assert order.items.index("server:audio-stop") < order.items.index("stt:off:transcript")
-    assert [i for i in order.items if i.startswith("stt:")] == ["stt:on:transcribe",
-                                                                "stt:off:transcript"]
-    assert Transcript.from_event(
-        next(e for e in answer if e.type == "transcript")).text == "turn on the kitchen lights"
+    assert [i for i in order.items if i.startswith("stt:")] == ["stt:on:transcribe", "stt:off:transcript"]
+    assert Transcript.from_event(next(e for e in answer if e.type == "transcript")).text == "turn on the kitchen lights"
 
 
 @pytest.mark.timeout(20)
@@ -279,8 +311,7 @@ async def test_overlapping_connections_are_separate_sessions() -> None:
             for _ in range(2):
                 tg.start_soon(client_exchange, proxy.port, stt_request(1))
             await server.received.wait_for(lambda e: e.type == "audio-stop")
-            await published.wait_for(
-                lambda _: sum(1 for o in published.items if isinstance(o, VoiceActivity)) == 2)
+            await published.wait_for(lambda _: sum(1 for o in published.items if isinstance(o, VoiceActivity)) == 2)
             server.answer_gate.set()
     finally:
         await server.stop()
@@ -311,15 +342,15 @@ async def test_audio_stop_is_held_until_the_engine_is_parked() -> None:
         return False
 
     try:
-        async with running_proxy(port, published, wait_parked=wait_parked,
-                                 hold_max_s=20) as proxy:
+        async with running_proxy(port, published, wait_parked=wait_parked, hold_max_s=20) as proxy:
             assert proxy.port is not None
             async with AsyncTcpClient(HOST, proxy.port) as client:
                 for event in stt_request(3):
                     await client.write_event(event)
                 await entered.wait()
                 await server.received.wait_for(
-                    lambda _: sum(e.type == "audio-chunk" for e in server.received.items) == 3)
+                    lambda _: sum(e.type == "audio-chunk" for e in server.received.items) == 3
+                )
                 assert "audio-stop" not in [e.type for e in server.received.items]
                 release.set()
                 with anyio.fail_after(5):
@@ -367,9 +398,13 @@ async def test_tts_active_from_synthesize_until_done(streaming: bool) -> None:
     published = Log()
     text = "The lights are on. Anything else?"
     if streaming:
-        request = [SynthesizeStart().event(), SynthesizeChunk("The lights are on. ").event(),
-                   SynthesizeChunk("Anything else?").event(), Synthesize(text).event(),
-                   SynthesizeStop().event()]
+        request = [
+            SynthesizeStart().event(),
+            SynthesizeChunk("The lights are on. ").event(),
+            SynthesizeChunk("Anything else?").event(),
+            Synthesize(text).event(),
+            SynthesizeStop().event(),
+        ]
         until = "synthesize-stopped"
     else:
         request = [Synthesize(text).event()]
@@ -416,17 +451,14 @@ async def test_upstream_dying_mid_request_closes_client_and_reports_down_then_up
                 await server.stop()
                 with anyio.fail_after(5):
                     assert await client.read_event() is None
-            off = await published.wait_for(
-                lambda o: isinstance(o, VoiceActivity) and not o.active, start=mark)
+            off = await published.wait_for(lambda o: isinstance(o, VoiceActivity) and not o.active, start=mark)
             assert off.event == "upstream-closed"
-            down = await published.wait_for(
-                lambda o: isinstance(o, ServiceObservation) and o.up is False, start=mark)
+            down = await published.wait_for(lambda o: isinstance(o, ServiceObservation) and o.up is False, start=mark)
             assert "mid-request" in down.reason or "connect failed" in down.reason
 
             mark = len(published.items)
             server = await FakeServer(port).start()
-            up = await published.wait_for(
-                lambda o: isinstance(o, ServiceObservation) and o.up, start=mark)
+            up = await published.wait_for(lambda o: isinstance(o, ServiceObservation) and o.up, start=mark)
             assert up.restarts == 1
             answer = await client_exchange(proxy.port, stt_request(1))
             assert [e.type for e in answer] == ["transcript"]
@@ -481,8 +513,7 @@ async def test_cancelling_serve_closes_the_listener() -> None:
     published = Log()
     try:
         async with anyio.create_task_group() as tg:
-            proxy = WyomingProxy("whisper", HOST, 0, HOST, port, "stt", published,
-                                 health_interval_s=None)
+            proxy = WyomingProxy("whisper", HOST, 0, HOST, port, "stt", published, health_interval_s=None)
             proxy_port = await tg.start(proxy.serve)
             client = AsyncTcpClient(HOST, proxy_port)
             await client.connect()

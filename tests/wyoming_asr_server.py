@@ -22,10 +22,22 @@ from wyoming.server import AsyncEventHandler, AsyncTcpServer
 
 TEXT = "turn on the kitchen lights"
 _ATTR = Attribution(name="tests", url="http://localhost")
-INFO = Info(asr=[AsrProgram(
-    name="test-asr", attribution=_ATTR, installed=True, description=None, version="1",
-    models=[AsrModel(name="test", attribution=_ATTR, installed=True, description=None,
-                     version="1", languages=["en"])])])
+INFO = Info(
+    asr=[
+        AsrProgram(
+            name="test-asr",
+            attribution=_ATTR,
+            installed=True,
+            description=None,
+            version="1",
+            models=[
+                AsrModel(
+                    name="test", attribution=_ATTR, installed=True, description=None, version="1", languages=["en"]
+                )
+            ],
+        )
+    ]
+)
 
 
 class Handler(AsyncEventHandler):

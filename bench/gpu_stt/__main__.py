@@ -24,8 +24,9 @@ from .server import ServerState, SttHandler
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.gpu_stt", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.gpu_stt", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--uri", required=True, help="tcp://HOST:PORT")
     p.add_argument("--size", default="small", help="whisper shape: tiny, base, small, medium")
     p.add_argument("--device", default="cuda", help="cuda or cpu")
@@ -43,8 +44,20 @@ async def serve(args: argparse.Namespace) -> None:
     transcripts = json.loads(args.transcripts.read_text(encoding="utf-8")) if args.transcripts else {}
     state = ServerState(work, transcripts)
     server = AsyncServer.from_uri(args.uri)
-    print(json.dumps({"event": "stt_ready", "uri": args.uri, "size": args.size, "device": args.device,
-                      "dtype": dtype, "transcripts": len(transcripts), "sms": _sms(args.device)}), flush=True)
+    print(
+        json.dumps(
+            {
+                "event": "stt_ready",
+                "uri": args.uri,
+                "size": args.size,
+                "device": args.device,
+                "dtype": dtype,
+                "transcripts": len(transcripts),
+                "sms": _sms(args.device),
+            }
+        ),
+        flush=True,
+    )
     await server.run(partial(SttHandler, state=state))
 
 

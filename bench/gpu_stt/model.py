@@ -80,17 +80,33 @@ class WhisperWork:
         if size not in SIZES:
             raise ValueError(f"unknown whisper size {size!r}; expected one of {', '.join(SIZES)}")
         d, layers, heads, ffn = SIZES[size]
-        cfg = WhisperConfig(vocab_size=51865, num_mel_bins=N_MELS, d_model=d, encoder_layers=layers,
-                            decoder_layers=layers, encoder_attention_heads=heads, decoder_attention_heads=heads,
-                            encoder_ffn_dim=ffn, decoder_ffn_dim=ffn, max_source_positions=1500,
-                            max_target_positions=448)
+        cfg = WhisperConfig(
+            vocab_size=51865,
+            num_mel_bins=N_MELS,
+            d_model=d,
+            encoder_layers=layers,
+            decoder_layers=layers,
+            encoder_attention_heads=heads,
+            decoder_attention_heads=heads,
+            encoder_ffn_dim=ffn,
+            decoder_ffn_dim=ffn,
+            max_source_positions=1500,
+            max_target_positions=448,
+        )
         torch.manual_seed(seed)
         tdtype = getattr(torch, dtype)
         with torch.device(device):
             model = WhisperForConditionalGeneration(cfg)
         model = model.to(dtype=tdtype).eval()
-        filters = mel_filter_bank(num_frequency_bins=1 + N_FFT // 2, num_mel_filters=N_MELS, min_frequency=0.0,
-                                  max_frequency=8000.0, sampling_rate=SAMPLE_RATE, norm="slaney", mel_scale="slaney")
+        filters = mel_filter_bank(
+            num_frequency_bins=1 + N_FFT // 2,
+            num_mel_filters=N_MELS,
+            min_frequency=0.0,
+            max_frequency=8000.0,
+            sampling_rate=SAMPLE_RATE,
+            norm="slaney",
+            mel_scale="slaney",
+        )
         return cls(model, torch.tensor(filters.T, dtype=torch.float32, device=device), device, tdtype, size)
 
     def _sync(self) -> None:
@@ -107,8 +123,8 @@ class WhisperWork:
         x = torch.zeros(N_SAMPLES, dtype=torch.float32, device=self.device)
         x[: len(audio)] = torch.from_numpy(audio).to(self.device)
         stft = torch.stft(x, N_FFT, HOP, window=torch.hann_window(N_FFT, device=self.device), return_complex=True)
-        power = stft[..., :-1].abs() ** 2                       # [201, 3000]
-        mel = self.filters @ power                               # [80, 3000]
+        power = stft[..., :-1].abs() ** 2  # [201, 3000]
+        mel = self.filters @ power  # [80, 3000]
         log_spec = torch.clamp(mel, min=1e-10).log10()
         log_spec = torch.maximum(log_spec, log_spec.max() - 8.0)
         return ((log_spec + 4.0) / 4.0).unsqueeze(0).to(self.dtype)
@@ -122,18 +138,19 @@ class WhisperWork:
             mel = self.log_mel(pcm16)
             self._sync()
             t1 = time.perf_counter()
-            enc = self.model.model.encoder(input_features=mel).last_hidden_state   # [1, 1500, d]
+            enc = self.model.model.encoder(input_features=mel).last_hidden_state  # [1, 1500, d]
             self._sync()
             t2 = time.perf_counter()
             ids = torch.tensor([PREFIX], device=self.device)
             past = None
             steps = 0
             for _ in range(text_tokens + 1):
-                out = self.model.model.decoder(input_ids=ids, encoder_hidden_states=enc,
-                                               past_key_values=past, use_cache=True)
+                out = self.model.model.decoder(
+                    input_ids=ids, encoder_hidden_states=enc, past_key_values=past, use_cache=True
+                )
                 past = out.past_key_values
-                logits = self.model.proj_out(out.last_hidden_state[:, -1])          # [1, vocab]
-                nxt = int(logits.argmax(-1).item())                                # host reads it, as a real decoder does
+                logits = self.model.proj_out(out.last_hidden_state[:, -1])  # [1, vocab]
+                nxt = int(logits.argmax(-1).item())  # host reads it, as a real decoder does
                 ids = torch.tensor([[nxt]], device=self.device)
                 steps += 1
             t3 = time.perf_counter()

@@ -51,12 +51,26 @@ class ServerState:
     requests: int = 0
 
     def info(self) -> Info:
-        model = AsrModel(name=f"whisper-{self.work.size}-random", attribution=ATTRIBUTION, installed=True,
-                         description=f"whisper {self.work.size} shape, random weights ({self.work.device})",
-                         version="1", languages=["en"])
-        return Info(asr=[AsrProgram(name="genie-gpu-stt", attribution=ATTRIBUTION, installed=True,
-                                    description="whisper-shaped GPU STT for the voice-path bench",
-                                    version="1", models=[model])])
+        model = AsrModel(
+            name=f"whisper-{self.work.size}-random",
+            attribution=ATTRIBUTION,
+            installed=True,
+            description=f"whisper {self.work.size} shape, random weights ({self.work.device})",
+            version="1",
+            languages=["en"],
+        )
+        return Info(
+            asr=[
+                AsrProgram(
+                    name="genie-gpu-stt",
+                    attribution=ATTRIBUTION,
+                    installed=True,
+                    description="whisper-shaped GPU STT for the voice-path bench",
+                    version="1",
+                    models=[model],
+                )
+            ]
+        )
 
 
 class SttHandler(AsyncEventHandler):
@@ -89,11 +103,22 @@ class SttHandler(AsyncEventHandler):
             t0 = time.perf_counter()
             timings = await asyncio.to_thread(self.state.work.run, pcm, n)
             self.state.requests += 1
-            print(json.dumps({"event": "stt_done", "t": time.time(), "wall_ms": round((time.perf_counter() - t0) * 1000, 3),
-                              "mel_ms": round(timings.mel_ms, 3), "encoder_ms": round(timings.encoder_ms, 3),
-                              "decoder_ms": round(timings.decoder_ms, 3), "steps": timings.steps,
-                              "audio_s": round(len(pcm) / (2 * SAMPLE_RATE), 3), "known": text is not None}),
-                  flush=True)
+            print(
+                json.dumps(
+                    {
+                        "event": "stt_done",
+                        "t": time.time(),
+                        "wall_ms": round((time.perf_counter() - t0) * 1000, 3),
+                        "mel_ms": round(timings.mel_ms, 3),
+                        "encoder_ms": round(timings.encoder_ms, 3),
+                        "decoder_ms": round(timings.decoder_ms, 3),
+                        "steps": timings.steps,
+                        "audio_s": round(len(pcm) / (2 * SAMPLE_RATE), 3),
+                        "known": text is not None,
+                    }
+                ),
+                flush=True,
+            )
             await self.write_event(Transcript(text or "").event())
             return False
         return True

@@ -31,8 +31,14 @@ POLICY_DEFAULT = ROOT / "policies" / "default.yaml"
 """The shipped default policy: the arbitration run."""
 
 
-def wait_healthy(url: str, port: int, proc: subprocess.Popen[bytes], log_path: Path, timeout: float,
-                 headers: dict[str, str] | None = None) -> None:
+def wait_healthy(
+    url: str,
+    port: int,
+    proc: subprocess.Popen[bytes],
+    log_path: Path,
+    timeout: float,
+    headers: dict[str, str] | None = None,
+) -> None:
     """Wait until the daemon `proc` listens on `port` and its /health says ok; raise if it exits or times out."""
     wait_port(port, proc, "genie-supervisor", timeout)
     deadline = time.monotonic() + timeout
@@ -58,8 +64,17 @@ class ProxySettings:
     """The longest hold."""
 
 
-def write_config(path: Path, stack: VoiceStack, *, model: Path, policy: Path, backend: str,
-                 threads: int | None, proxy: ProxySettings, max_running: int = 3) -> tuple[Path, int, int, int]:
+def write_config(
+    path: Path,
+    stack: VoiceStack,
+    *,
+    model: Path,
+    policy: Path,
+    backend: str,
+    threads: int | None,
+    proxy: ProxySettings,
+    max_running: int = 3,
+) -> tuple[Path, int, int, int]:
     """A daemon config for the bench; returns (path, http port, STT proxy port, TTS proxy port)."""
     http, stt, tts = free_port(), free_port(), free_port()
     cfg: dict[str, Any] = {
@@ -71,13 +86,26 @@ def write_config(path: Path, stack: VoiceStack, *, model: Path, policy: Path, ba
         # Room for the background clients and one voice turn at once (the default is 2).
         "api": {"max_running": max_running},
         "services": {
-            "whisper": {"kind": "wyoming_stt", "match": {"pid_file": str(path.parent / "whisper.pid")},
-                        "proxy": {"listen": f"{HOST}:{stt}", "upstream": f"{HOST}:{stack.stt_port}",
-                                  "hold_audio_stop_until_parked": proxy.hold_audio_stop_until_parked,
-                                  "hold_max_ms": proxy.hold_max_ms}},
-            "piper": {"kind": "wyoming_tts", "match": {"pid_file": str(path.parent / "piper.pid")},
-                      "proxy": {"listen": f"{HOST}:{tts}", "upstream": f"{HOST}:{stack.tts_port}",
-                                "hold_audio_stop_until_parked": False, "hold_max_ms": 0}},
+            "whisper": {
+                "kind": "wyoming_stt",
+                "match": {"pid_file": str(path.parent / "whisper.pid")},
+                "proxy": {
+                    "listen": f"{HOST}:{stt}",
+                    "upstream": f"{HOST}:{stack.stt_port}",
+                    "hold_audio_stop_until_parked": proxy.hold_audio_stop_until_parked,
+                    "hold_max_ms": proxy.hold_max_ms,
+                },
+            },
+            "piper": {
+                "kind": "wyoming_tts",
+                "match": {"pid_file": str(path.parent / "piper.pid")},
+                "proxy": {
+                    "listen": f"{HOST}:{tts}",
+                    "upstream": f"{HOST}:{stack.tts_port}",
+                    "hold_audio_stop_until_parked": False,
+                    "hold_max_ms": 0,
+                },
+            },
         },
     }
     if not stack.tts_port:  # STT-only (the GPU bench): no Piper to watch or proxy
@@ -105,8 +133,12 @@ class Daemon:
     def start(self, timeout: float = 120) -> None:  # noqa: ASYNC109
         """Start and wait until /health says ok (model loaded)."""
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen([sys.executable, "-m", "genie_supervisor", "run", "--config", str(self.config)],
-                                     stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "genie_supervisor", "run", "--config", str(self.config)],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+        )
         wait_healthy(self.url, self.http_port, self.proc, self.log_path, timeout)
 
     @property

@@ -63,19 +63,42 @@ def write_transcripts(path: Path, audio: list[tuple[Utterance, bytes]]) -> Path:
 
 
 @contextmanager
-def start_gpu_stt(workdir: Path, transcripts: Path, *, size: str = "small", device: str = "cuda",
-                  env: dict[str, str] | None = None, timeout: float = 180) -> Iterator[VoiceStack]:
+def start_gpu_stt(
+    workdir: Path,
+    transcripts: Path,
+    *,
+    size: str = "small",
+    device: str = "cuda",
+    env: dict[str, str] | None = None,
+    timeout: float = 180,
+) -> Iterator[VoiceStack]:
     """`python -m bench.gpu_stt` on a free loopback port (listening = model loaded and warm); no TTS."""
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     log = open(workdir / "gpu_stt.log", "wb")  # noqa: SIM115 - closed below
-    cmd = [sys.executable, "-m", "bench.gpu_stt", "--uri", f"tcp://{HOST}:{port}", "--size", size,
-           "--device", device, "--transcripts", str(transcripts)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.gpu_stt",
+        "--uri",
+        f"tcp://{HOST}:{port}",
+        "--size",
+        size,
+        "--device",
+        device,
+        "--transcripts",
+        str(transcripts),
+    ]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=dict(os.environ, **(env or {})))
     try:
         wait_port(port, proc, "bench.gpu_stt", timeout)
-        yield VoiceStack(port, 0, voice="synthetic", pids={"whisper": proc.pid},
-                         describe=f"bench.gpu_stt whisper-{size} shape, random weights ({device}); no TTS (STT-only)")
+        yield VoiceStack(
+            port,
+            0,
+            voice="synthetic",
+            pids={"whisper": proc.pid},
+            describe=f"bench.gpu_stt whisper-{size} shape, random weights ({device}); no TTS (STT-only)",
+        )
     finally:
         proc.terminate()
         try:
@@ -121,8 +144,9 @@ class GpuSampler:
     def __enter__(self) -> GpuSampler:
         try:
             self._f = open(self.path, "wb")  # noqa: SIM115 - closed in __exit__
-            self.proc = subprocess.Popen(["nvidia-smi", "pmon", "-s", "u", "-o", "T", "-d", "1"],
-                                         stdout=self._f, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                ["nvidia-smi", "pmon", "-s", "u", "-o", "T", "-d", "1"], stdout=self._f, stderr=subprocess.STDOUT
+            )
         except OSError:
             self.proc = None
         return self

@@ -143,7 +143,7 @@ async def transcribe(port: int, pcm: bytes, *, realtime: float = 1.0, timeout: f
                 delay = due - time.perf_counter()
                 if delay > 0:
                     await anyio.sleep(delay)
-            await client.write_event(AudioChunk(RATE, WIDTH, CHANNELS, pcm[i:i + CHUNK_BYTES]).event())
+            await client.write_event(AudioChunk(RATE, WIDTH, CHANNELS, pcm[i : i + CHUNK_BYTES]).event())
         await client.write_event(AudioStop().event())
         stop = time.time()
         event = await _read_until(client, {"transcript"}, timeout)
@@ -210,8 +210,7 @@ async def tts_audio(port: int, text: str, timeout: float = 60) -> tuple[bytes, i
 
 async def sse_pieces(client: httpx.AsyncClient, body: dict[str, Any], priority: str) -> AsyncIterator[str]:
     """Yield the content pieces of a streaming chat completion (OpenAI SSE)."""
-    async with client.stream("POST", "/v1/chat/completions", json=body,
-                             headers={PRIORITY_HEADER: priority}) as resp:
+    async with client.stream("POST", "/v1/chat/completions", json=body, headers={PRIORITY_HEADER: priority}) as resp:
         if resp.status_code != 200:
             detail = (await resp.aread()).decode(errors="replace")[:200]
             raise RuntimeError(f"HTTP {resp.status_code}: {detail}")
@@ -232,9 +231,16 @@ async def sse_pieces(client: httpx.AsyncClient, body: dict[str, Any], priority: 
 
 async def ask_llm(client: httpx.AsyncClient, turn: Turn, *, max_tokens: int, deadline_s: float) -> None:
     """The turn's LLM step: stream until the first sentence ends, within `deadline_s`."""
-    body = {"model": "default", "stream": True, "max_tokens": max_tokens, "temperature": 0.0,
-            "messages": [{"role": "system", "content": SYSTEM},
-                         {"role": "user", "content": turn.stt.text if turn.stt else turn.utterance.text}]}
+    body = {
+        "model": "default",
+        "stream": True,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "messages": [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": turn.stt.text if turn.stt else turn.utterance.text},
+        ],
+    }
     text = ""
     turn.llm_start = time.time()
     turn.llm_status = "deadline"
@@ -247,7 +253,7 @@ async def ask_llm(client: httpx.AsyncClient, turn: Turn, *, max_tokens: int, dea
                 text += piece
                 m = _SENTENCE_END.search(text)
                 if m:
-                    text = text[:m.end()]
+                    text = text[: m.end()]
                     break
             turn.llm_sentence = time.time()
             turn.llm_status = "ok"
@@ -256,8 +262,10 @@ async def ask_llm(client: httpx.AsyncClient, turn: Turn, *, max_tokens: int, dea
     turn.spoken = text.strip() if turn.llm_status == "ok" and text.strip() else turn.utterance.reply
 
 
-CONTEXT = ("The keeper wrote in the log every night: the wind, the sea, the ships that passed, the lamp's "
-           "oil, the state of the lens and the letters he meant to send. ")
+CONTEXT = (
+    "The keeper wrote in the log every night: the wind, the sea, the ships that passed, the lamp's "
+    "oil, the state of the lens and the letters he meant to send. "
+)
 """A paragraph repeated to make a long background prompt (a document to summarise, a long chat)."""
 
 
@@ -268,8 +276,9 @@ def long_prompt(chars: int) -> str:
     return (CONTEXT * (chars // len(CONTEXT) + 1))[:chars] + "\n\n" + STORY
 
 
-async def background_client(client: httpx.AsyncClient, stats: LoadStats, *, max_tokens: int,
-                            prompt_chars: int = 0, client_id: int = 0) -> None:
+async def background_client(
+    client: httpx.AsyncClient, stats: LoadStats, *, max_tokens: int, prompt_chars: int = 0, client_id: int = 0
+) -> None:
     """Ask for long stories back to back until cancelled; every token's arrival is recorded.
 
     With `prompt_chars`, each request opens with its own number, so no two share a cached prefix
@@ -279,8 +288,14 @@ async def background_client(client: httpx.AsyncClient, stats: LoadStats, *, max_
     while True:
         n += 1
         content = f"Request {client_id}-{n}. {text}" if prompt_chars else text
-        body = {"model": "default", "stream": True, "max_tokens": max_tokens, "temperature": 0.8, "seed": 1,
-                "messages": [{"role": "user", "content": content}]}
+        body = {
+            "model": "default",
+            "stream": True,
+            "max_tokens": max_tokens,
+            "temperature": 0.8,
+            "seed": 1,
+            "messages": [{"role": "user", "content": content}],
+        }
         try:
             async for _ in sse_pieces(client, body, "background"):
                 stats.token_times.append(time.time())

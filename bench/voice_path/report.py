@@ -77,12 +77,20 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         wall = sum(r["t1"] - r["t0"] for r in mine)
         tokens = sum(len(r["load"]["token_times"]) for r in mine)
         logged = sum(int(e.get("completion_tokens") or 0) for r in mine for e in generations(r, "background"))
-        voice_ttft = [float(e["first_token_ms"]) for r in mine for e in generations(r, "voice")
-                      if e.get("first_token_ms") is not None and e.get("completion_tokens")]
+        voice_ttft = [
+            float(e["first_token_ms"])
+            for r in mine
+            for e in generations(r, "voice")
+            if e.get("first_token_ms") is not None and e.get("completion_tokens")
+        ]
         probe = [p for r in mine for p in r["probe"]]
         rtt = [p[2] for p in probe if p[1] != "error"]
-        reactions = [float(e["reaction_ms"]) for r in mine for e in r.get("gate_log", [])
-                     if e["event"] == "decode_parked" and e.get("reaction_ms") is not None]
+        reactions = [
+            float(e["reaction_ms"])
+            for r in mine
+            for e in r.get("gate_log", [])
+            if e["event"] == "decode_parked" and e.get("reaction_ms") is not None
+        ]
         by_phase: dict[str, list[float]] = {}
         idle_pauses = 0
         for r in mine:
@@ -97,10 +105,13 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "rounds": len(mine),
             "turns": len(turns),
             "stt_n": len(stt),
-            "stt_p50": pct(stt, 0.5), "stt_p95": pct(stt, 0.95), "stt_p99": pct(stt, 0.99),
+            "stt_p50": pct(stt, 0.5),
+            "stt_p95": pct(stt, 0.95),
+            "stt_p99": pct(stt, 0.99),
             "stt_mean": statistics.fmean(stt) if stt else None,
             "stt_p50_per_round": [pct([t["stt"]["latency_ms"] for t in r["turns"] if t["stt"]], 0.5) for r in mine],
-            "tts_ttfa_p50": pct(ttfa, 0.5), "tts_ttfa_p95": pct(ttfa, 0.95),
+            "tts_ttfa_p50": pct(ttfa, 0.5),
+            "tts_ttfa_p95": pct(ttfa, 0.95),
             "llm_turns": len(llm),
             "llm_ok": sum(1 for x in llm if x["status"] == "ok"),
             "llm_deadline": sum(1 for x in llm if x["status"] == "deadline"),
@@ -109,15 +120,22 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "decode_tps": tokens / wall if wall > 0 else None,
             "decode_tokens_logged": logged,
             "decode_tps_logged": logged / wall if wall > 0 else None,
-            "voice_ttft_daemon_p50": pct(voice_ttft, 0.5), "voice_ttft_daemon_p95": pct(voice_ttft, 0.95),
+            "voice_ttft_daemon_p50": pct(voice_ttft, 0.5),
+            "voice_ttft_daemon_p95": pct(voice_ttft, 0.95),
             "paused_fraction": (sum(1 for p in probe if p[1] == "paused") / len(probe)) if probe else None,
             "pauses": len(reactions),
-            "reaction_p50": pct(reactions, 0.5), "reaction_p99": pct(reactions, 0.99),
-            "reaction_by_phase": {ph: {"n": len(xs), "p50": pct(xs, 0.5), "p99": pct(xs, 0.99), "max": max(xs, default=None)}
-                                  for ph, xs in sorted(by_phase.items())},
+            "reaction_p50": pct(reactions, 0.5),
+            "reaction_p99": pct(reactions, 0.99),
+            "reaction_by_phase": {
+                ph: {"n": len(xs), "p50": pct(xs, 0.5), "p99": pct(xs, 0.99), "max": max(xs, default=None)}
+                for ph, xs in sorted(by_phase.items())
+            },
             "idle_pauses": idle_pauses,
-            "lag_p50": pct(rtt, 0.5), "lag_p99": pct(rtt, 0.99),
-            "cpu_cores": {k: statistics.fmean([r["cpu_cores"][k] for r in mine if k in r["cpu_cores"]]) for k in cpu_keys},
+            "lag_p50": pct(rtt, 0.5),
+            "lag_p99": pct(rtt, 0.99),
+            "cpu_cores": {
+                k: statistics.fmean([r["cpu_cores"][k] for r in mine if k in r["cpu_cores"]]) for k in cpu_keys
+            },
             "wer": wer([(t["reference"], t["stt"]["text"]) for t in turns if t["stt"]]),
             "hold_timeouts": sum(r.get("proxy", {}).get("hold_timeouts", 0) for r in mine),
             "errors": [e for r in mine for e in r["errors"]][:10],
@@ -126,9 +144,18 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     idle = out.get("idle")
     if idle:
         for s in out.values():
-            s["ratios"] = {k: _ratio(s.get(k), idle.get(k)) for k in
-                           ("stt_p50", "stt_p95", "stt_p99", "tts_ttfa_p50", "llm_ttft_p50",
-                            "voice_ttft_daemon_p50", "lag_p50")}
+            s["ratios"] = {
+                k: _ratio(s.get(k), idle.get(k))
+                for k in (
+                    "stt_p50",
+                    "stt_p95",
+                    "stt_p99",
+                    "tts_ttfa_p50",
+                    "llm_ttft_p50",
+                    "voice_ttft_daemon_p50",
+                    "lag_p50",
+                )
+            }
     return out
 
 
@@ -145,22 +172,29 @@ def _phase_cell(s: dict[str, Any], phase: str) -> str:
     return f"{r['n']} / {_f(r['p50'], 1)} / {_f(r['p99'], 1)}" if r and r["n"] else "–"
 
 
-def stt_server_by_scenario(runs_t: dict[str, list[tuple[float, float]]],
-                           events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def stt_server_by_scenario(
+    runs_t: dict[str, list[tuple[float, float]]], events: list[dict[str, Any]]
+) -> dict[str, dict[str, Any]]:
     """The GPU STT server's own timings (encoder, decoder, whole request) per scenario, p50."""
     out: dict[str, dict[str, Any]] = {}
     for name, spans in runs_t.items():
-        mine = [e for e in events if e.get("event") == "stt_done"
-                and any(t0 <= float(e["t"]) <= t1 + 1 for t0, t1 in spans)]
-        out[name] = {k: pct([float(e[k]) for e in mine], 0.5) for k in ("mel_ms", "encoder_ms", "decoder_ms", "wall_ms")}
+        mine = [
+            e for e in events if e.get("event") == "stt_done" and any(t0 <= float(e["t"]) <= t1 + 1 for t0, t1 in spans)
+        ]
+        out[name] = {
+            k: pct([float(e[k]) for e in mine], 0.5) for k in ("mel_ms", "encoder_ms", "decoder_ms", "wall_ms")
+        }
         out[name]["n"] = len(mine)
         out[name]["steps_p50"] = pct([float(e["steps"]) for e in mine], 0.5)
     return out
 
 
-def summary_json(summary: dict[str, dict[str, Any]], meta: dict[str, Any],
-                 stt_events: list[dict[str, Any]] | None = None,
-                 runs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def summary_json(
+    summary: dict[str, dict[str, Any]],
+    meta: dict[str, Any],
+    stt_events: list[dict[str, Any]] | None = None,
+    runs: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     """The headline figures, machine-readable (the keys docs/benchmarks.md names)."""
     names = [n for n in SCENARIOS if n in summary]
     arb = summary.get("arbitration", {})
@@ -170,8 +204,12 @@ def summary_json(summary: dict[str, dict[str, Any]], meta: dict[str, Any],
         phases[ph] = r["p99"] if r else None
     probe = meta.get("engine_probe") or {}
     out: dict[str, Any] = {
-        "date": meta["date"], "label": meta.get("label", ""), "gpu": meta.get("gpu", False),
-        "model": meta["model"], "backend": meta["backend"], "stack": meta["stack"],
+        "date": meta["date"],
+        "label": meta.get("label", ""),
+        "gpu": meta.get("gpu", False),
+        "model": meta["model"],
+        "backend": meta["backend"],
+        "stack": meta["stack"],
         "stt_p50_ms": {n: summary[n]["stt_p50"] for n in names},
         "stt_p95_ms": {n: summary[n]["stt_p95"] for n in names},
         "stt_p99_ms": {n: summary[n]["stt_p99"] for n in names},
@@ -184,9 +222,12 @@ def summary_json(summary: dict[str, dict[str, Any]], meta: dict[str, Any],
         "decode_step_ms": probe.get("decode_step_ms"),
         "prefill_tokens_per_s": probe.get("prompt_per_second"),
         "background_prompt_tokens": probe.get("prompt_n"),
-        "background_decode_tps": {n: summary[n]["decode_tps_logged"] if meta.get("gpu") else summary[n]["decode_tps"]
-                                  for n in names},
-        "background_tps_kept_arbitration": _ratio(arb.get("decode_tps_logged"), summary.get("contention", {}).get("decode_tps_logged")),
+        "background_decode_tps": {
+            n: summary[n]["decode_tps_logged"] if meta.get("gpu") else summary[n]["decode_tps"] for n in names
+        },
+        "background_tps_kept_arbitration": _ratio(
+            arb.get("decode_tps_logged"), summary.get("contention", {}).get("decode_tps_logged")
+        ),
         "voice_ttft_daemon_p50_ms": {n: summary[n].get("voice_ttft_daemon_p50") for n in names},
         "voice_llm_ttft_p50_ms": {n: summary[n]["llm_ttft_p50"] for n in names},
         "voice_ttft_daemon_ratio_arbitration": arb.get("ratios", {}).get("voice_ttft_daemon_p50"),
@@ -205,10 +246,12 @@ def machine() -> str:
     """One paragraph about the machine (for the report)."""
     la = os.getloadavg()
     freq = psutil.cpu_freq()
-    return (f"{platform.machine()}, {psutil.cpu_count(logical=True)} logical CPUs"
-            f" ({platform.processor() or 'cpu'}{f', {freq.current:.0f} MHz' if freq else ''}),"
-            f" {psutil.virtual_memory().total / 2**30:.1f} GiB RAM, {platform.system()} {platform.release()},"
-            f" Python {platform.python_version()}; load average at the end {la[0]:.2f} {la[1]:.2f} {la[2]:.2f}")
+    return (
+        f"{platform.machine()}, {psutil.cpu_count(logical=True)} logical CPUs"
+        f" ({platform.processor() or 'cpu'}{f', {freq.current:.0f} MHz' if freq else ''}),"
+        f" {psutil.virtual_memory().total / 2**30:.1f} GiB RAM, {platform.system()} {platform.release()},"
+        f" Python {platform.python_version()}; load average at the end {la[0]:.2f} {la[1]:.2f} {la[2]:.2f}"
+    )
 
 
 def markdown(summary: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
@@ -223,17 +266,31 @@ def markdown(summary: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
         ("word error rate", lambda s: _f(None if s["wer"] is None else s["wer"] * 100, 1, " %")),
         ("TTS time to first audio p50 (ms)", lambda s: _f(s["tts_ttfa_p50"])),
         ("TTS time to first audio p95 (ms)", lambda s: _f(s["tts_ttfa_p95"])),
-        ("voice LLM: first sentence in time / turns", lambda s: f"{s['llm_ok']}/{s['llm_turns']}" if s["llm_turns"] else "–"),
+        (
+            "voice LLM: first sentence in time / turns",
+            lambda s: f"{s['llm_ok']}/{s['llm_turns']}" if s["llm_turns"] else "–",
+        ),
         ("voice LLM time to first token p50 (ms)", lambda s: _f(s["llm_ttft_p50"])),
         ("background decode tokens/s", lambda s: _f(s["decode_tps"], 2)),
         ("background decode tokens (total)", lambda s: _f(s["decode_tokens"])),
-        ("background tokens/s, daemon's count (generations ended in the run)", lambda s: _f(s.get("decode_tps_logged"), 1)),
-        ("voice LLM first token p50 / p95, daemon's count (ms)",
-         lambda s: f"{_f(s.get('voice_ttft_daemon_p50'), 0)} / {_f(s.get('voice_ttft_daemon_p95'), 0)}"),
-        ("decode paused (share of the run)", lambda s: _f(None if s["paused_fraction"] is None else s["paused_fraction"] * 100, 1, " %")),
+        (
+            "background tokens/s, daemon's count (generations ended in the run)",
+            lambda s: _f(s.get("decode_tps_logged"), 1),
+        ),
+        (
+            "voice LLM first token p50 / p95, daemon's count (ms)",
+            lambda s: f"{_f(s.get('voice_ttft_daemon_p50'), 0)} / {_f(s.get('voice_ttft_daemon_p95'), 0)}",
+        ),
+        (
+            "decode paused (share of the run)",
+            lambda s: _f(None if s["paused_fraction"] is None else s["paused_fraction"] * 100, 1, " %"),
+        ),
         ("pauses / reaction p50 (ms)", lambda s: f"{s['pauses']} / {_f(s['reaction_p50'], 1)}"),
         ("pause reaction p99 (ms)", lambda s: _f(s["reaction_p99"], 1)),
-        *[(f"pause reaction in {ph}: n / p50 / p99 (ms)", lambda s, ph=ph: _phase_cell(s, ph)) for ph in ("decode", "prefill")],
+        *[
+            (f"pause reaction in {ph}: n / p50 / p99 (ms)", lambda s, ph=ph: _phase_cell(s, ph))
+            for ph in ("decode", "prefill")
+        ],
         ("pauses that met an idle engine", lambda s: _f(s.get("idle_pauses"))),
         ("audio-stop holds that timed out (engine not parked)", lambda s: _f(s["hold_timeouts"])),
         ("loop lag probe: GET /health p50 (ms)", lambda s: _f(s["lag_p50"], 1)),
@@ -246,14 +303,24 @@ def markdown(summary: dict[str, dict[str, Any]], meta: dict[str, Any]) -> str:
     head = "| figure | " + " | ".join(names) + " |"
     lines = [head, "|---|" + "---|" * len(names)]
     lines += [f"| {label} | " + " | ".join(fn(summary[n]) for n in names) + " |" for label, fn in rows]
-    ratio_lines = ["| ratio to idle | " + " | ".join(n for n in names if n != "idle") + " |",
-                   "|---|" + "---|" * (len(names) - 1)]
-    for key, label in (("stt_p50", "STT p50"), ("stt_p95", "STT p95"), ("stt_p99", "STT p99"),
-                       ("tts_ttfa_p50", "TTS first audio p50"), ("llm_ttft_p50", "voice LLM time to first token p50"),
-                       ("voice_ttft_daemon_p50", "voice LLM first token p50, daemon's count"),
-                       ("lag_p50", "loop lag p50")):
-        ratio_lines.append(f"| {label} | " + " | ".join(
-            _f(summary[n].get("ratios", {}).get(key), 2, "x") for n in names if n != "idle") + " |")
+    ratio_lines = [
+        "| ratio to idle | " + " | ".join(n for n in names if n != "idle") + " |",
+        "|---|" + "---|" * (len(names) - 1),
+    ]
+    for key, label in (
+        ("stt_p50", "STT p50"),
+        ("stt_p95", "STT p95"),
+        ("stt_p99", "STT p99"),
+        ("tts_ttfa_p50", "TTS first audio p50"),
+        ("llm_ttft_p50", "voice LLM time to first token p50"),
+        ("voice_ttft_daemon_p50", "voice LLM first token p50, daemon's count"),
+        ("lag_p50", "loop lag p50"),
+    ):
+        ratio_lines.append(
+            f"| {label} | "
+            + " | ".join(_f(summary[n].get("ratios", {}).get(key), 2, "x") for n in names if n != "idle")
+            + " |"
+        )
     errors = [f"- {n}: {e}" for n in names for e in summary[n]["errors"] + summary[n]["load_errors"]]
     parts = [
         f"# Voice path under LLM load — {meta['date']}",
@@ -289,17 +356,23 @@ def _gpu_lines(meta: dict[str, Any]) -> list[str]:
     out = []
     p = meta.get("engine_probe") or {}
     if p.get("predicted_n"):
-        out.append(f"Engine alone (one background-shaped request, nothing else running): prompt {p.get('prompt_n')} tokens "
-                   f"at {_f(p.get('prompt_per_second'), 0)} tok/s, decode step {_f(p.get('decode_step_ms'), 2)} ms.")
+        out.append(
+            f"Engine alone (one background-shaped request, nothing else running): prompt {p.get('prompt_n')} tokens "
+            f"at {_f(p.get('prompt_per_second'), 0)} tok/s, decode step {_f(p.get('decode_step_ms'), 2)} ms."
+        )
     srv = meta.get("stt_server")
     if srv:
-        out.append(f"STT server: whisper-{srv.get('size')} shape, random weights, {srv.get('device')} {srv.get('dtype')}, "
-                   f"{srv.get('sms', '?')} SMs visible to it.")
+        out.append(
+            f"STT server: whisper-{srv.get('size')} shape, random weights, {srv.get('device')} {srv.get('dtype')}, "
+            f"{srv.get('sms', '?')} SMs visible to it."
+        )
     if meta.get("label"):
         out.append(f"Label: {meta['label']}.")
     if meta.get("load_prompt_chars"):
-        out.append(f"Background prompts: {meta['load_prompt_chars']} characters of context + the story request "
-                   "(each request numbered, so no cached prefix).")
+        out.append(
+            f"Background prompts: {meta['load_prompt_chars']} characters of context + the story request "
+            "(each request numbered, so no cached prefix)."
+        )
     return [""] + out if out else []
 
 
@@ -320,10 +393,16 @@ def plot(runs: list[dict[str, Any]], path: Path, window_s: float = 40.0) -> None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    firsts = [next(r for r in runs if r["spec"]["name"] == n) for n in SCENARIOS
-              if any(r["spec"]["name"] == n for r in runs)]
-    fig, axes = plt.subplots(len(firsts) * 2, 1, figsize=(12, 3.2 * len(firsts)), squeeze=False,
-                             gridspec_kw={"height_ratios": [1, 1.4] * len(firsts)})
+    firsts = [
+        next(r for r in runs if r["spec"]["name"] == n) for n in SCENARIOS if any(r["spec"]["name"] == n for r in runs)
+    ]
+    fig, axes = plt.subplots(
+        len(firsts) * 2,
+        1,
+        figsize=(12, 3.2 * len(firsts)),
+        squeeze=False,
+        gridspec_kw={"height_ratios": [1, 1.4] * len(firsts)},
+    )
     for k, run in enumerate(firsts):
         ax_act, ax_tps = axes[2 * k][0], axes[2 * k + 1][0]
         t0 = run["t0"]
@@ -348,8 +427,11 @@ def plot(runs: list[dict[str, Any]], path: Path, window_s: float = 40.0) -> None
         ax_act.set_yticks([0.5, 1.5, 2.5], ["gate", "LLM/TTS", "STT"])
         ax_act.set_xlim(0, t1 - t0)
         ax_act.set_ylim(0, 3)
-        ax_act.set_title(f"{run['spec']['name']}: STT (cyan: audio streaming, blue: audio-stop → transcript), "
-                         f"voice LLM (gray), TTS (green), gate paused (red) / throttled (orange)", fontsize=9)
+        ax_act.set_title(
+            f"{run['spec']['name']}: STT (cyan: audio streaming, blue: audio-stop → transcript), "
+            f"voice LLM (gray), TTS (green), gate paused (red) / throttled (orange)",
+            fontsize=9,
+        )
         streamed, logged = run["load"]["token_times"], logged_token_times(run)
         xs, ys = _bins(logged if len(logged) > len(streamed) else streamed, t0, t1)
         ax_tps.plot(xs, ys, drawstyle="steps-mid", color="tab:purple")

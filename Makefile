@@ -6,7 +6,7 @@ GENIE  := $(VENV)/bin/genie-supervisor
 STAMP  := $(VENV)/.installed
 APT_GET := $(shell command -v apt-get 2>/dev/null)
 
-.PHONY: run test deps system-deps models lint bench bench-engine bench-gate bench-voice bench-soak clean
+.PHONY: run test check format deps system-deps models lint bench bench-engine bench-gate bench-voice bench-soak clean
 
 $(STAMP): pyproject.toml
 	@$(PY) -m pip --version >/dev/null 2>&1 || $(PYTHON) -m venv $(VENV) || { \
@@ -40,15 +40,24 @@ run: $(STAMP) system-deps
 test: $(STAMP) system-deps models
 	$(PY) -m pytest -q tests
 
+# What CI runs (.ci/run): lint (ruff), the format check (ruff format), types (mypy, strict on
+# engine/ and genie_supervisor/, see pyproject.toml) and the tests.
+check: lint test
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check genie_supervisor engine tests bench
+	$(VENV)/bin/ruff format --check genie_supervisor engine tests bench
 	$(VENV)/bin/mypy genie_supervisor engine
 
+format: $(STAMP)
+	$(VENV)/bin/ruff format genie_supervisor engine tests bench
+	$(VENV)/bin/ruff check --fix --select I genie_supervisor engine tests bench
+
 bench-engine: $(STAMP) models
-	$(PY) bench/engine_cpu.py
+	$(PY) -m bench.engine_cpu
 
 bench-gate: $(STAMP) models
-	$(PY) bench/gate.py
+	$(PY) -m bench.gate
 
 # Voice path under LLM load on a real voice stack (wyoming-faster-whisper + wyoming-piper from PyPI,
 # installed on first use into their own venv under ~/.cache/genie-supervisor/voice, outside the

@@ -41,6 +41,7 @@ from ..errors import AdmissionError as AdmissionError  # re-export
 from ..errors import BudgetError, ContextTooLong, EngineUnavailable, RequestRefused
 from ..events import EngineStats, Observation
 from .generation import HostedGeneration as HostedGeneration  # re-export
+from .serving import plan_parts_mb
 
 log = structlog.get_logger(__name__)
 
@@ -378,12 +379,5 @@ class EngineHost:
             "error": self.error,
             "memory_plan": None
             if plan is None
-            else {
-                "weights_mb": round(plan.weights / MiB, 3),
-                "kv_mb": round(plan.kv / MiB, 3),
-                "scratch_mb": round(plan.scratch / MiB, 3),
-                "total_mb": round(plan.total / MiB, 3),
-                "n_ctx": plan.n_ctx,
-                "budget_mb": self._budget_mb(),
-            },
+            else {**plan_parts_mb(plan), "n_ctx": plan.n_ctx, "budget_mb": self._budget_mb()},
         }

@@ -10,7 +10,7 @@ import anyio
 from ..config import ModelEntry
 from ..errors import AdmissionError, BudgetError, EngineUnavailable, ModelTooLarge
 from ..events import EngineStats
-from .serving import Backend, Plan
+from .serving import Backend, Plan, plan_parts_mb
 
 MiB = 1024 * 1024
 
@@ -104,14 +104,7 @@ class ManagedModel:
             "in_flight": self.in_flight,
             "draining": self.draining,
             "n_ctx": self.backend.n_ctx,
-            "memory": None
-            if plan is None
-            else {
-                "weights_mb": round(plan.weights / MiB, 3),
-                "kv_mb": round(plan.kv / MiB, 3),
-                "scratch_mb": round(plan.scratch / MiB, 3),
-                "total_mb": round(plan.total / MiB, 3),
-            },
+            "memory": None if plan is None else plan_parts_mb(plan),
             "load_seconds": None if self.load_seconds is None else round(self.load_seconds, 3),
             "evictions": self.evictions,
             **self.backend.describe(),

@@ -30,6 +30,9 @@ if TYPE_CHECKING:
     from ..events import Observation
 
 
+MiB = 1024 * 1024
+
+
 @dataclass(frozen=True)
 class Plan:
     """Memory a model will hold once loaded (bytes), from its GGUF header."""
@@ -47,6 +50,17 @@ class Plan:
     def total(self) -> int:
         """Everything together."""
         return self.weights + self.kv + self.scratch
+
+
+def plan_parts_mb(plan: Any) -> dict[str, float]:
+    """A memory plan's parts in MiB, rounded as /status shows them (a `Plan` or an engine
+    `MemoryPlan`: anything with weights, kv, scratch and total in bytes)."""
+    return {
+        "weights_mb": round(plan.weights / MiB, 3),
+        "kv_mb": round(plan.kv / MiB, 3),
+        "scratch_mb": round(plan.scratch / MiB, 3),
+        "total_mb": round(plan.total / MiB, 3),
+    }
 
 
 @dataclass(frozen=True)

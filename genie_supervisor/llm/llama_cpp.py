@@ -67,6 +67,7 @@ class LlamaStream:
     ) -> None:
         self._backend = backend
         self._priority = priority
+        self._released = False
         self._response = response
         self._chat = chat
         self._max_tokens = max_tokens
@@ -105,7 +106,7 @@ class LlamaStream:
             if self.finish_reason is None:
                 self.finish_reason = "cancelled"
             await self._response.aclose()
-            self._backend._voice_done(self._priority)
+            self._release()
 
     def _take(self, obj: Mapping[str, Any]) -> str:
         timings = obj.get("timings")
@@ -136,6 +137,14 @@ class LlamaStream:
     async def aclose(self) -> None:
         """Stop reading (llama-server notices the closed connection and stops)."""
         await self._response.aclose()
+        self._release()
+
+    def _release(self) -> None:
+        """Once per stream, whether it was read to the end, cut off or closed unread: a voice
+        stream stops keeping a SIGSTOPped llama-server running."""
+        if not self._released:
+            self._released = True
+            self._backend._voice_done(self._priority)
 
     def timings(self) -> dict[str, float]:
         """llama-server's own timings (ms)."""

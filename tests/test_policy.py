@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
-import textwrap
 from pathlib import Path
+from typing import NamedTuple
 
 import anyio
 import pytest
@@ -14,6 +14,8 @@ from genie_supervisor.events import ServiceObservation, TelemetrySample
 from genie_supervisor.policy import PolicyWatcher, evaluate, load_policy, parse_policy
 from genie_supervisor.policy.schema import Policy
 from genie_supervisor.state import Decision, Snapshot, VoiceState
+from tests import sourcefiles
+from tests.sourcefiles import write_dedented
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -225,18 +227,14 @@ def test_hysteresis_state_ignored_across_policies() -> None:
 # -- files: errors with file:line ------------------------------------------------------------
 
 
-def write(tmp_path: Path, text: str, name: str = "p.yaml") -> str:
+def write(tmp_path: Path, text: str) -> str:
     """Write a dedented policy file and return its path."""
-    p = tmp_path / name
-    p.write_text(textwrap.dedent(text).lstrip("\n"))
-    return str(p)
+    return write_dedented(tmp_path / "p.yaml", text)
 
 
 def errors_of(path: str) -> list[str]:
     """The formatted errors of loading `path`."""
-    with pytest.raises(PolicyErrors) as exc:
-        load_policy(path)
-    return [i.format() for i in exc.value.issues]
+    return sourcefiles.errors_of(load_policy, PolicyErrors, path)
 
 
 @pytest.mark.parametrize("name", ["default.yaml", "orin-nano-8gb.yaml"])
@@ -261,10 +259,20 @@ def test_malformed_yaml(tmp_path: Path) -> None:
     assert err.startswith(f"{f}:5: malformed YAML:")
 
 
-def test_unknown_key(tmp_path: Path) -> None:
-    """An unknown key is named with its line and the keys that were expected."""
-    f = write(
-        tmp_path,
+class BadFile(NamedTuple):
+    """One invalid policy file and the errors it must produce."""
+
+    behaviour: str
+    """What the case shows, in one sentence."""
+    text: str
+    """The file's text (dedented before writing)."""
+    errors: list[str]
+    """The expected errors, each after the file's path."""
+
+
+BAD_FILES = {
+    "unknown-key": BadFile(
+        "An unknown key is named with its line and the keys that were expected.",
         """
         version: 1
         name: x
@@ -273,17 +281,13 @@ def test_unknown_key(tmp_path: Path) -> None:
             action: pause
             resume_holdof_ms: 100
         """,
-    )
-    assert errors_of(f) == [
-        f"{f}:6 voice.stt.resume_holdof_ms: unknown key (did you mean 'resume_holdoff_ms'?); "
-        "expected one of: action, resume_holdoff_ms, throttle_tps"
-    ]
-
-
-def test_wrong_type(tmp_path: Path) -> None:
-    """A wrong type names the value that was given."""
-    f = write(
-        tmp_path,
+        [
+            ":6 voice.stt.resume_holdof_ms: unknown key (did you mean 'resume_holdoff_ms'?); "
+            "expected one of: action, resume_holdoff_ms, throttle_tps"
+        ],
+    ),
+    "wrong-type": BadFile(
+        "A wrong type names the value that was given.",
         """
         version: 1
         name: x
@@ -291,56 +295,41 @@ def test_wrong_type(tmp_path: Path) -> None:
           levels:
             - {name: warm, enter_c: hot, leave_c: 70, action: pause}
         """,
-    )
-    assert errors_of(f) == [
-        f"{f}:5 thermal.levels[0].enter_c: Input should be a valid number, unable to parse string as a number (got 'hot')"
-    ]
-
-
-def test_bad_enum_value(tmp_path: Path) -> None:
-    """A value outside a choice lists the allowed ones."""
-    f = write(
-        tmp_path,
+        [
+            ":5 thermal.levels[0].enter_c: Input should be a valid number, unable to parse string as a number "
+            "(got 'hot')"
+        ],
+    ),
+    "bad-enum-value": BadFile(
+        "A value outside a choice lists the allowed ones.",
         """
         version: 1
         name: x
         voice:
           stt: {action: stop}
         """,
-    )
-    assert errors_of(f) == [f"{f}:4 voice.stt.action: Input should be 'pause', 'throttle' or 'none' (got 'stop')"]
-
-
-def test_out_of_range(tmp_path: Path) -> None:
-    """An out-of-range number names the bound and the value."""
-    f = write(
-        tmp_path,
+        [":4 voice.stt.action: Input should be 'pause', 'throttle' or 'none' (got 'stop')"],
+    ),
+    "out-of-range": BadFile(
+        "An out-of-range number names the bound and the value.",
         """
         version: 1
         name: x
         voice:
           prefill_chunk_tokens: 0
         """,
-    )
-    assert errors_of(f) == [f"{f}:4 voice.prefill_chunk_tokens: Input should be greater than or equal to 1 (got 0)"]
-
-
-def test_missing_and_wrong_version(tmp_path: Path) -> None:
-    """A missing required key points at its parent, a wrong version names the version."""
-    f = write(
-        tmp_path,
+        [":4 voice.prefill_chunk_tokens: Input should be greater than or equal to 1 (got 0)"],
+    ),
+    "missing-and-wrong-version": BadFile(
+        "A missing required key points at its parent, a wrong version names the version.",
         """
         version: 2
         description: no name
         """,
-    )
-    assert errors_of(f) == [f"{f}:1 name: required key is missing", f"{f}:1 version: Input should be 1 (got 2)"]
-
-
-def test_contradictory_thermal_thresholds(tmp_path: Path) -> None:
-    """leave_c at or above enter_c is rejected at the leave_c line with one sentence."""
-    f = write(
-        tmp_path,
+        [":1 name: required key is missing", ":1 version: Input should be 1 (got 2)"],
+    ),
+    "contradictory-thermal-thresholds": BadFile(
+        "leave_c at or above enter_c is rejected at the leave_c line with one sentence.",
         """
         version: 1
         name: x
@@ -351,14 +340,10 @@ def test_contradictory_thermal_thresholds(tmp_path: Path) -> None:
               leave_c: 82
               action: pause
         """,
-    )
-    assert errors_of(f) == [f"{f}:7 thermal.levels[0].leave_c: leave_c (82) must be below enter_c (80) for hysteresis"]
-
-
-def test_thermal_levels_out_of_order(tmp_path: Path) -> None:
-    """A hotter level listed before a cooler one is rejected at its enter_c."""
-    f = write(
-        tmp_path,
+        [":7 thermal.levels[0].leave_c: leave_c (82) must be below enter_c (80) for hysteresis"],
+    ),
+    "thermal-levels-out-of-order": BadFile(
+        "A hotter level listed before a cooler one is rejected at its enter_c.",
         """
         version: 1
         name: x
@@ -370,17 +355,13 @@ def test_thermal_levels_out_of_order(tmp_path: Path) -> None:
               leave_c: 75
               action: pause
         """,
-    )
-    assert errors_of(f) == [
-        f"{f}:7 thermal.levels[1].enter_c: enter_c (80) must be above the previous level's enter_c (90); "
-        "list levels from coolest to hottest"
-    ]
-
-
-def test_hotter_level_cannot_be_milder(tmp_path: Path) -> None:
-    """A hotter level that throttles less than a cooler one is contradictory."""
-    f = write(
-        tmp_path,
+        [
+            ":7 thermal.levels[1].enter_c: enter_c (80) must be above the previous level's enter_c (90); "
+            "list levels from coolest to hottest"
+        ],
+    ),
+    "hotter-level-cannot-be-milder": BadFile(
+        "A hotter level that throttles less than a cooler one is contradictory.",
         """
         version: 1
         name: x
@@ -389,16 +370,10 @@ def test_hotter_level_cannot_be_milder(tmp_path: Path) -> None:
             - {name: warm, enter_c: 80, leave_c: 75, action: throttle, throttle_tps: 5}
             - {name: hot, enter_c: 90, leave_c: 85, action: throttle, throttle_tps: 10}
         """,
-    )
-    assert errors_of(f) == [
-        f"{f}:6 thermal.levels[1].throttle_tps: throttle_tps (10) must not rise above the cooler level's (5)"
-    ]
-
-
-def test_memory_thresholds_out_of_order_and_throttle_without_rate(tmp_path: Path) -> None:
-    """Every problem of a file is reported, each at its own line."""
-    f = write(
-        tmp_path,
+        [":6 thermal.levels[1].throttle_tps: throttle_tps (10) must not rise above the cooler level's (5)"],
+    ),
+    "memory-thresholds-out-of-order-and-throttle-without-rate": BadFile(
+        "Every problem of a file is reported, each at its own line.",
         """
         version: 1
         name: x
@@ -410,31 +385,34 @@ def test_memory_thresholds_out_of_order_and_throttle_without_rate(tmp_path: Path
             - below_available_mb: 900
               action: unload_llm
         """,
-    )
-    assert errors_of(f) == [
-        f"{f}:4 voice.tts.throttle_tps: action throttle needs throttle_tps (tokens/s)",
-        f"{f}:8 memory.thresholds[1].below_available_mb: below_available_mb (900) must be lower than the "
-        "previous threshold's (500); list thresholds from mildest to most severe",
-    ]
-
-
-def test_duplicate_key(tmp_path: Path) -> None:
-    """A key given twice is an error instead of silently taking the last one."""
-    f = write(
-        tmp_path,
+        [
+            ":4 voice.tts.throttle_tps: action throttle needs throttle_tps (tokens/s)",
+            ":8 memory.thresholds[1].below_available_mb: below_available_mb (900) must be lower than the "
+            "previous threshold's (500); list thresholds from mildest to most severe",
+        ],
+    ),
+    "duplicate-key": BadFile(
+        "A key given twice is an error instead of silently taking the last one.",
         """
         version: 1
         name: x
         name: y
         """,
-    )
-    assert errors_of(f) == [f"{f}:3 name: duplicate key (first at line 2)"]
+        [":3 name: duplicate key (first at line 2)"],
+    ),
+    "top-level-not-a-mapping": BadFile(
+        "A file that is a list, not a mapping, is rejected.",
+        "- 1\n- 2\n",
+        [":1: expected a mapping of keys at the top level, got list"],
+    ),
+}
 
 
-def test_top_level_not_a_mapping(tmp_path: Path) -> None:
-    """A file that is a list, not a mapping, is rejected."""
-    f = write(tmp_path, "- 1\n- 2\n")
-    assert errors_of(f) == [f"{f}:1: expected a mapping of keys at the top level, got list"]
+@pytest.mark.parametrize("case", BAD_FILES.values(), ids=BAD_FILES.keys())
+def test_bad_file_errors(tmp_path: Path, case: BadFile) -> None:
+    """Each invalid file is reported as file:line key.path: message, as its case's behaviour says."""
+    f = write(tmp_path, case.text)
+    assert errors_of(f) == [f + e for e in case.errors]
 
 
 def test_parse_policy_names_the_source() -> None:

@@ -259,59 +259,58 @@ async def test_pinned_prefix_comes_back_after_another_prompt_used_the_cache() ->
     assert g.stats.cached_tokens <= 1  # a prompt the pinned prefix does not share gets nothing back
 
 
+async def _second_after_first_token(  # type: ignore[no-untyped-def]
+    model, first: tuple[list[int], SamplingParams, int], second: tuple[list[int], SamplingParams, int]
+):
+    """Run the `first` (ids, params, priority) generation and start the `second` once the first has given a
+    token; return the order in which they finished and the first generation."""
+    order: list[str] = []
+    started = anyio.Event()
+    g = model.generate(first[0], first[1], priority=first[2])
+
+    async def run_first() -> None:
+        async for _ in g:
+            started.set()
+        order.append("first")
+
+    async def run_second() -> None:
+        await started.wait()
+        await _collect(model.generate(second[0], second[1], priority=second[2]))
+        order.append("second")
+
+    with anyio.fail_after(120):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run_first)
+            tg.start_soon(run_second)
+    return order, g
+
+
 async def test_urgent_generation_preempts_a_running_one() -> None:
     """A higher-priority generation takes the model between two steps; the other resumes after it."""
     model = _model()
     bg_ids = model.tokenizer.encode("Tell me a long story about a lighthouse keeper.", add_special=True)
     fg_ids = model.tokenizer.encode("Turn on the kitchen lights.", add_special=True)
-    order: list[str] = []
-    started = anyio.Event()
-
-    async def background() -> None:
-        g = model.generate(bg_ids, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), priority=0)
-        async for _ in g:
-            started.set()
-        order.append("background")
-        assert g.finish_reason == "length" and g.stats.completion_tokens == 12
-        assert g.preemptions >= 1
-
-    async def voice() -> None:
-        await started.wait()
-        g = model.generate(fg_ids, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), priority=2)
-        await _collect(g)
-        order.append("voice")
-
-    with anyio.fail_after(120):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(background)
-            tg.start_soon(voice)
-    assert order == ["voice", "background"]
+    order, bg = await _second_after_first_token(
+        model,
+        (bg_ids, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), 0),
+        (fg_ids, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), 2),
+    )
+    assert order == ["second", "first"]
+    assert bg.finish_reason == "length" and bg.stats.completion_tokens == 12
+    assert bg.preemptions >= 1
 
 
 async def test_equal_priority_waits_its_turn() -> None:
     """A generation of the same priority waits for the running one to finish (no preemption)."""
     model = _model()
     ids = model.tokenizer.encode("Count: one, two,", add_special=True)
-    order: list[str] = []
-    started = anyio.Event()
-
-    async def first() -> None:
-        g = model.generate(ids, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), priority=1)
-        async for _ in g:
-            started.set()
-        order.append("first")
-        assert g.preemptions == 0
-
-    async def second() -> None:
-        await started.wait()
-        await _collect(model.generate(ids, SamplingParams(temperature=0, max_tokens=2), priority=1))
-        order.append("second")
-
-    with anyio.fail_after(120):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(first)
-            tg.start_soon(second)
+    order, first = await _second_after_first_token(
+        model,
+        (ids, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), 1),
+        (ids, SamplingParams(temperature=0, max_tokens=2), 1),
+    )
     assert order == ["first", "second"]
+    assert first.preemptions == 0
 
 
 async def test_preempted_generation_cancelled_while_waiting_releases_cleanly() -> None:

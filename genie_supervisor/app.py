@@ -48,7 +48,7 @@ from .systemd import Notifier
 from .telemetry import TelemetrySource, create_source, run_sampler
 from .urls import redact_url
 from .voice import VoiceHints
-from .watchers import WatcherSettings, build_watchers
+from .watchers import build_watchers
 
 if sys.version_info < (3, 11):  # pragma: no cover - Python 3.10 (JetPack 6)
     from exceptiongroup import BaseExceptionGroup
@@ -319,8 +319,7 @@ class Supervisor(SupervisorControls):
             await tg.start(self.policy_watcher.run)
         await tg.start(self.arbiter.run, self.store, lambda: self.policy)
         await tg.start(run_sampler, source, self.store.publish, cfg.telemetry.interval_s)
-        settings = [WatcherSettings.from_mapping(svc.watcher_settings(name)) for name, svc in cfg.services.items()]
-        for watcher in build_watchers(settings, self.store.publish, wait_parked=self.gate.wait_parked):
+        for watcher in build_watchers(cfg.services, self.store.publish, wait_parked=self.gate.wait_parked):
             await tg.start(watcher.run)
         self.http = HttpServer(create_app(self._api_deps()), sock)
         await tg.start(self.http.run)

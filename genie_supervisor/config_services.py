@@ -1,9 +1,9 @@
 """The daemon config's `services` entries: the neighbours the supervisor watches and their Wyoming proxies.
 
 `ServiceConfig` says what a service is (`kind`), how to find it (`MatchConfig`) and, for Wyoming
-STT/TTS, the byte-transparent proxy in front of it (`WyomingProxy`); `ServiceConfig.watcher_settings`
-turns one entry into the plain mapping the watchers take. `genie_supervisor.config` re-exports
-these names.
+STT/TTS, the byte-transparent proxy in front of it (`WyomingProxy`). These models are the one schema
+of a watched service: frozen once validated, `genie_supervisor.watchers.build_watchers` takes them as
+they are. `genie_supervisor.config` re-exports these names.
 """
 
 from __future__ import annotations
@@ -11,13 +11,17 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from .config_sections import _hostport, _Section, parse_hostport
 from .yamlsrc import KeyedValueError
 
 
-class MatchConfig(_Section):
+class _Frozen(_Section):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class MatchConfig(_Frozen):
     """How a watcher finds a service: any combination; the first that finds something wins."""
 
     systemd_unit: str | None = Field(None, description="systemd unit name, e.g. wyoming-faster-whisper.service")
@@ -39,7 +43,7 @@ class MatchConfig(_Section):
         return v
 
 
-class WyomingProxy(_Section):
+class WyomingProxy(_Frozen):
     """A byte-transparent Wyoming proxy that tells the supervisor when STT/TTS runs."""
 
     listen: str = Field(..., description="HOST:PORT clients (Home Assistant) connect to; a bare PORT binds 127.0.0.1")
@@ -66,11 +70,26 @@ class WyomingProxy(_Section):
 
     _v = field_validator("listen", "upstream")(classmethod(lambda cls, v: _hostport(v)))
 
+    @property
+    def listen_address(self) -> tuple[str, int]:
+        """(host, port) the proxy binds."""
+        return parse_hostport(self.listen)
+
+    @property
+    def upstream_address(self) -> tuple[str, int]:
+        """(host, port) of the real Wyoming server."""
+        return parse_hostport(self.upstream)
+
+    @property
+    def hold_max_s(self) -> float:
+        """`hold_max_ms` in seconds."""
+        return self.hold_max_ms / 1000.0
+
 
 ServiceKind = Literal["wyoming_stt", "wyoming_tts", "process", "http", "dfn", "homeassistant"]
 
 
-class ServiceConfig(_Section):
+class ServiceConfig(_Frozen):
     """One neighbour service the supervisor watches."""
 
     kind: ServiceKind = Field(..., description="what it is; decides the watcher and its signals")
@@ -101,39 +120,10 @@ class ServiceConfig(_Section):
             )
         return self
 
-    def watcher_settings(self, name: str) -> dict[str, Any]:
-        """This service as the plain mapping ``watchers.WatcherSettings.from_mapping`` takes."""
-        out: dict[str, Any] = {
-            "name": name,
-            "kind": _WATCHER_KIND[self.kind],
-            "interval_s": self.interval_s,
-            "timeout_s": self.timeout_s,
-        }
-        out.update({k: v for k, v in self.match.model_dump().items() if v is not None})
-        out.update({k: v for k in ("token", "log_file", "journal_unit") if (v := getattr(self, k)) is not None})
-        if self.proxy is not None:
-            lhost, lport = parse_hostport(self.proxy.listen)
-            uhost, uport = parse_hostport(self.proxy.upstream)
-            out["proxy"] = {
-                "listen_host": lhost,
-                "listen_port": lport,
-                "upstream_host": uhost,
-                "upstream_port": uport,
-                "service": "stt" if self.kind == "wyoming_stt" else "tts",
-                "hold_audio_stop_until_parked": self.proxy.hold_audio_stop_until_parked,
-                "hold_max_s": self.proxy.hold_max_ms / 1000.0,
-                "idle_timeout_s": self.proxy.idle_timeout_s,
-                "max_connections": self.proxy.max_connections,
-                "health_interval_s": self.proxy.health_interval_s,
-            }
-        return out
+    @property
+    def voice_service(self) -> Literal["stt", "tts"] | None:
+        """What the service does on the voice path: ``stt``, ``tts`` or None (not a Wyoming service)."""
+        return _VOICE_SERVICE.get(self.kind)
 
 
-_WATCHER_KIND = {
-    "wyoming_stt": "whisper",
-    "wyoming_tts": "piper",
-    "dfn": "dfn",
-    "homeassistant": "homeassistant",
-    "process": "generic",
-    "http": "generic",
-}
+_VOICE_SERVICE: dict[str, Literal["stt", "tts"]] = {"wyoming_stt": "stt", "wyoming_tts": "tts"}

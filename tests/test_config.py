@@ -197,14 +197,15 @@ def test_parse_hostport_rejects(value: str) -> None:
         parse_hostport(value)
 
 
-def test_services_map_to_watcher_settings() -> None:
-    """Each configured service becomes the mapping the watchers package accepts."""
-    from genie_supervisor.watchers import WatcherSettings
+def test_services_become_watchers() -> None:
+    """The watchers take the configured services as they are: whisper's proxy gets its ports and hold from them."""
+    from genie_supervisor.watchers import ServiceWatcher, WyomingProxy, build_watchers
 
     c = load_config(ROOT / "deploy/config/supervisor.yaml")
-    whisper = c.services["whisper"].watcher_settings("whisper")
-    assert whisper["kind"] == "whisper" and whisper["proxy"]["upstream_port"] == 10310
-    assert whisper["proxy"]["service"] == "stt" and whisper["proxy"]["hold_max_s"] == 0.25
-    for name, svc in c.services.items():
-        assert WatcherSettings.from_mapping(svc.watcher_settings(name)).name == name
+    runnables = build_watchers(c.services, lambda obs: None)
+    proxies = {r.name: r for r in runnables if isinstance(r, WyomingProxy)}
+    whisper = proxies["whisper"]
+    assert whisper.service == "stt" and whisper.upstream_port == 10310 and whisper.hold_max_s == 0.25
+    assert proxies["piper"].service == "tts" and proxies["piper"].listen_port == 10200
+    assert {r.name for r in runnables if isinstance(r, ServiceWatcher)} == set(c.services)
     assert c.stt_services() == ["whisper"]

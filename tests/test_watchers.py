@@ -13,16 +13,9 @@ import anyio
 import pytest
 from anyio.abc import SocketAttribute, SocketStream
 
+from genie_supervisor.config import ServiceConfig
 from genie_supervisor.events import ServiceObservation
-from genie_supervisor.watchers import (
-    ProbeResult,
-    ProxySettings,
-    ServiceWatcher,
-    WatcherSettings,
-    WyomingProxy,
-    build_watcher,
-    build_watchers,
-)
+from genie_supervisor.watchers import ProbeResult, ServiceWatcher, WyomingProxy, build_watchers
 from genie_supervisor.watchers.base import merge
 from genie_supervisor.watchers.cgroup import CgroupProbe, find_container_cgroup, read_memory
 from genie_supervisor.watchers.dfn import COUNTER, UnderrunCounter
@@ -339,41 +332,30 @@ def test_merge_any_down_wins_and_counters_add_up() -> None:
 async def test_factory_builds_homeassistant_and_whisper_with_proxy(
     cgroup_tree: tuple[Path, Path],
 ) -> None:
-    """Plain dicts become watchers: HA from cgroup + health, whisper as process watcher + proxy."""
+    """Config services become watchers: HA from cgroup + health, whisper as process watcher + proxy."""
     root, proc = cgroup_tree
     listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
     published = Log()
     async with listener, anyio.create_task_group() as tg:
         tg.start_soon(listener.serve, _http_handler)
         url = f"http://127.0.0.1:{listener.extra(SocketAttribute.local_port)}/api/"
-        runnables = build_watchers(
-            [
+        services = {
+            "homeassistant": ServiceConfig.model_validate(
+                {"kind": "homeassistant", "match": {"container": "homeassistant", "health_url": url}, "token": "tok"}
+            ),
+            "whisper": ServiceConfig.model_validate(
                 {
-                    "name": "homeassistant",
-                    "kind": "homeassistant",
-                    "container": "homeassistant",
-                    "health_url": url,
-                    "token": "tok",
-                    "cgroup_root": str(root),
-                    "proc_root": str(proc),
-                },
-                {
-                    "name": "whisper",
-                    "kind": "whisper",
-                    "cmdline_pattern": "no-such-whisper-xyz",
-                    "proxy": {
-                        "listen_port": 0,
-                        "upstream_port": 1,
-                        "listen_host": "127.0.0.1",
-                        "health_interval_s": None,
-                    },
-                },
-            ],
-            published,
-        )
+                    "kind": "wyoming_stt",
+                    "match": {"cmdline_pattern": "no-such-whisper-xyz"},
+                    "proxy": {"listen": "127.0.0.1:10300", "upstream": "127.0.0.1:1"},
+                }
+            ),
+        }
+        runnables = build_watchers(services, published, cgroup_root=str(root), proc_root=str(proc))
         ha, whisper, proxy = runnables
         assert isinstance(ha, ServiceWatcher) and isinstance(whisper, ServiceWatcher)
-        assert isinstance(proxy, WyomingProxy) and proxy.service == "stt"
+        assert isinstance(proxy, WyomingProxy) and proxy.service == "stt" and proxy.upstream_port == 1
+        assert (proxy.listen_host, proxy.listen_port, proxy.hold_max_s) == ("127.0.0.1", 10300, 0.25)
         obs = await ha.probe_once()
         assert obs.up is True and obs.rss_mb == pytest.approx(634_003_200 / MIB)
         assert "health 200" in obs.reason
@@ -382,7 +364,7 @@ async def test_factory_builds_homeassistant_and_whisper_with_proxy(
         assert "wyoming: connect failed" in whisper.last.reason
         tg.cancel_scope.cancel()
 
-    with pytest.raises(ValueError, match="unknown keys"):
-        build_watcher({"name": "x", "colour": "red"}, published)
-    with pytest.raises(ValueError, match="proxy.service"):
-        build_watcher(WatcherSettings(name="x", proxy=ProxySettings(1, 0)), published)
+    with pytest.raises(ValueError, match="colour"):
+        ServiceConfig.model_validate({"kind": "process", "colour": "red"})
+    with pytest.raises(ValueError, match="a proxy only applies"):
+        ServiceConfig.model_validate({"kind": "process", "proxy": {"listen": "1", "upstream": "127.0.0.1:2"}})

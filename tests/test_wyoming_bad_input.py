@@ -24,8 +24,9 @@ from wyoming.asr import Transcript
 from wyoming.audio import AudioChunk, AudioStart
 from wyoming.event import async_read_event
 
+from genie_supervisor.config import ServiceConfig
 from genie_supervisor.events import ServiceObservation, VoiceActivity
-from genie_supervisor.watchers import ProxySettings, WatcherSettings, WyomingProxy, build_watcher
+from genie_supervisor.watchers import WyomingProxy, build_watcher
 from genie_supervisor.watchers.wyoming_events import (
     MAX_DATA_BYTES,
     MAX_HEADER_BYTES,
@@ -296,17 +297,13 @@ async def test_connections_beyond_max_connections_are_refused_with_an_error_even
 
 @pytest.mark.timeout(30)
 async def test_the_proxy_binds_loopback_by_default_and_logs_where() -> None:
-    """ProxySettings without listen_host binds 127.0.0.1 and the start log names the address."""
+    """A config proxy whose listen is a bare port binds 127.0.0.1 and the start log names the address."""
     server = await StrictServer(free_port()).start()
     try:
-        (proxy,) = build_watcher(
-            WatcherSettings(
-                name="whisper",
-                kind="whisper",
-                proxy=ProxySettings(upstream_port=server.port, listen_port=0, health_interval_s=None),
-            ),
-            Log(),
+        service = ServiceConfig.model_validate(
+            {"kind": "wyoming_stt", "proxy": {"listen": free_port(), "upstream": f"{HOST}:{server.port}"}}
         )
+        (proxy,) = build_watcher("whisper", service, Log())
         assert isinstance(proxy, WyomingProxy) and proxy.listen_host == "127.0.0.1"
         with capture_logs() as logs:
             async with anyio.create_task_group() as tg:

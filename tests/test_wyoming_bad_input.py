@@ -26,7 +26,7 @@ from wyoming.event import async_read_event
 
 from genie_supervisor.config import ServiceConfig
 from genie_supervisor.events import ServiceObservation, VoiceActivity
-from genie_supervisor.watchers import WyomingProxy, build_watcher
+from genie_supervisor.watchers import WyomingProxy, build_watchers
 from genie_supervisor.watchers.wyoming_events import (
     MAX_DATA_BYTES,
     MAX_HEADER_BYTES,
@@ -303,7 +303,7 @@ async def test_the_proxy_binds_loopback_by_default_and_logs_where() -> None:
         service = ServiceConfig.model_validate(
             {"kind": "wyoming_stt", "proxy": {"listen": free_port(), "upstream": f"{HOST}:{server.port}"}}
         )
-        (proxy,) = build_watcher("whisper", service, Log())
+        (proxy,) = build_watchers({"whisper": service}, Log())
         assert isinstance(proxy, WyomingProxy) and proxy.listen_host == "127.0.0.1"
         with capture_logs() as logs:
             async with anyio.create_task_group() as tg:

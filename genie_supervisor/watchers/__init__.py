@@ -28,7 +28,6 @@ __all__ = [
     "Runnable",
     "ServiceWatcher",
     "WyomingProxy",
-    "build_watcher",
     "build_watchers",
 ]
 
@@ -79,22 +78,9 @@ def _probes(s: ServiceConfig, gpu_memory: GpuMemory | None, cgroup_root: str, pr
     return probes
 
 
-def build_watcher(
-    name: str,
-    service: ServiceConfig,
-    publish: Publish,
-    *,
-    wait_parked: WaitParked | None = None,
-    gpu_memory: GpuMemory | None = None,
-    cgroup_root: str = CGROUP_ROOT,
-    proc_root: str = PROC_ROOT,
+def _runnables(
+    name: str, service: ServiceConfig, probes: list[Probe], publish: Publish, wait_parked: WaitParked | None
 ) -> list[Runnable]:
-    """The runnables for service `name`: a ServiceWatcher (if it has probes) and a proxy (if set).
-
-    With both, the proxy's upstream health is merged into the service's observation as the
-    ``wyoming`` source; its VoiceActivity goes straight to `publish`.
-    """
-    probes = _probes(service, gpu_memory, cgroup_root, proc_root)
     out: list[Runnable] = []
     watcher = ServiceWatcher(name, probes, publish, interval_s=service.interval_s) if probes else None
     if watcher is not None:
@@ -140,16 +126,13 @@ def build_watchers(
     cgroup_root: str = CGROUP_ROOT,
     proc_root: str = PROC_ROOT,
 ) -> list[Runnable]:
-    """Runnables for every configured service (the config's `services`, by name), in order."""
+    """Runnables for every configured service (the config's `services`, by name), in order.
+
+    Each service gets a ServiceWatcher (if it has probes) and a proxy (if set). With both, the
+    proxy's upstream health is merged into the service's observation as the ``wyoming`` source;
+    its VoiceActivity goes straight to `publish`.
+    """
     out: list[Runnable] = []
     for name, service in services.items():
-        out += build_watcher(
-            name,
-            service,
-            publish,
-            wait_parked=wait_parked,
-            gpu_memory=gpu_memory,
-            cgroup_root=cgroup_root,
-            proc_root=proc_root,
-        )
+        out += _runnables(name, service, _probes(service, gpu_memory, cgroup_root, proc_root), publish, wait_parked)
     return out

@@ -7,7 +7,7 @@ Two sources, either or both:
 - ``journal_unit``: a ``journalctl -f -u UNIT -o cat -n 0`` subprocess followed in the background
   (restarted with back-off when it exits; reported when journalctl is missing).
 
-The process itself is watched by a `ProcessProbe` beside it (`build_watcher` adds both).
+The process itself is watched by a `ProcessProbe` beside it (`build_watchers` adds both).
 """
 
 from __future__ import annotations

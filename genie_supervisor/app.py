@@ -213,6 +213,7 @@ class Supervisor(SupervisorControls):
             gate=self.gate,
             voice=self.voice,
             policy=lambda: self.policy,
+            decision=lambda: self.arbiter.decision,
             status=lambda: self.status(),
             uptime_s=lambda: self.uptime_s,
             version=self.version,

@@ -97,6 +97,7 @@ def _app(exc: AdmissionError) -> Any:
         gate=cast(Any, None),
         voice=cast(Any, None),
         policy=cast(Any, None),
+        decision=lambda: None,
         status=dict,
         uptime_s=float,
         version="test",

@@ -1,7 +1,8 @@
 """What the HTTP routes may use: the daemon's parts they read and call, handed to `create_app`.
 
     deps = ApiDeps(config=cfg, admission=admission, models=models, gate=gate, voice=voice,
-                   policy=lambda: policy, status=status, uptime_s=uptime_s, version=__version__)
+                   policy=lambda: policy, decision=lambda: arbiter.decision, status=status,
+                   uptime_s=uptime_s, version=__version__)
     app = create_app(deps)                          # routes read request.app.state.deps
 
 The routes see nothing else of the daemon: a route that needs more gets a new field here.
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from ..llm.admission import Admission
     from ..llm.manager import ModelManager
     from ..policy import Policy
+    from ..state import Decision
 
 
 class VoiceHintHandler(Protocol):
@@ -50,7 +52,9 @@ class ApiDeps:
     voice: VoiceHintHandler
     """Voice hints (``POST /v1/voice/events``; counts in /metrics)."""
     policy: Callable[[], Policy]
-    """The policy in force now."""
+    """The policy in force now (its name in /health)."""
+    decision: Callable[[], Decision | None]
+    """The arbiter's decision in force (None before the first): the LLM budget in /metrics."""
     status: Callable[[], dict[str, Any]]
     """The whole state as JSON values (``GET /status``)."""
     uptime_s: Callable[[], float]

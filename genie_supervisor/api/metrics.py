@@ -63,8 +63,10 @@ class SupervisorCollector(Collector):
             tokens.add_metric([m.id, "completion"], m.usage.completion_tokens)
             prefill.add_metric([m.id], m.usage.prefill_tps)
             decode.add_metric([m.id], m.usage.decode_tps)
-        budget = GaugeMetricFamily("genie_llm_budget_bytes", "The policy's LLM memory budget")
-        budget.add_metric([], deps.policy().memory.llm_budget_mb * 1024 * 1024)
+        budget = GaugeMetricFamily("genie_llm_budget_bytes", "The LLM memory budget of the decision in force")
+        decision = deps.decision()
+        if decision is not None and decision.llm_budget_mb is not None:
+            budget.add_metric([], decision.llm_budget_mb * 1024 * 1024)
         yield from (state, mem, load, evict, flight, reqs, tokens, prefill, decode, budget)
 
     def _admission(self, deps: ApiDeps) -> Iterator[Metric]:

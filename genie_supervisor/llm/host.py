@@ -38,7 +38,7 @@ from engine.spec import read_spec
 
 from ..arbiter import Arbiter, DecodeGate
 from ..errors import AdmissionError as AdmissionError  # re-export
-from ..errors import BudgetError, ContextTooLong, EngineUnavailable, RequestRefused
+from ..errors import ContextTooLong, EngineUnavailable, RequestRefused
 from ..events import EngineStats, Observation
 from .generation import HostedGeneration as HostedGeneration  # re-export
 from .serving import plan_parts_mb
@@ -80,7 +80,6 @@ class EngineHost:
         n_ctx: int = 4096,
         kv_dtype: str = "f16",
         threads: int | None = None,
-        budget_mb: Callable[[], float | None] = lambda: None,
         loader: Callable[..., Model] = load_model,
         stats_interval_s: float = 1.0,
         autoload: bool = True,
@@ -106,7 +105,6 @@ class EngineHost:
         self._publish_fn = publish
         self._backend, self._n_ctx, self._kv_dtype = backend, n_ctx, kv_dtype
         self._threads = threads
-        self._budget_mb = budget_mb
         self._loader = loader
         self._load_state = "disabled" if self.model_path is None else ("loading" if autoload else "unloaded")
         self._live: list[HostedGeneration] = []
@@ -205,7 +203,7 @@ class EngineHost:
 
     # -- lifecycle --------------------------------------------------------------------------
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Load the model (raises BudgetError / EngineError), then publish stats while generating."""
+        """Load the model (raises EngineError), then publish stats while generating."""
         self._changed()
         if self.model_path is not None:
             await self._load(self.model_path)
@@ -267,15 +265,6 @@ class EngineHost:
         try:
             plan = await anyio.to_thread.run_sync(self._plan, path)
             self.memory_plan = plan
-            budget = self._budget_mb()
-            if budget is not None and plan.total / MiB > budget:
-                raise BudgetError(
-                    plan.total / MiB,
-                    budget,
-                    f"model {os.path.basename(path)} with n_ctx {self._n_ctx} "
-                    f"(weights {plan.weights / MiB:.0f} + KV {plan.kv / MiB:.0f} + "
-                    f"scratch {plan.scratch / MiB:.0f} MiB; policy memory.llm_budget_mb)",
-                )
             model = await anyio.to_thread.run_sync(self._load_blocking, path, abandon_on_cancel=True)
         except BaseException as exc:
             self._load_state, self.error = "error", f"{type(exc).__name__}: {exc}"
@@ -379,5 +368,5 @@ class EngineHost:
             "error": self.error,
             "memory_plan": None
             if plan is None
-            else {**plan_parts_mb(plan), "n_ctx": plan.n_ctx, "budget_mb": self._budget_mb()},
+            else {**plan_parts_mb(plan), "n_ctx": plan.n_ctx, "budget_mb": None},  # ModelManager.describe fills it in
         }

@@ -28,6 +28,7 @@ from engine import SamplingParams
 from engine.errors import EngineError
 
 from ..errors import AdmissionError, EngineUnavailable
+from ..llm.serving import NO_EXTRAS, Piece, RequestExtras
 from .schemas import check_token_ids
 from .server import admission_response, error_body, error_response
 
@@ -53,6 +54,10 @@ class Result:
     """Tokens generated."""
     timings: dict[str, float] = field(default_factory=dict)
     """llama-server style timings."""
+    tokens: list[int] = field(default_factory=list)
+    """Generated token ids (where the backend says them)."""
+    pieces: list[Piece] = field(default_factory=list)
+    """The streamed pieces in order (token ids and log-probabilities with their text)."""
 
 
 class Formatter(Protocol):
@@ -60,7 +65,7 @@ class Formatter(Protocol):
 
     def start(self, model: str) -> list[dict[str, Any]]: ...
 
-    def piece(self, model: str, text: str) -> dict[str, Any]: ...
+    def piece(self, model: str, piece: Piece) -> dict[str, Any]: ...
 
     def end(self, result: Result) -> list[dict[str, Any] | str]: ...
 
@@ -85,6 +90,8 @@ class Job:
     """The route's wire format."""
     prompt_param: str = "prompt"
     """The request field token ids came in (errors name ``prompt_param[i]``)."""
+    extras: RequestExtras = NO_EXTRAS
+    """Tools and constrained output."""
 
 
 def _token_ids(prompt: Any) -> bool:
@@ -144,7 +151,7 @@ class GenerationResponse(Response):
             async with deps.admission.slot(cls), deps.models.lease(model) as lease:
                 if _token_ids(job.prompt):
                     check_token_ids(job.prompt, _n_vocab(lease.backend), job.prompt_param)
-                stream = await lease.backend.generate(job.prompt, job.sampling, cls)
+                stream = await lease.backend.generate(job.prompt, job.sampling, cls, job.extras)
                 result = Result(model.id, prompt_tokens=stream.prompt_tokens)
                 try:
                     if job.stream:
@@ -152,7 +159,9 @@ class GenerationResponse(Response):
                         for first in job.fmt.start(model.id):
                             await self._send_event(send, first)
                     async for piece in stream:
-                        result.text += piece
+                        result.text += piece.text
+                        result.tokens.extend(piece.tokens)
+                        result.pieces.append(piece)
                         if job.stream:
                             await self._send_event(send, job.fmt.piece(model.id, piece))
                 finally:

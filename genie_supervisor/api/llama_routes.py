@@ -9,6 +9,7 @@ from fastapi.responses import Response
 
 from ..errors import BadRequest
 from ..llm.admission import PRIORITY_HEADER
+from ..llm.serving import Piece
 from .deps import get_deps
 from .generation import GenerationResponse, Job, Result
 from .schemas import LlamaCompletionRequest, parse_body
@@ -25,8 +26,8 @@ class LlamaFormat:
     def start(self, model: str) -> list[dict[str, Any]]:
         return []
 
-    def piece(self, model: str, text: str) -> dict[str, Any]:
-        return {"content": text, "stop": False, "id_slot": 0, "index": 0}
+    def piece(self, model: str, piece: Piece) -> dict[str, Any]:
+        return {"content": piece.text, "stop": False, "id_slot": 0, "index": 0}
 
     def _final(self, r: Result, content: str) -> dict[str, Any]:
         stop_type = {"length": "limit", "stop": "eos"}.get(r.finish_reason, "none")

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from ..llm.admission import PRIORITY_HEADER
+from ..llm.serving import Piece
 from .deps import get_deps
 from .generation import GenerationResponse, Job, Result, new_id, now_s
 from .schemas import ChatRequest, CompletionRequest, parse_body
@@ -49,8 +50,8 @@ class ChatFormat:
     def start(self, model: str) -> list[dict[str, Any]]:
         return [self._chunk(model, {"role": "assistant", "content": ""}, None)]
 
-    def piece(self, model: str, text: str) -> dict[str, Any]:
-        return self._chunk(model, {"content": text}, None)
+    def piece(self, model: str, piece: Piece) -> dict[str, Any]:
+        return self._chunk(model, {"content": piece.text}, None)
 
     def end(self, r: Result) -> list[dict[str, Any] | str]:
         events: list[dict[str, Any] | str] = [self._chunk(r.model, {}, r.finish_reason)]
@@ -110,8 +111,8 @@ class CompletionFormat:
     def start(self, model: str) -> list[dict[str, Any]]:
         return []
 
-    def piece(self, model: str, text: str) -> dict[str, Any]:
-        return self._obj(model, text, None)
+    def piece(self, model: str, piece: Piece) -> dict[str, Any]:
+        return self._obj(model, piece.text, None)
 
     def end(self, r: Result) -> list[dict[str, Any] | str]:
         events: list[dict[str, Any] | str] = [self._obj(r.model, "", r.finish_reason)]

@@ -11,13 +11,13 @@ from engine import SamplingParams, load_model
 from ..config import ModelEntry
 from ..errors import BackendUnavailable, EngineUnavailable
 from .host import EngineHost, HostedGeneration, Prompt
-from .serving import BackendContext, Plan
+from .serving import NO_EXTRAS, BackendContext, Piece, Plan, RequestExtras
 
 MiB = 1024 * 1024
 
 
 class BuiltinStream:
-    """A HostedGeneration seen as text pieces with counts."""
+    """A HostedGeneration seen as pieces (text and the tokens that made it) with counts."""
 
     def __init__(self, gen: HostedGeneration) -> None:
         self.gen = gen
@@ -35,10 +35,16 @@ class BuiltinStream:
         """Tokens generated so far."""
         return self.gen.stats.completion_tokens
 
-    async def __aiter__(self) -> AsyncIterator[str]:
+    async def __aiter__(self) -> AsyncIterator[Piece]:
+        held: list[int] = []  # tokens whose text is still held back (UTF-8, a possible stop string)
+        seen = 0
         async for tok in self.gen:
+            if self.gen.stats.completion_tokens > seen:  # a new token (the last event may only release text)
+                seen += 1
+                held.append(tok.id)
             if tok.text:
-                yield tok.text
+                yield Piece(tok.text, tuple(held))
+                held = []
 
     async def aclose(self) -> None:
         """Stop the generation (within one step) and free the model."""
@@ -111,7 +117,9 @@ class BuiltinBackend:
         """Process exit: stop what runs (next step); the weights go with the process."""
         await self.host.shutdown(timeout)
 
-    async def generate(self, prompt: Prompt, sampling: SamplingParams, priority: str | None) -> BuiltinStream:
+    async def generate(
+        self, prompt: Prompt, sampling: SamplingParams, priority: str | None, extras: RequestExtras = NO_EXTRAS
+    ) -> BuiltinStream:
         """Admit the request on the engine (context checked) and return its stream."""
         gen = await self.host.generate(prompt, sampling, priority=priority)
         return BuiltinStream(gen)

@@ -34,8 +34,8 @@ from engine.spec import read_spec
 
 from ..arbiter import VOICE_CLASS
 from ..config import ModelEntry
-from ..errors import BackendUnavailable, UpstreamError
-from .serving import BackendContext, Plan
+from ..errors import BackendUnavailable, BadRequest, UpstreamError
+from .serving import NO_EXTRAS, BackendContext, Piece, Plan, RequestExtras
 
 log = structlog.get_logger(__name__)
 
@@ -80,7 +80,7 @@ class LlamaStream:
         self._timings: dict[str, float] = {}
         self._t0 = time.monotonic()
 
-    async def __aiter__(self) -> AsyncIterator[str]:
+    async def __aiter__(self) -> AsyncIterator[Piece]:
         gate = self._backend.gate
         try:
             async for line in self._response.aiter_lines():
@@ -101,7 +101,7 @@ class LlamaStream:
                 piece = self._take(obj)
                 if piece:
                     await gate.wait("decode", self._priority)
-                    yield piece
+                    yield Piece(piece)
         finally:
             if self.finish_reason is None:
                 self.finish_reason = "cancelled"
@@ -350,8 +350,13 @@ class LlamaCppBackend:
         return None if r.status_code == 200 else f"llama-server /health answered {r.status_code}"
 
     # -- requests ---------------------------------------------------------------------------
-    async def generate(self, prompt: Any, sampling: SamplingParams, priority: str | None) -> LlamaStream:
+    async def generate(
+        self, prompt: Any, sampling: SamplingParams, priority: str | None, extras: RequestExtras = NO_EXTRAS
+    ) -> LlamaStream:
         """Wait for the gate, send the request upstream (streaming) and return its stream."""
+        if not extras.empty:
+            field = "tools" if extras.tools else extras.grammar_param or "grammar"
+            raise BadRequest(f"{field} is not supported by the llama_cpp backend (use the builtin engine)", field)
         if self._client is None:
             raise BackendUnavailable(f"model {self.model_id!r} is not loaded")
         await self.gate.wait("prefill", priority)

@@ -3,9 +3,9 @@
     backend = create_backend("builtin", model_id, entry, ctx)    # or "llama_cpp"
     plan = await backend.plan()          # bytes it will need (from the GGUF header)
     await backend.load()                 # BackendUnavailable when it cannot start
-    stream = await backend.generate(messages_or_text, SamplingParams(...), priority="voice")
+    stream = await backend.generate(messages_or_text, SamplingParams(...), "voice", RequestExtras(...))
     async with stream:
-        async for piece in stream: ...   # text pieces
+        async for piece in stream: ...   # Piece: text, token ids, log-probabilities
     stream.finish_reason, stream.prompt_tokens, stream.completion_tokens, stream.timings()
     await backend.unload()
 
@@ -79,8 +79,58 @@ class BackendContext:
     """Model loader of the builtin backend (tests pass a fake)."""
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability and the most likely alternatives at its step."""
+
+    token: int
+    """Token id."""
+    piece: bytes
+    """The token's bytes as the tokenizer spells it."""
+    logprob: float
+    """Natural log of its probability."""
+    top: tuple[tuple[int, bytes, float], ...] = ()
+    """The most likely tokens at this step: (id, bytes, logprob), most likely first."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A piece of streamed output: its text and the tokens that made it."""
+
+    text: str
+    """Text this piece adds ("" for tokens whose text is still held back)."""
+    tokens: tuple[int, ...] = ()
+    """Token ids generated for it (empty where a backend does not say)."""
+    logprobs: tuple[TokenLogprob, ...] = ()
+    """One per token when the request asked for log-probabilities."""
+
+
+@dataclass(frozen=True)
+class RequestExtras:
+    """What a request asks for beyond sampling: tools and constrained output."""
+
+    tools: tuple[dict[str, Any], ...] = ()
+    """OpenAI function tools (``{"type": "function", "function": {...}}``)."""
+    tool_choice: str | dict[str, Any] = "auto"
+    """``auto``, ``none``, ``required`` or ``{"type": "function", "function": {"name": ...}}``."""
+    parallel_tool_calls: bool = True
+    """Whether an answer may call several tools."""
+    grammar: Any = None
+    """An `engine.constrain.Grammar` the output must follow (response_format, json_schema, grammar, format)."""
+    grammar_param: str | None = None
+    """The request field the grammar came from (errors name it)."""
+
+    @property
+    def empty(self) -> bool:
+        """Nothing beyond plain generation is asked."""
+        return not self.tools and self.grammar is None
+
+
+NO_EXTRAS = RequestExtras()
+
+
 class TextStream(Protocol):
-    """One running generation: text pieces, then counts."""
+    """One running generation: pieces, then counts."""
 
     @property
     def finish_reason(self) -> str | None:
@@ -94,7 +144,7 @@ class TextStream(Protocol):
     def completion_tokens(self) -> int:
         """Tokens generated so far."""
 
-    def __aiter__(self) -> AsyncIterator[str]: ...
+    def __aiter__(self) -> AsyncIterator[Piece]: ...
 
     async def aclose(self) -> None: ...
 
@@ -119,7 +169,9 @@ class Backend(Protocol):
 
     async def shutdown(self, timeout: float = 2.0) -> None: ...  # noqa: ASYNC109
 
-    async def generate(self, prompt: Any, sampling: Any, priority: str | None) -> TextStream: ...
+    async def generate(
+        self, prompt: Any, sampling: Any, priority: str | None, extras: RequestExtras = NO_EXTRAS
+    ) -> TextStream: ...
 
     async def check(self) -> str | None: ...
 
@@ -139,4 +191,16 @@ def create_backend(kind: str, model_id: str, entry: ModelEntry, ctx: BackendCont
     raise ValueError(f"unknown backend {kind!r} (known: builtin, llama_cpp)")
 
 
-__all__ = ["Backend", "BackendContext", "BackendUnavailable", "Plan", "TextStream", "UpstreamError", "create_backend"]
+__all__ = [
+    "NO_EXTRAS",
+    "Backend",
+    "BackendContext",
+    "BackendUnavailable",
+    "Piece",
+    "Plan",
+    "RequestExtras",
+    "TextStream",
+    "TokenLogprob",
+    "UpstreamError",
+    "create_backend",
+]

@@ -1,18 +1,20 @@
 """Decode gate on CPU with SmolLM2: pause reaction time, event-loop lag, and the gate's overhead.
 
-    python -m bench.gate [--model PATH] [--tokens 96] [--cycles 30]
+    python -m bench.gate [--model PATH] [--tokens 96] [--cycles 30] [--out FILE]
 
 Measured in one run, against references from the same run:
 - decode tokens/s with no gate vs with an open DecodeGate (ratio: the gate's cost);
 - pause reaction (pause requested -> generation parked) p50/p99 over many pause/resume cycles
   during one long generation, also in units of the mean decode step;
 - event-loop lag (a 5 ms sleeper's lateness) p50/p99 while idle vs while the engine decodes.
+Writes --out (bench/results/gate.md) and records the figures in bench/results/index.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import random
 import statistics
 import sys
@@ -21,6 +23,7 @@ from pathlib import Path
 
 import anyio
 
+from bench.record import RESULTS, record
 from engine import Model, SamplingParams, load_model
 from genie_supervisor.arbiter import DecodeGate
 from genie_supervisor.logging import configure_logging
@@ -106,19 +109,49 @@ async def main(args: argparse.Namespace) -> None:
         tg.cancel_scope.cancel()
     m = gate.metrics()
 
-    print(
-        f"model {model.info.name} on {model.backend}, {args.cycles} pause cycles, {args.tokens // 2} tokens per speed run"
-    )
-    print(f"decode tok/s: no gate {tps_ref:.2f}, open gate {tps_gate:.2f}, ratio gate/no-gate {tps_gate / tps_ref:.3f}")
-    print(
-        f"pause reaction ms (request -> parked): p50 {statistics.median(reactions):.1f}  "
-        f"p99 {pct(reactions, 0.99):.1f}  (gate metrics p50 {m['reaction_ms_p50']:.1f} p99 {m['reaction_ms_p99']:.1f}); "
-        f"mean decode step {step_s * 1000:.1f} ms -> p50 {statistics.median(reactions) / (step_s * 1000):.2f} steps"
-    )
-    print(
+    p50, p99, step_ms = statistics.median(reactions), pct(reactions, 0.99), step_s * 1000
+    lines = [
+        f"model {model.info.name} on {model.backend}, {args.cycles} pause cycles, {args.tokens // 2} tokens per speed run",
+        f"decode tok/s: no gate {tps_ref:.2f}, open gate {tps_gate:.2f}, ratio gate/no-gate {tps_gate / tps_ref:.3f}",
+        f"pause reaction ms (request -> parked): p50 {p50:.1f}  p99 {p99:.1f}  "
+        f"(gate metrics p50 {m['reaction_ms_p50']:.1f} p99 {m['reaction_ms_p99']:.1f}); "
+        f"mean decode step {step_ms:.1f} ms -> p50 {p50 / step_ms:.2f} steps",
         f"loop lag ms: idle p50 {statistics.median(idle):.2f} p99 {pct(idle, 0.99):.2f}  |  "
         f"decoding p50 {statistics.median(busy):.2f} p99 {pct(busy, 0.99):.2f}  "
-        f"(ratio p99 decoding/idle {pct(busy, 0.99) / max(pct(idle, 0.99), 1e-6):.1f})"
+        f"(ratio p99 decoding/idle {pct(busy, 0.99) / max(pct(idle, 0.99), 1e-6):.1f})",
+    ]
+    print("\n".join(lines))
+    lag_busy, ratio = pct(busy, 0.99), tps_gate / tps_ref
+    figures = {
+        "gate_vs_no_gate_decode": (round(ratio, 3), "x"),
+        "pause_reaction_p50_ms": (round(p50, 1), "ms"),
+        "pause_reaction_p99_ms": (round(p99, 1), "ms"),
+        "decode_step_ms": (round(step_ms, 1), "ms"),
+        "loop_lag_p99_decoding_ms": (round(lag_busy, 2), "ms"),
+    }
+    headline = (
+        f"pause reaction p50 {p50:.1f} ms / p99 {p99:.1f} ms with a {step_ms:.1f} ms decode step"
+        f"{' (within one step)' if p99 <= step_ms else ''}; an open gate costs {ratio:.3f}x decode; "
+        f"loop lag p99 {lag_busy:.2f} ms while decoding"
+    )
+    await anyio.to_thread.run_sync(lambda: save(Path(args.out), lines, figures, headline))
+
+
+def save(out: Path, lines: list[str], figures: dict[str, tuple[float, str]], headline: str) -> None:
+    """Write the result file and record its figures in the results index."""
+    command = f"python -m bench.gate {' '.join(sys.argv[1:])}".strip()
+    out.write_text(
+        f"# bench/gate.py\n\nCommand: `{command}` ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores)\n\n```\n"
+        + "\n".join(lines)
+        + "\n```\n"
+    )
+    record(
+        "gate",
+        out,
+        figures,
+        reference="no gate and an idle loop, same run",
+        headline=headline,
+        command="`make bench-gate` (`python -m bench.gate`)",
     )
 
 
@@ -128,6 +161,9 @@ if __name__ == "__main__":
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--cycles", type=int, default=30)
     parser.add_argument("--backend", default="auto", choices=["auto", "numpy", "native", "cupy"])
+    parser.add_argument(
+        "--out", default=str(RESULTS / "gate.md"), help="result file (recorded in bench/results/index.json)"
+    )
     ns = parser.parse_args()
     if not Path(ns.model).exists():
         raise SystemExit(f"{ns.model} missing: run `genie-supervisor models fetch smollm2`")

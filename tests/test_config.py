@@ -209,3 +209,14 @@ def test_services_become_watchers() -> None:
     assert proxies["piper"].service == "tts" and proxies["piper"].listen_port == 10200
     assert {r.name for r in runnables if isinstance(r, ServiceWatcher)} == set(c.services)
     assert c.stt_services() == ["whisper"]
+
+
+def test_service_settings_are_frozen() -> None:
+    """A validated service, its match and its proxy cannot be changed behind the watchers' back."""
+    from pydantic import ValidationError
+
+    svc = load_config(ROOT / "deploy/config/supervisor.yaml").services["whisper"]
+    assert svc.proxy is not None
+    for model, key, value in ((svc, "interval_s", 1.0), (svc.match, "pid_file", "x"), (svc.proxy, "hold_max_ms", 1)):
+        with pytest.raises(ValidationError, match="frozen"):
+            setattr(model, key, value)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -17,20 +19,22 @@ pytestmark = pytest.mark.timeout(120)
 MESSAGES: list[Any] = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-def _openai(sup: Any) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{sup.http.port}/v1", api_key="x", max_retries=0)
+@asynccontextmanager
+async def _serving_smollm2(tmp_path: Path) -> AsyncIterator[tuple[Any, Any, openai.AsyncOpenAI]]:
+    """The shared SmolLM2, a daemon serving it, and the openai client against the daemon."""
+    model = shared_model(require(SMOLLM2))
+    policy = write_policy(tmp_path / "p.yaml")
+    async with (
+        make_supervisor(tmp_path, policy=policy, model=SMOLLM2, model_loader=lambda *_a, **_k: model) as sup,
+        openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{sup.http.port}/v1", api_key="x", max_retries=0) as oa,
+    ):
+        yield model, sup, oa
 
 
 async def test_chat_streamed_text_equals_whole_text_and_usage_is_right(tmp_path: Path) -> None:
     """At temperature 0 the streamed chat text equals the non-streamed one; usage counts match the tokenizer."""
-    model = shared_model(require(SMOLLM2))
     with anyio.fail_after(100):
-        async with (
-            make_supervisor(
-                tmp_path, policy=write_policy(tmp_path / "p.yaml"), model=SMOLLM2, model_loader=lambda *_a, **_k: model
-            ) as sup,
-            _openai(sup) as oa,
-        ):
+        async with _serving_smollm2(tmp_path) as (model, _sup, oa):
             other: Any = [{"role": "user", "content": "Hi"}]
 
             async def same_cache() -> None:
@@ -38,8 +42,9 @@ async def test_chat_streamed_text_equals_whole_text_and_usage_is_right(tmp_path:
                 # prefill split may round differently: give both requests the same cache state
                 await oa.chat.completions.create(model="default", messages=other, max_tokens=1, temperature=0)
 
+            request: dict[str, Any] = dict(model="default", messages=MESSAGES, max_tokens=8, temperature=0)
             await same_cache()
-            whole = await oa.chat.completions.create(model="default", messages=MESSAGES, max_tokens=8, temperature=0)
+            whole = await oa.chat.completions.create(**request)
             text = whole.choices[0].message.content
             assert text and whole.choices[0].finish_reason in ("stop", "length")
             assert whole.object == "chat.completion" and whole.choices[0].message.role == "assistant"
@@ -50,14 +55,7 @@ async def test_chat_streamed_text_equals_whole_text_and_usage_is_right(tmp_path:
             assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
 
             await same_cache()
-            stream = await oa.chat.completions.create(
-                model="default",
-                messages=MESSAGES,
-                max_tokens=8,
-                temperature=0,
-                stream=True,
-                stream_options={"include_usage": True},
-            )
+            stream = await oa.chat.completions.create(**request, stream=True, stream_options={"include_usage": True})
             pieces, finish, last_usage, roles = [], None, None, []
             async for chunk in stream:
                 if chunk.usage is not None:
@@ -75,15 +73,8 @@ async def test_chat_streamed_text_equals_whole_text_and_usage_is_right(tmp_path:
 
 async def test_completions_models_and_llama_completion_shape(tmp_path: Path) -> None:
     """/v1/completions streams and not, /v1/models lists the model ready, /completion answers in llama-server's shape."""
-    model = shared_model(require(SMOLLM2))
     with anyio.fail_after(100):
-        async with (
-            make_supervisor(
-                tmp_path, policy=write_policy(tmp_path / "p.yaml"), model=SMOLLM2, model_loader=lambda *_a, **_k: model
-            ) as sup,
-            client(sup) as http,
-            _openai(sup) as oa,
-        ):
+        async with _serving_smollm2(tmp_path) as (model, sup, oa), client(sup) as http:
             listed = await oa.models.list()
             assert [m.id for m in listed.data] == ["SmolLM2-135M-Instruct.Q4_1"]
             raw = (await http.get("/v1/models")).json()["data"][0]

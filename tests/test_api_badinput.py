@@ -503,25 +503,16 @@ def test_an_unexpected_exception_in_a_route_is_a_json_500(daemon: Supervisor, ap
 # -- generated bad input, route by route (voice events and unload last: they change state) ------------
 
 
-@GENERATED
-@given(CHAT)
-def test_generated_chat_requests_never_500(api: httpx.Client, request_body: Any) -> None:
-    """Generated /v1/chat/completions bodies get < 500, and a JSON error when refused."""
-    assert_clean(post(api, "/v1/chat/completions", request_body))
+GENERATION_ROUTES = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETIONS, "/completion": LLAMA}
+"""The generation routes and the strategies of their bodies."""
 
 
 @GENERATED
-@given(COMPLETIONS)
-def test_generated_completions_requests_never_500(api: httpx.Client, request_body: Any) -> None:
-    """Generated /v1/completions bodies get < 500, and a JSON error when refused."""
-    assert_clean(post(api, "/v1/completions", request_body))
-
-
-@GENERATED
-@given(LLAMA)
-def test_generated_llama_completion_requests_never_500(api: httpx.Client, request_body: Any) -> None:
-    """Generated /completion bodies get < 500, and a JSON error when refused."""
-    assert_clean(post(api, "/completion", request_body))
+@pytest.mark.parametrize("route", GENERATION_ROUTES)
+@given(data=st.data())
+def test_generated_generation_requests_never_500(api: httpx.Client, route: str, data: st.DataObject) -> None:
+    """Generated bodies of each generation route get < 500, and a JSON error when refused."""
+    assert_clean(post(api, route, data.draw(GENERATION_ROUTES[route], label="request_body")))
 
 
 @FEWER

@@ -280,6 +280,7 @@ def test_policy_level_above_the_kernel_trip_point_warns() -> None:
 
 
 def test_service_found_by_pid_file_with_a_healthy_upstream(tmp_path: Path) -> None:
+    """A service found by its pid file is ok while its upstream answers, and warns with a fix when it does not."""
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         (tmp_path / "svc.pid").write_text(f"{proc.pid}\n")
@@ -290,24 +291,22 @@ def test_service_found_by_pid_file_with_a_healthy_upstream(tmp_path: Path) -> No
                 "proxy": {"listen": "127.0.0.1:10300", "upstream": "127.0.0.1:10310"},
             }
         )
-        check = check_service(
-            "whisper",
-            svc,
-            cgroup_root=str(tmp_path),
-            wyoming=lambda h, p: (True, "describe ok"),
-            http=lambda u, t: (True, "health 200"),
-            bindable=lambda h, p: (True, "free"),
-        )
+
+        def probe(wyoming: tuple[bool, str], bindable: tuple[bool, str]) -> Check:
+            """Check the service with the given answers of the upstream and of binding the listen port."""
+            return check_service(
+                "whisper",
+                svc,
+                cgroup_root=str(tmp_path),
+                wyoming=lambda h, p: wyoming,
+                http=lambda u, t: (True, "health 200"),
+                bindable=lambda h, p: bindable,
+            )
+
+        check = probe((True, "describe ok"), (True, "free"))
         assert check.status == "ok", check
         assert check.detail == "wyoming_stt: 1 process(es), upstream 127.0.0.1:10310 answers"
-        down = check_service(
-            "whisper",
-            svc,
-            cgroup_root=str(tmp_path),
-            wyoming=lambda h, p: (False, "refused"),
-            http=lambda u, t: (True, ""),
-            bindable=lambda h, p: (False, "Address in use"),
-        )
+        down = probe((False, "refused"), (False, "Address in use"))
         assert down.status == "warn"
         assert "--uri tcp://127.0.0.1:10310" in down.fix and "free 127.0.0.1:10300" in down.fix
     finally:

@@ -487,6 +487,19 @@ def is_(value: str) -> Callable[[bytes], bool]:
     return lambda p: p == value.encode()
 
 
+@asynccontextmanager
+async def online_bridge(
+    broker: Mosquitto, *, make_app: Callable[[StateStore], FakeApp] = FakeApp
+) -> AsyncIterator[tuple[Recorder, aiomqtt.Client, MqttBridge, StateStore, FakeApp]]:
+    """A recorder of genie/# with its client, and a bridge on `broker` that has announced itself online."""
+    async with (
+        subscriber(broker.port, "genie/#") as (rec, client),
+        running_bridge(mqtt_config(broker.url), make_app=make_app) as (bridge, store, app),
+    ):
+        await rec.wait_for(AVAIL, is_("online"))
+        yield rec, client, bridge, store, app
+
+
 @needs_broker
 @pytest.mark.timeout(30)
 async def test_discovery_availability_and_state_follow_the_store(broker: Mosquitto) -> None:
@@ -522,61 +535,57 @@ async def test_discovery_availability_and_state_follow_the_store(broker: Mosquit
 @pytest.mark.timeout(30)
 async def test_voice_hint_over_mqtt_reaches_the_store(broker: Mosquitto) -> None:
     """A JSON hint on the voice topic turns STT on; a non-JSON one calls nothing."""
-    async with subscriber(broker.port, "genie/#") as (rec, client):
-        async with running_bridge(mqtt_config(broker.url)) as (_bridge, store, app):
-            await rec.wait_for(AVAIL, is_("online"))
-            await client.publish(T.voice_events, b"not json", qos=1)
-            await client.publish(T.voice_events, json.dumps({"service": "stt", "event": "start"}), qos=1)
-            calls = await app.wait_calls(1)
-            assert calls == [("voice_hint", {"service": "stt", "event": "start"})]
-            assert store.snapshot().voice.stt_active
-            await rec.wait_for(T.state("voice/stt"), is_("ON"), within_s=3)
+    async with online_bridge(broker) as (rec, client, _bridge, store, app):
+        await client.publish(T.voice_events, b"not json", qos=1)
+        await client.publish(T.voice_events, json.dumps({"service": "stt", "event": "start"}), qos=1)
+        calls = await app.wait_calls(1)
+        assert calls == [("voice_hint", {"service": "stt", "event": "start"})]
+        assert store.snapshot().voice.stt_active
+        await rec.wait_for(T.state("voice/stt"), is_("ON"), within_s=3)
 
 
 @needs_broker
 @pytest.mark.timeout(30)
 async def test_commands_call_the_app_and_malformed_ones_call_nothing(broker: Mosquitto) -> None:
     """Select, switch, buttons and number call the app; bad payloads are ignored; states confirm."""
-    async with subscriber(broker.port, "genie/#") as (rec, client):
-        async with running_bridge(mqtt_config(broker.url)) as (_bridge, _store, app):
-            await rec.wait_for(AVAIL, is_("online"))
-            await rec.wait_for(T.state("policy/selected"), is_("default"))
+    async with online_bridge(broker) as (rec, client, _bridge, _store, app):
+        await rec.wait_for(T.state("policy/selected"), is_("default"))
 
-            async def send(path: str, payload: str | bytes) -> None:
-                await client.publish(T.state(path), payload, qos=1)
+        async def send(path: str, payload: str | bytes) -> None:
+            await client.publish(T.state(path), payload, qos=1)
 
-            # malformed first: each is rejected before the valid command behind it is queued
-            for path, bad in [
-                ("policy/set", "nope"),
-                ("llm/enabled/set", "maybe"),
-                ("policy/reload", "x"),
-                ("llm/unload", ""),
-                ("thermal/soft_limit/set", "warm"),
-                ("thermal/soft_limit/set", "1000"),
-                ("voice/events", "{"),
-            ]:
-                await send(path, bad)
-            await send("policy/set", "orin-nano-8gb")
-            assert await app.wait_calls(1) == [("select_policy", "orin-nano-8gb")]
-            await rec.wait_for(T.state("policy/selected"), is_("orin-nano-8gb"), within_s=3)
-            await rec.wait_for(T.state("policy/name"), is_("orin-nano-8gb"), within_s=3)
+        # malformed first: each is rejected before the valid command behind it is queued
+        for path, bad in [
+            ("policy/set", "nope"),
+            ("llm/enabled/set", "maybe"),
+            ("policy/reload", "x"),
+            ("llm/unload", ""),
+            ("thermal/soft_limit/set", "warm"),
+            ("thermal/soft_limit/set", "1000"),
+            ("voice/events", "{"),
+        ]:
+            await send(path, bad)
+        await send("policy/set", "orin-nano-8gb")
+        assert await app.wait_calls(1) == [("select_policy", "orin-nano-8gb")]
+        await rec.wait_for(T.state("policy/selected"), is_("orin-nano-8gb"), within_s=3)
+        await rec.wait_for(T.state("policy/name"), is_("orin-nano-8gb"), within_s=3)
 
-            await send("llm/enabled/set", "OFF")
-            await send("llm/enabled/set", "ON")
-            await send("policy/reload", "PRESS")
-            await send("llm/unload", "PRESS")
-            await send("thermal/soft_limit/set", "72.5")
-            calls = await app.wait_calls(6)
-            assert calls[1:] == [
-                ("set_llm_enabled", False),
-                ("set_llm_enabled", True),
-                ("reload_policy", None),
-                ("unload_model", None),
-                ("set_thermal_soft_limit", 72.5),
-            ]
-            await rec.wait_for(T.state("thermal/soft_limit"), is_("72.5"), within_s=3)
-            await rec.wait_for(T.state("llm/enabled"), is_("ON"), within_s=3)
-            assert len(app.calls) == 6
+        await send("llm/enabled/set", "OFF")
+        await send("llm/enabled/set", "ON")
+        await send("policy/reload", "PRESS")
+        await send("llm/unload", "PRESS")
+        await send("thermal/soft_limit/set", "72.5")
+        calls = await app.wait_calls(6)
+        assert calls[1:] == [
+            ("set_llm_enabled", False),
+            ("set_llm_enabled", True),
+            ("reload_policy", None),
+            ("unload_model", None),
+            ("set_thermal_soft_limit", 72.5),
+        ]
+        await rec.wait_for(T.state("thermal/soft_limit"), is_("72.5"), within_s=3)
+        await rec.wait_for(T.state("llm/enabled"), is_("ON"), within_s=3)
+        assert len(app.calls) == 6
 
 
 @needs_broker

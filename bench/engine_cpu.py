@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+MODEL_NAMES = {"smollm2": "SmolLM2", "gemma3": "Gemma 3"}
 LLAMA_CPP = {  # tokens/s at 2 threads, llama.cpp CPU build on a 2-core machine (issue 2)
     "smollm2": {"decode_tps": 80.0, "prefill_tps": 230.0},
     "gemma3": {"decode_tps": 36.0, "prefill_tps": 420.0},
@@ -109,6 +110,7 @@ def main() -> int:
     def median(rs: list[dict]) -> dict:
         return {k: statistics.median(r[k] for r in rs) for k in ("prefill_tps", "decode_tps", "peak_rss_mb", "load_s")}
 
+    figures: dict[str, tuple[float, str]] = {}
     try:
         for name, backend in [(m, b) for m in args.models.split(",") for b in args.backends.split(",")]:
             mine, theirs = [], []
@@ -130,6 +132,17 @@ def main() -> int:
                     f"| {r['decode_tps'] / o['decode_tps']:.2f}x |"
                 )
             lines.append(row)
+            if backend == "native":
+                figures |= {
+                    f"{name}.prefill_tok_s": (round(r["prefill_tps"]), "tok/s"),
+                    f"{name}.prefill_vs_llama_cpp": (round(r["prefill_tps"] / ref["prefill_tps"], 2), "x"),
+                    f"{name}.decode_tok_s": (round(r["decode_tps"], 1), "tok/s"),
+                    f"{name}.decode_vs_llama_cpp": (round(r["decode_tps"] / ref["decode_tps"], 2), "x"),
+                    f"{name}.peak_rss_mib": (round(r["peak_rss_mb"]), "MiB"),
+                }
+                if base:
+                    figures[f"{name}.prefill_vs_ref"] = (round(r["prefill_tps"] / o["prefill_tps"], 2), "x")
+                    figures[f"{name}.decode_vs_ref"] = (round(r["decode_tps"] / o["decode_tps"], 2), "x")
     finally:
         if base:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=False)
@@ -139,6 +152,31 @@ def main() -> int:
     results = ROOT / "bench" / "results"
     results.mkdir(parents=True, exist_ok=True)
     (results / "engine_cpu.md").write_text(text + f"\n\nCommand: `python {' '.join(sys.argv)}`\n")
+    models = [m for m in args.models.split(",") if f"{m}.decode_tok_s" in figures]
+    if models:
+        sys.path.insert(0, str(ROOT))  # also when run as `python bench/engine_cpu.py`
+        from bench.record import record
+
+        record(
+            "engine_cpu",
+            results / "engine_cpu.md",
+            figures,
+            reference="llama.cpp's figures for this kind of 2-core machine (issue 2)"
+            + (f"; {args.against} in the same run" if base else ""),
+            headline="native CPU engine vs llama.cpp: "
+            + "; ".join(
+                f"{MODEL_NAMES.get(m, m)} decode {figures[m + '.decode_vs_llama_cpp'][0]:.2f}x, "
+                f"prefill {figures[m + '.prefill_vs_llama_cpp'][0]:.2f}x"
+                for m in models
+            ),
+            command="`make bench-engine` (`python -m bench.engine_cpu`)",
+            details={
+                "backend": "native",
+                "runs": f"median of {args.repeat}" if args.repeat > 1 else "one run",
+                "models": ",".join(models),
+                **({"against": args.against} if base else {}),
+            },
+        )
     return 0
 
 

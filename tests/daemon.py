@@ -29,6 +29,9 @@ thermal:
 failsafe: {{telemetry_unknown: ignore}}
 """
 
+TINY_ENGINE = "backend: numpy, n_ctx: 256"
+"""`write_config`'s engine keys for the tiny synthetic models: NumPy, a 256-token context."""
+
 
 def write_policy(path: Path, name: str = "test-policy", *, holdoff_ms: int = 300, cap: float = 10) -> Path:
     """A valid policy file: STT pauses (with hold-off), warm throttles to `cap`, hot pauses."""
@@ -37,13 +40,20 @@ def write_policy(path: Path, name: str = "test-policy", *, holdoff_ms: int = 300
 
 
 def write_config(
-    path: Path, policy: Path | None, *, model: Path | None = None, extra: str = "", warmup: bool = False
+    path: Path,
+    policy: Path | None,
+    *,
+    model: Path | None = None,
+    engine: str = "backend: auto",
+    extra: str = "",
+    warmup: bool = False,
 ) -> Path:
-    """A daemon config for tests: simulated platform sampled every 50 ms, policy not polled, no warm-up."""
+    """A daemon config for tests: simulated platform sampled every 50 ms, policy not polled, no warm-up;
+    `engine` is the engine section's keys after the model, `extra` more top-level YAML."""
     lines = [
         "telemetry: {platform: simulated, interval_s: 0.05}",
         f"policy: {{path: {str(policy) if policy else 'null'}, watch: false}}",
-        f"engine: {{model: {str(model) if model else 'null'}, backend: auto}}",
+        f"engine: {{model: {str(model) if model else 'null'}, {engine}}}",
         "" if warmup or "api:" in extra else "api: {warmup: false}",
         extra,
     ]
@@ -57,10 +67,13 @@ def make_supervisor(
     policy: Path | None = None,
     model: Path | None = None,
     source: SimulatedSource | None = None,
+    engine: str = "backend: auto",
+    extra: str = "",
     **kwargs: Any,
 ) -> Supervisor:
-    """A Supervisor on a free loopback port with a simulated platform (fakes via `kwargs`)."""
-    cfg = load_config(write_config(tmp_path / "supervisor.yaml", policy, model=model))
+    """A Supervisor on a free loopback port with a simulated platform, on `write_config`'s file (fakes via
+    `kwargs`)."""
+    cfg = load_config(write_config(tmp_path / "supervisor.yaml", policy, model=model, engine=engine, extra=extra))
     return Supervisor(
         cfg,
         telemetry_source=source or SimulatedSource(),

@@ -7,13 +7,11 @@ from pathlib import Path
 import anyio
 import pytest
 
-from genie_supervisor.api.server import bind_socket
 from genie_supervisor.app import Supervisor
-from genie_supervisor.config import load_config
 from genie_supervisor.telemetry import SimulatedSource
 from tests.apitools import synth
 from tests.broker import Mosquitto, needs_broker
-from tests.daemon import write_policy
+from tests.daemon import TINY_ENGINE, make_supervisor, write_policy
 from tests.test_mqtt import is_, subscriber
 
 pytestmark = [needs_broker, pytest.mark.timeout(90)]
@@ -26,21 +24,14 @@ def _supervisor(tmp_path: Path, broker_url: str, source: SimulatedSource) -> Sup
     write_policy(policies / "alpha.yaml", "alpha")
     write_policy(policies / "beta.yaml", "beta")
     (policies / "broken.yaml").write_text("version: 1\nname: broken\nvoice: {stt: {action: explode}}\n")
-    model = synth(tmp_path, "tiny")
-    cfg = tmp_path / "supervisor.yaml"
-    cfg.write_text(
-        "\n".join(
-            [
-                "telemetry: {platform: simulated, interval_s: 0.05}",
-                f"policy: {{path: {policies / 'alpha.yaml'}, watch: false}}",
-                f"engine: {{model: {model}, backend: numpy, n_ctx: 256}}",
-                "api: {warmup: false}",
-                f"mqtt: {{url: '{broker_url}', publish_interval_s: 5}}",
-            ]
-        )
-        + "\n"
+    return make_supervisor(
+        tmp_path,
+        policy=policies / "alpha.yaml",
+        model=synth(tmp_path, "tiny"),
+        source=source,
+        engine=TINY_ENGINE,
+        extra=f"mqtt: {{url: '{broker_url}', publish_interval_s: 5}}",
     )
-    return Supervisor(load_config(cfg), telemetry_source=source, http_socket=bind_socket("127.0.0.1", 0), environ={})
 
 
 async def test_select_switch_and_soft_limit_act_on_the_daemon(tmp_path: Path) -> None:

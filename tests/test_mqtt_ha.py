@@ -21,9 +21,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from genie_supervisor.api.server import bind_socket
 from genie_supervisor.app import Supervisor
-from genie_supervisor.config import MqttConfig, load_config
+from genie_supervisor.config import MqttConfig
 from genie_supervisor.events import EngineStats
 from genie_supervisor.mqtt.commands import (
     COMMAND_PATHS,
@@ -38,7 +37,7 @@ from genie_supervisor.state import GateMode, StateStore
 from genie_supervisor.telemetry import SimulatedSource
 from tests.apitools import synth
 from tests.broker import Mosquitto, needs_broker
-from tests.daemon import write_policy
+from tests.daemon import TINY_ENGINE, make_supervisor, write_policy
 from tests.net import HOST
 from tests.test_mqtt import (
     AVAIL,
@@ -49,6 +48,7 @@ from tests.test_mqtt import (
     check_device_message,
     is_,
     mqtt_config,
+    online_bridge,
     running_bridge,
     sample_inputs,
     subscriber,
@@ -167,42 +167,38 @@ class SlowApp(FakeApp):
 @pytest.mark.timeout(30)
 async def test_a_burst_of_200_toggles_ends_in_the_last_value(broker: Mosquitto) -> None:
     """200 OFF/ON toggles ending in ON while the first one is busy: nothing is dropped, the LLM ends ON."""
-    async with subscriber(broker.port, "genie/#") as (rec, client):
-        async with running_bridge(mqtt_config(broker.url), make_app=SlowApp) as (_bridge, _store, app):
-            assert isinstance(app, SlowApp)
-            await rec.wait_for(AVAIL, is_("online"))
-            for n in range(200):
-                await client.publish(T.state("llm/enabled/set"), "OFF" if n % 2 == 0 else "ON", qos=1)
-            # voice hints are handled as they arrive: once this one is, every toggle before it was received
-            await client.publish(T.voice_events, json.dumps({"service": "stt", "event": "start"}), qos=1)
-            assert await app.wait_calls(1) == [("voice_hint", {"service": "stt", "event": "start"})]
-            assert app.switch_started.is_set()
-            app.generation_done.set()
-            await client.publish(T.state("policy/reload"), "PRESS", qos=1)  # runs after every waiting toggle
-            calls = await app.wait_calls(4)
-            assert calls[1:] == [("set_llm_enabled", False), ("set_llm_enabled", True), ("reload_policy", None)]
-            assert app.enabled
-            mark = rec.mark()  # the refresh (every 2 s here) re-sends every state: what HA reads now
-            assert await rec.wait_for(T.state("llm/enabled"), start=mark, within_s=4) == b"ON"
+    async with online_bridge(broker, make_app=SlowApp) as (rec, client, _bridge, _store, app):
+        assert isinstance(app, SlowApp)
+        for n in range(200):
+            await client.publish(T.state("llm/enabled/set"), "OFF" if n % 2 == 0 else "ON", qos=1)
+        # voice hints are handled as they arrive: once this one is, every toggle before it was received
+        await client.publish(T.voice_events, json.dumps({"service": "stt", "event": "start"}), qos=1)
+        assert await app.wait_calls(1) == [("voice_hint", {"service": "stt", "event": "start"})]
+        assert app.switch_started.is_set()
+        app.generation_done.set()
+        await client.publish(T.state("policy/reload"), "PRESS", qos=1)  # runs after every waiting toggle
+        calls = await app.wait_calls(4)
+        assert calls[1:] == [("set_llm_enabled", False), ("set_llm_enabled", True), ("reload_policy", None)]
+        assert app.enabled
+        mark = rec.mark()  # the refresh (every 2 s here) re-sends every state: what HA reads now
+        assert await rec.wait_for(T.state("llm/enabled"), start=mark, within_s=4) == b"ON"
 
 
 @needs_broker
 @pytest.mark.timeout(30)
 async def test_deep_json_on_voice_events_keeps_the_connection(broker: Mosquitto) -> None:
     """A voice hint nested thousands deep (or too long) is refused; the connection stays and the next hint works."""
-    async with subscriber(broker.port, "genie/#") as (rec, client):
-        async with running_bridge(mqtt_config(broker.url)) as (bridge, store, app):
-            await rec.wait_for(AVAIL, is_("online"))
-            first = bridge.connections
-            mark = rec.mark()
-            await client.publish(T.voice_events, b"[" * 4000, qos=1)
-            await rec.wait_for(T.state("command/last_error"), lambda p: b"nested deeper" in p, start=mark)
-            await client.publish(T.voice_events, b"[" * 100_000, qos=1)
-            await rec.wait_for(T.state("command/last_error"), lambda p: b"at most" in p, start=mark)
-            await client.publish(T.voice_events, json.dumps({"service": "stt", "event": "start"}), qos=1)
-            assert await app.wait_calls(1) == [("voice_hint", {"service": "stt", "event": "start"})]
-            assert store.snapshot().voice.stt_active
-            assert bridge.connected and bridge.connections == first
+    async with online_bridge(broker) as (rec, client, bridge, store, app):
+        first = bridge.connections
+        mark = rec.mark()
+        await client.publish(T.voice_events, b"[" * 4000, qos=1)
+        await rec.wait_for(T.state("command/last_error"), lambda p: b"nested deeper" in p, start=mark)
+        await client.publish(T.voice_events, b"[" * 100_000, qos=1)
+        await rec.wait_for(T.state("command/last_error"), lambda p: b"at most" in p, start=mark)
+        await client.publish(T.voice_events, json.dumps({"service": "stt", "event": "start"}), qos=1)
+        assert await app.wait_calls(1) == [("voice_hint", {"service": "stt", "event": "start"})]
+        assert store.snapshot().voice.stt_active
+        assert bridge.connected and bridge.connections == first
 
 
 @needs_broker
@@ -216,23 +212,22 @@ async def test_a_refused_command_is_published_and_the_control_snaps_back(broker:
                 raise ValueError(f"{c:g} °C would reach the hot level")
             await super().set_thermal_soft_limit(c)
 
-    async with subscriber(broker.port, "genie/#") as (rec, client):
-        async with running_bridge(mqtt_config(broker.url), make_app=Picky) as (bridge, _store, app):
-            limit, err = T.state("thermal/soft_limit"), T.state("command/last_error")
-            await rec.wait_for(limit, is_("80"))
-            await rec.wait_for(err, is_("none"))
-            for payload, reason in (("200", b"must be 40-105"), ("104", b"would reach the hot level")):
-                mark = rec.mark()
-                await client.publish(T.state("thermal/soft_limit/set"), payload, qos=1)
-                await rec.wait_for(err, has(reason), start=mark)
-                attrs = json.loads(
-                    await rec.wait_for(T.state("command/last_error/attributes"), has(payload.encode()), start=mark)
-                )
-                assert attrs["topic"] == T.state("thermal/soft_limit/set") and attrs["payload"] == payload
-                assert reason.decode() in attrs["reason"] and attrs["time"].endswith("Z")
-                assert await rec.wait_for(limit, start=mark) == b"80"  # sent again though unchanged
-            assert app.limit == 80.0 and app.calls == []
-            assert bridge.status()["last_command_error"]["payload"] == "104"
+    async with online_bridge(broker, make_app=Picky) as (rec, client, bridge, _store, app):
+        limit, err = T.state("thermal/soft_limit"), T.state("command/last_error")
+        await rec.wait_for(limit, is_("80"))
+        await rec.wait_for(err, is_("none"))
+        for payload, reason in (("200", b"must be 40-105"), ("104", b"would reach the hot level")):
+            mark = rec.mark()
+            await client.publish(T.state("thermal/soft_limit/set"), payload, qos=1)
+            await rec.wait_for(err, has(reason), start=mark)
+            attrs = json.loads(
+                await rec.wait_for(T.state("command/last_error/attributes"), has(payload.encode()), start=mark)
+            )
+            assert attrs["topic"] == T.state("thermal/soft_limit/set") and attrs["payload"] == payload
+            assert reason.decode() in attrs["reason"] and attrs["time"].endswith("Z")
+            assert await rec.wait_for(limit, start=mark) == b"80"  # sent again though unchanged
+        assert app.limit == 80.0 and app.calls == []
+        assert bridge.status()["last_command_error"]["payload"] == "104"
 
 
 @needs_broker
@@ -381,26 +376,13 @@ def test_generated_garbage_on_every_command_topic_never_drops_the_connection(tmp
 
 # -- the daemon ---------------------------------------------------------------------------------
 def _supervisor(tmp_path: Path, broker_url: str) -> Supervisor:
-    model = synth(tmp_path, "tiny")
-    cfg = tmp_path / "supervisor.yaml"
-    cfg.write_text(
-        "\n".join(
-            [
-                "telemetry: {platform: simulated, interval_s: 0.05}",
-                f"policy: {{path: {write_policy(tmp_path / 'alpha.yaml', 'alpha')}, watch: false}}",
-                f"models: {{tiny: {{path: {model}}}}}",
-                "engine: {backend: numpy, n_ctx: 256}",
-                "api: {warmup: false}",
-                f"mqtt: {{url: '{broker_url}', publish_interval_s: 5}}",
-            ]
-        )
-        + "\n"
-    )
-    return Supervisor(
-        load_config(cfg),
-        telemetry_source=SimulatedSource(temps_c={"cpu": 50.0}),
-        http_socket=bind_socket("127.0.0.1", 0),
-        environ={},
+    """The daemon on the tiny model with MQTT on `broker_url`."""
+    return make_supervisor(
+        tmp_path,
+        policy=write_policy(tmp_path / "alpha.yaml", "alpha"),
+        source=SimulatedSource(temps_c={"cpu": 50.0}),
+        engine=TINY_ENGINE,
+        extra=f"models: {{tiny: {{path: {synth(tmp_path, 'tiny')}}}}}\nmqtt: {{url: '{broker_url}', publish_interval_s: 5}}",
     )
 
 

@@ -21,10 +21,12 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import anyio
 import numpy as np
 
+from bench.record import record
 from engine import SamplingParams, load_model
 from engine.sampler import Sampler
 from engine.synth import preset_config, write_config
@@ -449,7 +451,36 @@ def main() -> int:
     out = Path(a.out) / f"engine_gpu-{stamp}{tag}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
+    _record(out, rows, a.tag)
     return 0
+
+
+def _record(out: Path, rows: list[dict[str, Any]], tag: str) -> None:
+    """The f16-KV rows' decode and prefill against llama.cpp into the results index."""
+    f16 = [r for r in rows if r["kv_dtype"] == "f16"]
+    figures: dict[str, tuple[float, str]] = {}
+    for r in f16:
+        m = r["model"]
+        figures |= {
+            f"{m}.decode_tok_s": (round(r["decode_tok_s"], 1), "tok/s"),
+            f"{m}.decode_vs_llama_cpp": (round(r["decode_vs_llama_cpp"], 3), "x"),
+            f"{m}.prefill_tok_s": (round(r["prefill_tok_s"], 1), "tok/s"),
+            f"{m}.prefill_vs_llama_cpp": (round(r["prefill_vs_llama_cpp"], 3), "x"),
+        }
+    shapes = {"smollm2": "SmolLM2 shape", "qwen3-4b": "Qwen3-4B shape"}
+    parts = [
+        f"{shapes.get(r['model'], r['model'])} {r['decode_tok_s']:,.0f} tok/s decode ({r['decode_vs_llama_cpp']:.2f}x), "
+        f"{r['prefill_tok_s']:,.0f} prefill ({r['prefill_vs_llama_cpp']:.2f}x)"
+        for r in f16
+    ]
+    record(
+        "engine_gpu",
+        out,
+        figures,
+        reference="llama.cpp's figure for the same shape",
+        headline=f"{tag + ', ' if tag else ''}f16 KV, vs llama.cpp: " + "; ".join(parts),
+        command="`python -m bench.engine_gpu`",
+    )
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ the ratio is same-run. Prefill: a 512-token prompt through `Model.generate` (one
 max_tokens 1), `stats.prefill_s`, median of --runs. Reaction: measured as bench/gate.py does
 (monotonic time at `gate.pause()` to `wait_parked` returning), the pause landing at a random
 point inside a decode step, or inside a 2,048-token prefill (512-token chunks, layer groups of G).
-Writes results.json and summary.md to --out.
+Writes results.json and summary.md to --out (bench/results/preempt_gpu-<time>/) and, on CuPy, records
+the headline in bench/results/index.json.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any
 import anyio
 import numpy as np
 
+from bench.record import record
 from engine import SamplingParams, load_model
 from engine.synth import preset_config, write_config
 from genie_supervisor.arbiter import DecodeGate
@@ -236,7 +238,7 @@ async def prefill_reaction(model: Any, cycles: int, n_vocab: int, group: int, n_
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prev", required=True)
-    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--out", default=f"bench/results/preempt_gpu-{time.strftime('%Y%m%d-%H%M%S')}")
     ap.add_argument("--models", default="qwen3-4b,smollm2")
     ap.add_argument("--groups", default="4,9")
     ap.add_argument("--runs", type=int, default=9)
@@ -331,6 +333,27 @@ def main() -> None:
         lines.append("")
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    if a.backend == "cupy":
+        _record(out, res, a.models.split(",")[0], groups[0], a.runs)
+
+
+def _record(out: Path, res: dict[str, Any], key: str, group: int, runs: int) -> None:
+    """The first model's pause reaction in layer groups and its prefill cost into the results index."""
+    p = next(p for p in res[key]["prefill"] if p["group"] == group)
+    best = res[key]["speed"]["prefill_tps_best"]
+    ratio = best[f"new_chunk512_group{group}"] / best["prev_chunk512"]
+    record(
+        "preempt_gpu",
+        out,
+        {
+            "pause_p99_ms": (round(p["reaction_ms_p99"], 1), "ms"),
+            "prefill_vs_whole_chunks": (round(ratio, 3), "x"),
+        },
+        reference="the previous engine's whole-chunk prefill, same run",
+        headline=f"{key}, layer groups of {group} with {p['pieces_queued_ahead']} piece(s) queued: pause p99 "
+        f"{p['reaction_ms_p99']:.1f} ms, prefill {ratio:.3f}x whole chunks (best of {runs})",
+        command="`python -m bench.preempt_gpu`",
+    )
 
 
 if __name__ == "__main__":

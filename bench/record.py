@@ -57,20 +57,20 @@ def record(
     entry: str | None = None,
     index: Path = INDEX,
     write_docs: bool = True,
-) -> dict[str, Any]:
+) -> dict[str, Any] | None:
     """Store one benchmark's result as the entry `entry` (default: `name`, its latest) and regenerate the docs.
 
-    `result` is the result file or folder (under bench/results/, or an absolute path there);
-    `figures` maps a figure's name to (value, unit); `reference` is what the ratios are against;
+    `result` is the result file or folder, under bench/results/ (a relative path is taken from the
+    working directory); a result elsewhere is not recorded (None). `figures` maps a figure's name to (value, unit); `reference` is what the ratios are against;
     `headline` is the one-line reading of the figures that the docs show; `details` are settings a
     renderer needs (e.g. engine_cpu's `against`, `runs`, `models`).
     """
     path = Path(result)
-    if path.is_absolute():
-        try:
-            path = path.resolve().relative_to(index.parent.resolve())
-        except ValueError:
-            pass  # outside bench/results (e.g. --out /tmp/x): kept as given; the test flags it if cited
+    try:
+        path = path.resolve().relative_to(index.parent.resolve())
+    except ValueError:  # a run written elsewhere (--out /tmp/x, a test) is not the benchmark's result
+        print(f"bench index: {name} not recorded, {result} is outside {index.parent}", flush=True)
+        return None
     entries = load(index)
     key = entry or name
     old = entries.get(key, {})

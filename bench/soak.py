@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 import psutil
 
+from bench.record import record
 from bench.soak_ops import Ctx, OpResult, run_op
 from bench.soak_report import analyse, plot, summary_md
 from bench.soak_stack import HOST, ROOT, Daemon, Mosquitto, log_problems, write_files
@@ -393,8 +394,31 @@ def main(argv: list[str] | None = None, say: Callable[[str], None] = print) -> d
     )
     for name, g in analysis["goals"].items():
         say(f"{'PASS' if g['pass'] else 'FAIL'}  {name}: {g['value']}")
+    _record(out, meta, analysis)
     say(f"results in {out}")
     return {"out": out, "meta": meta, "analysis": analysis}
+
+
+def _record(out: Path, meta: dict[str, Any], analysis: dict[str, Any]) -> None:
+    """The headline figures into the results index (only for a run written to bench/results/)."""
+    g = analysis["goals"]
+    rss, speed = analysis["rss_mb"]["slope_per_1000"], analysis["decode_speed_server"]["ratio"]
+    failed = [name for name, v in g.items() if not v["pass"]]
+    record(
+        "soak",
+        out,
+        {
+            "requests": (meta["requests"], "operations"),
+            "unexpected_failures": (analysis["errors"]["unexpected"], "operations"),
+            **({"rss_slope_mb_per_1000": (rss, "MB")} if rss is not None else {}),
+            **({"decode_last_first_decile": (speed, "x")} if speed is not None else {}),
+        },
+        reference="the goals (RSS slope < 1 MB / 1,000, decode speed within 10 %)",
+        headline=f"{meta['requests']:,} operations, "
+        + ("every goal PASS" if not failed else "FAIL: " + ", ".join(failed))
+        + f" (RSS slope {rss} MB / 1,000 requests)",
+        command="`make bench-soak`",
+    )
 
 
 if __name__ == "__main__":

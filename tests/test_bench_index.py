@@ -44,7 +44,8 @@ def test_every_file_the_index_cites_exists() -> None:
 
 @pytest.mark.timeout(30)
 def test_record_replaces_the_entry_and_keeps_its_citations(tmp_path: Path) -> None:
-    """record() stores a run as the bench's entry, relative to the results folder, keeping who cites it."""
+    """record() stores a run as the bench's entry, relative to the results folder, keeping who cites it;
+    a run written outside the results folder is not recorded."""
     index = tmp_path / "index.json"
     index.write_text(json.dumps({"entries": {"gate": {**load(INDEX)["gate"]}}}), encoding="utf-8")
     (tmp_path / "gate-new.md").write_text("x", encoding="utf-8")
@@ -57,7 +58,13 @@ def test_record_replaces_the_entry_and_keeps_its_citations(tmp_path: Path) -> No
         command="make bench-gate",
         index=index,
     )
-    assert e["result"] == "gate-new.md" and e["figures"] == {"pause_reaction_p99_ms": {"value": 12.0, "unit": "ms"}}
+    assert (
+        e is not None
+        and e["result"] == "gate-new.md"
+        and e["figures"] == {"pause_reaction_p99_ms": {"value": 12.0, "unit": "ms"}}
+    )
     assert e["cited_by"] == ["docs/benchmarks.md"] and load(index)["gate"] == e
+    outside = record("gate", tmp_path.parent / "x.md", {}, reference="", headline="", command="", index=index)
+    assert outside is None and load(index)["gate"] == e
     text = bench_index.regenerate("a <!-- bench:gate -->old<!-- /bench:gate --> b", load(index))
     assert text == "a <!-- bench:gate -->\nLatest (`bench/results/gate-new.md`): p99 12.0 ms.\n<!-- /bench:gate --> b"

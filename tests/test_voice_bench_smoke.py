@@ -13,38 +13,26 @@ import asyncio
 import json
 import math
 import threading
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-with warnings.catch_warnings():  # wyoming.audio imports audioop, deprecated since Python 3.11
-    warnings.simplefilter("ignore", DeprecationWarning)
-    import wyoming.audio  # noqa: F401
-
 from wyoming.asr import Transcript
 from wyoming.audio import AudioChunk, AudioStart, AudioStop
 from wyoming.event import Event
-from wyoming.info import AsrModel, AsrProgram, Attribution, Describe, Info, TtsProgram, TtsVoice
+from wyoming.info import Describe
 from wyoming.server import AsyncEventHandler, AsyncTcpServer
-from wyoming.tts import (
-    Synthesize,
-    SynthesizeChunk,
-    SynthesizeStart,
-    SynthesizeStop,
-    SynthesizeStopped,
-)
+from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped
 
 from bench.voice_path.__main__ import main
 from bench.voice_path.stack import HOST, VoiceStack, free_port
 from bench.voice_path.utterances import Utterance, resample, word_errors
 from tests.models import SMOLLM2, require
+from tests.wyoming_info import server_info
 
 TEXT = "Turn on the kitchen lights."
-ATTRIBUTION = Attribution(name="tests", url="http://localhost")
 
 
 class _Handler(AsyncEventHandler):
@@ -57,7 +45,7 @@ class _Handler(AsyncEventHandler):
 
     async def handle_event(self, event: Event) -> bool:
         if Describe.is_type(event.type):
-            await self.write_event(_info(self.kind).event())
+            await self.write_event(server_info(self.kind, self.kind, "m" if self.kind == "stt" else "v").event())
             return True
         if self.kind == "stt" and AudioStop.is_type(event.type):
             await asyncio.sleep(0.05)
@@ -87,53 +75,6 @@ class _Handler(AsyncEventHandler):
         for i in range(0, len(pcm), 4096):
             await self.write_event(AudioChunk(rate, 2, 1, pcm[i : i + 4096]).event())
         await self.write_event(AudioStop().event())
-
-
-def _info(kind: str) -> Info:
-    if kind == "stt":
-        return Info(
-            asr=[
-                AsrProgram(
-                    name="stt",
-                    attribution=ATTRIBUTION,
-                    installed=True,
-                    description=None,
-                    version="1",
-                    models=[
-                        AsrModel(
-                            name="m",
-                            attribution=ATTRIBUTION,
-                            installed=True,
-                            description=None,
-                            version="1",
-                            languages=["en"],
-                        )
-                    ],
-                )
-            ]
-        )
-    return Info(
-        tts=[
-            TtsProgram(
-                name="tts",
-                attribution=ATTRIBUTION,
-                installed=True,
-                description=None,
-                version="1",
-                voices=[
-                    TtsVoice(
-                        name="v",
-                        attribution=ATTRIBUTION,
-                        installed=True,
-                        description=None,
-                        version="1",
-                        languages=["en"],
-                    )
-                ],
-                supports_synthesize_streaming=True,
-            )
-        ]
-    )
 
 
 @contextmanager

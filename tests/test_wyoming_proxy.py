@@ -3,39 +3,27 @@
 from __future__ import annotations
 
 import io
-import warnings
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
 import pytest
-
-with warnings.catch_warnings():  # wyoming.audio imports audioop, deprecated since Python 3.11
-    warnings.simplefilter("ignore", DeprecationWarning)
-    import wyoming.audio  # noqa: F401
-
 from wyoming.asr import Transcribe, Transcript, TranscriptChunk, TranscriptStart, TranscriptStop
 from wyoming.audio import AudioChunk, AudioStart, AudioStop
 from wyoming.client import AsyncTcpClient
 from wyoming.event import Event, write_event
-from wyoming.info import AsrModel, AsrProgram, Attribution, Describe, Info, TtsProgram, TtsVoice
+from wyoming.info import Describe
 from wyoming.server import AsyncEventHandler, AsyncTcpServer
-from wyoming.tts import (
-    Synthesize,
-    SynthesizeChunk,
-    SynthesizeStart,
-    SynthesizeStop,
-    SynthesizeStopped,
-)
+from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped
 
 from genie_supervisor.events import ServiceObservation, VoiceActivity
 from genie_supervisor.watchers.wyoming_proxy import EventScanner, WyomingProxy, probe_wyoming
 from tests.awaitlog import Log as BaseLog
 from tests.net import HOST, free_port
+from tests.wyoming_info import server_info
 
 RATE, WIDTH, CHANNELS = 16000, 2, 1
-ATTRIBUTION = Attribution(name="tests", url="http://localhost")
 
 
 class Log(BaseLog):
@@ -91,7 +79,7 @@ class _Handler(AsyncEventHandler):
         srv.received(event)
         srv.order(f"server:{event.type}")
         if Describe.is_type(event.type):
-            await self.write_event(_info(srv.kind).event())
+            await self.write_event(server_info(srv.kind, f"fake-{srv.kind}", "fake").event())
             return True
         if srv.kind == "stt" and AudioStop.is_type(event.type):
             if srv.answer_gate is not None:
@@ -126,41 +114,6 @@ class _Handler(AsyncEventHandler):
             audio = (text.encode() * 100)[:1024] + bytes([i])
             await self.write_event(AudioChunk(22050, WIDTH, CHANNELS, audio).event())
         await self.write_event(AudioStop().event())
-
-
-def _info(kind: str) -> Info:
-    if kind == "stt":
-        model = AsrModel(
-            name="fake", attribution=ATTRIBUTION, installed=True, description=None, version="1", languages=["en"]
-        )
-        return Info(
-            asr=[
-                AsrProgram(
-                    name="fake-stt",
-                    attribution=ATTRIBUTION,
-                    installed=True,
-                    description=None,
-                    version="1",
-                    models=[model],
-                )
-            ]
-        )
-    voice = TtsVoice(
-        name="fake", attribution=ATTRIBUTION, installed=True, description=None, version="1", languages=["en"]
-    )
-    return Info(
-        tts=[
-            TtsProgram(
-                name="fake-tts",
-                attribution=ATTRIBUTION,
-                installed=True,
-                description=None,
-                version="1",
-                voices=[voice],
-                supports_synthesize_streaming=True,
-            )
-        ]
-    )
 
 
 def stt_request(chunks: int = 5) -> list[Event]:

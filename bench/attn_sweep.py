@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.record import record
+
 SHAPES = {  # heads, kv heads, head size, layers
     "smollm2": (9, 3, 64, 30),
     "qwen3-4b": (32, 8, 128, 36),
@@ -172,7 +174,7 @@ def main() -> None:
     ap.add_argument("--stages", default="0", help="0 full; 3 launch only, 1 + scan, 2 + slice writes (profiling)")
     ap.add_argument("--lanes", default="0", help="lanes a position (0: the kernel's rule)")
     ap.add_argument("--warps", default="0", help="warps a block (0: the kernel's rule)")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None, help="results folder (bench/results: the run is recorded in its index)")
     a = ap.parse_args()
     rows = []
     for shape in SHAPES:
@@ -198,6 +200,29 @@ def main() -> None:
         p = Path(a.out) / f"attn_sweep-{time.strftime('%Y%m%d-%H%M%S')}.json"
         p.write_text(json.dumps(rows, indent=1))
         print("wrote", p)
+        _record(p, rows)
+
+
+def _record(path: Path, rows: list[dict]) -> None:
+    """The fastest full-kernel f16 launch at the smallest position, per shape, into the results index."""
+    full = [r for r in rows if r["stage"] == 0 and r["kv"] == "f16"]
+    if not full:
+        return
+    pos = min(r["pos"] for r in full)
+    best = {
+        sh: min(r["us"] for r in full if r["shape"] == sh and r["pos"] == pos)
+        for sh in dict.fromkeys(r["shape"] for r in full)
+    }
+    names = {"smollm2": "SmolLM2 shape", "qwen3-4b": "Qwen3-4B shape"}
+    record(
+        "attn_sweep",
+        path,
+        {f"{sh}.us_pos{pos}": (us, "us") for sh, us in best.items()},
+        reference="a float64 reference (error checked before timing)",
+        headline=f"f16 KV, {pos} positions, fastest launch shape: "
+        + ", ".join(f"{names.get(sh, sh)} {us:.1f} us" for sh, us in best.items()),
+        command="`python -m bench.attn_sweep`",
+    )
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@
 (3) makes the utterances' speech with Piper once (cached),
 (4) starts the daemon (SmolLM2, CPU engine) with the Wyoming proxy in front of both servers,
 (5) runs idle / contention / arbitration, interleaved, `--rounds` times, after a warm-up, and
-writes summary.md, results.json and timeline.png under bench/results/voice_path-<date>/.
+writes summary.md, results.json and timeline.png under bench/results/voice_path-<date>/ and records
+the headline ratios in bench/results/index.json.
 
     python -m bench.voice_path --gpu [--preset qwen3-4b-q4_k_m] [--stt-size small]
 
@@ -45,7 +46,7 @@ from .daemon import (
     write_config,
 )
 from .pipeline import synthesize, transcribe, tts_audio, tts_streaming_supported
-from .report import machine, markdown, plot, summarize, summary_json
+from .report import machine, markdown, plot, record_result, summarize, summary_json
 from .runner import RunTarget, ScenarioSpec, run_scenario
 from .stack import VoiceHome, VoiceStack, start_servers
 from .utterances import RATE, UTTERANCES, Utterance, cache_key, read_wav, resample, write_wav
@@ -352,6 +353,7 @@ def main(
         json.dumps(summary_json(summary, meta, stt_server, runs), indent=1), encoding="utf-8"
     )
     plot(runs, out / "timeline.png", window_s=args.window)
+    record_result(out, summary, meta)
     if (work / "pmon.log").exists():
         (out / "gpu_pmon.txt").write_bytes((work / "pmon.log").read_bytes()[:2_000_000])
     say(f"[bench] wrote {out}/summary.md, summary.json, timeline.png, results.json (logs in {work})")

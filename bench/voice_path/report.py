@@ -12,6 +12,8 @@ from typing import Any
 
 import psutil
 
+from bench.record import record
+
 from .utterances import wer
 
 SCENARIOS = ("idle", "contention", "arbitration")
@@ -442,3 +444,47 @@ def plot(runs: list[dict[str, Any]], path: Path, window_s: float = 40.0) -> None
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def record_result(out: Path, summary: dict[str, dict[str, Any]], meta: dict[str, Any]) -> None:
+    """The run's ratios to idle (and on the GPU the pause reaction) into bench/results/index.json."""
+    ratios = {n: summary.get(n, {}).get("ratios", {}) for n in ("contention", "arbitration")}
+    figures: dict[str, tuple[float, str]] = {
+        f"{key}_ratio_{n}": (round(v, 2), "x")
+        for n, r in ratios.items()
+        for key in ("stt_p95", "tts_ttfa_p50", "llm_ttft_p50", "voice_ttft_daemon_p50")
+        if (v := r.get(key)) is not None
+    }
+
+    def x(n: str, key: str) -> str:
+        return _f(ratios[n].get(key), 2, "x")
+
+    if meta.get("gpu"):
+        phases = summary.get("arbitration", {}).get("reaction_by_phase", {})
+        for ph in ("prefill", "decode"):
+            if phases.get(ph):
+                figures[f"pause_reaction_p99_{ph}_ms"] = (round(phases[ph]["p99"], 1), "ms")
+        reaction = "; ".join(
+            f"{ph} pause reaction p99 {phases[ph]['p99']:.1f} ms" for ph in ("prefill", "decode") if phases.get(ph)
+        )
+        headline = (
+            f"{meta.get('label') or 'GPU'}: STT p95 contention {x('contention', 'stt_p95')}, "
+            f"arbitration {x('arbitration', 'stt_p95')}" + (f"; {reaction}" if reaction else "")
+        )
+        name, command = "voice_path_gpu", "`python -m bench.voice_path --gpu` (`bash bench/gpu_stt/device_run.sh`)"
+    else:
+        headline = (
+            f"under arbitration voice first token {x('arbitration', 'llm_ttft_p50')} idle, TTS first audio "
+            f"{x('arbitration', 'tts_ttfa_p50')}, STT p95 {x('arbitration', 'stt_p95')} (contention "
+            f"{x('contention', 'llm_ttft_p50')} / {x('contention', 'tts_ttfa_p50')} / {x('contention', 'stt_p95')})"
+        )
+        name, command = "voice_path", "`make bench-voice` (CPU voice path)"
+    record(
+        "voice_path",
+        out,
+        figures,
+        reference="the idle run, same daemon and servers",
+        headline=headline,
+        command=command,
+        entry=name,
+    )

@@ -15,10 +15,15 @@ and its output are bounded in size. Past a bound the render stops with `Template
 cannot (``ModelFormatError`` naming ``tokenizer.chat_template``).
 
 Without a template, Gemma models get Gemma's turn format and everything else gets ChatML.
+
+Tools (issue 18): a template that reads ``tools`` gets them as HF passes them; any other template, and the
+built-in fallbacks, get `engine.tool_calls.fallback_tools_prompt` in the system message and the tool history
+as ``<tool_call>`` / ``<tool_response>`` text (see `render_chat`).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import jinja2
@@ -37,6 +42,7 @@ from .template_sandbox import (
     _RaisedByTemplate,
     _RefusedByTemplate,
 )
+from .tool_calls import fallback_tools_prompt, hermes_call_text, template_supports_tools, validate_tools
 
 __all__ = [
     "MAX_OUTPUT_CHARS",
@@ -51,7 +57,12 @@ __all__ = [
 
 
 def validate_messages(messages: Any) -> list[dict[str, Any]]:
-    """Messages with string roles and string contents (text parts joined with newlines)."""
+    """Messages with string roles and string contents (text parts joined with newlines).
+
+    An assistant message may carry ``tool_calls`` (OpenAI's or Ollama's shape; arguments a dict or a JSON
+    string) and then a null or missing content (""); they come out as ``{"id"?, "type": "function",
+    "function": {"name", "arguments": dict}}``. A ``tool`` message has a content and optional string
+    ``tool_call_id`` and ``name``."""
     if not isinstance(messages, list):
         raise TemplateError(f"messages must be a list, not {type(messages).__name__}")
     out: list[dict[str, Any]] = []
@@ -61,25 +72,68 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
         role = msg.get("role")
         if not isinstance(role, str) or not role:
             raise TemplateError(f"messages[{i}].role must be a non-empty string, got {role!r}")
+        msg = dict(msg)
+        if "tool_calls" in msg:
+            calls = _tool_calls(i, msg.pop("tool_calls"))
+            if calls:
+                msg["tool_calls"] = calls
+                if msg.get("content") is None:
+                    msg["content"] = ""
+        for key in ("tool_call_id", "name"):
+            if key in msg and not isinstance(msg[key], str):
+                raise TemplateError(f"messages[{i}].{key} must be a string, not {type(msg[key]).__name__}")
         if "content" not in msg:
             raise TemplateError(f"messages[{i}].content is missing")
-        content = msg["content"]
-        if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") != "text":
-                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                    raise TemplateError(f"messages[{i}].content[{j}]: only text parts are supported, got {kind!r}")
-                text = part.get("text")
-                if not isinstance(text, str):
-                    raise TemplateError(f"messages[{i}].content[{j}].text must be a string")
-                texts.append(text)
-            content = "\n".join(texts)
-        elif not isinstance(content, str):
-            raise TemplateError(
-                f"messages[{i}].content must be a string or a list of text parts, not {type(content).__name__}"
-            )
-        out.append({**msg, "role": role, "content": content})
+        out.append({**msg, "role": role, "content": _content(i, msg["content"])})
+    return out
+
+
+def _content(i: int, content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise TemplateError(
+            f"messages[{i}].content must be a string or a list of text parts, not {type(content).__name__}"
+        )
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise TemplateError(f"messages[{i}].content[{j}]: only text parts are supported, got {kind!r}")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise TemplateError(f"messages[{i}].content[{j}].text must be a string")
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def _tool_calls(i: int, calls: Any) -> list[dict[str, Any]]:
+    """An assistant's earlier calls in one shape (an empty list: none)."""
+    if calls is None:
+        return []
+    if not isinstance(calls, list):
+        raise TemplateError(f"messages[{i}].tool_calls must be a list, not {type(calls).__name__}")
+    out: list[dict[str, Any]] = []
+    for j, call in enumerate(calls):
+        where = f"messages[{i}].tool_calls[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict):
+            raise TemplateError(f"{where}.function must be an object")
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            raise TemplateError(f"{where}.function.name must be a non-empty string, got {name!r}")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                raise TemplateError(f"{where}.function.arguments is not valid JSON") from None
+        if not isinstance(args, dict):
+            raise TemplateError(f"{where}.function.arguments must be a JSON object, not {type(args).__name__}")
+        entry: dict[str, Any] = {"type": "function", "function": {"name": name, "arguments": args}}
+        if isinstance(call.get("id"), str):
+            entry = {"id": call["id"], **entry}
+        out.append(entry)
     return out
 
 
@@ -87,6 +141,7 @@ def render_chat(
     template: str | None,
     messages: list[dict[str, Any]],
     *,
+    tools: list[dict[str, Any]] | None = None,
     add_generation_prompt: bool = True,
     bos_token: str = "",
     eos_token: str = "",
@@ -94,24 +149,105 @@ def render_chat(
     budget: RenderBudget = REQUEST_BUDGET,
 ) -> str:
     """The prompt for `messages`: `template` rendered in the sandbox within `budget`, or the
-    built-in fallback. Raises TemplateError (TemplateBudgetError past the budget)."""
+    built-in fallback. Raises TemplateError (TemplateBudgetError past the budget).
+
+    `tools` (OpenAI's function list) reach a template that reads ``tools`` as that variable, in Hugging
+    Face's shape. A template without tool support (and the built-in fallbacks) gets `fallback_tools_prompt`
+    merged into the system message (into the first user turn if the template refuses a system role) and
+    the tool history as text: earlier calls as ``<tool_call>`` blocks, results as ``<tool_response>``
+    blocks in a user turn."""
     msgs = validate_messages(messages)
+    tool_list = validate_tools(tools) if tools else None
+    if template is not None and template_supports_tools(template):
+        return _render(template, msgs, tool_list, add_generation_prompt, bos_token, eos_token, budget)
+    msgs = _tool_history_as_text(msgs)
     if template is None:
+        msgs = _with_tools_prompt(msgs, tool_list, into_user=False)
         if arch.startswith("gemma"):
             return _gemma_turns(msgs, add_generation_prompt)
         return _chatml(msgs, add_generation_prompt)
+    try:
+        with_system = _with_tools_prompt(msgs, tool_list, into_user=False)
+        return _render(template, with_system, None, add_generation_prompt, bos_token, eos_token, budget)
+    except _RefusedByTemplate:
+        if not tool_list or (msgs and msgs[0]["role"] == "system"):
+            raise
+        into_user = _with_tools_prompt(msgs, tool_list, into_user=True)  # it may refuse a system role
+        return _render(template, into_user, None, add_generation_prompt, bos_token, eos_token, budget)
+
+
+def _with_tools_prompt(
+    msgs: list[dict[str, Any]], tools: list[dict[str, Any]] | None, *, into_user: bool
+) -> list[dict[str, Any]]:
+    """`msgs` with the fallback tools prompt in the system message (created when missing), or in front of
+    the first user turn."""
+    if not tools:
+        return msgs
+    prompt = fallback_tools_prompt(tools)
+    out = list(msgs)
+    if into_user:
+        for k, m in enumerate(out):
+            if m["role"] == "user":
+                out[k] = {**m, "content": prompt + "\n\n" + m["content"]}
+                break
+        return out
+    if out and out[0]["role"] == "system":
+        head = out[0]["content"]
+        out[0] = {**out[0], "content": f"{head}\n\n{prompt}" if head else prompt}
+    else:
+        out.insert(0, {"role": "system", "content": prompt})
+    return out
+
+
+def _tool_history_as_text(msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Earlier calls and their results as text for a template without tool support: an assistant's calls
+    as ``<tool_call>`` blocks after its content; each run of ``tool`` messages as one user turn of
+    ``<tool_response>`` blocks (as Qwen2.5's template writes them)."""
+    out: list[dict[str, Any]] = []
+    for m in msgs:
+        if m["role"] == "tool":
+            block = f"<tool_response>\n{m['content']}\n</tool_response>"
+            if out and out[-1].get("_tool_turn"):
+                out[-1]["content"] += "\n" + block
+            else:
+                out.append({"role": "user", "content": block, "_tool_turn": True})
+            continue
+        if m.get("tool_calls"):
+            calls = "\n".join(
+                hermes_call_text(c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"]
+            )
+            text = m["content"].rstrip()
+            m = {k: v for k, v in m.items() if k != "tool_calls"}
+            m["content"] = f"{text}\n{calls}" if text else calls
+        out.append(m)
+    return [{k: v for k, v in m.items() if k != "_tool_turn"} for m in out]
+
+
+def _render(
+    template: str,
+    msgs: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    add_generation_prompt: bool,
+    bos_token: str,
+    eos_token: str,
+    budget: RenderBudget,
+) -> str:
+    """`template` rendered in the sandbox within `budget` (``tools`` passed only when there are some)."""
     compiled = _compile(template)
     meter = _Meter(budget)
     outer, _ACTIVE.meter = _ACTIVE.meter, meter
+    context: dict[str, Any] = {
+        "messages": msgs,
+        "add_generation_prompt": add_generation_prompt,
+        "bos_token": bos_token,
+        "eos_token": eos_token,
+    }
+    if tools:
+        context["tools"] = tools
     try:
         pieces: list[str] = []
         size = 0
-        for piece in compiled.generate(
-            messages=msgs,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=bos_token,
-            eos_token=eos_token,
-        ):
+        for piece in compiled.generate(**context):
             size += len(piece)
             if size > budget.chars:
                 meter.size(size, "output")

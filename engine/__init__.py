@@ -30,6 +30,7 @@ from .options import DEFAULT_OPTIONS, EngineOptions
 from .sampler import Sampler, SamplingParams
 from .spec import ModelSpec, read_spec
 from .tokenizer import StreamDecoder, Tokenizer
+from .tool_calls import ToolSyntax, tool_syntax
 
 __all__ = [
     "ContextOverflowError",
@@ -137,17 +138,29 @@ class Model:
         )
 
     # --- text ---------------------------------------------------------------------------
-    def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The conversation as prompt text, through the model's own template (sandboxed)."""
+    def render_chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The conversation as prompt text, through the model's own template (sandboxed); `tools` as
+        `engine.chat_template.render_chat` takes them."""
         bos, eos = self._bos_eos_text()
         return _render_chat(
             self.chat_template,
             list(messages),
+            tools=tools,
             add_generation_prompt=add_generation_prompt,
             bos_token=bos,
             eos_token=eos,
             arch=self.spec.arch,
         )
+
+    @property
+    def tool_syntax(self) -> ToolSyntax:
+        """How this model writes tool calls (from its template's markers and architecture)."""
+        return tool_syntax(self.chat_template, self.spec.arch)
 
     def _bos_eos_text(self) -> tuple[str, str]:
         tok = self.tokenizer
@@ -155,9 +168,9 @@ class Model:
         eos = tok.decode([tok.eos_id]) if tok.eos_id is not None else ""
         return bos, eos
 
-    def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+    def encode_chat(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Render and tokenize a conversation (special tokens parsed, BOS as the model wants)."""
-        text = self.render_chat(messages)
+        text = self.render_chat(messages, tools=tools)
         ids = self.tokenizer.encode(text, add_special=True, parse_special=True)
         bos = self.tokenizer.bos_id
         if bos is not None and len(ids) > 1 and ids[0] == bos and ids[1] == bos:

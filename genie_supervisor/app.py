@@ -45,7 +45,7 @@ from .policy import Policy, PolicyWatcher
 from .policy.schema import builtin_policy
 from .state import StateStore
 from .systemd import Notifier
-from .telemetry import TelemetrySource, create_source, run_sampler
+from .telemetry import TelemetrySource, configured_source, run_sampler
 from .urls import redact_url
 from .voice import VoiceHints
 from .watchers import build_watchers
@@ -357,18 +357,7 @@ class Supervisor(SupervisorControls):
         log.info("supervisor_drained", seconds=round(time.monotonic() - t0, 3))
 
     def _create_source(self) -> TelemetrySource:
-        tel = self.cfg.telemetry
-        if tel.platform != "simulated":
-            return create_source(tel.platform)
-        sim = tel.simulated
-        return create_source(
-            "simulated",
-            temps_c=dict(sim.temps_c),
-            mem_total_mb=sim.mem_total_mb,
-            mem_available_mb=sim.mem_available_mb,
-            script=sim.script or (),
-            loop=sim.loop,
-        )
+        return configured_source(self.cfg.telemetry)
 
     def _bind(self) -> socket.socket:
         host, port = parse_hostport(self.cfg.http.listen)

@@ -11,17 +11,21 @@ import sys
 from collections.abc import Callable, Sequence
 
 
+def _daemon_args(p: argparse.ArgumentParser, config_help: str) -> None:
+    """The config file and the overrides of it that `run` and `doctor` both take."""
+    p.add_argument("--config", help=config_help)
+    p.add_argument("--model", help="GGUF model path (overrides the config)")
+    p.add_argument("--policy", help="policy YAML (overrides the config)")
+    p.add_argument("--mqtt", help="broker URL mqtt://HOST:PORT (overrides the config)")
+    p.add_argument("--listen", help="HTTP listen address HOST:PORT (overrides the config)")
+    p.add_argument("--platform", choices=["auto", "jetson", "nvml", "linux", "simulated"], help="telemetry source")
+
+
 def _build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="genie-supervisor", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
 
-    run = sub.add_parser("run", help="run the daemon")
-    run.add_argument("--config", help="daemon config YAML (default: built-in defaults)")
-    run.add_argument("--model", help="GGUF model path (overrides the config)")
-    run.add_argument("--policy", help="policy YAML (overrides the config)")
-    run.add_argument("--mqtt", help="broker URL mqtt://HOST:PORT (overrides the config)")
-    run.add_argument("--listen", help="HTTP listen address HOST:PORT (overrides the config)")
-    run.add_argument("--platform", choices=["auto", "jetson", "nvml", "linux", "simulated"], help="telemetry source")
+    _daemon_args(sub.add_parser("run", help="run the daemon"), "daemon config YAML (default: built-in defaults)")
 
     chat = sub.add_parser("chat", help="chat with a GGUF model in this terminal")
     chat.add_argument("-m", "--model", required=True, help="GGUF model path")
@@ -53,12 +57,7 @@ def _build_parser() -> argparse.ArgumentParser:
     status.add_argument("--url", default="http://127.0.0.1:8080")
 
     doctor = sub.add_parser("doctor", help="audit this box: platform, CUDA, services, broker, memory")
-    doctor.add_argument("--config", help="daemon config YAML")
-    doctor.add_argument("--model", help="GGUF model path (overrides the config)")
-    doctor.add_argument("--policy", help="policy YAML (overrides the config)")
-    doctor.add_argument("--mqtt", help="broker URL mqtt://HOST:PORT (overrides the config)")
-    doctor.add_argument("--listen", help="HTTP listen address HOST:PORT (overrides the config)")
-    doctor.add_argument("--platform", choices=["auto", "jetson", "nvml", "linux", "simulated"], help="telemetry source")
+    _daemon_args(doctor, "daemon config YAML")
     doctor.add_argument("--json", action="store_true", help="print the checks as JSON")
     doctor.add_argument("--strict", action="store_true", help="exit 1 on warnings too")
     doctor.add_argument("--root", default="/", help="filesystem root for /sys, /proc, /etc (tests)")

@@ -30,7 +30,7 @@ from ..config import Config
 from ..errors import TelemetryUnavailable
 from ..events import TelemetrySample
 from ..logging import configure_logging
-from ..telemetry import TelemetrySource, create_source, is_jetson
+from ..telemetry import TelemetrySource, configured_source, is_jetson
 from ..watchers.http_health import HttpHealthProbe
 from ..watchers.wyoming_connection import probe_wyoming
 from .broker import check_broker, mqtt_ping
@@ -74,7 +74,7 @@ class Probes:
     root: str = "/"
     """Filesystem root for /sys, /proc and /etc reads (a fake tree in tests)."""
     sources: SourceFactory | None = None
-    """Telemetry source per platform (default: create_source, simulated from the config)."""
+    """Telemetry source per platform (default: configured_source)."""
     cuda: Callable[[], tuple[bool, str]] = cuda_available
     """Whether CUDA works, and why not."""
     broker: Callable[[Config], tuple[bool, str]] = field(
@@ -104,17 +104,7 @@ class Probes:
 
 def _default_sources(cfg: Config, root: str) -> SourceFactory:
     def build(platform: str) -> TelemetrySource:
-        if platform != "simulated":
-            return create_source(platform, root=root)
-        sim = cfg.telemetry.simulated
-        return create_source(
-            "simulated",
-            temps_c=dict(sim.temps_c),
-            mem_total_mb=sim.mem_total_mb,
-            mem_available_mb=sim.mem_available_mb,
-            script=sim.script or (),
-            loop=sim.loop,
-        )
+        return configured_source(cfg.telemetry, platform, root=root)
 
     return build
 

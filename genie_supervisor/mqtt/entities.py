@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .entity_model import KNOWN_PAUSE_REASONS, OFF, ON, CommandRefusal, Entity, Inputs, Topics
-from .entity_table import _DIAG, _MEASURE, STATIC, _round
+from .entity_model import KNOWN_PAUSE_REASONS, OFF, ON, CommandRefusal, Entity, Inputs, Kind, Topics
+from .entity_table import _DIAG, MIB, STATIC, _round
 
 __all__ = ["STATIC", "CommandRefusal", "Entity", "Inputs", "Topics", "entities", "pause_reasons", "policy_choices"]
 
@@ -44,29 +44,17 @@ def policy_choices(inputs: Inputs) -> list[str]:
 
 def _controls(inputs: Inputs) -> list[Entity]:
     low, high = inputs.thermal_limit_range
+    select = Kind("select", icon="mdi:script-text", category="config", extra={"ops": policy_choices(inputs)})
+    number = Kind("number", device_class="temperature", unit="°C", category="config")
     return [
-        Entity(
-            "policy_select",
-            "select",
-            "Policy file",
-            "policy/selected",
-            _selected_policy,
-            command="policy/set",
-            icon="mdi:script-text",
-            category="config",
-            extra={"ops": policy_choices(inputs)},
-        ),
-        Entity(
+        select("policy_select", "Policy file", "policy/selected", _selected_policy, command="policy/set"),
+        number(
             "thermal_soft_limit",
-            "number",
             "Thermal soft limit",
             "thermal/soft_limit",
             lambda i: i.thermal_soft_limit,
+            "mdi:thermometer-chevron-up",
             command="thermal/soft_limit/set",
-            device_class="temperature",
-            unit="°C",
-            icon="mdi:thermometer-chevron-up",
-            category="config",
             extra={"min": low, "max": high, "step": 0.5, "mode": "box"},
         ),
     ]
@@ -91,17 +79,11 @@ def _service_entities(name: str) -> list[Entity]:
             device_class="connectivity",
             extra={"pl_on": ON, "pl_off": OFF},
         ),
-        Entity(
+        MIB(
             f"service_{key}_memory",
-            "sensor",
             f"{name} memory",
             f"service/{key}/memory",
             lambda i: _round(o.rss_mb, 0) if (o := obs(i)) is not None else None,
-            device_class="data_size",
-            state_class=_MEASURE,
-            unit="MiB",
-            icon="mdi:memory",
-            precision=0,
         ),
     ]
 

@@ -2,7 +2,8 @@
 
 ``Topics`` names every topic of one node; ``Inputs`` is what every entity's state is computed from
 at one moment; ``Entity`` is one row of the table in ``docs/mqtt.md`` and renders its own state and
-attributes payloads (``payload`` turns a value into what Home Assistant reads). The value sets of
+attributes payloads (``payload`` turns a value into what Home Assistant reads); a ``Kind`` holds what
+a family of entities shares and builds its members. The value sets of
 the enum sensors and the payload constants live here too. The table itself is in ``entity_table``
 (the fixed entities) and ``entities`` (the ones that come and go). Nothing here does I/O.
 """
@@ -166,6 +167,31 @@ class Entity:
         if self.attributes is None:
             return None
         return json.dumps(self.attributes(inputs), sort_keys=True, default=str)
+
+
+class Kind:
+    """What a family of entities shares (platform, classes, unit, icon, ...); calling it builds one member."""
+
+    def __init__(self, platform: str = "sensor", **shared: Any) -> None:
+        self.platform = platform
+        """The members' ``Entity.platform``."""
+        self.shared = shared
+        """``Entity`` fields every member has (device_class, state_class, unit, icon, category, precision, extra)."""
+
+    def __call__(
+        self,
+        key: str,
+        name: str,
+        state: str | None = None,
+        value: Render | None = None,
+        icon: str | None = None,
+        **own: Any,
+    ) -> Entity:
+        """The entity `key` of this kind (`icon` overrides the kind's when given); `own` sets any other
+        ``Entity`` field or overrides the kind's."""
+        if icon is not None:
+            own["icon"] = icon
+        return Entity(key, self.platform, name, state, value, **{**self.shared, **own})
 
 
 def payload(value: Any) -> str:

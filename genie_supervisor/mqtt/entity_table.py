@@ -1,9 +1,10 @@
 """The fixed part of the Home Assistant entity table: ``STATIC`` and the renderers its rows use.
 
 Each row of ``STATIC`` is an ``Entity`` of ``docs/mqtt.md`` that every node has (the LLM, the voice
-path, the platform, the policy, the switch, the buttons and the command error), in the order discovery lists them;
-``_engine``, ``_telemetry`` and the other helpers read one value out of the ``Inputs`` and return
-None where it is unknown. Entities that depend on the inputs (the policy select, the thermal limit,
+path, the platform, the policy, the switch, the buttons and the command error), in the order discovery
+lists them, built by its ``Kind`` (``MIB``, ``CELSIUS``, ``RUNNING``, ...: what a family of entities
+shares); ``_engine``, ``_tel``, ``_gate`` and the other helpers read one value out of the ``Inputs``
+and return None where it is unknown. Entities that depend on the inputs (the policy select, the thermal limit,
 one pair per watched service and per pause reason) are built in ``entities``. Nothing here does I/O.
 """
 
@@ -12,20 +13,37 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .entity_model import GATE_MODES, LLM_STATES, NO_MODEL_STATES, OFF, ON, PRESS, Entity, Inputs, Render
+from .entity_model import GATE_MODES, LLM_STATES, NO_MODEL_STATES, OFF, ON, PRESS, Entity, Inputs, Kind, Render
 
 
 # -- helpers the table uses -----------------------------------------------------------------
-def _engine(attr: str) -> Render:
-    return lambda i: getattr(i.snapshot.engine, attr) if i.snapshot.engine is not None else None
+def _round(value: float | None, digits: int = 1) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def _engine(attr: str, digits: int | None = None) -> Render:
+    """The engine's `attr` (rounded to `digits` when given), None without engine stats."""
+    return lambda i: _get(i.snapshot.engine, attr, digits)
+
+
+def _tel(attr: str, digits: int | None = None) -> Render:
+    """The telemetry sample's `attr` (rounded to `digits` when given), None without a sample."""
+    return lambda i: _get(i.snapshot.telemetry, attr, digits)
+
+
+def _get(part: Any, attr: str, digits: int | None) -> Any:
+    value = getattr(part, attr) if part is not None else None
+    return value if digits is None else _round(value, digits)
 
 
 def _telemetry(get: Callable[[Any], Any]) -> Render:
+    """`get(sample)` of the telemetry sample, None without a sample."""
     return lambda i: get(i.snapshot.telemetry) if i.snapshot.telemetry is not None else None
 
 
-def _round(value: float | None, digits: int = 1) -> float | None:
-    return None if value is None else round(value, digits)
+def _gate(key: str, digits: int | None = None) -> Render:
+    """The gate metric `key` (rounded to `digits` when given)."""
+    return lambda i: i.gate.get(key) if digits is None else _round(i.gate.get(key), digits)
 
 
 def _llm_state(i: Inputs) -> str | None:
@@ -76,322 +94,100 @@ def _temp(sensor: str) -> Render:
     return _telemetry(lambda t: _round(t.temps_c.get(sensor)))
 
 
+_in_flight = _engine("requests_in_flight")
+_first_token = _engine("first_token_ms", 1)
+_reaction = _gate("reaction_ms_last", 3)
+_max_temp = _telemetry(lambda t: _round(max(t.temps_c.values())) if t.temps_c else None)
+_temps = _telemetry(lambda t: dict(t.temps_c))
+_power_mode = _telemetry(lambda t: {"power_mode": t.power_mode})
+
+
+def _thermal_level(i: Inputs) -> str | None:
+    return (i.snapshot.decision.thermal_level or "none") if i.snapshot.decision else None
+
+
+def _backend(i: Inputs) -> dict[str, Any]:
+    return {"backend": _engine("backend")(i)}
+
+
+def _policy_name(i: Inputs) -> str | None:
+    return i.snapshot.policy_name
+
+
+def _has_policy_error(i: Inputs) -> bool:
+    return i.snapshot.policy_error is not None
+
+
+def _policy_error(i: Inputs) -> dict[str, Any]:
+    return {"message": i.snapshot.policy_error}
+
+
 # -- the table ------------------------------------------------------------------------------
 _DIAG = "diagnostic"
 _MEASURE = "measurement"
+_ON_OFF = {"pl_on": ON, "pl_off": OFF}
+
+SENSOR = Kind()
+ENUM = Kind(device_class="enum")
+COUNT = Kind(state_class=_MEASURE)
+TOTAL = Kind(state_class="total_increasing", unit="tokens")
+TPS = Kind(state_class=_MEASURE, unit="tok/s", precision=1)
+MS = Kind(device_class="duration", state_class=_MEASURE, unit="ms", precision=1)
+WATTS = Kind(device_class="power", state_class=_MEASURE, unit="W", precision=1)
+DIAG = Kind(category=_DIAG)
+MIB = Kind(device_class="data_size", state_class=_MEASURE, unit="MiB", icon="mdi:memory", precision=0)
+CELSIUS = Kind(device_class="temperature", state_class=_MEASURE, unit="°C", precision=1)
+PERCENT = Kind(state_class=_MEASURE, unit="%", precision=0)
+RUNNING = Kind("binary_sensor", device_class="running", extra=_ON_OFF)
+PROBLEM = Kind("binary_sensor", device_class="problem", category=_DIAG, extra=_ON_OFF)
+SWITCH = Kind("switch", extra={**_ON_OFF, "stat_on": ON, "stat_off": OFF})
+BUTTON = Kind("button", category="config", extra={"pl_prs": PRESS})
 
 STATIC: tuple[Entity, ...] = (
     # the LLM
-    Entity(
-        "llm_state",
-        "sensor",
-        "LLM state",
-        "llm/state",
-        _llm_state,
-        device_class="enum",
-        icon="mdi:brain",
-        extra={"ops": list(LLM_STATES)},
-    ),
-    Entity(
-        "gate_mode",
-        "sensor",
-        "Decode gate",
-        "gate/mode",
-        lambda i: i.gate.get("mode"),
-        device_class="enum",
-        icon="mdi:gate",
-        extra={"ops": list(GATE_MODES)},
-    ),
-    Entity("gate_reason", "sensor", "Gate reason", "gate/reason", _gate_reason, icon="mdi:hand-back-left"),
-    Entity(
-        "decode_tps",
-        "sensor",
-        "Decode speed",
-        "llm/decode_tps",
-        lambda i: _round(_engine("decode_tps")(i)),
-        state_class=_MEASURE,
-        unit="tok/s",
-        icon="mdi:speedometer",
-        precision=1,
-    ),
-    Entity(
-        "first_token_ms",
-        "sensor",
-        "First-token latency",
-        "llm/first_token_ms",
-        lambda i: _round(_engine("first_token_ms")(i)),
-        device_class="duration",
-        state_class=_MEASURE,
-        unit="ms",
-        icon="mdi:timer-outline",
-        precision=0,
-    ),
-    Entity(
-        "requests_in_flight",
-        "sensor",
-        "Requests in flight",
-        "llm/requests_in_flight",
-        _engine("requests_in_flight"),
-        state_class=_MEASURE,
-        icon="mdi:progress-clock",
-    ),
-    Entity(
-        "requests_queued",
-        "sensor",
-        "Requests queued",
-        "llm/requests_queued",
-        _engine("requests_queued"),
-        state_class=_MEASURE,
-        icon="mdi:tray-full",
-    ),
-    Entity(
-        "tokens_total",
-        "sensor",
-        "Tokens generated",
-        "llm/tokens_total",
-        _engine("tokens_total"),
-        state_class="total_increasing",
-        unit="tokens",
-        icon="mdi:counter",
-    ),
-    Entity(
-        "model",
-        "sensor",
-        "Model",
-        "llm/model",
-        _model,
-        attributes=lambda i: {"backend": _engine("backend")(i)},
-        icon="mdi:file-cog",
-    ),
-    Entity(
-        "model_memory",
-        "sensor",
-        "Model memory",
-        "llm/weights_mb",
-        lambda i: _round(_engine("weights_mb")(i)),
-        device_class="data_size",
-        state_class=_MEASURE,
-        unit="MiB",
-        icon="mdi:memory",
-        category=_DIAG,
-        precision=0,
-    ),
-    Entity(
-        "kv_memory",
-        "sensor",
-        "KV cache memory",
-        "llm/kv_mb",
-        lambda i: _round(_engine("kv_mb")(i)),
-        device_class="data_size",
-        state_class=_MEASURE,
-        unit="MiB",
-        icon="mdi:memory",
-        category=_DIAG,
-        precision=0,
-    ),
-    Entity(
-        "reaction_ms",
-        "sensor",
-        "Pause reaction time",
-        "gate/reaction_ms",
-        lambda i: _round(i.gate.get("reaction_ms_last"), 3),
-        device_class="duration",
-        state_class=_MEASURE,
-        unit="ms",
-        icon="mdi:timer-sand",
-        category=_DIAG,
-        precision=1,
-    ),
+    ENUM("llm_state", "LLM state", "llm/state", _llm_state, "mdi:brain", extra={"ops": list(LLM_STATES)}),
+    ENUM("gate_mode", "Decode gate", "gate/mode", _gate("mode"), "mdi:gate", extra={"ops": list(GATE_MODES)}),
+    SENSOR("gate_reason", "Gate reason", "gate/reason", _gate_reason, "mdi:hand-back-left"),
+    TPS("decode_tps", "Decode speed", "llm/decode_tps", _engine("decode_tps", 1), "mdi:speedometer"),
+    MS("first_token_ms", "First-token latency", "llm/first_token_ms", _first_token, "mdi:timer-outline", precision=0),
+    COUNT("requests_in_flight", "Requests in flight", "llm/requests_in_flight", _in_flight, "mdi:progress-clock"),
+    COUNT("requests_queued", "Requests queued", "llm/requests_queued", _engine("requests_queued"), "mdi:tray-full"),
+    TOTAL("tokens_total", "Tokens generated", "llm/tokens_total", _engine("tokens_total"), "mdi:counter"),
+    SENSOR("model", "Model", "llm/model", _model, "mdi:file-cog", attributes=_backend),
+    MIB("model_memory", "Model memory", "llm/weights_mb", _engine("weights_mb", 1), category=_DIAG),
+    MIB("kv_memory", "KV cache memory", "llm/kv_mb", _engine("kv_mb", 1), category=_DIAG),
+    MS("reaction_ms", "Pause reaction time", "gate/reaction_ms", _reaction, "mdi:timer-sand", category=_DIAG),
     # the voice path
-    Entity(
-        "stt_active",
-        "binary_sensor",
-        "STT active",
-        "voice/stt",
-        lambda i: i.snapshot.voice.stt_active,
-        device_class="running",
-        icon="mdi:microphone",
-        extra={"pl_on": ON, "pl_off": OFF},
-    ),
-    Entity(
-        "tts_active",
-        "binary_sensor",
-        "TTS active",
-        "voice/tts",
-        lambda i: i.snapshot.voice.tts_active,
-        device_class="running",
-        icon="mdi:account-voice",
-        extra={"pl_on": ON, "pl_off": OFF},
-    ),
+    RUNNING("stt_active", "STT active", "voice/stt", lambda i: i.snapshot.voice.stt_active, "mdi:microphone"),
+    RUNNING("tts_active", "TTS active", "voice/tts", lambda i: i.snapshot.voice.tts_active, "mdi:account-voice"),
     # the platform
-    Entity(
-        "gpu_temperature",
-        "sensor",
-        "GPU temperature",
-        "platform/gpu_temperature",
-        _temp("gpu"),
-        device_class="temperature",
-        state_class=_MEASURE,
-        unit="°C",
-        precision=1,
+    CELSIUS("gpu_temperature", "GPU temperature", "platform/gpu_temperature", _temp("gpu")),
+    CELSIUS("cpu_temperature", "CPU temperature", "platform/cpu_temperature", _temp("cpu")),
+    CELSIUS(
+        "max_temperature", "Hottest sensor", "platform/max_temperature", _max_temp, attributes=_temps, category=_DIAG
     ),
-    Entity(
-        "cpu_temperature",
-        "sensor",
-        "CPU temperature",
-        "platform/cpu_temperature",
-        _temp("cpu"),
-        device_class="temperature",
-        state_class=_MEASURE,
-        unit="°C",
-        precision=1,
-    ),
-    Entity(
-        "max_temperature",
-        "sensor",
-        "Hottest sensor",
-        "platform/max_temperature",
-        _telemetry(lambda t: _round(max(t.temps_c.values())) if t.temps_c else None),
-        attributes=_telemetry(lambda t: dict(t.temps_c)),
-        device_class="temperature",
-        state_class=_MEASURE,
-        unit="°C",
-        precision=1,
-        category=_DIAG,
-    ),
-    Entity(
-        "gpu_load",
-        "sensor",
-        "GPU load",
-        "platform/gpu_load",
-        _telemetry(lambda t: _round(t.gpu_load_pct)),
-        state_class=_MEASURE,
-        unit="%",
-        icon="mdi:expansion-card",
-        precision=0,
-    ),
-    Entity(
-        "cpu_load",
-        "sensor",
-        "CPU load",
-        "platform/cpu_load",
-        _telemetry(lambda t: _round(t.cpu_load_pct)),
-        state_class=_MEASURE,
-        unit="%",
-        icon="mdi:cpu-64-bit",
-        precision=0,
-    ),
-    Entity(
-        "power",
-        "sensor",
-        "Power",
-        "platform/power",
-        _telemetry(_power),
-        attributes=_telemetry(lambda t: dict(t.power_w)),
-        device_class="power",
-        state_class=_MEASURE,
-        unit="W",
-        precision=1,
-    ),
-    Entity(
-        "ram_available",
-        "sensor",
-        "RAM available",
-        "platform/ram_available",
-        _telemetry(lambda t: _round(t.mem_available_mb, 0)),
-        device_class="data_size",
-        state_class=_MEASURE,
-        unit="MiB",
-        icon="mdi:memory",
-        precision=0,
-    ),
-    Entity(
-        "swap_used",
-        "sensor",
-        "Swap used",
-        "platform/swap_used",
-        _telemetry(lambda t: _round(t.swap_used_mb, 0)),
-        device_class="data_size",
-        state_class=_MEASURE,
-        unit="MiB",
-        icon="mdi:harddisk",
-        precision=0,
-    ),
-    Entity(
-        "platform",
-        "sensor",
-        "Platform",
-        "platform/name",
-        _telemetry(lambda t: t.platform),
-        attributes=_telemetry(lambda t: {"power_mode": t.power_mode}),
-        icon="mdi:chip",
-        category=_DIAG,
+    PERCENT("gpu_load", "GPU load", "platform/gpu_load", _tel("gpu_load_pct", 1), "mdi:expansion-card"),
+    PERCENT("cpu_load", "CPU load", "platform/cpu_load", _tel("cpu_load_pct", 1), "mdi:cpu-64-bit"),
+    WATTS("power", "Power", "platform/power", _telemetry(_power), attributes=_telemetry(lambda t: dict(t.power_w))),
+    MIB("ram_available", "RAM available", "platform/ram_available", _tel("mem_available_mb", 0)),
+    MIB("swap_used", "Swap used", "platform/swap_used", _tel("swap_used_mb", 0), "mdi:harddisk"),
+    SENSOR(
+        "platform", "Platform", "platform/name", _tel("platform"), "mdi:chip", attributes=_power_mode, category=_DIAG
     ),
     # the policy
-    Entity(
-        "active_policy",
-        "sensor",
-        "Active policy",
-        "policy/name",
-        lambda i: i.snapshot.policy_name,
-        icon="mdi:script-text-outline",
-    ),
-    Entity(
-        "policy_error",
-        "binary_sensor",
-        "Policy error",
-        "policy/error",
-        lambda i: i.snapshot.policy_error is not None,
-        attributes=lambda i: {"message": i.snapshot.policy_error},
-        device_class="problem",
-        category=_DIAG,
-        extra={"pl_on": ON, "pl_off": OFF},
-    ),
-    Entity(
-        "thermal_level",
-        "sensor",
-        "Thermal level",
-        "policy/thermal_level",
-        lambda i: (i.snapshot.decision.thermal_level or "none") if i.snapshot.decision else None,
-        icon="mdi:thermometer-alert",
-    ),
+    SENSOR("active_policy", "Active policy", "policy/name", _policy_name, "mdi:script-text-outline"),
+    PROBLEM("policy_error", "Policy error", "policy/error", _has_policy_error, attributes=_policy_error),
+    SENSOR("thermal_level", "Thermal level", "policy/thermal_level", _thermal_level, "mdi:thermometer-alert"),
     # controls
-    Entity(
-        "llm_enabled",
-        "switch",
-        "LLM enabled",
-        "llm/enabled",
-        _llm_enabled,
-        command="llm/enabled/set",
-        icon="mdi:robot",
-        extra={"pl_on": ON, "pl_off": OFF, "stat_on": ON, "stat_off": OFF},
-    ),
-    Entity(
-        "reload_policy",
-        "button",
-        "Reload policy",
-        command="policy/reload",
-        icon="mdi:reload",
-        category="config",
-        extra={"pl_prs": PRESS},
-    ),
-    Entity(
-        "unload_model",
-        "button",
-        "Unload model",
-        command="llm/unload",
-        icon="mdi:eject",
-        category="config",
-        extra={"pl_prs": PRESS},
-    ),
-    Entity(
+    SWITCH("llm_enabled", "LLM enabled", "llm/enabled", _llm_enabled, "mdi:robot", command="llm/enabled/set"),
+    BUTTON("reload_policy", "Reload policy", command="policy/reload", icon="mdi:reload"),
+    BUTTON("unload_model", "Unload model", command="llm/unload", icon="mdi:eject"),
+    DIAG(
         "command_error",
-        "sensor",
         "Last command error",
         "command/last_error",
         _command_error,
+        "mdi:alert-circle-outline",
         attributes=_command_error_attributes,
-        icon="mdi:alert-circle-outline",
-        category=_DIAG,
     ),
 )

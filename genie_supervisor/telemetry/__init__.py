@@ -11,7 +11,7 @@ running tegrastats), ``nvml`` (desktop NVIDIA), ``linux`` (sysfs thermal + psuti
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -25,6 +25,9 @@ from genie_supervisor.telemetry.simulated import SimulatedSource
 from genie_supervisor.telemetry.sysfs import under
 from genie_supervisor.telemetry.tegrastats import TegrastatsSource, parse_tegrastats
 
+if TYPE_CHECKING:
+    from genie_supervisor.config_sections import TelemetryConfig
+
 __all__ = [
     "PLATFORMS",
     "JetsonSource",
@@ -36,6 +39,7 @@ __all__ = [
     "TelemetryError",
     "TelemetrySource",
     "TelemetryUnavailable",
+    "configured_source",
     "create_source",
     "is_jetson",
     "parse_tegrastats",
@@ -108,6 +112,23 @@ def create_source(platform: str = "auto", *, root: str = "/", **options: Any) ->
     detail = "; ".join(f"{name}: {why}" for name, why in skipped.items())
     log.warning("telemetry_unavailable", requested=platform, skipped=skipped)
     raise TelemetryUnavailable(platform, detail or "no candidate source")
+
+
+def configured_source(tel: TelemetryConfig, platform: str | None = None, *, root: str = "/") -> TelemetrySource:
+    """`create_source` for `platform` (default: the configured one); the simulated platform starts
+    from the values of ``tel.simulated``."""
+    platform = platform or tel.platform
+    if platform != "simulated":
+        return create_source(platform, root=root)
+    sim = tel.simulated
+    return create_source(
+        "simulated",
+        temps_c=dict(sim.temps_c),
+        mem_total_mb=sim.mem_total_mb,
+        mem_available_mb=sim.mem_available_mb,
+        script=sim.script or (),
+        loop=sim.loop,
+    )
 
 
 def _try(build: Callable[[], TelemetrySource]) -> tuple[TelemetrySource | None, str | None]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import ast
 import json
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Protocol
@@ -79,8 +79,17 @@ class ToolSyntax(Protocol):
         """(content, calls) for the model's whole output; the text around calls is the content."""
         ...
 
-    def grammar(self, tools: list[dict[str, Any]], choice: str | dict[str, Any], parallel: bool) -> str:
-        """An llguidance Lark grammar for calls to `tools` under `choice` ("required" or a named function)."""
+    def grammar(
+        self,
+        tools: list[dict[str, Any]],
+        choice: str | dict[str, Any],
+        parallel: bool,
+        *,
+        special: Collection[str] = (),
+    ) -> str:
+        """An llguidance Lark grammar for calls to `tools` under `choice` ("required" or a named function);
+        `special`: texts that are special tokens in the model's vocabulary (e.g. Qwen's ``<tool_call>``),
+        written as token references. ValueError for a choice that forces nothing or names no tool."""
         ...
 
 
@@ -468,10 +477,25 @@ def _lark_literal(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
+def _lark_text(text: str, special: Collection[str]) -> str:
+    """`text` as a Lark sequence: string literals, with each special token of the model's vocabulary in it
+    (``<tool_call>`` in Qwen's) written as a token reference, since a string literal cannot match one."""
+    names = sorted((t for t in special if t in text and _TOKEN_REF.fullmatch(t)), key=len, reverse=True)
+    pieces = re.split("(" + "|".join(map(re.escape, names)) + ")", text) if names else [text]
+    return " ".join(p if p in names else _lark_literal(p) for p in pieces if p)
+
+
+_TOKEN_REF = re.compile(r"<[^<>\s\[\]]+>")
+"""What llguidance's ``<name>`` token-reference syntax can name."""
+
+Writer = Callable[[list[dict[str, Any]], "str | dict[str, Any]", bool, Collection[str]], str]
+
+
 def _grammar(
     tools: list[dict[str, Any]],
     choice: str | dict[str, Any],
     parallel: bool,
+    special: Collection[str],
     *,
     prefix: str,
     args_key: str,
@@ -481,8 +505,10 @@ def _grammar(
     """``start`` = one call (or 1+ joined by `separator` when parallel); a call is `prefix`, then
     ``{"name": "<tool>", "<args_key>": `` and the tool's parameters as ``%json``, then ``}`` and `suffix`."""
     chosen = _chosen(tools, choice)
-    lines = [f"start: call ({_lark_literal(separator)} call)*" if parallel else "start: call"]
-    lines.append(f"call: {_lark_literal(prefix)} body {_lark_literal('}' + suffix)}")
+    sep = _lark_text(separator, special)
+    lines = [f"start: call ({sep} call)*" if parallel else "start: call"]
+    call = [_lark_text(prefix, special), "body", _lark_text("}" + suffix, special)]
+    lines.append("call: " + " ".join(p for p in call if p))
     lines.append("body: " + " | ".join(f"fn_{k}" for k in range(len(chosen))))
     for k, tool in enumerate(chosen):
         head = "{" + f'"name": {json.dumps(_function(tool)["name"], ensure_ascii=False)}, "{args_key}": '
@@ -497,7 +523,7 @@ class _Syntax:
     opener: str
     openers: tuple[str, ...]
     parser: _Parser
-    write: Callable[[list[dict[str, Any]], str | dict[str, Any], bool], str]
+    write: Writer
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         """(content, calls); never raises, garbage stays content."""
@@ -506,19 +532,37 @@ class _Syntax:
         except Exception:  # a parser bug must not turn a reply into a 500: the text is content
             return text, []
 
-    def grammar(self, tools: list[dict[str, Any]], choice: str | dict[str, Any], parallel: bool) -> str:
+    def grammar(
+        self,
+        tools: list[dict[str, Any]],
+        choice: str | dict[str, Any],
+        parallel: bool,
+        *,
+        special: Collection[str] = (),
+    ) -> str:
         """The Lark grammar forcing calls to `tools` under `choice` (ValueError for auto/none/unknown)."""
-        return self.write(tools, choice, parallel)
+        return self.write(tools, choice, parallel, special)
 
 
-def _hermes_grammar(tools: list[dict[str, Any]], choice: str | dict[str, Any], parallel: bool) -> str:
+def _hermes_grammar(
+    tools: list[dict[str, Any]], choice: str | dict[str, Any], parallel: bool, special: Collection[str]
+) -> str:
     return _grammar(
-        tools, choice, parallel, prefix="<tool_call>\n", args_key="arguments", suffix="\n</tool_call>", separator="\n"
+        tools,
+        choice,
+        parallel,
+        special,
+        prefix="<tool_call>\n",
+        args_key="arguments",
+        suffix="\n</tool_call>",
+        separator="\n",
     )
 
 
-def _llama3_grammar(tools: list[dict[str, Any]], choice: str | dict[str, Any], parallel: bool) -> str:
-    return _grammar(tools, choice, parallel, prefix="", args_key="parameters", suffix="", separator="; ")
+def _llama3_grammar(
+    tools: list[dict[str, Any]], choice: str | dict[str, Any], parallel: bool, special: Collection[str]
+) -> str:
+    return _grammar(tools, choice, parallel, special, prefix="", args_key="parameters", suffix="", separator="; ")
 
 
 _HERMES_OPENERS = (

@@ -411,6 +411,27 @@ def test_hermes_grammar_parallel_and_named(matcher: Any) -> None:
     assert HERMES.parse(both)[1] == [ToolCall("lights_off", {}), ToolCall("get_weather", {"city": "Oslo"})]
 
 
+class _QwenLikeTokenizer(_ByteTokenizer):
+    """Bytes plus <tool_call> and </tool_call> as special tokens, as in Qwen2.5's and Qwen3's vocabularies."""
+
+    tokens = [*_ByteTokenizer.tokens, b"\xff<tool_call>", b"\xff</tool_call>"]
+    special_token_ids = [256, 257, 258]
+
+
+def test_hermes_grammar_uses_special_tokens_of_the_vocabulary() -> None:
+    """Where <tool_call> is a special token the grammar names it, so the model writes the token it was taught."""
+    llguidance = pytest.importorskip("llguidance")
+    tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_QwenLikeTokenizer()))
+    g = HERMES.grammar(TOOLS, "required", parallel=False, special={"<tool_call>", "</tool_call>", "<|im_end|>"})
+    compiled = llguidance.LLMatcher.grammar_from_lark(g)
+    assert llguidance.LLMatcher.validate_grammar(compiled, tokenizer) == ""
+    body = list(b'\n{"name": "lights_off", "arguments": {}}\n')
+    m = llguidance.LLMatcher(tokenizer, compiled, log_level=0)
+    assert m.consume_tokens([257, *body, 258]) and m.is_accepting()
+    spelled = llguidance.LLMatcher(tokenizer, compiled, log_level=0)
+    assert not spelled.consume_tokens(list(b"<tool_call>"))
+
+
 def test_llama3_grammar_writes_parameters_calls(matcher: Any) -> None:
     """Llama 3's grammar takes bare {"name", "parameters"} calls, "; "-separated when parallel."""
     g = LLAMA3.grammar(TOOLS, "required", parallel=True)

@@ -22,22 +22,22 @@ def _chat_cases(fixture: str) -> list[dict[str, Any]]:
     return [r for r in rows if r["kind"] == "chat"]
 
 
-def test_smollm2_template_renders_llama_cpp_prompts(smollm2_template: str) -> None:
-    """SmolLM2's GGUF template gives llama.cpp's prompt text for every chat case."""
-    cases = _chat_cases("smollm2-135m-q4_1")
+@pytest.mark.parametrize(
+    ("fixture", "arch"),
+    [
+        pytest.param("smollm2-135m-q4_1", "llama", id="smollm2"),
+        pytest.param("gemma3-270m-q4_k_m", "gemma3", id="gemma3"),
+    ],
+)
+def test_template_renders_llama_cpp_prompts(request: pytest.FixtureRequest, fixture: str, arch: str) -> None:
+    """SmolLM2's GGUF template, and without a template gemma3's turn format, give the prompt text llama.cpp
+    used for every chat case."""
+    template = request.getfixturevalue("smollm2_template") if arch == "llama" else None
+    cases = _chat_cases(fixture)
     assert cases
     for case in cases:
         messages = [{"role": "user", "content": case["message"]}]
-        assert render_chat(smollm2_template, messages, arch="llama") == case["prompt_text"]
-
-
-def test_gemma_fallback_renders_llama_cpp_prompts() -> None:
-    """Without a template, gemma3 gets the turn format llama.cpp used for its chat cases."""
-    cases = _chat_cases("gemma3-270m-q4_k_m")
-    assert cases
-    for case in cases:
-        messages = [{"role": "user", "content": case["message"]}]
-        assert render_chat(None, messages, arch="gemma3") == case["prompt_text"]
+        assert render_chat(template, messages, arch=arch) == case["prompt_text"]
 
 
 def test_gemma_fallback_folds_system_into_first_user_turn() -> None:

@@ -39,22 +39,24 @@ def model(request: pytest.FixtureRequest) -> tuple[str, Tokenizer, str]:
     return request.param, Tokenizer.from_gguf(read_gguf(path)), fixture
 
 
-@pytest.fixture(scope="module")
-def smollm2() -> Tokenizer:
-    """SmolLM2's byte-level BPE tokenizer."""
-    path = MODELS_DIR / MODELS["smollm2"][0]
+def _tokenizer(name: str) -> Tokenizer:
+    """`build_tokenizer` on the model `name` of MODELS (a missing file is reported by `missing`)."""
+    path = MODELS_DIR / MODELS[name][0]
     if not path.exists():
         missing(f"model {path} is missing")
     return build_tokenizer(read_gguf(path))
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Tokenizer:
+    """SmolLM2's byte-level BPE tokenizer."""
+    return _tokenizer("smollm2")
 
 
 @pytest.fixture(scope="module")
 def gemma3() -> Tokenizer:
     """Gemma 3's SentencePiece tokenizer."""
-    path = MODELS_DIR / MODELS["gemma3"][0]
-    if not path.exists():
-        missing(f"model {path} is missing")
-    return build_tokenizer(read_gguf(path))
+    return _tokenizer("gemma3")
 
 
 @pytest.mark.parametrize("parse_special", [False, True])

@@ -24,7 +24,7 @@ from pathlib import Path
 import anyio
 
 from bench.record import RESULTS, record
-from engine import Model, SamplingParams, load_model
+from engine import Generation, Model, SamplingParams, load_model
 from genie_supervisor.arbiter import DecodeGate
 from genie_supervisor.logging import configure_logging
 
@@ -51,6 +51,32 @@ async def decode_tps(model: Model, ids: list[int], n: int, gate: DecodeGate | No
     async for _ in gen:  # the engine enters gate.running() itself while it holds the model
         pass
     return gen.stats.decode_tps
+
+
+async def pause_reactions(gen: Generation, gate: DecodeGate, cycles: int, step_s: float, hold_s: float) -> list[float]:
+    """Pause `gate` `cycles` times, each at a random (seeded) point inside a decode step of `gen`, which
+    this runs, and open it `hold_s` after it parked; each pause's reaction (pause -> parked) in ms."""
+    rng = random.Random(0)
+    reactions: list[float] = []
+    first = anyio.Event()
+
+    async def consume() -> None:
+        async for _ in gen:
+            first.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(consume)
+        await first.wait()  # measure decode steps only (a pause during prefill waits one chunk)
+        for _ in range(cycles):
+            await anyio.sleep(rng.uniform(0.5, 2.0) * step_s)  # land anywhere inside a step
+            t0 = time.monotonic()
+            gate.pause({"bench"}, cause_ts=t0)
+            if await gate.wait_parked(30):
+                reactions.append((time.monotonic() - t0) * 1000.0)
+            await anyio.sleep(hold_s)
+            gate.open()
+        tg.cancel_scope.cancel()
+    return reactions
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -82,31 +108,10 @@ async def main(args: argparse.Namespace) -> None:
 
     # 3. pause reaction over many pause/resume cycles during one long generation
     gate = DecodeGate()
-    reactions: list[float] = []
     model.transformer.kv.tokens = []
     gen = model.generate(ids, SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True), gate=gate)
-    rng = random.Random(0)
     step_s = 1.0 / max(tps_gate, 1e-6)
-
-    first = anyio.Event()
-
-    async def consume() -> None:
-        async for _ in gen:
-            first.set()
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(consume)
-        await first.wait()  # measure decode steps only (a pause during prefill waits one chunk)
-        for _ in range(args.cycles):
-            await anyio.sleep(rng.uniform(0.5, 2.0) * step_s)  # land anywhere inside a step
-            t0 = time.monotonic()
-            gate.pause({"bench"}, cause_ts=t0)
-            parked = await gate.wait_parked(30)
-            if parked:
-                reactions.append((time.monotonic() - t0) * 1000.0)
-            await anyio.sleep(0.02)
-            gate.open()
-        tg.cancel_scope.cancel()
+    reactions = await pause_reactions(gen, gate, args.cycles, step_s, hold_s=0.02)
     m = gate.metrics()
 
     p50, p99, step_ms = statistics.median(reactions), pct(reactions, 0.99), step_s * 1000

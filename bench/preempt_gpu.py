@@ -32,6 +32,7 @@ from typing import Any
 import anyio
 import numpy as np
 
+from bench.gate import pause_reactions
 from bench.record import record
 from engine import SamplingParams, load_model
 from engine.synth import preset_config, write_config
@@ -131,26 +132,7 @@ async def decode_reaction(model: Any, cycles: int, n_vocab: int) -> dict[str, An
     gate = DecodeGate()
     model.transformer.kv.tokens = []
     gen = model.generate(ids, SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True), gate=gate)
-    rng = random.Random(0)
-    reactions: list[float] = []
-    first = anyio.Event()
-
-    async def consume() -> None:
-        async for _ in gen:
-            first.set()
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(consume)
-        await first.wait()
-        for _ in range(cycles):
-            await anyio.sleep(rng.uniform(0.5, 2.0) * step_ms / 1000)
-            t0 = time.monotonic()
-            gate.pause({"bench"}, cause_ts=t0)
-            if await gate.wait_parked(30):
-                reactions.append((time.monotonic() - t0) * 1000.0)
-            await anyio.sleep(0.01)
-            gate.open()
-        tg.cancel_scope.cancel()
+    reactions = await pause_reactions(gen, gate, cycles, step_ms / 1000, hold_s=0.01)
     return {
         "decode_step_ms": step_ms,
         "reaction_ms_p50": statistics.median(reactions),
@@ -235,6 +217,18 @@ async def prefill_reaction(model: Any, cycles: int, n_vocab: int, group: int, n_
     }
 
 
+SMOKE_SHAPE: dict[str, Any] = {
+    "n_layers": 4,
+    "n_embd": 256,
+    "n_ff": 512,
+    "n_heads": 4,
+    "n_kv_heads": 2,
+    "n_vocab": 512,
+    "head_dim": None,
+}
+"""Off CuPy (a smoke run of this script): a small model of the same architecture."""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prev", required=True)
@@ -256,19 +250,7 @@ def main() -> None:
         for key in a.models.split(","):
             path = str(Path(tmp) / f"{key}.gguf")
             t0 = time.time()
-            cfg = preset_config(PRESETS[key], fast=True)
-            if a.backend != "cupy":  # smoke: a small model of the same architecture
-                cfg = preset_config(
-                    PRESETS[key],
-                    fast=True,
-                    n_layers=4,
-                    n_embd=256,
-                    n_ff=512,
-                    n_heads=4,
-                    n_kv_heads=2,
-                    n_vocab=512,
-                    head_dim=None,
-                )
+            cfg = preset_config(PRESETS[key], fast=True, **(SMOKE_SHAPE if a.backend != "cupy" else {}))
             write_config(path, cfg)
             new = load_model(path, backend=a.backend, n_ctx=4096, kv_dtype="f16")
             old = prev.load_model(path, backend=a.backend, n_ctx=4096, kv_dtype="f16")

@@ -17,12 +17,11 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.voice_path.daemon import wait_healthy
+from bench.voice_path.daemon import DaemonProcess
 from bench.voice_path.stack import HOST, free_port, wait_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,36 +140,14 @@ def write_files(
     return SoakFiles(config, policy, alt, http, mqtt_port)
 
 
-class Daemon:
+class Daemon(DaemonProcess):
     """`genie-supervisor run --config FILE` as a subprocess, its log (JSON lines) in `log_path`."""
 
     def __init__(
         self, files: SoakFiles, log_path: Path, headers: dict[str, str], env: dict[str, str] | None = None
     ) -> None:
+        super().__init__(files.config, files.http_port, log_path, headers, env)
         self.files = files
-        self.env = env or {}
-        self.url = f"http://{HOST}:{files.http_port}"
-        self.log_path = log_path
-        self.headers = headers
-        self.proc: subprocess.Popen[bytes] | None = None
-        self._log: Any = None
-
-    def start(self, timeout: float = 120) -> None:  # noqa: ASYNC109
-        """Start and wait until /health answers ok."""
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "genie_supervisor", "run", "--config", str(self.files.config)],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            cwd=ROOT,
-            env={**os.environ, **self.env},
-        )
-        wait_healthy(self.url, self.files.http_port, self.proc, self.log_path, timeout, self.headers)
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
 
     def check_alive(self) -> None:
         """Raise when the daemon has exited."""
@@ -184,21 +161,7 @@ class Daemon:
 
     def stop(self) -> int | None:
         """SIGTERM (graceful), SIGKILL after 15 s; the exit status (None if it had to be killed)."""
-        rc: int | None = None
-        if self.proc is not None:
-            if self.proc.poll() is None:
-                self.proc.send_signal(signal.SIGTERM)
-                try:
-                    rc = self.proc.wait(15)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait()
-            else:
-                rc = self.proc.returncode
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-        return rc
+        return self.terminate(15)
 
 
 def log_problems(log_path: Path) -> dict[str, Any]:

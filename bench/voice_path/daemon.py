@@ -118,33 +118,69 @@ def write_config(
     return path, http, stt, tts
 
 
-class Daemon:
-    """`genie-supervisor run --config FILE` as a subprocess, its log in `log_path`."""
+class DaemonProcess:
+    """`genie-supervisor run --config FILE` as a subprocess, its log in `log_path` (the benches' shared part)."""
 
-    def __init__(self, config: Path, http_port: int, policy_file: Path, log_path: Path) -> None:
+    def __init__(
+        self,
+        config: Path,
+        http_port: int,
+        log_path: Path,
+        headers: dict[str, str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.config = config
-        self.url = f"http://{HOST}:{http_port}"
         self.http_port = http_port
-        self.policy_file = policy_file
+        self.url = f"http://{HOST}:{http_port}"
         self.log_path = log_path
+        self.headers = headers or {}
+        self.env = env or {}
         self.proc: subprocess.Popen[bytes] | None = None
         self._log: Any = None
 
     def start(self, timeout: float = 120) -> None:  # noqa: ASYNC109
         """Start and wait until /health says ok (model loaded)."""
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in terminate()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "genie_supervisor", "run", "--config", str(self.config)],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             cwd=ROOT,
+            env={**os.environ, **self.env},
         )
-        wait_healthy(self.url, self.http_port, self.proc, self.log_path, timeout)
+        wait_healthy(self.url, self.http_port, self.proc, self.log_path, timeout, self.headers)
 
     @property
     def pid(self) -> int:
         assert self.proc is not None
         return self.proc.pid
+
+    def terminate(self, grace_s: float) -> int | None:
+        """SIGTERM (the daemon's graceful shutdown), SIGKILL after `grace_s`; closes the log; the exit status
+        (None if it had to be killed)."""
+        rc: int | None = None
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGTERM)
+                try:
+                    rc = self.proc.wait(grace_s)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+            else:
+                rc = self.proc.returncode
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        return rc
+
+
+class Daemon(DaemonProcess):
+    """The voice bench's daemon: one policy file, switched by `use_policy`."""
+
+    def __init__(self, config: Path, http_port: int, policy_file: Path, log_path: Path) -> None:
+        super().__init__(config, http_port, log_path)
+        self.policy_file = policy_file
 
     def use_policy(self, source: Path, timeout: float = 10) -> str:  # noqa: ASYNC109
         """Copy `source` into the daemon's policy file, SIGHUP, wait until it is in force; its name."""
@@ -166,17 +202,8 @@ class Daemon:
         return dict(httpx.get(self.url + "/status", timeout=5).json())
 
     def stop(self) -> None:
-        """SIGTERM (the daemon's graceful shutdown), SIGKILL after 10 s; closes the log."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+        """SIGTERM, SIGKILL after 10 s; closes the log."""
+        self.terminate(10)
 
 
 def log_events(log_path: Path, t0_wall: float, t1_wall: float, names: set[str]) -> list[dict[str, Any]]:

@@ -86,12 +86,13 @@ class Supervisor(SupervisorControls):
         model_loader: Any = None,
         shutdown_timeout_s: float | None = None,
         exit_deadline: ExitDeadline | None = None,
+        gate: DecodeGate | None = None,
     ) -> None:
         """Fakes come in here: a telemetry source (e.g. SimulatedSource), a notifier, a bound
         HTTP socket (tests bind port 0), a model loader. `handle_signals` makes this process's
         SIGTERM/SIGINT/SIGHUP ours (the CLI does; tests usually do not). `exit_deadline` (the CLI's)
         ends the process once a stop has taken `shutdown_timeout_s` (default ``api.shutdown_timeout_s``),
-        even with a worker thread stuck in one long call."""
+        even with a worker thread stuck in one long call. `gate`: a decode gate (e.g. on a fake clock)."""
         self.cfg = cfg
         """The validated config."""
         self.version = __version__
@@ -101,7 +102,7 @@ class Supervisor(SupervisorControls):
         """systemd notifications (inactive without NOTIFY_SOCKET)."""
         self.store = StateStore(hint_timeout_s=cfg.voice.hint_timeout_s, stt_services=cfg.stt_services())
         """The snapshot store every observation goes to."""
-        self.gate = DecodeGate()
+        self.gate = gate or DecodeGate()
         """The decode gate the engine awaits."""
         self.arbiter = Arbiter(self.gate, on_unload=self._on_unload)
         """Applies decisions."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import anyio
 import pytest
@@ -12,16 +13,26 @@ from genie_supervisor.arbiter import Arbiter, DecodeGate
 from genie_supervisor.events import TelemetrySample, VoiceActivity
 from genie_supervisor.policy.schema import Policy
 from genie_supervisor.state import Decision, FiredRule, StateStore
+from tests.clock import FakeClock
 
 
-async def decode_loop(gate: DecodeGate, steps: list[float], n: int, started: anyio.Event | None = None) -> None:
-    """A fake generation: awaits the gate before each of `n` steps and records step times."""
+async def decode_loop(
+    gate: DecodeGate,
+    steps: list[float],
+    n: int,
+    started: anyio.Event | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    stepped: Callable[[], None] = lambda: None,
+) -> None:
+    """A fake generation: awaits the gate before each of `n` steps, records step times on `clock` and
+    calls `stepped` after each."""
     with gate.generation():
         if started is not None:
             started.set()
         for _ in range(n):
             await gate.wait("decode")
-            steps.append(time.monotonic())
+            steps.append(clock())
+            stepped()
             await anyio.lowlevel.checkpoint()
 
 
@@ -41,31 +52,26 @@ async def test_open_gate_passes() -> None:
 
 async def test_pause_parks_and_records_reaction_then_resume_releases() -> None:
     """A paused gate parks the waiter, records reaction time from the cause, and resume releases it."""
-    gate = DecodeGate()
+    clock = FakeClock()
+    gate = DecodeGate(clock)
     started = anyio.Event()
-    released = anyio.Event()
+    steps: list[float] = []
 
-    async def step() -> None:
-        with gate.generation():
-            started.set()
-            await gate.wait("decode")
-            released.set()
-
-    cause = time.monotonic()
-    gate.pause({"stt"}, cause_ts=cause)
+    gate.pause({"stt"}, cause_ts=clock() - 0.002)  # the observation came 2 ms before the pause
     with anyio.fail_after(5):
         async with anyio.create_task_group() as tg:
-            tg.start_soon(step)
+            tg.start_soon(decode_loop, gate, steps, 1, started)
             await started.wait()
             assert await gate.wait_parked(5) is True
-            assert gate.parked and not released.is_set()
+            assert gate.parked and steps == []
             m = gate.metrics()
             assert m["mode"] == "paused" and m["reasons"] == ["stt"] and m["parked_generations"] == 1
-            assert m["reactions"] == 1 and 0 <= m["reaction_ms_last"] < 5000
+            assert m["reactions"] == 1 and m["reaction_ms_last"] == pytest.approx(2.0)
+            clock.advance(0.5)
             gate.open()
-            await released.wait()
     m = gate.metrics()
-    assert m["pauses_total"] == {"stt": 1} and m["paused_seconds"]["stt"] > 0 and m["mode"] == "open"
+    assert len(steps) == 1 and m["pauses_total"] == {"stt": 1} and m["mode"] == "open"
+    assert m["paused_seconds"]["stt"] == pytest.approx(0.5)
 
 
 async def test_wait_parked_without_generation_is_immediate() -> None:
@@ -107,15 +113,31 @@ async def test_wait_parked_returns_when_not_paused() -> None:
 
 
 async def test_throttle_paces_to_cap() -> None:
-    """A throttled gate spaces decode steps to the cap (within 20% over 20 steps at 200 tok/s)."""
-    gate = DecodeGate()
+    """A throttled gate lets one decode step through per 1/cap seconds of its clock: at 200 tok/s, 20 steps
+    after the first take exactly 0.1 s of it, and the time it held them back is counted."""
+    clock = FakeClock()
+    gate = DecodeGate(clock)
     gate.throttle(200)
     steps: list[float] = []
+    box = {"stepped": anyio.Event()}
+
+    def stepped() -> None:
+        box["stepped"].set()
+
     with anyio.fail_after(5):
-        await decode_loop(gate, steps, 21)
-    rate = 20 / (steps[-1] - steps[0])
-    assert rate == pytest.approx(200, rel=0.2)
-    assert gate.metrics()["throttle_wait_seconds"] > 0
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(decode_loop, gate, steps, 21, None, clock, stepped)
+            await box["stepped"].wait()  # the first step passes at once
+            for k in range(2, 22):
+                box["stepped"] = anyio.Event()
+                clock.advance(0.5 / 200)
+                await anyio.sleep(0.02)  # an observation window: half a slot lets no step through
+                assert len(steps) == k - 1
+                clock.advance(0.5 / 200)
+                await box["stepped"].wait()
+                assert len(steps) == k
+    assert steps[-1] - steps[0] == pytest.approx(0.1)
+    assert 0 < gate.metrics()["throttle_wait_seconds"] <= 0.1 + 1e-9  # the clock time it held steps back
 
 
 async def test_throttle_does_not_pace_prefill() -> None:

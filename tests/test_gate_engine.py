@@ -13,8 +13,10 @@ import pytest
 
 from engine import SamplingParams
 from genie_supervisor.app import Supervisor
+from genie_supervisor.arbiter import DecodeGate
 from genie_supervisor.llm.host import HostedGeneration
 from genie_supervisor.telemetry import SimulatedSource
+from tests.clock import FakeClock
 from tests.daemon import client, make_supervisor, wait_for, write_policy
 from tests.models import SMOLLM2, require, shared_model
 
@@ -56,6 +58,43 @@ class Consumer:
         if len(self.times) >= n or self.done.is_set():
             return
         await ev.wait()
+
+
+class SteppingGate(DecodeGate):
+    """A DecodeGate on a fake clock that counts the decode steps asking it and the ones it paced through."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        super().__init__(clock)
+        self.asked = 0
+        """Decode steps that called `wait`."""
+        self.passed = 0
+        """Decode steps that `wait` let through."""
+        self.paced = 0
+        """Of those, the ones let through while throttled."""
+        self._counted: anyio.Event | None = None
+
+    async def wait(self, phase: str, priority: str | None = None) -> None:
+        if phase != "decode":
+            return await super().wait(phase, priority)
+        self.asked += 1
+        self._changed_count()
+        await super().wait(phase, priority)
+        self.passed += 1
+        self.paced += self.mode == "throttled"
+        self._changed_count()
+
+    def _changed_count(self) -> None:
+        if self._counted is not None:
+            self._counted.set()
+            self._counted = None
+
+    async def held_after(self, paced: int) -> None:
+        """Wait until `paced` decode steps went through throttled and the next one waits at the gate (a step
+        that may pass returns from `wait` without a checkpoint, so a step asked and not passed is held)."""
+        while not (self.paced == paced and self.asked == self.passed + 1):
+            assert self.paced <= paced, (self.paced, paced)
+            self._counted = self._counted or anyio.Event()
+            await self._counted.wait()
 
 
 async def reference(sup: Supervisor) -> dict[str, Any]:
@@ -106,13 +145,22 @@ async def test_stt_hint_parks_decode_until_stop_and_holdoff_and_text_is_unchange
 
 
 async def test_thermal_level_throttles_to_cap_with_hysteresis(tmp_path: Path, model_loader: Any) -> None:
-    """Crossing the warm level throttles decode to its cap (tokens/s within 20%), the level holds until the temperature falls below leave_c, and the text is unchanged."""
+    """Crossing the warm level throttles decode to its cap (on the gate's fake clock: no step until the next
+    slot, one step per 1/cap s), the level holds until the temperature falls below leave_c, and the text is
+    unchanged."""
     source = SimulatedSource(temps_c={"cpu": 50.0})
+    clock = FakeClock()
+    gate = SteppingGate(clock)
+    cap = 10.0
     async with make_supervisor(
-        tmp_path, policy=write_policy(tmp_path / "p0.yaml"), model=SMOLLM2, model_loader=model_loader, source=source
+        tmp_path,
+        policy=write_policy(tmp_path / "p0.yaml"),
+        model=SMOLLM2,
+        model_loader=model_loader,
+        source=source,
+        gate=gate,
     ) as sup:
         ref = await reference(sup)
-        cap = round(max(0.5, min(10.0, ref["tps"] / 3)), 2)  # well below this CPU's natural speed
         write_policy(tmp_path / "p0.yaml", "capped", cap=cap)
         assert await sup.reload_policy()
         async with anyio.create_task_group() as tg:
@@ -123,12 +171,13 @@ async def test_thermal_level_throttles_to_cap_with_hysteresis(tmp_path: Path, mo
                 source.set(temps_c={"cpu": 85.0})
                 await wait_for(sup, lambda: sup.gate.mode == "throttled")
                 assert sup.gate.throttle_tps == cap
-                # skip the step that may be running and the first paced one (it runs at once)
-                first = len(c.times) + 1
-                await c.wait_tokens(first + 7)
-                rate = 6 / (c.times[first + 6] - c.times[first])
-                assert abs(rate - cap) <= 0.2 * cap, (rate, cap)
-                assert sup.engine.state == "throttled"
+                # the clock stands still: the first paced step runs at once, the next one waits for its slot
+                await gate.held_after(1)
+                for k in range(2, 5):  # each slot (1/cap s on the fake clock) lets exactly one step through
+                    clock.advance(1.0 / cap)
+                    await gate.held_after(k)
+                assert not c.done.is_set() and sup.engine.state == "throttled"
+                assert sup.gate.metrics()["throttle_wait_seconds"] > 0
 
                 def evaluated_at(temp: float) -> bool:
                     snap = sup.store.snapshot()
@@ -146,7 +195,6 @@ async def test_thermal_level_throttles_to_cap_with_hysteresis(tmp_path: Path, mo
                 await wait_for(sup, lambda: sup.gate.mode == "open")
                 assert sup.store.snapshot().decision.thermal_level is None  # type: ignore[union-attr]
                 await c.done.wait()
-        print(f"\nthrottle cap {cap} tok/s, measured {rate:.2f} tok/s (natural {ref['tps']:.1f} tok/s)")
         assert c.gen.text == ref["text"]
 
 

@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+from engine import SamplingParams
 from genie_supervisor.api.server import bind_socket
 from tests.apitools import http, make_api_supervisor, oai, synth
 from tests.daemon import wait_for
@@ -137,6 +138,32 @@ async def test_voice_request_passes_an_stt_pause_on_llama_server_while_backgroun
                 assert done == ["voice"] and sup.gate.mode == "paused"
                 await client.post("/v1/voice/events", json={"service": "stt", "event": "stop"})
             assert done == ["voice", "background"]
+            await _until(lambda: _proc_state(proc.pid) != "T")
+
+
+async def test_voice_stream_releases_the_stopped_llama_server_once_read_or_closed_unread(tmp_path: Path) -> None:
+    """During an STT pause each voice stream keeps the SIGSTOPped llama-server running until it ends, and
+    releases it once: one read to the end and then closed does not release the other's hold, and one
+    closed unread (aclose) lets the process be stopped again."""
+    sup = make_api_supervisor(tmp_path, _started_config(tmp_path))
+    with anyio.fail_after(80):
+        async with sup, http(sup) as client:
+            backend = sup.models.models["brain"].backend
+            proc = backend.process  # type: ignore[attr-defined]
+            await client.post("/v1/voice/events", json={"service": "stt", "event": "start"})
+            await wait_for(sup, lambda: sup.gate.mode == "paused")
+            await _until(lambda: _proc_state(proc.pid) == "T")
+
+            params = SamplingParams(temperature=0, max_tokens=2)
+            read = await backend.generate(HI, params, "voice")
+            unread = await backend.generate(HI, params, "voice")
+            await _until(lambda: _proc_state(proc.pid) != "T")  # running for the voice replies
+            assert "".join([p.text async for p in read]) == "".join(REPLY[:2])
+            await read.aclose()  # read to the end and closed: one release, not two
+            assert _proc_state(proc.pid) != "T" and sup.gate.mode == "paused"
+            await unread.aclose()  # closed unread: its hold ends too
+            await _until(lambda: _proc_state(proc.pid) == "T")
+            await client.post("/v1/voice/events", json={"service": "stt", "event": "stop"})
             await _until(lambda: _proc_state(proc.pid) != "T")
 
 

@@ -1,19 +1,22 @@
 """Tool calls in a model's own words: the call syntax a chat template teaches, parsed back from the output,
 and the llguidance Lark grammar that forces one when a request says ``tool_choice: required`` or names a tool.
 
-Three syntaxes, picked by `tool_syntax` from markers in the template source:
+Three call syntaxes (four names), picked by `tool_syntax` from markers in the template source:
 
 - ``hermes`` (Qwen2.5, Qwen3, SmolLM3, Hermes): ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``,
   several in a row for parallel calls. ``fallback`` is the same syntax under its own name, for templates that
   know no tools: `fallback_tools_prompt` teaches it in the system message.
 - ``llama3`` (Llama 3.1 / 3.2 / 3.3): bare ``{"name": ..., "parameters": {...}}``, optionally after
   ``<|python_tag|>``, several separated by ``;``; the built-in ``<|python_tag|>python.call(code="...")`` too.
-- ``gemma`` (Gemma 3 has no tool tokens; it gets the fallback prompt): everything ``hermes`` reads, plus what
-  Google's Gemma function-calling guide shows: ``\u0060\u0060\u0060tool_code\\nf(a=1)\\n\u0060\u0060\u0060``,
-  ``[f(a=1), g()]`` and ``{"name": ..., "parameters": {...}}``.
+- ``gemma`` (Gemma 3 has no tool tokens; it gets the fallback prompt): everything ``hermes`` reads, plus
+  Gemma's own habits: the Python list ``[f(a=1), g()]`` and ``{"name": ..., "parameters": {...}}`` of Google's
+  function-calling guide, and the ``tool_code`` code block of Google's Gemma cookbook.
 
 `ToolSyntax.parse` never raises: text that is not a well-formed call (bad JSON, positional Python arguments)
-stays content. Python-style calls are read with `ast` and `ast.literal_eval`, never evaluated.
+stays content. Python-style calls are read with `ast` and `ast.literal_eval`, never evaluated. A stream sends
+the first `content_prefix_len` characters of the output as content and holds the rest (a call may be starting)
+until `parse` reads the whole output. `ToolSyntax.grammar` writes the syntax the prompt taught (Gemma's is
+Hermes, since the fallback prompt teaches that); the API checks it with `engine.constrain`.
 """
 
 from __future__ import annotations

@@ -202,9 +202,12 @@ def test_llama3_text_before_a_call_is_content() -> None:
     assert LLAMA3.parse(text) == ("Sure, checking.", [ToolCall("get_weather", {"city": "Oslo"})])
 
 
-# Gemma 3: Google's "Function calling with Gemma" guide (ai.google.dev/gemma/docs/capabilities/function-calling)
-# has the model answer in a ```tool_code``` block or a Python list of calls; its JSON variant uses "parameters".
+# Gemma 3 has no tool tokens. Google's "Function calling with Gemma" guide
+# (ai.google.dev/gemma/docs/capabilities/function-calling) prompts for a Python list of calls, its sample answer
+# being [get_product_name_by_PID(PID="807ZPKBL9V")], or for {"name": ..., "parameters": ...} JSON; Google's Gemma
+# cookbook agents wrap Python calls in a ```tool_code``` block.
 GEMMA_RECORDED: list[tuple[str, str, list[ToolCall]]] = [
+    ('[get_product_name_by_PID(PID="807ZPKBL9V")]', "", [ToolCall("get_product_name_by_PID", {"PID": "807ZPKBL9V"})]),
     (
         '```tool_code\nget_product_name_by_PID(PID="807ZPKBL9V")\n```',
         "",

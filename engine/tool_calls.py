@@ -657,37 +657,42 @@ def template_supports_tools(template: str | None) -> bool:
     return any(node.name == "tools" and node.ctx == "load" for node in tree.find_all(nodes.Name))
 
 
-def content_prefix_len(syntax: ToolSyntax, text: str) -> int:
+def content_prefix_len(syntax: ToolSyntax, text: str, start: int = 0) -> int:
     """How much of `text` (the output so far) is content whatever comes next: everything before the first
     place a call could start (an opener — ``{``/``[`` only at a line start — or the start of one cut off at
     the end), less the whitespace before it. A stream sends that much as content and holds the rest until
-    `parse` reads the whole output; parse's content then starts with what was sent."""
+    `parse` reads the whole output; parse's content then starts with what was sent. `start`: what was sent
+    already (no opener starts before it), so a stream scans each piece once."""
+    literal, bare = _opener_patterns(syntax.openers)
     cut = len(text)
-    low_openers = [o.lower() for o in syntax.openers]
-    for op in low_openers:
-        if op in ("{", "["):
-            k = _first_at_line_start(text, op)
-        else:
-            k = _find_ci(text, op)
+    m = literal.search(text, start) if literal is not None else None
+    if m is not None:
+        cut = m.start()
+    for ch in bare:
+        k = _first_at_line_start(text, ch, start, cut)
         if k is not None:
-            cut = min(cut, k)
-    for op in low_openers:  # an opener cut off at the end: hold its start
-        for n in range(min(len(op) - 1, len(text)), 0, -1):
-            if text[len(text) - n :].lower() == op[:n]:
+            cut = k
+    for op in syntax.openers:  # an opener cut off at the end: hold its start
+        for n in range(min(len(op) - 1, len(text) - start), 0, -1):
+            if text[len(text) - n :].lower() == op[:n].lower():
                 cut = min(cut, len(text) - n)
                 break
-    return len(text[:cut].rstrip(_WS))
+    return max(start, len(text[:cut].rstrip(_WS)))
 
 
-def _find_ci(text: str, needle: str) -> int | None:
-    m = re.search(re.escape(needle), text, re.IGNORECASE)
-    return None if m is None else m.start()
+@lru_cache(maxsize=8)
+def _opener_patterns(openers: tuple[str, ...]) -> tuple[re.Pattern[str] | None, tuple[str, ...]]:
+    """One case-insensitive pattern for the literal openers, and the bare ones (``{``, ``[``: line starts only)."""
+    bare = tuple(o for o in openers if o in ("{", "["))
+    literal = sorted((o for o in openers if o not in bare), key=len, reverse=True)
+    pattern = re.compile("|".join(map(re.escape, literal)), re.IGNORECASE) if literal else None
+    return pattern, bare
 
 
-def _first_at_line_start(text: str, ch: str) -> int | None:
-    k = text.find(ch)
+def _first_at_line_start(text: str, ch: str, start: int, end: int) -> int | None:
+    k = text.find(ch, start, end)
     while k >= 0:
         if _line_start(text, k):
             return k
-        k = text.find(ch, k + 1)
+        k = text.find(ch, k + 1, end)
     return None

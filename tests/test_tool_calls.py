@@ -303,12 +303,21 @@ def test_content_prefix_holds_back_possible_calls(text: str, streamable: str) ->
     assert text[:n] == streamable
 
 
-def test_streamed_prefix_starts_the_parsed_content() -> None:
-    """Whatever a stream sent early, the parsed content of the whole output starts with it."""
-    text = "Checking the lights now.\n" + QWEN_PARALLEL
-    for end in range(len(text) + 1):
-        sent = text[: content_prefix_len(HERMES, text[:end])]
-        assert HERMES.parse(text)[0].startswith(sent)
+@pytest.mark.parametrize("syntax", list(SYNTAXES.values()), ids=list(SYNTAXES))
+def test_streamed_prefix_starts_the_parsed_content(syntax: Any) -> None:
+    """Token by token, a stream scanning only what it has not sent sends a prefix of the parsed content."""
+    texts = [
+        "Checking the lights now.\n" + QWEN_PARALLEL,
+        'Sure, checking.\n{"name": "get_weather", "parameters": {"city": "Oslo"}}',
+        'I will look that up.\n```tool_code\nconvert(amount=200000, currency="EUR")\n```',
+        "Plain answer with a {brace} and ``` fences ```python\nx = 1\n``` and <b>tags</b>.",
+    ]
+    for text in texts:
+        sent = 0
+        for end in range(len(text) + 1):
+            sent = content_prefix_len(syntax, text[:end], sent)
+            assert sent == content_prefix_len(syntax, text[:end])
+        assert syntax.parse(text)[0].startswith(text[:sent])
 
 
 def test_validate_tools_normalises_and_refuses() -> None:

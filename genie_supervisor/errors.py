@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from engine.errors import cap_text
 
 
 class SupervisorError(Exception):
     """Base class of every error the supervisor raises on purpose."""
+
+    message_template: ClassVar[str] = "{message}"
+    """How the fields of an error that is a dataclass make its message (``str.format`` over them)."""
+
+    def __post_init__(self) -> None:
+        """The message of an error that is a dataclass: `message_template` filled in with its fields."""
+        super().__init__(self.message_template.format_map(vars(self)))
 
 
 class SourceError(SupervisorError):
@@ -61,17 +70,22 @@ class PolicyErrors(SourceErrors):
     issues: list[PolicyError]  # type: ignore[assignment]
 
 
+# Errors with fields are dataclasses (eq=False and repr=False keep an exception's identity and repr):
+# the generated __init__ takes the fields in order; SupervisorError.__post_init__ makes the message.
+
+
+@dataclass(eq=False, repr=False)
 class BudgetError(SupervisorError):
     """Something does not fit in the memory it is allowed: says what, how much, and how much there is."""
 
-    def __init__(self, needed_mb: float, available_mb: float, what: str) -> None:
-        self.needed_mb = needed_mb
-        """Memory the thing needs, in MiB."""
-        self.available_mb = available_mb
-        """Memory it may use, in MiB."""
-        self.what = what
-        """What was refused (e.g. ``model smollm2 with n_ctx 8192``)."""
-        super().__init__(f"{what} needs {needed_mb:.0f} MiB but only {available_mb:.0f} MiB are available")
+    needed_mb: float
+    """Memory the thing needs, in MiB."""
+    available_mb: float
+    """Memory it may use, in MiB."""
+    what: str
+    """What was refused (e.g. ``model smollm2 with n_ctx 8192``)."""
+
+    message_template = "{what} needs {needed_mb:.0f} MiB but only {available_mb:.0f} MiB are available"
 
 
 # -- requests the supervisor does not serve: each class carries its HTTP answer ----------------
@@ -91,70 +105,61 @@ class AdmissionError(SupervisorError):
     retry_after: int | None = None
     """Seconds the client should wait before retrying (the ``Retry-After`` header), None for no header."""
 
+    def __init_subclass__(cls, *, status: int | None = None, code: str | None = None, **kwargs: Any) -> None:
+        """``class X(AdmissionError, status=400, code="..."):`` gives a class its status and code;
+        its ``error_type`` follows from the status (as for every class of the family)."""
+        super().__init_subclass__(**kwargs)
+        cls.status = cls.status if status is None else status
+        cls.code = cls.code if code is None else code
+        cls.error_type = "invalid_request_error" if cls.status < 500 else "server_error"
+
 
 class EngineUnavailable(AdmissionError):
     """No model is loaded (none configured, still loading, failed, or shutting down)."""
 
 
-class RequestRefused(AdmissionError):
+class RequestRefused(AdmissionError, code="refused"):
     """The policy refuses new requests right now (memory pressure)."""
 
-    code = "refused"
 
-
-class ContextTooLong(AdmissionError):
+@dataclass(eq=False, repr=False)
+class ContextTooLong(AdmissionError, status=400, code="context_length_exceeded"):
     """Prompt plus max_tokens exceed the context allowed now."""
 
-    status = 400
-    code = "context_length_exceeded"
-    error_type = "invalid_request_error"
+    needed: int
+    """prompt tokens + max_tokens."""
+    limit: int
+    """The context a new request may use now."""
+    why: str
+    """What sets the limit (``the model's context``, ``the policy``)."""
 
-    def __init__(self, needed: int, limit: int, why: str) -> None:
-        self.needed = needed
-        """prompt tokens + max_tokens."""
-        self.limit = limit
-        """The context a new request may use now."""
-        super().__init__(f"prompt and max_tokens need {needed} tokens but {why} allows {limit}")
+    message_template = "prompt and max_tokens need {needed} tokens but {why} allows {limit}"
 
 
-class QueueFull(AdmissionError):
+@dataclass(eq=False, repr=False)
+class QueueFull(AdmissionError, status=429, code="queue_full"):
     """The queue (or this class's share of it) is full: come back after `retry_after` seconds."""
 
-    status = 429
-    code = "queue_full"
-    error_type = "invalid_request_error"
-
-    def __init__(self, message: str, retry_after: int) -> None:
-        self.retry_after = retry_after
-        """Seconds the client should wait before retrying (the Retry-After header)."""
-        super().__init__(message)
+    message: str
+    """What is full."""
+    retry_after: int
+    """Seconds the client should wait before retrying (the Retry-After header)."""
 
 
-class QueueTimeout(AdmissionError):
+class QueueTimeout(AdmissionError, code="queue_timeout"):
     """A request waited longer than its class's ``max_wait_s``."""
 
-    code = "queue_timeout"
 
-
-class UnknownPriority(AdmissionError):
+class UnknownPriority(AdmissionError, status=400, code="invalid_priority"):
     """A priority class the policy does not define."""
 
-    status = 400
-    code = "invalid_priority"
-    error_type = "invalid_request_error"
 
-
-class BackendUnavailable(AdmissionError):
+class BackendUnavailable(AdmissionError, code="backend_unavailable"):
     """A backend cannot serve (binary missing, server not answering, load failed)."""
 
-    code = "backend_unavailable"
 
-
-class UpstreamError(AdmissionError):
+class UpstreamError(AdmissionError, status=502, code="upstream_error"):
     """llama-server answered a request with an error; its status and message are passed on."""
-
-    status = 502
-    code = "upstream_error"
 
     def __init__(self, status: int, message: str) -> None:
         self.status = status if 400 <= status < 600 else 502
@@ -162,76 +167,67 @@ class UpstreamError(AdmissionError):
         super().__init__(message)
 
 
-class UnknownModel(AdmissionError):
+class UnknownModel(AdmissionError, status=404, code="model_not_found"):
     """No model has this id or role."""
 
-    status = 404
-    code = "model_not_found"
-    error_type = "invalid_request_error"
 
-
-class ModelTooLarge(AdmissionError):
+@dataclass(eq=False, repr=False)
+class ModelTooLarge(AdmissionError, code="insufficient_memory"):
     """A model does not fit the LLM memory budget (even after every allowed eviction)."""
 
-    status = 503
-    code = "insufficient_memory"
-
-    def __init__(self, needed_mb: float, budget_mb: float, message: str) -> None:
-        self.needed_mb = needed_mb
-        """What the model needs (MiB)."""
-        self.budget_mb = budget_mb
-        """The budget (MiB)."""
-        super().__init__(message)
+    needed_mb: float
+    """What the model needs (MiB)."""
+    budget_mb: float
+    """The budget (MiB)."""
+    message: str
+    """The numbers, and what could not be evicted."""
 
 
-class LlmDisabled(AdmissionError):
+class LlmDisabled(AdmissionError, code="llm_disabled"):
     """The LLM is switched off (MQTT switch or API); requests get 503 until it is switched on."""
 
-    code = "llm_disabled"
 
-
-class BadRequest(AdmissionError):
+@dataclass(eq=False, repr=False)
+class BadRequest(AdmissionError, status=400, code="invalid_request"):
     """A request body that is not what the route takes (400, naming the field)."""
 
-    status = 400
-    code = "invalid_request"
-    error_type = "invalid_request_error"
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        self.param = param
-        """The offending field (dotted), if one is to blame."""
-        super().__init__(message)
+    message: str
+    """What is wrong with the body."""
+    param: str | None = None
+    """The offending field (dotted), if one is to blame."""
 
 
 # -- everything else ------------------------------------------------------------------------
 
 
+@dataclass(eq=False, repr=False)
 class CommandError(SupervisorError):
     """A command payload that is not valid: it is logged and ignored."""
 
-    def __init__(self, topic: str, payload: bytes, message: str) -> None:
-        self.topic = topic
-        """Command topic it arrived on."""
-        self.payload = payload
-        """What arrived (for the log)."""
-        self.message = message
-        """What is wrong and what was expected."""
-        super().__init__(f"{topic}: {message}")
+    topic: str
+    """Command topic it arrived on."""
+    payload: bytes
+    """What arrived (for the log)."""
+    message: str
+    """What is wrong and what was expected."""
+
+    message_template = "{topic}: {message}"
 
 
 class TelemetryError(SupervisorError):
     """A telemetry source could not produce a sample this time (the sampler logs it and retries)."""
 
 
+@dataclass(eq=False, repr=False)
 class TelemetryUnavailable(TelemetryError):
     """A telemetry source cannot be used on this machine."""
 
-    def __init__(self, platform: str, reason: str) -> None:
-        super().__init__(f"telemetry platform {platform!r} is unavailable: {reason}")
-        self.platform = platform
-        """The platform that was asked for (``jetson``, ``nvml``, ...)."""
-        self.reason = reason
-        """Why it cannot be used, in one line."""
+    platform: str
+    """The platform that was asked for (``jetson``, ``nvml``, ...)."""
+    reason: str
+    """Why it cannot be used, in one line."""
+
+    message_template = "telemetry platform {platform!r} is unavailable: {reason}"
 
 
 class FetchError(RuntimeError):

@@ -17,12 +17,13 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 import structlog
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 
 from engine import SamplingParams
 from engine.errors import EngineError
@@ -72,6 +73,27 @@ class Formatter(Protocol):
     def whole(self, result: Result) -> dict[str, Any]: ...
 
 
+def _sse(event: dict[str, Any] | str) -> bytes:
+    data = event if isinstance(event, str) else json.dumps(event, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+@dataclass(frozen=True)
+class Framing:
+    """How a route frames a streamed answer and shapes its errors (default: SSE, OpenAI errors)."""
+
+    media_type: str = "text/event-stream; charset=utf-8"
+    """Content type of a streamed answer."""
+    event: Callable[[dict[str, Any] | str], bytes] = _sse
+    """One streamed event as bytes."""
+    error: Callable[[int, str], dict[str, Any]] | None = None
+    """The error body from (status, message), streamed or not; None: OpenAI's error object."""
+
+
+SSE = Framing()
+"""Server-sent events (the OpenAI and llama-server routes)."""
+
+
 @dataclass
 class Job:
     """One parsed generation request."""
@@ -92,6 +114,8 @@ class Job:
     """The request field token ids came in (errors name ``prompt_param[i]``)."""
     extras: RequestExtras = NO_EXTRAS
     """Tools and constrained output."""
+    framing: Framing = SSE
+    """How the stream is framed and errors shaped (Ollama's NDJSON, for one)."""
 
 
 def _token_ids(prompt: Any) -> bool:
@@ -109,11 +133,6 @@ def _n_vocab(backend: Any) -> int | None:
 def new_id(prefix: str) -> str:
     """An id like OpenAI's (``chatcmpl-...``)."""
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
-
-
-def _sse(event: dict[str, Any] | str) -> bytes:
-    data = event if isinstance(event, str) else json.dumps(event, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {data}\n\n".encode()
 
 
 class GenerationResponse(Response):
@@ -219,7 +238,7 @@ class GenerationResponse(Response):
                 "type": "http.response.start",
                 "status": 200,
                 "headers": [
-                    (b"content-type", b"text/event-stream; charset=utf-8"),
+                    (b"content-type", self.job.framing.media_type.encode()),
                     (b"cache-control", b"no-cache"),
                     (b"x-accel-buffering", b"no"),
                 ],
@@ -227,18 +246,23 @@ class GenerationResponse(Response):
         )
 
     async def _send_event(self, send: Any, event: dict[str, Any] | str) -> None:
-        await send({"type": "http.response.body", "body": _sse(event), "more_body": True})
+        await send({"type": "http.response.body", "body": self.job.framing.event(event), "more_body": True})
 
     async def _fail(self, scope: Any, receive: Any, send: Any, status: int, response: Any, exc: BaseException) -> None:
         if self.disconnected:
             return
         log.info("request_error", status=status, error=str(exc))
+        shape = self.job.framing.error
         try:
             if self.started:
                 code = getattr(exc, "code", None)
-                await self._send_event(send, error_body(status, str(exc), code=code))
+                body = error_body(status, str(exc), code=code) if shape is None else shape(status, str(exc))
+                await self._send_event(send, body)
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
             else:
+                if shape is not None:  # the route's own error shape, the headers (Retry-After) kept
+                    headers = {k: v for k, v in response.headers.items() if k.lower() == "retry-after"}
+                    response = JSONResponse(shape(status, str(exc)), status_code=status, headers=headers)
                 await response(scope, receive, send)
         except OSError:
             self.disconnected = True

@@ -60,12 +60,14 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
     """Messages with string roles and string contents (text parts joined with newlines).
 
     An assistant message may carry ``tool_calls`` (OpenAI's or Ollama's shape; arguments a dict or a JSON
-    string) and then a null or missing content (""); they come out as ``{"id"?, "type": "function",
-    "function": {"name", "arguments": dict}}``. A ``tool`` message has a content and optional string
-    ``tool_call_id`` and ``name``."""
+    string, decoded when it holds an object) and then a null or missing content (""); they come out as
+    ``{"id"?, "type": "function", "function": {"name", "arguments"}}``. A ``tool`` message has a content
+    and optional string ``tool_call_id`` and ``name`` (Ollama's ``tool_name``; else the name of the call it
+    answers)."""
     if not isinstance(messages, list):
         raise TemplateError(f"messages must be a list, not {type(messages).__name__}")
     out: list[dict[str, Any]] = []
+    names: dict[str, str] = {}  # call id -> function name, to name the tool messages that answer them
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict):
             raise TemplateError(f"messages[{i}] must be an object, not {type(msg).__name__}")
@@ -79,6 +81,12 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
                 msg["tool_calls"] = calls
                 if msg.get("content") is None:
                     msg["content"] = ""
+                names.update((c["id"], c["function"]["name"]) for c in calls if "id" in c)
+        if role == "tool":
+            if "name" not in msg and isinstance(msg.get("tool_name"), str):  # Ollama's spelling
+                msg["name"] = msg.pop("tool_name")
+            if "name" not in msg and msg.get("tool_call_id") in names:  # some templates print message.name
+                msg["name"] = names[msg["tool_call_id"]]
         for key in ("tool_call_id", "name"):
             if key in msg and not isinstance(msg[key], str):
                 raise TemplateError(f"messages[{i}].{key} must be a string, not {type(msg[key]).__name__}")
@@ -123,12 +131,13 @@ def _tool_calls(i: int, calls: Any) -> list[dict[str, Any]]:
         if not isinstance(name, str) or not name:
             raise TemplateError(f"{where}.function.name must be a non-empty string, got {name!r}")
         args = fn.get("arguments", {})
-        if isinstance(args, str):
+        if isinstance(args, str):  # OpenAI's JSON string; kept as it is when it is not an object (llama.cpp too)
             try:
-                args = json.loads(args) if args.strip() else {}
+                decoded = json.loads(args) if args.strip() else {}
             except ValueError:
-                raise TemplateError(f"{where}.function.arguments is not valid JSON") from None
-        if not isinstance(args, dict):
+                decoded = None
+            args = decoded if isinstance(decoded, dict) else args
+        elif not isinstance(args, dict):
             raise TemplateError(f"{where}.function.arguments must be a JSON object, not {type(args).__name__}")
         entry: dict[str, Any] = {"type": "function", "function": {"name": name, "arguments": args}}
         if isinstance(call.get("id"), str):

@@ -56,7 +56,7 @@ class ToolCall:
     arguments: dict[str, Any]
     """Its arguments, decoded from the model's JSON (or Python keyword arguments)."""
     id: str | None = None
-    """The call's id: None from `ToolSyntax.parse`; the API assigns one."""
+    """The call's id: None unless the model wrote one (llama.cpp's generic format does); the API assigns one."""
 
 
 class ToolSyntax(Protocol):
@@ -76,6 +76,12 @@ class ToolSyntax(Protocol):
     def openers(self) -> tuple[str, ...]:
         """Every literal that can start a call `parse` reads (case-insensitive); a stream holds text from
         one on (`content_prefix_len`)."""
+        ...
+
+    @property
+    def parallel_calls(self) -> bool:
+        """Whether the family's templates take several calls in one assistant turn (Llama 3's raise on two:
+        the API should answer with one call, `parallel_tool_calls` false)."""
         ...
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
@@ -242,14 +248,22 @@ def _call(obj: Any, *, loose: bool) -> ToolCall | None:
             return None
     if not isinstance(args, dict):
         return None
-    return ToolCall(name=name, arguments=args)
+    call_id = obj.get("id")
+    return ToolCall(name=name, arguments=args, id=call_id if isinstance(call_id, str) and call_id else None)
 
 
 def _calls(value: Any, *, loose: bool) -> list[ToolCall] | None:
-    """One call or a JSON list of calls; None when any of them is not a call."""
+    """One call, a JSON list of calls, or llama.cpp's generic ``{"tool_calls": [...]}`` /
+    ``{"tool_call": {...}}``; None when any of them is not a call. `loose` (inside a tag): an empty list is
+    no call (SmolLM2's ``<tool_call>[]</tool_call>``)."""
+    if isinstance(value, dict) and len(value) == 1:
+        if isinstance(value.get("tool_calls"), list):
+            value = value["tool_calls"]
+        elif isinstance(value.get("tool_call"), dict):
+            value = value["tool_call"]
     items = value if isinstance(value, list) else [value]
     calls = [_call(v, loose=loose) for v in items]
-    if not items or any(c is None for c in calls):
+    if (not items and not (loose and isinstance(value, list))) or any(c is None for c in calls):
         return None
     return [c for c in calls if c is not None]
 
@@ -458,7 +472,7 @@ class _Parser:
             calls.extend(got[0])
             pos = i = got[1]
             after_call = True
-        if not calls:
+        if not after_call:
             return text, []
         rest = text[pos:].lstrip(_WS)
         pieces.append(rest)
@@ -527,6 +541,7 @@ class _Syntax:
     openers: tuple[str, ...]
     parser: _Parser
     write: Writer
+    parallel_calls: bool = True
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         """(content, calls); never raises, garbage stays content."""
@@ -608,6 +623,7 @@ LLAMA3 = _Syntax(
         separators=";",
     ),
     _llama3_grammar,
+    parallel_calls=False,
 )
 GEMMA = _Syntax(
     "gemma",

@@ -222,14 +222,30 @@ def test_messages_with_tool_calls_and_tool_results_validate() -> None:
     assert empty == [{"role": "assistant", "content": "hi"}]
 
 
+def test_tool_messages_are_named_after_their_call() -> None:
+    """A tool message gets the name of the call it answers, or Ollama's tool_name, for templates that print it."""
+    unnamed = {"role": "tool", "tool_call_id": "call_1", "content": "4"}
+    assert validate_messages([ASK, CALLED, unnamed])[2]["name"] == "get_weather"
+    ollama = {"role": "tool", "tool_name": "get_weather", "content": "4"}
+    assert validate_messages([ASK, ollama])[1] == {"role": "tool", "name": "get_weather", "content": "4"}
+    stranger = {"role": "tool", "tool_call_id": "call_9", "content": "4"}
+    assert "name" not in validate_messages([ASK, CALLED, stranger])[2]
+
+
+def test_arguments_that_are_not_a_json_object_stay_a_string() -> None:
+    """Arguments a client sends as a string that is not a JSON object reach the template as that string."""
+    for raw in ("{nope", "[1]"):
+        call = {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": raw}}]}
+        assert validate_messages([call])[0]["tool_calls"][0]["function"]["arguments"] == raw
+
+
 @pytest.mark.parametrize(
     ("message", "match"),
     [
         ({"role": "assistant", "content": None}, "content must be a string"),
         ({"role": "assistant", "tool_calls": "x"}, r"tool_calls must be a list"),
         ({"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}, r"function\.name"),
-        ({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{nope"}}]}, "not valid JSON"),
-        ({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}, "JSON object"),
+        ({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": [1]}}]}, "JSON object"),
         ({"role": "assistant", "tool_calls": [{"name": "f"}]}, r"\.function must be an object"),
         ({"role": "tool", "content": "x", "tool_call_id": 5}, "tool_call_id must be a string"),
         ({"role": "tool"}, "content is missing"),

@@ -89,6 +89,29 @@ HERMES_RECORDED: list[tuple[str, str, list[ToolCall]]] = [
 ]
 
 
+# SmolLM2's trained format (its model card's tool prompt; Ollama's smollm2 template): a JSON list in the tag,
+# "[]" for no call; and llama.cpp's generic JSON format (tests/test-chat.cpp, COMMON_CHAT_FORMAT_GENERIC).
+HERMES_RECORDED += [
+    (
+        '<tool_call>[\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n]</tool_call>',
+        "",
+        [ToolCall("get_weather", {"city": "Paris"})],
+    ),
+    (
+        '<tool_call>[{"name": "a", "arguments": {}}, {"name": "b", "arguments": {"n": 2}}]</tool_call>',
+        "",
+        [ToolCall("a", {}), ToolCall("b", {"n": 2})],
+    ),
+    ("I cannot help with that.\n<tool_call>[]</tool_call>", "I cannot help with that.", []),
+    ('{"tool_call": {"name": "special_function", "arguments": {"arg1": 1}}}', "", [SPECIAL]),
+    (
+        '{"tool_calls": [{"name": "special_function", "arguments": {"arg1": 1}, "id": "123456789"}]}',
+        "",
+        [ToolCall("special_function", {"arg1": 1}, id="123456789")],
+    ),
+]
+
+
 @pytest.mark.parametrize(("text", "content", "calls"), HERMES_RECORDED)
 def test_hermes_parses_recorded_outputs(text: str, content: str, calls: list[ToolCall]) -> None:
     """Each recorded Hermes-style output gives llama.cpp's content and calls."""
@@ -276,6 +299,16 @@ def test_gemma_python_calls_are_read_never_run(code: str) -> None:
 def test_syntax_detected_from_template_markers(template: str | None, arch: str, name: str) -> None:
     """<tool_call> means Hermes, python_tag/ipython Llama 3, Gemma without tools Gemma, else the fallback."""
     assert tool_syntax(template, arch).name == name
+
+
+def test_only_llama3_refuses_parallel_calls() -> None:
+    """Llama 3's templates raise on two calls in one turn; the other families take several."""
+    assert {name: s.parallel_calls for name, s in SYNTAXES.items()} == {
+        "hermes": True,
+        "llama3": False,
+        "gemma": True,
+        "fallback": True,
+    }
 
 
 def test_smollm2_template_gets_the_fallback_syntax(smollm2_template: str) -> None:

@@ -5,13 +5,14 @@ get the documented fallback block and the history as <tool_call>/<tool_response>
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from engine.chat_template import RenderBudget, render_chat, validate_messages
 from engine.errors import TemplateBudgetError, TemplateError
-from engine.tool_calls import fallback_tools_prompt, template_supports_tools
+from engine.tool_calls import fallback_tools_prompt, template_supports_tools, tool_syntax
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -126,6 +127,57 @@ def test_qwen25_template_renders_the_tool_history() -> None:
         '<|im_start|>user\n<tool_response>\n{"temp_c": 4}\n</tool_response><|im_end|>\n'
         "<|im_start|>assistant\n"
     )
+
+
+# Qwen3's chat template, verbatim (Qwen/Qwen3-*, tokenizer_config.json "chat_template").
+QWEN3_TEMPLATE = (Path(__file__).parent / "templates" / "qwen3.jinja").read_text(encoding="utf-8")
+SET_LIGHT = {
+    "type": "function",
+    "function": {
+        "name": "set_light",
+        "description": "Turn a light on or off",
+        "parameters": {
+            "type": "object",
+            "properties": {"entity_id": {"type": "string"}, "on": {"type": "boolean"}},
+            "required": ["entity_id", "on"],
+        },
+    },
+}
+
+
+def test_qwen3_template_renders_tools_calls_and_results() -> None:
+    """Qwen3's real template, in the sandbox, renders what Hugging Face's Jinja renders for a tool round trip."""
+    messages = [
+        {"role": "system", "content": "You control a home."},
+        {"role": "user", "content": "Turn off the kitchen light"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "set_light", "arguments": '{"entity_id": "light.kitchen", "on": false}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": '{"ok": true}'},
+    ]
+    assert render_chat(QWEN3_TEMPLATE, messages, tools=[SET_LIGHT]) == (
+        "<|im_start|>system\nYou control a home.\n\n# Tools\n\n"
+        "You may call one or more functions to assist with the user query.\n\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+        + json.dumps(SET_LIGHT)
+        + "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+        '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
+        "<args-json-object>}\n</tool_call><|im_end|>\n"
+        "<|im_start|>user\nTurn off the kitchen light<|im_end|>\n"
+        '<|im_start|>assistant\n<tool_call>\n{"name": "set_light", "arguments": {"entity_id": "light.kitchen", '
+        '"on": false}}\n</tool_call><|im_end|>\n'
+        '<|im_start|>user\n<tool_response>\n{"ok": true}\n</tool_response><|im_end|>\n'
+        "<|im_start|>assistant\n"
+    )
+    assert tool_syntax(QWEN3_TEMPLATE, "qwen3").name == "hermes"
 
 
 def test_without_tools_a_tools_template_renders_as_before() -> None:

@@ -12,8 +12,8 @@ Three call syntaxes (four names), picked by `tool_syntax` from markers in the te
   Gemma's own habits: the Python list ``[f(a=1), g()]`` and ``{"name": ..., "parameters": {...}}`` of Google's
   function-calling guide, and the ``tool_code`` code block of Google's Gemma cookbook.
 
-`ToolSyntax.parse` never raises: text that is not a well-formed call (bad JSON, positional Python arguments)
-stays content. Python-style calls are read with `ast` and `ast.literal_eval`, never evaluated. A stream sends
+`ToolSyntax.parse` (the scanner is `engine.tool_parse`) never raises: text that is not a well-formed call (bad
+JSON, positional Python arguments) stays content; Python-style calls are never evaluated. A stream sends
 the first `content_prefix_len` characters of the output as content and holds the rest (a call may be starting)
 until `parse` reads the whole output. `ToolSyntax.grammar` writes the syntax the prompt taught (Gemma's is
 Hermes, since the fallback prompt teaches that); the API checks it with `engine.constrain`.
@@ -21,7 +21,6 @@ Hermes, since the fallback prompt teaches that); the API checks it with `engine.
 
 from __future__ import annotations
 
-import ast
 import json
 import re
 from collections.abc import Callable, Collection, Sequence
@@ -34,6 +33,7 @@ from jinja2 import nodes
 
 from .errors import TemplateError
 from .template_sandbox import _ENV
+from .tool_parse import PYTHON_TAG, Parser, ToolCall, line_start
 
 __all__ = [
     "ToolCall",
@@ -47,24 +47,12 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class ToolCall:
-    """One call the model asked for."""
-
-    name: str
-    """The function's name, as the model wrote it."""
-    arguments: dict[str, Any]
-    """Its arguments, decoded from the model's JSON (or Python keyword arguments)."""
-    id: str | None = None
-    """The call's id: None unless the model wrote one (llama.cpp's generic format does); the API assigns one."""
-
-
 class ToolSyntax(Protocol):
     """How one family of models writes tool calls."""
 
     @property
     def name(self) -> str:
-        """ "hermes", "llama3", "gemma" or "fallback"."""
+        """The syntax's name: "hermes", "llama3", "gemma" or "fallback"."""
         ...
 
     @property
@@ -203,290 +191,6 @@ def hermes_call_text(name: str, arguments: Any) -> str:
     return f"<tool_call>\n{body}\n</tool_call>"
 
 
-# --- parsing ----------------------------------------------------------------------------------
-
-_DECODER = json.JSONDecoder()
-_WS = " \t\r\n"
-_MAX_PY = 100_000
-"""Longest Python-style call text handed to `ast` (a model's output is bounded anyway)."""
-_WRAPPER_TAGS = ("tool_call", "function_call", "tools", "tool", "response", "json", "xml")
-_TAG = re.compile(r"<(" + "|".join(_WRAPPER_TAGS) + r")>", re.IGNORECASE)
-_FUNCTION_TAG = re.compile(r"""<function(?:=([^>\s]+)|\s+name\s*=\s*"([^"]+)"\s*)>""", re.IGNORECASE)
-_FENCE = re.compile(r"```([A-Za-z_]*)[ \t]*\r?\n?")
-_PYTHON_TAG = "<|python_tag|>"
-
-
-def _json_at(text: str, i: int) -> tuple[Any, int] | None:
-    """The JSON value starting at `i` (after whitespace) and where it ends, or None."""
-    while i < len(text) and text[i] in _WS:
-        i += 1
-    if i >= len(text) or text[i] not in "{[":
-        return None
-    try:
-        return _DECODER.raw_decode(text, i)
-    except (ValueError, RecursionError):
-        return None
-
-
-def _call(obj: Any, *, loose: bool) -> ToolCall | None:
-    """A call from ``{"name", "arguments"|"parameters"}`` (or OpenAI's ``{"function": {...}}``); `loose`
-    (inside a tag that says "this is a call") lets the arguments be missing."""
-    if not isinstance(obj, dict):
-        return None
-    if isinstance(obj.get("function"), dict) and "name" not in obj:
-        obj = obj["function"]
-    name = obj.get("name")
-    if not isinstance(name, str) or not name:
-        return None
-    args = obj.get("arguments", obj.get("parameters"))
-    if args is None and loose and "arguments" not in obj and "parameters" not in obj:
-        args = {}
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except ValueError:
-            return None
-    if not isinstance(args, dict):
-        return None
-    call_id = obj.get("id")
-    return ToolCall(name=name, arguments=args, id=call_id if isinstance(call_id, str) and call_id else None)
-
-
-def _calls(value: Any, *, loose: bool) -> list[ToolCall] | None:
-    """One call, a JSON list of calls, or llama.cpp's generic ``{"tool_calls": [...]}`` /
-    ``{"tool_call": {...}}``; None when any of them is not a call. `loose` (inside a tag): an empty list is
-    no call (SmolLM2's ``<tool_call>[]</tool_call>``)."""
-    if isinstance(value, dict) and len(value) == 1:
-        if isinstance(value.get("tool_calls"), list):
-            value = value["tool_calls"]
-        elif isinstance(value.get("tool_call"), dict):
-            value = value["tool_call"]
-    items = value if isinstance(value, list) else [value]
-    calls = [_call(v, loose=loose) for v in items]
-    if (not items and not (loose and isinstance(value, list))) or any(c is None for c in calls):
-        return None
-    return [c for c in calls if c is not None]
-
-
-def _dotted(node: ast.expr) -> str | None:
-    if isinstance(node, ast.Name):
-        return node.id
-    if isinstance(node, ast.Attribute):
-        head = _dotted(node.value)
-        return None if head is None else f"{head}.{node.attr}"
-    return None
-
-
-def _python_calls(src: str) -> list[ToolCall] | None:
-    """Calls written as Python (``f(a=1)``, one a line, or a list ``[f(a=1), g()]``): keyword arguments with
-    literal values only; Llama's ``python.call(code=...)`` names the tool "python". None for anything else."""
-    src = src.strip()
-    if not src or len(src) > _MAX_PY:
-        return None
-    try:
-        tree = ast.parse(src, mode="exec")
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return None
-    nodes: list[ast.expr] = []
-    for stmt in tree.body:
-        if not isinstance(stmt, ast.Expr):
-            return None
-        value = stmt.value
-        nodes.extend(value.elts if isinstance(value, (ast.List, ast.Tuple)) else [value])
-    calls: list[ToolCall] = []
-    for node in nodes:
-        if not isinstance(node, ast.Call) or node.args:
-            return None
-        name = _dotted(node.func)
-        if name is None:
-            return None
-        if name.endswith(".call") and name.count(".") == 1:
-            name = name[: -len(".call")]
-        args: dict[str, Any] = {}
-        for kw in node.keywords:
-            if kw.arg is None:
-                return None
-            try:
-                args[kw.arg] = ast.literal_eval(kw.value)
-            except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
-                return None
-        calls.append(ToolCall(name=name, arguments=args))
-    return calls or None
-
-
-_Match = tuple[list[ToolCall], int]
-"""The calls a block holds and where the block ends."""
-
-
-def _skip_ws(text: str, i: int) -> int:
-    while i < len(text) and text[i] in _WS:
-        i += 1
-    return i
-
-
-def _close(text: str, i: int, closer: str) -> int | None:
-    """The end of `closer` at `i` (after whitespace), or the text's end when only whitespace is left
-    (a model that stopped before writing it); None otherwise."""
-    i = _skip_ws(text, i)
-    if text[i : i + len(closer)].lower() == closer.lower():
-        return i + len(closer)
-    return len(text) if i >= len(text) else None
-
-
-def _tag_block(text: str, i: int) -> _Match | None:
-    """``<tool_call>`` (or another wrapper tag) around one call or a JSON list of calls."""
-    m = _TAG.match(text, i)
-    if m is None:
-        return None
-    got = _json_at(text, m.end())
-    if got is None:
-        return None
-    calls = _calls(got[0], loose=True)
-    end = _close(text, got[1], f"</{m.group(1)}>")
-    return None if calls is None or end is None else (calls, end)
-
-
-def _function_block(text: str, i: int) -> _Match | None:
-    """``<function=NAME>{args}</function>`` or ``<function name="NAME">{args}</function>``."""
-    m = _FUNCTION_TAG.match(text, i)
-    if m is None:
-        return None
-    got = _json_at(text, m.end())
-    if got is None or not isinstance(got[0], dict):
-        return None
-    end = _close(text, got[1], "</function>")
-    return None if end is None else ([ToolCall(name=m.group(1) or m.group(2), arguments=got[0])], end)
-
-
-class _Parser:
-    """The scanner every syntax shares; the flags say which forms it reads."""
-
-    def __init__(
-        self,
-        *,
-        tags: bool,
-        fences: frozenset[str],
-        python_fences: frozenset[str],
-        python_tag: bool,
-        bare_json: bool,
-        bare_python: bool,
-        separators: str,
-    ) -> None:
-        self.tags = tags
-        self.fences = fences
-        self.python_fences = python_fences
-        self.python_tag = python_tag
-        self.bare_json = bare_json
-        self.bare_python = bare_python
-        self.separators = separators
-
-    # A block at `i`: (calls, end) or None.
-    def block(self, text: str, i: int) -> _Match | None:
-        c = text[i]
-        if c == "<":
-            if self.python_tag and text.startswith(_PYTHON_TAG, i):
-                return self.python_tag_block(text, i + len(_PYTHON_TAG))
-            if self.tags:
-                return _tag_block(text, i) or _function_block(text, i)
-            return None
-        if c == "`":
-            return self.fence_block(text, i)
-        if c in "{[" and _line_start(text, i):
-            return self.tail(text, i)
-        return None
-
-    def fence_block(self, text: str, i: int) -> _Match | None:
-        m = _FENCE.match(text, i)
-        if m is None:
-            return None
-        lang = m.group(1).lower()
-        start = m.end()
-        close = text.find("```", start)
-        inner_end = len(text) if close < 0 else close
-        end = len(text) if close < 0 else close + 3
-        if lang in self.python_fences:
-            calls = _python_calls(text[start:inner_end])
-            return None if calls is None else (calls, end)
-        if lang not in self.fences:
-            return None
-        j = _skip_ws(text, start)
-        inner: _Match | None = None
-        if self.tags and j < len(text) and text[j] == "<":
-            inner = _tag_block(text, j) or _function_block(text, j)
-        elif (got := _json_at(text, j)) is not None:
-            calls = _calls(got[0], loose=False)
-            inner = None if calls is None else (calls, got[1])
-        if inner is None or _skip_ws(text, inner[1]) != inner_end:
-            return None
-        return inner[0], end
-
-    def python_tag_block(self, text: str, i: int) -> _Match | None:
-        """After ``<|python_tag|>``: JSON calls separated by ``;``, or Python-style calls, to the end."""
-        return self.tail(text, i, strict=False) or self.python_tail(text, i)
-
-    def python_tail(self, text: str, i: int) -> _Match | None:
-        calls = _python_calls(text[i:])
-        return None if calls is None else (calls, len(text))
-
-    def tail(self, text: str, i: int, *, strict: bool = True) -> _Match | None:
-        """Bare calls that run to the end of the output: JSON objects (or lists of them) separated by
-        whitespace or `separators`; for Gemma, a Python list of calls."""
-        if self.bare_python and text[_skip_ws(text, i) : _skip_ws(text, i) + 1] == "[":
-            got = self.python_tail(text, i)
-            if got is not None:
-                return got
-        if not self.bare_json and strict:
-            return None
-        calls: list[ToolCall] = []
-        j = i
-        while True:
-            j = _skip_ws(text, j)
-            if j >= len(text):
-                return (calls, j) if calls else None
-            got = _json_at(text, j)
-            if got is None:
-                return None
-            found = _calls(got[0], loose=False)
-            if found is None:
-                return None
-            calls.extend(found)
-            j = _skip_ws(text, got[1])
-            if j < len(text) and text[j] in self.separators:
-                j += 1
-
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
-        calls: list[ToolCall] = []
-        pieces: list[str] = []
-        pos = 0  # start of the content not yet taken
-        i = 0
-        after_call = False
-        while i < len(text):
-            c = text[i]
-            got = self.block(text, i) if c in "<`{[" else None
-            if got is None:
-                i += 1
-                continue
-            before = text[pos:i]
-            pieces.append(before.lstrip(_WS) if after_call else before)
-            pieces[-1] = pieces[-1].rstrip(_WS)
-            calls.extend(got[0])
-            pos = i = got[1]
-            after_call = True
-        if not after_call:
-            return text, []
-        rest = text[pos:].lstrip(_WS)
-        pieces.append(rest)
-        return "\n".join(p for p in pieces if p), calls
-
-
-def _line_start(text: str, i: int) -> bool:
-    """Whether only spaces stand between `i` and the start of its line."""
-    j = i
-    while j > 0 and text[j - 1] in " \t":
-        j -= 1
-    return j == 0 or text[j - 1] == "\n"
-
-
 # --- the syntaxes -----------------------------------------------------------------------------
 
 
@@ -539,7 +243,7 @@ class _Syntax:
     name: str
     opener: str
     openers: tuple[str, ...]
-    parser: _Parser
+    parser: Parser
     write: Writer
     parallel_calls: bool = True
 
@@ -598,7 +302,7 @@ _HERMES_OPENERS = (
     "```\n",
     "{",
 )
-_HERMES_PARSER = _Parser(
+_HERMES_PARSER = Parser(
     tags=True,
     fences=frozenset({"", "json", "xml"}),
     python_fences=frozenset(),
@@ -612,8 +316,8 @@ FALLBACK = _Syntax("fallback", "<tool_call>", _HERMES_OPENERS, _HERMES_PARSER, _
 LLAMA3 = _Syntax(
     "llama3",
     "{",
-    (_PYTHON_TAG, "{", "```json", "```\n"),
-    _Parser(
+    (PYTHON_TAG, "{", "```json", "```\n"),
+    Parser(
         tags=False,
         fences=frozenset({"", "json"}),
         python_fences=frozenset(),
@@ -629,7 +333,7 @@ GEMMA = _Syntax(
     "gemma",
     "<tool_call>",
     (*_HERMES_OPENERS, "```tool_code", "```python", "["),
-    _Parser(
+    Parser(
         tags=True,
         fences=frozenset({"", "json", "xml"}),
         python_fences=frozenset({"tool_code", "python", "py"}),
@@ -653,7 +357,7 @@ def tool_syntax(template: str | None, arch: str) -> ToolSyntax:
     if template is not None and supports:
         if "<tool_call>" in template:
             return HERMES
-        if _PYTHON_TAG in template or "ipython" in template:
+        if PYTHON_TAG in template or "ipython" in template:
             return LLAMA3
     if arch.startswith("gemma") and not supports:
         return GEMMA
@@ -685,7 +389,7 @@ def content_prefix_len(syntax: ToolSyntax, text: str, start: int = 0) -> int:
     if m is not None:
         cut = m.start()
     for ch in bare:
-        k = _first_at_line_start(text, ch, start, cut)
+        k = _first_atline_start(text, ch, start, cut)
         if k is not None:
             cut = k
     for op in syntax.openers:  # an opener cut off at the end: hold its start
@@ -693,7 +397,7 @@ def content_prefix_len(syntax: ToolSyntax, text: str, start: int = 0) -> int:
             if text[len(text) - n :].lower() == op[:n].lower():
                 cut = min(cut, len(text) - n)
                 break
-    return max(start, len(text[:cut].rstrip(_WS)))
+    return max(start, len(text[:cut].rstrip(" \t\r\n")))
 
 
 @lru_cache(maxsize=8)
@@ -705,10 +409,10 @@ def _opener_patterns(openers: tuple[str, ...]) -> tuple[re.Pattern[str] | None, 
     return pattern, bare
 
 
-def _first_at_line_start(text: str, ch: str, start: int, end: int) -> int | None:
+def _first_atline_start(text: str, ch: str, start: int, end: int) -> int | None:
     k = text.find(ch, start, end)
     while k >= 0:
-        if _line_start(text, k):
+        if line_start(text, k):
             return k
         k = text.find(ch, k + 1, end)
     return None

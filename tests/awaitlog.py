@@ -27,3 +27,29 @@ class Log:
                     if pred(item):
                         return item
                 await self._changed.wait()
+
+
+class Arrivals(list[Any]):
+    """A list filled as things arrive (tokens, stream pieces) that tests can await a length of."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.done = anyio.Event()
+        """Set by `finish`: nothing more will come."""
+        self._changed = anyio.Event()
+
+    def add(self, item: Any) -> None:
+        """Append `item` and wake the waiters."""
+        self.append(item)
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    def finish(self) -> None:
+        """Mark the end: every wait returns."""
+        self.done.set()
+        self._changed.set()
+
+    async def wait_len(self, n: int) -> None:
+        """Return once `n` items arrived or nothing more will come."""
+        while len(self) < n and not self.done.is_set():
+            await self._changed.wait()

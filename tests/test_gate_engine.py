@@ -16,6 +16,7 @@ from genie_supervisor.app import Supervisor
 from genie_supervisor.arbiter import DecodeGate
 from genie_supervisor.llm.host import HostedGeneration
 from genie_supervisor.telemetry import SimulatedSource
+from tests.awaitlog import Arrivals
 from tests.clock import FakeClock
 from tests.daemon import client, make_supervisor, wait_for, write_policy
 from tests.models import SMOLLM2, require, shared_model
@@ -33,31 +34,21 @@ def greedy() -> SamplingParams:
 
 
 class Consumer:
-    """Pulls tokens from a generation in its own task and timestamps them; events mark progress."""
+    """Pulls tokens from a generation in its own task and timestamps them; `wait_tokens` awaits progress."""
 
     def __init__(self, gen: HostedGeneration) -> None:
         self.gen = gen
-        self.times: list[float] = []
-        self.done = anyio.Event()
-        self._waiters: list[tuple[int, anyio.Event]] = []
+        self.times = Arrivals()
+        self.done = self.times.done
 
     async def run(self) -> None:
         async with self.gen:
             async for _tok in self.gen:
-                self.times.append(time.monotonic())
-                for n, ev in self._waiters:
-                    if len(self.times) >= n:
-                        ev.set()
-        self.done.set()
-        for _, ev in self._waiters:
-            ev.set()
+                self.times.add(time.monotonic())
+        self.times.finish()
 
     async def wait_tokens(self, n: int) -> None:
-        ev = anyio.Event()
-        self._waiters.append((n, ev))
-        if len(self.times) >= n or self.done.is_set():
-            return
-        await ev.wait()
+        await self.times.wait_len(n)
 
 
 class SteppingGate(DecodeGate):

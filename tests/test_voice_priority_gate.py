@@ -24,7 +24,7 @@ from genie_supervisor.policy.schema import Policy, builtin_policy
 from genie_supervisor.state import StateStore
 from genie_supervisor.telemetry import SimulatedSource
 from genie_supervisor.watchers.wyoming_proxy import WyomingProxy
-from tests.awaitlog import Log
+from tests.awaitlog import Arrivals, Log
 from tests.daemon import client, make_supervisor, wait_for, write_policy
 from tests.models import SMOLLM2
 from tests.test_wyoming_proxy import HOST, client_exchange, free_port, stt_request
@@ -69,9 +69,9 @@ class Stream:
 
     def __init__(self, sup: Supervisor, oa: openai.AsyncOpenAI, priority: str, max_tokens: int) -> None:
         self.sup, self.oa, self.priority, self.max_tokens = sup, oa, priority, max_tokens
-        self.pieces: list[tuple[int, str]] = []
-        self.done = anyio.Event()
-        self._waiters: list[tuple[int, anyio.Event]] = []
+        self.pieces = Arrivals()
+        """(place in ORDER, gate mode) per content piece."""
+        self.done = self.pieces.done
 
     async def run(self) -> None:
         stream = await self.oa.chat.completions.create(
@@ -85,19 +85,11 @@ class Stream:
         )
         async for chunk in stream:
             if any(c.delta.content for c in chunk.choices):
-                self.pieces.append((next(ORDER), self.sup.gate.mode))
-                for n, ev in self._waiters:
-                    if len(self.pieces) >= n:
-                        ev.set()
-        self.done.set()
-        for _, ev in self._waiters:
-            ev.set()
+                self.pieces.add((next(ORDER), self.sup.gate.mode))
+        self.pieces.finish()
 
     async def wait_pieces(self, n: int) -> None:
-        ev = anyio.Event()
-        self._waiters.append((n, ev))
-        if len(self.pieces) < n and not self.done.is_set():
-            await ev.wait()
+        await self.pieces.wait_len(n)
 
 
 async def test_voice_reply_passes_stt_pause_and_holdoff_while_background_stays_parked(

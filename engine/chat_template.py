@@ -212,6 +212,8 @@ def _tool_history_as_text(msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Earlier calls and their results as text for a template without tool support: an assistant's calls
     as ``<tool_call>`` blocks after its content; each run of ``tool`` messages as one user turn of
     ``<tool_response>`` blocks (as Qwen2.5's template writes them)."""
+    if not any(m["role"] == "tool" or m.get("tool_calls") for m in msgs):
+        return msgs
     out: list[dict[str, Any]] = []
     for m in msgs:
         if m["role"] == "tool":

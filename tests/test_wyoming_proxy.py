@@ -59,6 +59,12 @@ class FakeServer:
         await self._server.start(lambda r, w: _Handler(r, w, self))
         return self
 
+    async def __aenter__(self) -> FakeServer:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
     async def stop(self) -> None:
         self.dead = True
         if self.answer_gate is not None:
@@ -204,10 +210,9 @@ def test_scanner_finds_events_however_the_stream_is_split() -> None:
 async def test_stt_bytes_and_events_are_identical_with_and_without_proxy() -> None:
     """Through the proxy the client gets exactly the bytes the server sends directly, and vice versa."""
     port = free_port()
-    server = await FakeServer(port, delay_s=0.01).start()
-    published = Log()
-    request = encode(stt_request())
-    try:
+    async with FakeServer(port, delay_s=0.01) as server:
+        published = Log()
+        request = encode(stt_request())
         async with running_proxy(port, published) as proxy:
             assert proxy.port is not None
             direct = await raw_exchange(port, request)
@@ -222,8 +227,6 @@ async def test_stt_bytes_and_events_are_identical_with_and_without_proxy() -> No
             events_proxied = as_tuples(await client_exchange(proxy.port, stt_request()))
             assert events_proxied == events_direct
             assert events_direct[0][0] == "transcript"
-    finally:
-        await server.stop()
 
 
 @pytest.mark.timeout(20)
@@ -232,18 +235,15 @@ async def test_stt_active_from_transcribe_until_transcript(streaming: bool) -> N
     """STT is active before the server sees `transcribe` and idle when `transcript` is relayed."""
     port = free_port()
     order = Log()
-    server = await FakeServer(port, streaming=streaming, order=order).start()
+    async with FakeServer(port, streaming=streaming, order=order):
 
-    def publish(obs: Any) -> None:
-        if isinstance(obs, VoiceActivity):
-            order(f"stt:{'on' if obs.active else 'off'}:{obs.event}")
+        def publish(obs: Any) -> None:
+            if isinstance(obs, VoiceActivity):
+                order(f"stt:{'on' if obs.active else 'off'}:{obs.event}")
 
-    try:
         async with running_proxy(port, publish) as proxy:
             assert proxy.port is not None
             answer = await client_exchange(proxy.port, stt_request(2))
-    finally:
-        await server.stop()
     assert order.items[0] == "stt:on:transcribe"
     assert order.items[1] == "server:transcribe"
     assert order.items.index("server:audio-stop") < order.items.index("stt:off:transcript")
@@ -255,10 +255,9 @@ async def test_stt_active_from_transcribe_until_transcript(streaming: bool) -> N
 async def test_overlapping_connections_are_separate_sessions() -> None:
     """Two requests at once give two sessions, each switched on and off once."""
     port = free_port()
-    server = await FakeServer(port).start()
-    server.answer_gate = anyio.Event()
-    published = Log()
-    try:
+    async with FakeServer(port) as server:
+        server.answer_gate = anyio.Event()
+        published = Log()
         async with running_proxy(port, published) as proxy, anyio.create_task_group() as tg:
             assert proxy.port is not None
             for _ in range(2):
@@ -266,8 +265,6 @@ async def test_overlapping_connections_are_separate_sessions() -> None:
             await server.received.wait_for(lambda e: e.type == "audio-stop")
             await published.wait_for(lambda _: sum(1 for o in published.items if isinstance(o, VoiceActivity)) == 2)
             server.answer_gate.set()
-    finally:
-        await server.stop()
     acts = [o for o in published.items if isinstance(o, VoiceActivity)]
     sessions = {o.session for o in acts}
     assert len(sessions) == 2
@@ -280,21 +277,20 @@ async def test_audio_stop_is_held_until_the_engine_is_parked() -> None:
     """`audio-stop` reaches the server only after wait_parked returns, and STT was active first."""
     port = free_port()
     order = Log()
-    server = await FakeServer(port, order=order).start()
-    published = Log()
-    entered, release = anyio.Event(), anyio.Event()
+    async with FakeServer(port, order=order) as server:
+        published = Log()
+        entered, release = anyio.Event(), anyio.Event()
 
-    async def wait_parked(max_s: float) -> bool:
-        assert published.voice() and published.voice()[-1][0] is True
-        order("hold:enter")
-        entered.set()
-        with anyio.move_on_after(max_s):
-            await release.wait()
-            order("hold:released")
-            return True
-        return False
+        async def wait_parked(max_s: float) -> bool:
+            assert published.voice() and published.voice()[-1][0] is True
+            order("hold:enter")
+            entered.set()
+            with anyio.move_on_after(max_s):
+                await release.wait()
+                order("hold:released")
+                return True
+            return False
 
-    try:
         async with running_proxy(port, published, wait_parked=wait_parked, hold_max_s=20) as proxy:
             assert proxy.port is not None
             async with AsyncTcpClient(HOST, proxy.port) as client:
@@ -310,8 +306,6 @@ async def test_audio_stop_is_held_until_the_engine_is_parked() -> None:
                     answer = await client.read_event()
             assert answer is not None and answer.type == "transcript"
             assert proxy.stats.holds == 1 and proxy.stats.hold_timeouts == 0
-    finally:
-        await server.stop()
     assert order.items.index("hold:released") < order.items.index("server:audio-stop")
 
 
@@ -322,24 +316,21 @@ async def test_audio_stop_is_forwarded_after_hold_max_when_never_parked(
 ) -> None:
     """An engine that never parks delays `audio-stop` by at most hold_max_s, then it goes through."""
     port = free_port()
-    server = await FakeServer(port).start()
+    async with FakeServer(port):
 
-    async def never_parked(max_s: float) -> bool:
-        if honours_timeout:
-            await anyio.sleep(max_s)
-        else:
-            await anyio.sleep_forever()
-        return False
+        async def never_parked(max_s: float) -> bool:
+            if honours_timeout:
+                await anyio.sleep(max_s)
+            else:
+                await anyio.sleep_forever()
+            return False
 
-    try:
         async with running_proxy(port, Log(), wait_parked=never_parked, hold_max_s=0.2) as proxy:
             assert proxy.port is not None
             answer = await client_exchange(proxy.port, stt_request(2))
             assert [e.type for e in answer] == ["transcript"]
             assert proxy.stats.hold_timeouts == 1
             assert proxy.stats.last_hold_ms is not None and proxy.stats.last_hold_ms >= 150
-    finally:
-        await server.stop()
 
 
 @pytest.mark.timeout(20)
@@ -347,22 +338,21 @@ async def test_audio_stop_is_forwarded_after_hold_max_when_never_parked(
 async def test_tts_active_from_synthesize_until_done(streaming: bool) -> None:
     """TTS is active from `synthesize`/`synthesize-start` to `audio-stop`/`synthesize-stopped`."""
     port = free_port()
-    server = await FakeServer(port, "tts").start()
-    published = Log()
-    text = "The lights are on. Anything else?"
-    if streaming:
-        request = [
-            SynthesizeStart().event(),
-            SynthesizeChunk("The lights are on. ").event(),
-            SynthesizeChunk("Anything else?").event(),
-            Synthesize(text).event(),
-            SynthesizeStop().event(),
-        ]
-        until = "synthesize-stopped"
-    else:
-        request = [Synthesize(text).event()]
-        until = "audio-stop"
-    try:
+    async with FakeServer(port, "tts"):
+        published = Log()
+        text = "The lights are on. Anything else?"
+        if streaming:
+            request = [
+                SynthesizeStart().event(),
+                SynthesizeChunk("The lights are on. ").event(),
+                SynthesizeChunk("Anything else?").event(),
+                Synthesize(text).event(),
+                SynthesizeStop().event(),
+            ]
+            until = "synthesize-stopped"
+        else:
+            request = [Synthesize(text).event()]
+            until = "audio-stop"
         async with running_proxy(port, published, service="tts") as proxy:
             assert proxy.port is not None
             direct: list[Event] = []
@@ -378,8 +368,6 @@ async def test_tts_active_from_synthesize_until_done(streaming: bool) -> None:
                                 break
             assert as_tuples(proxied) == as_tuples(direct)
             await published.wait_for(lambda o: isinstance(o, VoiceActivity) and not o.active)
-    finally:
-        await server.stop()
     first = "synthesize-start" if streaming else "synthesize"
     assert published.voice() == [(True, first), (False, until)]
     assert all(o.service == "tts" for o in published.items if isinstance(o, VoiceActivity))
@@ -436,11 +424,8 @@ async def test_unreachable_upstream_closes_the_client_and_reports_down() -> None
 async def test_health_probe_describe_info() -> None:
     """`describe` gets `info` from a live server; a silent or absent server is down within the deadline."""
     port = free_port()
-    server = await FakeServer(port).start()
-    try:
+    async with FakeServer(port):
         assert await probe_wyoming(HOST, port, 1.0) == (True, "describe ok")
-    finally:
-        await server.stop()
 
     async def silent(stream: Any) -> None:
         async with stream:
@@ -461,10 +446,9 @@ async def test_health_probe_describe_info() -> None:
 async def test_cancelling_serve_closes_the_listener() -> None:
     """Cancelling `serve` stops listening and ends open sessions as idle."""
     port = free_port()
-    server = await FakeServer(port).start()
-    server.answer_gate = anyio.Event()
-    published = Log()
-    try:
+    async with FakeServer(port) as server:
+        server.answer_gate = anyio.Event()
+        published = Log()
         async with anyio.create_task_group() as tg:
             proxy = WyomingProxy("whisper", HOST, 0, HOST, port, "stt", published, health_interval_s=None)
             proxy_port = await tg.start(proxy.serve)
@@ -475,8 +459,6 @@ async def test_cancelling_serve_closes_the_listener() -> None:
             await server.received.wait_for(lambda e: e.type == "audio-stop")
             tg.cancel_scope.cancel()
         await client.disconnect()
-    finally:
-        await server.stop()
     assert published.voice() == [(True, "transcribe"), (False, "close")]
     with pytest.raises(OSError):
         await anyio.connect_tcp(HOST, proxy_port)

@@ -33,12 +33,17 @@ if TYPE_CHECKING:
 
 
 def error_body(
-    status: int, message: str, type_: str | None = None, code: str | None = None, param: str | None = None
+    status: int,
+    message: str,
+    type_: str | None = None,
+    code: str | None = None,
+    param: str | None = None,
+    details: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}``."""
+    """OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}`` (plus `details`)."""
     if type_ is None:
         type_ = "invalid_request_error" if status < 500 else "server_error"
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return {"error": {"message": message, "type": type_, "param": param, "code": code, **(details or {})}}
 
 
 def error_response(
@@ -48,15 +53,17 @@ def error_response(
     code: str | None = None,
     param: str | None = None,
     headers: dict[str, str] | None = None,
+    details: dict[str, Any] | None = None,
 ) -> JSONResponse:
     """An OpenAI-shaped error response."""
-    return JSONResponse(error_body(status, message, type_, code, param), status_code=status, headers=headers)
+    return JSONResponse(error_body(status, message, type_, code, param, details), status_code=status, headers=headers)
 
 
 def admission_response(exc: AdmissionError) -> JSONResponse:
-    """The HTTP answer to an AdmissionError, read off the exception (a ``retry_after`` adds Retry-After)."""
+    """The HTTP answer to an AdmissionError, read off the exception (a ``retry_after`` adds Retry-After;
+    its `details`, e.g. a context overflow's ``n_prompt_tokens`` and ``n_ctx``, join the error object)."""
     headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else None
-    return error_response(exc.status, str(exc), exc.error_type, exc.code, exc.param, headers)
+    return error_response(exc.status, str(exc), exc.error_type, exc.code, exc.param, headers, exc.details())
 
 
 class BodyLimit:
@@ -122,7 +129,7 @@ class BodyLimit:
 
 def create_app(deps: ApiDeps) -> Any:
     """The app with the ops, OpenAI-compatible, llama-server and management routes, serving `deps`."""
-    from . import llama_routes, manage, metrics, openai_routes, ops, security
+    from . import llama_routes, manage, metrics, ollama_routes, openai_routes, ops, security
 
     app = FastAPI(title="genie-supervisor", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.deps = deps
@@ -154,6 +161,7 @@ def create_app(deps: ApiDeps) -> Any:
     app.add_exception_handler(Exception, internal_error)
     app.include_router(ops.router)
     app.include_router(openai_routes.router)
+    app.include_router(ollama_routes.router)
     app.include_router(llama_routes.router)
     app.include_router(manage.router)
     return security.guard(BodyLimit(app, deps.config.api.max_body_bytes), deps.config)

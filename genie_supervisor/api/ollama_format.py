@@ -1,0 +1,130 @@
+"""Ollama's wire format: NDJSON lines, ``{"error": ...}`` bodies, and the chat and generate objects.
+
+    job = Job(..., fmt=ChatFormat("smollm2:latest", syntax), framing=NDJSON)
+
+A chat with ``tools`` sends content only up to where a tool call could begin (the model's syntax:
+`content_prefix_len`), parses the whole output at the end, and sends the calls as Ollama does:
+``message.tool_calls`` = ``[{"id", "function": {"index", "name", "arguments": {...}}}]`` (arguments an
+object, not a JSON string), in one line before the final ``done: true`` line.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from datetime import datetime, timezone
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+from engine.tool_calls import ToolCall, ToolSyntax, content_prefix_len
+
+from ..llm.serving import Piece
+from .generation import Framing, Result
+
+
+def ollama_error(status: int, message: str) -> JSONResponse:
+    """Ollama's error answer: ``{"error": message}`` with `status`."""
+    return JSONResponse({"error": message}, status_code=status)
+
+
+def _line(event: dict[str, Any] | str) -> bytes:
+    data = event if isinstance(event, str) else json.dumps(event, ensure_ascii=False, separators=(",", ":"))
+    return f"{data}\n".encode()
+
+
+NDJSON = Framing(media_type="application/x-ndjson", event=_line, error=lambda _status, message: {"error": message})
+"""One JSON object a line; errors as ``{"error": message}``, streamed or not."""
+
+
+def created_at() -> str:
+    """Now in RFC 3339 with microseconds, as Ollama stamps each line."""
+    return datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+class _Base:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        """The Ollama name the answer carries (``id:latest``)."""
+        self.t0 = time.monotonic()
+
+    def _head(self, done: bool) -> dict[str, Any]:
+        return {"model": self.name, "created_at": created_at(), "done": done}
+
+    def _final(self, r: Result) -> dict[str, Any]:
+        return {
+            "done_reason": r.finish_reason,
+            "total_duration": int((time.monotonic() - self.t0) * 1e9),
+            "load_duration": 0,
+            "prompt_eval_count": r.prompt_tokens,
+            "prompt_eval_duration": int(r.timings.get("prompt_ms", 0.0) * 1e6),
+            "eval_count": r.completion_tokens,
+            "eval_duration": int(r.timings.get("predicted_ms", 0.0) * 1e6),
+        }
+
+    def start(self, model: str) -> list[dict[str, Any]]:
+        return []
+
+
+def tool_calls_out(calls: list[ToolCall]) -> list[dict[str, Any]]:
+    """Ollama's ``tool_calls``: arguments as an object, an id and index per call."""
+    return [
+        {
+            "id": c.id or f"call_{uuid.uuid4().hex[:8]}",
+            "function": {"index": i, "name": c.name, "arguments": c.arguments},
+        }
+        for i, c in enumerate(calls)
+    ]
+
+
+class ChatFormat(_Base):
+    """``/api/chat`` lines: ``message`` deltas, tool calls, then the ``done`` line with counts."""
+
+    def __init__(self, name: str, syntax: ToolSyntax | None = None) -> None:
+        super().__init__(name)
+        self.syntax = syntax
+        """The model's tool-call syntax when the request gave tools (None: all text is content)."""
+        self.text = ""
+        self.sent = 0
+
+    def _message(self, content: str, calls: list[ToolCall] | None = None) -> dict[str, Any]:
+        msg: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            msg["tool_calls"] = tool_calls_out(calls)
+        return msg
+
+    def piece(self, model: str, piece: Piece) -> dict[str, Any]:
+        self.text += piece.text
+        upto = len(self.text) if self.syntax is None else max(self.sent, content_prefix_len(self.syntax, self.text))
+        delta, self.sent = self.text[self.sent : upto], upto
+        return {**self._head(False), "message": self._message(delta)}
+
+    def _parsed(self, text: str) -> tuple[str, list[ToolCall]]:
+        return (text, []) if self.syntax is None else self.syntax.parse(text)
+
+    def end(self, r: Result) -> list[dict[str, Any] | str]:
+        content, calls = self._parsed(r.text)
+        rest = content[self.sent :] if content.startswith(r.text[: self.sent]) else ""
+        lines: list[dict[str, Any] | str] = []
+        if rest or calls:
+            lines.append({**self._head(False), "message": self._message(rest, calls)})
+        lines.append({**self._head(True), "message": self._message(""), **self._final(r)})
+        return lines
+
+    def whole(self, r: Result) -> dict[str, Any]:
+        content, calls = self._parsed(r.text)
+        return {**self._head(True), "message": self._message(content, calls), **self._final(r)}
+
+
+class GenerateFormat(_Base):
+    """``/api/generate`` lines: ``response`` pieces, then the ``done`` line with counts."""
+
+    def piece(self, model: str, piece: Piece) -> dict[str, Any]:
+        return {**self._head(False), "response": piece.text}
+
+    def end(self, r: Result) -> list[dict[str, Any] | str]:
+        return [{**self._head(True), "response": "", **self._final(r)}]
+
+    def whole(self, r: Result) -> dict[str, Any]:
+        return {**self._head(True), "response": r.text, **self._final(r)}

@@ -45,12 +45,14 @@ class FakeServer:
         text: str = "turn on the kitchen lights",
         streaming: bool = False,
         order: Log | None = None,
+        held: bool = False,
     ) -> None:
+        """`held`: answer only once `answer_gate` is set."""
         self.port, self.kind, self.delay_s, self.text = port, kind, delay_s, text
         self.streaming = streaming
         self.received = Log()
         self.order = order if order is not None else Log()
-        self.answer_gate: anyio.Event | None = None
+        self.answer_gate: anyio.Event | None = anyio.Event() if held else None
         self.dead = False
         self._server: AsyncTcpServer | None = None
 
@@ -255,8 +257,7 @@ async def test_stt_active_from_transcribe_until_transcript(streaming: bool) -> N
 async def test_overlapping_connections_are_separate_sessions() -> None:
     """Two requests at once give two sessions, each switched on and off once."""
     port = free_port()
-    async with FakeServer(port) as server:
-        server.answer_gate = anyio.Event()
+    async with FakeServer(port, held=True) as server:
         published = Log()
         async with running_proxy(port, published) as proxy, anyio.create_task_group() as tg:
             assert proxy.port is not None
@@ -377,8 +378,7 @@ async def test_tts_active_from_synthesize_until_done(streaming: bool) -> None:
 async def test_upstream_dying_mid_request_closes_client_and_reports_down_then_up() -> None:
     """A server dying mid-request: client closed, STT idle, service down; up again after restart."""
     port = free_port()
-    server = await FakeServer(port).start()
-    server.answer_gate = anyio.Event()
+    server = await FakeServer(port, held=True).start()
     published = Log()
     try:
         async with running_proxy(port, published, health_interval_s=0.1) as proxy:
@@ -446,8 +446,7 @@ async def test_health_probe_describe_info() -> None:
 async def test_cancelling_serve_closes_the_listener() -> None:
     """Cancelling `serve` stops listening and ends open sessions as idle."""
     port = free_port()
-    async with FakeServer(port) as server:
-        server.answer_gate = anyio.Event()
+    async with FakeServer(port, held=True) as server:
         published = Log()
         async with anyio.create_task_group() as tg:
             proxy = WyomingProxy("whisper", HOST, 0, HOST, port, "stt", published, health_interval_s=None)

@@ -18,11 +18,12 @@ router = APIRouter()
 FINGERPRINT = "genie-supervisor"
 
 
-def _usage(r: Result) -> dict[str, int]:
+def _usage(r: Result) -> dict[str, Any]:
     return {
         "prompt_tokens": r.prompt_tokens,
         "completion_tokens": r.completion_tokens,
         "total_tokens": r.prompt_tokens + r.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": int(r.timings.get("cache_n", 0))},
     }
 
 
@@ -65,6 +66,7 @@ class ChatFormat:
                     "system_fingerprint": FINGERPRINT,
                     "choices": [],
                     "usage": _usage(r),
+                    "timings": r.timings,
                 }
             )
         events.append("[DONE]")
@@ -117,7 +119,7 @@ class CompletionFormat:
     def end(self, r: Result) -> list[dict[str, Any] | str]:
         events: list[dict[str, Any] | str] = [self._obj(r.model, "", r.finish_reason)]
         if self.include_usage:
-            events.append({**self._obj(r.model, "", None), "choices": [], "usage": _usage(r)})
+            events.append({**self._obj(r.model, "", None), "choices": [], "usage": _usage(r), "timings": r.timings})
         events.append("[DONE]")
         return events
 

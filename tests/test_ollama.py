@@ -12,7 +12,7 @@ import anyio
 import ollama
 import pytest
 
-from tests.daemon import client, make_supervisor, write_policy
+from tests.daemon import client, make_supervisor, wait_for, write_policy
 from tests.models import SMOLLM2, require, shared_model
 
 pytestmark = pytest.mark.timeout(120)
@@ -152,3 +152,34 @@ async def test_an_empty_chat_loads_the_model_and_priority_goes_through_admission
             assert refused.value.status_code == 400 and "nope" in refused.value.error
             r = await http.post("/api/chat", json={"model": "default", "messages": MESSAGES, "priority": "nope"})
             assert r.status_code == 400 and "nope" in r.json()["error"]
+
+
+async def test_voice_priority_passes_the_stt_pause_while_tags_and_ps_answer_at_once(tmp_path: Path) -> None:
+    """Under an STT pause a background chat stays parked, tags and ps still answer, a voice chat streams through."""
+    with anyio.fail_after(100):
+        async with (
+            _serving(tmp_path) as (_model, sup, oc),
+            client(sup) as http,
+            ollama.AsyncClient(host=str(http.base_url), headers={"X-Genie-Priority": "voice"}) as voice,
+            anyio.create_task_group() as tg,
+        ):
+            assert (await http.post("/v1/voice/events", json={"service": "stt", "event": "start"})).status_code == 200
+            assert sup.gate.mode == "paused"
+            background: list[Any] = []
+
+            async def ask_in_background() -> None:
+                async for part in await oc.chat(model="default", messages=MESSAGES, options=GREEDY, stream=True):
+                    background.append(part)
+
+            tg.start_soon(ask_in_background)
+            assert await sup.gate.wait_parked(30)
+            with anyio.fail_after(5):
+                assert [m.model for m in (await oc.list()).models] == [NAME, "default:latest"]
+                assert [m.model for m in (await oc.ps()).models] == [NAME]
+            reply = await voice.chat(model="default", messages=MESSAGES, options=GREEDY)
+            assert reply.done and reply.message.content and sup.gate.mode == "paused"
+            assert not background, "the background chat decoded while paused"
+
+            await http.post("/v1/voice/events", json={"service": "stt", "event": "stop"})
+            await wait_for(sup, lambda: bool(background) and background[-1].done)
+            assert "".join(p.message.content or "" for p in background) == reply.message.content

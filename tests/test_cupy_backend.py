@@ -22,6 +22,7 @@ from engine.options import EngineOptions  # noqa: E402
 from engine.quants import dequantize, dequantize_rows  # noqa: E402
 from engine.quants_encode import quantize  # noqa: E402
 from engine.synth import preset_config, write_config, write_synthetic_gguf  # noqa: E402
+from tests.cupy_helpers import MODEL_CASES, SHAPE, rel  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -59,10 +60,6 @@ def _tensor(t: str, rows: int, cols: int, rng: np.random.Generator) -> tuple[Ten
     return TensorInfo("w", t, (rows, cols), raw), dequantize(raw, t, (rows, cols))
 
 
-def _rel(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
-
-
 @pytest.mark.parametrize("t", TYPES)
 def test_gemv_matches_numpy(ops: CupyOps, t: str) -> None:
     """Fused dequantize+GEMV of each type == dequantize then W @ x (odd row count, bias)."""
@@ -71,7 +68,7 @@ def test_gemv_matches_numpy(ops: CupyOps, t: str) -> None:
     x = rng.standard_normal((1, 768), dtype=np.float32)
     b = rng.standard_normal(77, dtype=np.float32)
     y = ops.linear(cp.asarray(x), ops.weight(info), cp.asarray(b))
-    assert _rel(cp.asnumpy(y), w @ x[0] + b) < 1e-5
+    assert rel(cp.asnumpy(y), w @ x[0] + b) < 1e-5
 
 
 @pytest.mark.parametrize("t", TYPES)
@@ -81,12 +78,12 @@ def test_prefill_matmul_and_dequant_match_numpy(ops: CupyOps, t: str) -> None:
     info, w = _tensor(t, 131, 512, rng)
     x = rng.standard_normal((5, 512), dtype=np.float32)
     qw = ops.weight(info)
-    assert _rel(cp.asnumpy(ops.linear(cp.asarray(x), qw)), x @ w.T) < 1e-5
+    assert rel(cp.asnumpy(ops.linear(cp.asarray(x), qw)), x @ w.T) < 1e-5
     half = CupyOps(prefill_dtype="float16")
-    assert _rel(cp.asnumpy(half.linear(cp.asarray(x), qw)), x @ w.T) < 2e-3
+    assert rel(cp.asnumpy(half.linear(cp.asarray(x), qw)), x @ w.T) < 2e-3
     out = cp.empty((131, 512), dtype=cp.float16)
     ops.dequant_f16(qw, 0, 131, out)
-    assert _rel(cp.asnumpy(out).astype(np.float32), w) < 1e-3
+    assert rel(cp.asnumpy(out).astype(np.float32), w) < 1e-3
     out32 = cp.empty((128, 512), dtype=cp.float32)
     ops.dequant_f32(qw, 3, 131, out32)
     np.testing.assert_allclose(cp.asnumpy(out32), w[3:131], rtol=1e-6, atol=1e-6)
@@ -110,7 +107,7 @@ def test_prefill_gemm_tiles_write_in_place(dtype: str, monkeypatch: pytest.Monke
     bias = rng.standard_normal(142, dtype=np.float32)
     y = cp.asnumpy(ops.linear(cp.asarray(x), w, cp.asarray(bias)))
     ref = x.astype(np.float64) @ np.concatenate([wa, wb]).T.astype(np.float64) + bias
-    assert _rel(y, ref) < (2e-3 if dtype == "float16" else 1e-5)
+    assert rel(y, ref) < (2e-3 if dtype == "float16" else 1e-5)
     assert ops._gemm_ok == {dtype == "float16": True}  # GemmEx used (agreed with cp.matmul)
 
 
@@ -122,9 +119,9 @@ def test_mixed_type_concat_runs_each_piece(ops: CupyOps) -> None:
     assert isinstance(w, QWeight) and w.shape == (50, 512) and len(w.parts) == 2
     x = rng.standard_normal((1, 512), dtype=np.float32)
     ref = np.concatenate([wa, wb]) @ x[0]
-    assert _rel(cp.asnumpy(ops.linear(cp.asarray(x), w))[0], ref) < 1e-5
+    assert rel(cp.asnumpy(ops.linear(cp.asarray(x), w))[0], ref) < 1e-5
     x3 = rng.standard_normal((3, 512), dtype=np.float32)
-    assert _rel(cp.asnumpy(ops.linear(cp.asarray(x3), w)), x3 @ np.concatenate([wa, wb]).T) < 1e-5
+    assert rel(cp.asnumpy(ops.linear(cp.asarray(x3), w)), x3 @ np.concatenate([wa, wb]).T) < 1e-5
 
 
 @pytest.mark.parametrize("kind", ["q8_0", "q8_k"])
@@ -186,35 +183,6 @@ def test_argmax_on_device(ops: CupyOps) -> None:
     assert ops.argmax(cp.asarray(x)) == 5
 
 
-SHAPE = dict(n_layers=3, n_embd=256, n_ff=512, n_heads=4, n_kv_heads=2, n_vocab=512)
-MODEL_CASES = [
-    ("llama", "Q4_1", {}),
-    ("llama", "F16", {}),
-    ("llama", "Q5_0", {"tied": False}),
-    ("qwen2", "Q8_0", {}),
-    ("qwen2", "Q5_1", {}),
-    ("qwen2", "BF16", {}),
-    ("qwen3", "Q4_K", {"head_dim": 128}),
-    ("qwen3", "Q6_K", {}),
-    ("qwen3", "Q4_0", {}),
-    ("gemma3", "Q5_K", {"sliding_window": 16, "n_layers": 6}),
-    ("gemma3", "F32", {"sliding_window": 16}),
-]
-
-
-@pytest.fixture(params=["exact", "act_quant"])
-def act_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """`exact`: llama.cpp's q8 activation rounding off in both backends, so the comparison sees
-    the kernels' float error alone. `act_quant`: on (the default); the rounding is chaotic (a
-    1e-6 difference flips a rounding, which grows layer by layer to the quantization noise of
-    ~1-2% of the logits), so two correct backends agree only as well as that noise allows."""
-    if request.param == "exact":
-        import engine.model
-
-        monkeypatch.setattr(engine.model, "ACT_QUANT", {})
-    return str(request.param)
-
-
 @pytest.mark.parametrize("arch,t,extra", MODEL_CASES)
 def test_model_logits_match_numpy(tmp_path: Path, arch: str, t: str, extra: dict, act_mode: str) -> None:
     """Teacher-forced argmax agrees >= 99.5% (prefill path), decode steps agree too."""
@@ -228,13 +196,13 @@ def test_model_logits_match_numpy(tmp_path: Path, arch: str, t: str, extra: dict
     a, b = gpu.logits(ids), ref.logits(ids)
     assert np.isfinite(a).all()
     agree = float(np.mean(a.argmax(1) == b.argmax(1)))
-    assert agree >= (0.995 if exact else 0.95), (agree, _rel(a, b))
-    assert _rel(a, b) < (1e-3 if exact else 4e-2)
+    assert agree >= (0.995 if exact else 0.95), (agree, rel(a, b))
+    assert rel(a, b) < (1e-3 if exact else 4e-2)
     # decode path (one token at a time through the GEMV kernels), vs the prefill logits
     gpu.transformer.kv.tokens = []
     steps = np.stack([gpu.step_logits([tok], i) for i, tok in enumerate(ids[:40])])
     assert float(np.mean(steps.argmax(1) == b[:40].argmax(1))) >= (0.975 if exact else 0.9)
-    assert _rel(steps, b[:40]) < (1e-3 if exact else 4e-2)
+    assert rel(steps, b[:40]) < (1e-3 if exact else 4e-2)
 
 
 def test_greedy_generation_identical_on_smollm2_shape(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -26,10 +26,10 @@ from engine.options import EngineOptions  # noqa: E402
 from engine.sampler import Sampler  # noqa: E402
 from engine.synth import preset_config, write_config, write_synthetic_gguf  # noqa: E402
 from tests.cuda_alloc import AllocCounter  # noqa: E402
+from tests.cupy_helpers import SHAPE, rel  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-SHAPE = dict(n_layers=3, n_embd=256, n_ff=512, n_heads=4, n_kv_heads=2, n_vocab=512)
 CASES = [
     ("llama", "Q4_1", {}, "f16"),
     ("llama", "F16", {}, "f32"),
@@ -62,25 +62,9 @@ CASES = [
 ]
 
 
-def _rel(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
-
-
 EXACT = EngineOptions(cupy_prefill="float32")
 """Models loaded here prefill with fp32 tiles: the decoder is compared with the generic forward
 pass and the NumPy backend at fp32's bounds (default "auto" tiles: tests/test_cupy_prefill.py)."""
-
-
-@pytest.fixture(params=["exact", "act_quant"])
-def act_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """`exact`: llama.cpp's q8 activation rounding off (so only float error is compared);
-    `act_quant`: on. The rounding is chaotic (see tests/test_cupy_backend.py): a 1e-6 difference
-    flips a rounding step now and then, so with it on the bounds are the looser ones used there."""
-    if request.param == "exact":
-        import engine.model
-
-        monkeypatch.setattr(engine.model, "ACT_QUANT", {})
-    return str(request.param)
 
 
 @pytest.mark.parametrize("arch,t,extra,kv", CASES)
@@ -109,7 +93,7 @@ def test_decoder_logits_match_generic(tmp_path: Path, arch: str, t: str, extra: 
     # an int8 cache rounds K/V written by two paths (GEMV here, GEMM there) whose 1e-7 differences
     # flip a rounding step now and then, as llama.cpp's activation rounding does
     bound = (5e-3 if kv == "int8" else 1e-3) if exact else 4e-2
-    assert _rel(a, b) < bound, _rel(a, b)
+    assert rel(a, b) < bound, rel(a, b)
     assert agree >= (0.98 if exact else 0.9), agree
     # the greedy entry point returns the argmax of the same step
     m.transformer.kv.tokens = []
@@ -230,6 +214,7 @@ def test_qgemv_matches_numpy_and_float_path(t: str, rows: int, cols: int, epi: i
     """norm + llama.cpp rounding + integer dot products == NumPy (rms_norm, act_quant, W @ x),
     and == the float kernel with the same rounding up to float summation order."""
     from engine.backends import cupy_decoder as cd
+    from engine.backends import cupy_gemv
     from engine.backends.numpy_backend import NumpyOps
     from engine.gguf_file import TensorInfo
     from engine.kernels import decode_src, qdot_src
@@ -265,10 +250,10 @@ def test_qgemv_matches_numpy_and_float_path(t: str, rows: int, cols: int, epi: i
     n_sm = int(cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["multiProcessorCount"])
     outs = {}
     for use_q in (True, False):
-        cd.USE_QGEMV = use_q
+        cupy_gemv.USE_QGEMV = use_q
         try:
             y = cp.asarray(y0 if epi == 1 else np.full(rows, np.nan, np.float32))
-            ls = cd.gemv_launches(
+            ls = cupy_gemv.gemv_launches(
                 mod.get_function,
                 n_sm,
                 qw,
@@ -282,7 +267,7 @@ def test_qgemv_matches_numpy_and_float_path(t: str, rows: int, cols: int, epi: i
                 rows if epi == 2 else None,
             )
         finally:
-            cd.USE_QGEMV = True
+            cupy_gemv.USE_QGEMV = True
         names = [ln.name for ln in ls]
         if use_q:  # the input rounded once (qprep_x), then the integer GEMV
             assert names[0].startswith("qprep") and names[1].startswith("qgemv"), names
@@ -292,8 +277,8 @@ def test_qgemv_matches_numpy_and_float_path(t: str, rows: int, cols: int, epi: i
             ln()
         outs[use_q] = cp.asnumpy(y).astype(np.float64)
     assert np.isfinite(outs[True]).all()
-    vs_float = _rel(outs[True], outs[False])
-    vs_numpy = _rel(outs[True], ref)
+    vs_float = rel(outs[True], outs[False])
+    vs_numpy = rel(outs[True], ref)
     print(f"qgemv {t} {rows}x{cols} epi{epi}: rel vs float kernel {vs_float:.2e}, vs numpy {vs_numpy:.2e}")
     assert vs_float < 1e-5, vs_float
     assert vs_numpy < 1e-3, vs_numpy

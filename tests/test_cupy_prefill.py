@@ -24,27 +24,9 @@ from engine.backends.numpy_backend import NumpyOps  # noqa: E402
 from engine.kv_cache import Int8Rows, quantize_rows  # noqa: E402
 from engine.options import EngineOptions  # noqa: E402
 from engine.synth import write_synthetic_gguf  # noqa: E402
+from tests.cupy_helpers import MODEL_CASES, SHAPE, rel  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-
-SHAPE = dict(n_layers=3, n_embd=256, n_ff=512, n_heads=4, n_kv_heads=2, n_vocab=512)
-MODEL_CASES = [
-    ("llama", "Q4_1", {}),
-    ("llama", "F16", {}),
-    ("llama", "Q5_0", {"tied": False}),
-    ("qwen2", "Q8_0", {}),
-    ("qwen2", "Q5_1", {}),
-    ("qwen2", "BF16", {}),
-    ("qwen3", "Q4_K", {"head_dim": 128}),
-    ("qwen3", "Q6_K", {}),
-    ("qwen3", "Q4_0", {}),
-    ("gemma3", "Q5_K", {"sliding_window": 16, "n_layers": 6}),
-    ("gemma3", "F32", {"sliding_window": 16}),
-]
-
-
-def _rel(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
 
 
 @pytest.mark.parametrize("arch,t,extra", MODEL_CASES)
@@ -65,10 +47,10 @@ def test_fp16_tiles_keep_teacher_forced_argmax(
     a = gpu.logits(ids)
     b = load_model(p, backend="numpy", n_ctx=512, kv_dtype="f16").logits(ids)
     agree = float(np.mean(a.argmax(1) == b.argmax(1)))
-    print(f"{arch} {t}: fp16 tiles agree {agree:.4f}, relative error {_rel(a, b):.2e}")
+    print(f"{arch} {t}: fp16 tiles agree {agree:.4f}, relative error {rel(a, b):.2e}")
     assert np.isfinite(a).all()
-    assert agree >= 0.995, (agree, _rel(a, b))
-    assert _rel(a, b) < 5e-3
+    assert agree >= 0.995, (agree, rel(a, b))
+    assert rel(a, b) < 5e-3
 
 
 def test_auto_tiles_by_matrix_size() -> None:
@@ -93,7 +75,7 @@ def test_auto_tiles_by_matrix_size() -> None:
         x = rng.standard_normal((9, cols), dtype=np.float32)
         ref = x.astype(np.float64) @ dequantize(raw, t, (rows, cols)).T.astype(np.float64)
         got = cp.asnumpy(ops.linear(cp.asarray(x), w))
-        assert _rel(got, ref) < (2e-3 if want == "float16" else 1e-5), (t, rows, _rel(got, ref))
+        assert rel(got, ref) < (2e-3 if want == "float16" else 1e-5), (t, rows, rel(got, ref))
 
 
 @pytest.mark.parametrize("kv_dtype", ["float32", "float16", "int8"])

@@ -5,8 +5,9 @@ dequantize+GEMV kernels (one warp per row); several tokens (prefill) dequantize 
 preallocated tile buffer - fp16 (tensor cores) for large matrices, fp32 for small ones and for
 stored F32/BF16 (`prefill_dtype="auto"`, the default; or "float16" / "float32" everywhere) - and
 multiply them with one cuBLAS GemmEx per tile, fp32 accumulation, written straight into the
-output. Prefill attention runs strided-batched GEMMs in blocks of query rows whose scores fit a
-fixed buffer. What all this allocates is planned before load: `cupy_plan`. Kernels: `engine.kernels`.
+output (`cupy_blas`). Prefill attention runs strided-batched GEMMs in blocks of query rows whose
+scores fit a fixed buffer (`cupy_attention`). What all this allocates is planned before load:
+`cupy_plan`. Kernels: `engine.kernels`.
 """
 
 from __future__ import annotations
@@ -18,37 +19,21 @@ from typing import Any
 
 import cupy as cp
 import numpy as np
-from cupy_backends.cuda.libs import cublas as _cublas
 
 from .. import kernels
 from ..gguf_file import TensorInfo
 from ..kv_cache import QBLOCK, Int8Rows, kv_write
 from ..options import DEFAULT_OPTIONS, EngineOptions
 from ..quants import dequantize, dequantize_rows
-from .cupy_launch import cublas
-from .cupy_plan import (
-    PREFILL_CHUNK,
-    SCRATCH_ELEMS,
-    resolve_prefill_dtype,
-    score_elems,
-    tile_dtype,
-)
+from .cupy_attention import AttnBuffers, decode_attention, prefill_attention
+from .cupy_blas import CUDA_R_16F, CUDA_R_32F, OP_N, OP_T, gemm
+from .cupy_plan import PREFILL_CHUNK, SCRATCH_ELEMS, resolve_prefill_dtype, tile_dtype
 
 log = logging.getLogger(__name__)
 
 _GELU_C = math.sqrt(2.0 / math.pi)
-# cuBLAS / CUDA enum values (cublas_api.h, library_types.h)
-_OP_N, _OP_T = 0, 1
-_CUDA_R_32F, _CUDA_R_16F = 0, 2
-_COMPUTE_32F = 68  # CUBLAS_COMPUTE_32F: fp32 accumulation (tensor cores for fp16 inputs, no TF32)
-_GEMM_DEFAULT = -1
-_ONE = np.ones(1, dtype=np.float32)
-_ZERO = np.zeros(1, dtype=np.float32)
 WARPS = 4  # rows per GEMV block
 
-_dequant_int8 = cp.ElementwiseKernel(  # int8 KV rows: value x its block's fp16 scale (broadcast)
-    "int8 q, float16 d", "float32 y", "y = (float)q * (float)d", "genie_kv_int8_rows"
-)
 _silu = cp.ElementwiseKernel("float32 g, float32 u", "float32 y", "y = g / (1.0f + expf(-g)) * u", "genie_silu")
 _gelu = cp.ElementwiseKernel(
     "float32 g, float32 u, float32 c",
@@ -109,7 +94,7 @@ class CupyOps:
         ~1e-6, what the whole-model tests pin); None: the options' `cupy_prefill`."""
         self._scratch: cp.ndarray | None = None  # tile buffer (uint8), see _tiles
         self._max_elems = 0  # values of the largest fused matrix (QKV, gate+up): sizes the tiles
-        self._attn: _AttnBuffers | None = None
+        self._attn: AttnBuffers | None = None
         self._gemm_ok: dict[bool, bool] = {}  # per fp16/fp32: GemmEx checked against cp.matmul
         self.prefill_graphs: Any = None  # first-chunk graphs (cupy_prefill_graph), set per model
 
@@ -230,32 +215,9 @@ class CupyOps:
         written in place: no temporary, no copy. wt [m, k] and xs [t, k] fp16 or fp32, C-order."""
         m, k = wt.shape
         t = xs.shape[0]
-        dt = _CUDA_R_16F if wt.dtype == cp.float16 else _CUDA_R_32F
-        handle = cp.cuda.device.get_cublas_handle()
-        blas = _blas()
-        blas.set_stream(handle, cp.cuda.get_current_stream().ptr)
+        dt = CUDA_R_16F if wt.dtype == cp.float16 else CUDA_R_32F
         # column-major view: C[m, t] (ldc = y's row length) = op(A = wt as [k, m])^T [m, k] x B [k, t]
-        blas.gemm_ex(
-            handle,
-            _OP_T,
-            _OP_N,
-            m,
-            t,
-            k,
-            _ONE.ctypes.data,
-            wt.data.ptr,
-            dt,
-            k,
-            xs.data.ptr,
-            dt,
-            k,
-            _ZERO.ctypes.data,
-            y.data.ptr + col0 * 4,
-            _CUDA_R_32F,
-            y.shape[1],
-            _COMPUTE_32F,
-            _GEMM_DEFAULT,
-        )
+        gemm(OP_T, OP_N, m, t, k, wt.data.ptr, k, xs.data.ptr, k, y.data.ptr + col0 * 4, y.shape[1], in_type=dt)
 
     def tile_dtype(self, w: QWeight) -> str:
         """The tile precision of `w` ("float16" or "float32") under `prefill_dtype`."""
@@ -376,40 +338,16 @@ class CupyOps:
         scale: float,
     ) -> cp.ndarray:
         """Causal (optionally sliding-window) GQA attention -> [T, H*Dv]; decode uses a kernel."""
-        t, h, d = q.shape
+        t, _, d = q.shape
         kv, n_ctx, dv = v_cache.shape
-        end = start + t
-        lo = max(0, start - window + 1) if window else 0
         if t == 1 and d <= 512 and not isinstance(k_cache, Int8Rows):
-            qc = cp.ascontiguousarray(q, dtype=cp.float32)
-            out = cp.empty((1, h * dv), dtype=cp.float32)
-            scores = cp.empty((h, n_ctx), dtype=cp.float32)
-            name = "attn_decode_half" if k_cache.dtype == cp.float16 else "attn_decode_float"
-            kernels.kernel(name)(
-                (h,),
-                (256,),
-                (
-                    qc,
-                    k_cache,
-                    v_cache,
-                    out,
-                    scores,
-                    np.int32(h // kv),
-                    np.int32(d),
-                    np.int32(dv),
-                    np.int32(n_ctx),
-                    np.int32(lo),
-                    np.int32(end),
-                    np.float32(scale),
-                ),
-            )
-            return out
+            return decode_attention(q, k_cache, v_cache, start, window, scale)
         convert = k_cache.dtype != cp.float32  # f16 and int8 caches are converted into buffers
         key = (kv, n_ctx, d, dv, convert)
         if self._attn is None or self._attn.key != key:
             self._attn = None  # give the old buffers back first
-            self._attn = _AttnBuffers(*key)
-        return _attention_xp(q, k_cache, v_cache, start, window, scale, self._attn)
+            self._attn = AttnBuffers(*key)
+        return prefill_attention(q, k_cache, v_cache, start, window, scale, self._attn)
 
     @staticmethod
     def gated_act(gate: cp.ndarray, up: cp.ndarray, kind: str) -> cp.ndarray:
@@ -445,190 +383,3 @@ class CupyOps:
         out = cp.empty((1,), dtype=cp.int64)
         kernels.kernel("argmax")((1,), (1024,), (x, np.int32(x.size), out))
         return int(out.get()[0])
-
-
-class _AttnBuffers:
-    """Prefill attention's fixed buffers for one cache shape: float32 K/V rows [KV, n_ctx, D]
-    (when the cache must be converted: f16) and the score block (`cupy_plan.score_elems`)."""
-
-    def __init__(self, kv: int, n_ctx: int, d: int, dv: int, convert: bool) -> None:
-        self.key = (kv, n_ctx, d, dv, convert)
-        self.k = cp.empty((kv, n_ctx, d), dtype=cp.float32) if convert else None
-        self.v = cp.empty((kv, n_ctx, dv), dtype=cp.float32) if convert else None
-        self.scores = cp.empty(score_elems(kv, n_ctx), dtype=cp.float32)
-
-
-def _kv_f32(cache: Any, lo: int, end: int, buf: cp.ndarray | None) -> tuple[cp.ndarray, int]:
-    """Positions lo..end-1 of one layer's K or V cache as float32 rows for cuBLAS: (array
-    [KV, rows, D], the row that holds position lo). The one place prefill attention reads the
-    cache: an f32 cache is read in place, f16 is converted and int8 dequantized (one fused
-    kernel, `kv_cache.dequantize_rows`' rule) into the preallocated `buf` [KV, n_ctx, D]."""
-    if not isinstance(cache, Int8Rows) and cache.dtype == cp.float32:
-        return cp.ascontiguousarray(cache), lo
-    assert buf is not None  # _AttnBuffers converts every non-f32 cache
-    if isinstance(cache, Int8Rows):
-        kv, _, d = cache.q.shape
-        q = cache.q[:, lo:end, :].reshape(kv, end - lo, d // QBLOCK, QBLOCK)
-        _dequant_int8(q, cache.d[:, lo:end, :, None], buf[:, : end - lo].reshape(q.shape))
-    else:
-        cp.copyto(buf[:, : end - lo], cache[:, lo:end, :])  # k = k_cache[:, lo:end].astype(float32)
-    return buf, 0
-
-
-class _CupyBlas:
-    """CuPy's cuBLAS wrappers behind `Cublas`'s names (where ctypes cannot reach the library)."""
-
-    set_stream = staticmethod(_cublas.setStream)
-    gemm_ex = staticmethod(_cublas.gemmEx)
-    gemm_strided_batched_ex = staticmethod(_cublas.gemmStridedBatchedEx)
-
-
-def _blas() -> Any:
-    """cuBLAS calls that also work during stream capture (`cupy_launch.cublas`), else CuPy's."""
-    return cublas() or _CupyBlas
-
-
-def _bgemm(
-    opa: int,
-    opb: int,
-    m: int,
-    n: int,
-    k: int,
-    a: cp.ndarray,
-    a_off: int,
-    lda: int,
-    stride_a: int,
-    b: cp.ndarray,
-    b_off: int,
-    ldb: int,
-    stride_b: int,
-    c: cp.ndarray,
-    c_off: int,
-    ldc: int,
-    stride_c: int,
-    batch: int,
-) -> None:
-    """`batch` strided float32 GEMMs C = op(A) op(B) (cuBLAS column-major; fp32 compute, no TF32)
-    on float32 arrays a, b, c; offsets and strides in values."""
-    handle = cp.cuda.device.get_cublas_handle()
-    blas = _blas()
-    blas.set_stream(handle, cp.cuda.get_current_stream().ptr)
-    blas.gemm_strided_batched_ex(
-        handle,
-        opa,
-        opb,
-        m,
-        n,
-        k,
-        _ONE.ctypes.data,
-        a.data.ptr + 4 * a_off,
-        _CUDA_R_32F,
-        lda,
-        stride_a,
-        b.data.ptr + 4 * b_off,
-        _CUDA_R_32F,
-        ldb,
-        stride_b,
-        _ZERO.ctypes.data,
-        c.data.ptr + 4 * c_off,
-        _CUDA_R_32F,
-        ldc,
-        stride_c,
-        batch,
-        _COMPUTE_32F,
-        _GEMM_DEFAULT,
-    )
-
-
-def _attention_xp(
-    q: cp.ndarray,
-    k_cache: Any,
-    v_cache: Any,
-    start: int,
-    window: int,
-    scale: float,
-    bufs: _AttnBuffers,
-) -> cp.ndarray:
-    """NumpyOps.attention for several query positions (prefill) -> [T, H*Dv].
-
-    For each block of query rows whose scores fit `bufs.scores` and each member gi of a GQA
-    group: scores S[kv] = Q[rows, head kv*G+gi] K[kv]^T (one strided-batched GEMM over the KV
-    heads, read straight from the cache rows), scale + causal/sliding mask + softmax in place
-    (`causal_softmax`), then out[rows, head kv*G+gi] = P[kv] V[kv] written straight into the
-    output's columns. Nothing is allocated but the output (and an int8 cache's dequantized rows).
-    """
-    t, h, d = q.shape
-    kv, _, dv = v_cache.shape
-    g = h // kv
-    end = start + t
-    lo = max(0, start - window + 1) if window else 0
-    q = cp.ascontiguousarray(q, dtype=cp.float32)  # [T, H, D]
-    out = cp.empty((t, h * dv), dtype=cp.float32)
-    k, k0 = _kv_f32(k_cache, lo, end, bufs.k)  # K [KV, rows, D]: position p in row k0 + p - lo
-    v, v0 = _kv_f32(v_cache, lo, end, bufs.v)
-    s = bufs.scores
-    tb = max(1, min(t, s.size // (kv * (end - lo))))  # query rows per block
-    softmax = kernels.kernel("causal_softmax")
-    for a in range(0, t, tb):
-        n = min(t, a + tb) - a
-        blo = max(lo, start + a - window + 1) if window else lo  # first key the block sees
-        keys = start + a + n - blo
-        for gi in range(g):
-            # S[kv] [n, keys] (column-major [keys, n]) = K[kv][blo..] . Q[a.., head kv*g+gi]
-            _bgemm(
-                _OP_T,
-                _OP_N,
-                keys,
-                n,
-                d,
-                k,
-                (k0 + blo - lo) * d,
-                d,
-                k.shape[1] * d,
-                q,
-                (a * h + gi) * d,
-                h * d,
-                g * d,
-                s,
-                0,
-                keys,
-                n * keys,
-                kv,
-            )
-            # row r = kv * n + i is query start + a + i
-            softmax(
-                (kv * n,),
-                (256,),
-                (
-                    s,
-                    np.int32(keys),
-                    np.int32(n),
-                    np.int32(1),
-                    np.int32(start + a),
-                    np.int32(blo),
-                    np.int32(window),
-                    np.float32(scale),
-                ),
-            )
-            # out[a.., head kv*g+gi] (column-major [Dv, n], ld H*Dv) = V[kv][blo..]^T-view . P[kv]
-            _bgemm(
-                _OP_N,
-                _OP_N,
-                dv,
-                n,
-                keys,
-                v,
-                (v0 + blo - lo) * dv,
-                dv,
-                v.shape[1] * dv,
-                s,
-                0,
-                keys,
-                n * keys,
-                out,
-                (a * h + gi) * dv,
-                h * dv,
-                g * dv,
-                kv,
-            )
-    return out

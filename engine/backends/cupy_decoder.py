@@ -15,7 +15,8 @@ How a step runs:
   capture fails the same launches run eagerly (logged);
 - greedy chaining reads back 4 bytes (the argmax); `logits` reads back the logits row.
 
-Kernels: `engine.kernels.decode_src` (compiled by NVRTC for this model's shape and types).
+The launches: `cupy_step` (its GEMVs: `cupy_gemv`). Kernels: `engine.kernels.decode_src`
+(compiled by NVRTC for this model's shape and types).
 Numerics: the same float operations as the generic path, including llama.cpp's q8 activation
 rounding where `layer.aq` asks for it (done inside the GEMV blocks), so decoder and generic
 forward agree to float rounding.
@@ -33,20 +34,20 @@ import numpy as np
 
 from ..errors import ContextOverflowError
 from ..gguf_file import TensorInfo
-from ..kernels import decode_src, qdot_src
+from ..kernels import decode_src
 from ..kv_cache import Int8Rows
 from ..options import DEFAULT_OPTIONS, EngineOptions
 from ..quants import dequantize_rows
-from .cupy_launch import PdlLaunch, pdl_launcher
+from .cupy_gemv import Launch, QInput, gemv_launches, qgemv_config
+from .cupy_launch import pdl_launcher
+from .cupy_plan import ARGMAX_BLOCKS
 from .cupy_sample import DeviceSampler
+from .cupy_step import step_launches
 
 log = logging.getLogger(__name__)
 
-ROWS_PER_BLOCK = 8  # warps per GEMV block, one row each
-GEMV_THREADS = 32 * ROWS_PER_BLOCK
-ARGMAX_BLOCKS = 64
-GRID_CAP = 4  # GEMV blocks per multiprocessor at most (rows are strided over the grid)
-AQ_CODE = {None: 0, "q8_0": 1, "q8_k": 2}
+__all__ = ["CupyDecoder", "QInput", "gemv_launches", "qgemv_config"]
+_Launch = Launch  # the name bench/decode_profile.py uses
 _H2D = cp.cuda.runtime.memcpyHostToDevice
 _D2H = cp.cuda.runtime.memcpyDeviceToHost
 
@@ -54,169 +55,6 @@ _D2H = cp.cuda.runtime.memcpyDeviceToHost
 @lru_cache(maxsize=8)
 def _module(src: str) -> Any:
     return cp.RawModule(code=src, options=("--std=c++17",))
-
-
-def _null() -> np.uint64:
-    return np.uint64(0)
-
-
-def _ptr(a: Any) -> Any:
-    return _null() if a is None else a
-
-
-def _cache_arrays(layer: Any) -> tuple[Any, Any]:
-    """(values, int8 scales or None) of one layer's K or V cache."""
-    if isinstance(layer, Int8Rows):
-        return layer.q, layer.d
-    return layer, None
-
-
-class _Launch:
-    """One kernel launch with its arguments fixed (device pointers, sizes); `use_pdl` switches it
-    to a programmatic dependent launch (`cupy_launch`) on the current stream."""
-
-    __slots__ = ("fn", "grid", "block", "args", "smem", "name", "pdl")
-
-    def __init__(
-        self,
-        fn: Any,
-        grid: tuple[int, ...],
-        block: tuple[int, ...],
-        args: tuple[Any, ...],
-        smem: int = 0,
-        name: str = "",
-    ) -> None:
-        self.fn, self.grid, self.block, self.args, self.smem, self.name = fn, grid, block, args, smem, name
-        self.pdl: PdlLaunch | None = None
-
-    def use_pdl(self, lib: Any) -> None:
-        self.pdl = None if lib is None else PdlLaunch(lib, self.fn, self.grid, self.block, self.args, self.smem)
-
-    def __call__(self) -> None:
-        if self.pdl is not None:
-            self.pdl(cp.cuda.get_current_stream().ptr)
-        else:
-            self.fn(self.grid, self.block, self.args, shared_mem=self.smem)
-
-
-USE_QGEMV = True  # integer dot products where the activation rounding is on (False: float path)
-
-
-def qgemv_config(type_name: str, rows: int, n_sm: int, cols: int = 0) -> tuple[int, int]:
-    """(threads per row, grid cap in blocks per SM) of the integer GEMV.
-
-    Inputs of >= 1536 values (v7, timed with the weights coming from DRAM, each launch after an
-    L2 flush: bench/results/decode_profile-*-v7a*/v7b*.txt): the most threads a row (64, 32, 16) that
-    keeps the row groups within 5 a multiprocessor, one group a block (cap 8): Qwen3-4B shape
-    2560x9728 15.4 -> 11.0 us, 4096x2560 8.1 -> 6.7 us, 2560x4096 7.8 -> 6.7 us, gate/up 19.5 ->
-    15.6 us. Smaller inputs (SmolLM2, timed v3b): 16 threads a row from 4096 rows up, else 32;
-    the heads (>= 32768 rows) 8 (SmolLM2 head 9.8 vs 12.4 us); Q6_K likes a cap of 8."""
-    if cols >= 1536:
-        for tpr in (64, 32, 16):
-            if rows * tpr <= 5 * n_sm * 256:
-                return tpr, 8
-        return 8, 8
-    if rows >= 32768:
-        tpr = 8
-    elif rows >= 4096:
-        tpr = 16
-    else:  # few rows of long inputs: more threads a row (v4 profile: 1024x2560 3.2 vs 3.6 us)
-        tpr = 64 if rows <= 1024 and cols >= 1536 else 32
-    return tpr, (8 if type_name == "Q6_K" else 4)
-
-
-class QInput:
-    """A matrix input rounded to int8 blocks (`qprep_x`): values, per-block scales, per-16 sums.
-    Sized for the widest input; one serves every GEMV of a step (they run one after another)."""
-
-    def __init__(self, cols: int) -> None:
-        self.cols = cols
-        self.xq = cp.zeros(cols, dtype=cp.int8)
-        self.xd = cp.zeros(max(1, cols // 32), dtype=cp.float32)
-        self.xs16 = cp.zeros(max(1, cols // 16), dtype=cp.int32)
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.xq.nbytes + self.xd.nbytes + self.xs16.nbytes)
-
-
-def gemv_launches(
-    fn: Any,
-    n_sm: int,
-    w: Any,
-    x: cp.ndarray,
-    nw: cp.ndarray | None,
-    eps: np.float32,
-    aq: str | None,
-    y: cp.ndarray,
-    bias: cp.ndarray | None = None,
-    epi: int = 0,
-    out_rows: int | None = None,
-    qin: QInput | None = None,
-    input_ready: bool = False,
-) -> list[_Launch]:
-    """The launches of y = W @ prep(x) (norm by `nw`, llama.cpp rounding `aq`) with epilogue `epi`:
-    where W's type has an integer dot product and the rounding is on, one `qprep_x` launch rounds
-    the input into `qin` (allocated here when not given), then the integer-dot kernel
-    (`qgemv_<T>`) reads it; other pieces use the float kernel (`dgemv_<T>`, which prepares its
-    input itself). `fn(name)` gives a compiled kernel of the decode module."""
-    out: list[_Launch] = []
-    cols = w.shape[1]
-    code = AQ_CODE[aq]
-    prepped = input_ready  # the producer of x already rounded it into `qin`
-    r0 = 0
-    for p in w.pieces():
-        rows = p.shape[0] if out_rows is None else out_rows
-        b = None if bias is None else bias[r0 : r0 + rows]
-        if USE_QGEMV and qdot_src.QTYPES.get(p.type_name) == code:
-            if qin is None or qin.cols < cols:
-                qin = QInput(cols)
-            glu = epi >= 2
-            tpr, cap = qgemv_config(p.type_name, rows, n_sm, cols)
-            blocks = max(1, min(-(-rows // (256 // tpr)), cap * n_sm))
-            name = f"qgemv_{p.type_name}[{rows}x{cols}]"
-            tail = (y[r0:], _ptr(b), np.int32(epi), np.int32(out_rows or 0), np.int32(tpr))
-            if not prepped:
-                groups = cols // (32 if code == 1 else 256)
-                out.append(
-                    _Launch(
-                        fn("qprep_x"),
-                        (max(1, -(-groups // 8)),),
-                        (256,),
-                        (x, _ptr(nw), eps, np.int32(code), np.int32(cols), qin.xq, qin.xd, qin.xs16),
-                        0,
-                        f"qprep[{cols}]",
-                    )
-                )
-                prepped = True
-            k = fn(f"qgemv{'_glu' if glu else ''}_{p.type_name}")
-            args = (p.raw, np.int64(p.raw.shape[1]), np.int32(rows), np.int32(cols), qin.xq, qin.xd, qin.xs16, *tail)
-            out.append(_Launch(k, (blocks,), (256,), args, 0, name))
-        else:
-            args = (
-                p.raw,
-                np.int64(p.raw.shape[1]),
-                np.int32(rows),
-                np.int32(cols),
-                x,
-                _ptr(nw),
-                eps,
-                np.int32(code),
-                y[r0:],
-                _ptr(b),
-                np.int32(epi),
-                np.int32(out_rows or 0),
-            )
-            # two rows a warp where that still fills the GPU (more loads in flight per lane)
-            r = 2 if epi < 2 and -(-rows // (2 * ROWS_PER_BLOCK)) >= n_sm else 1
-            k = fn(f"dgemv{'2' if r == 2 else ''}_{p.type_name}")
-            smem = cols * 4
-            if smem > 48 * 1024:
-                k.max_dynamic_shared_size_bytes = smem
-            blocks = max(1, min(-(-rows // (r * ROWS_PER_BLOCK)), GRID_CAP * n_sm))
-            out.append(_Launch(k, (blocks,), (GEMV_THREADS,), args, smem, f"gemv_{p.type_name}[{rows}x{cols}]"))
-        r0 += rows
-    return out
 
 
 class CupyDecoder:
@@ -289,32 +127,11 @@ class CupyDecoder:
         self._x_mem = cp.cuda.alloc_pinned_memory(self.x.nbytes)
         self.x_host = np.frombuffer(self._x_mem, np.float32, e)
         self.embed_scale = np.float32(math.sqrt(e)) if s.traits.embed_scale else np.float32(1.0)
-        self.scratch_bytes = int(
-            sum(
-                a.nbytes
-                for a in (
-                    self.ids,
-                    self.x,
-                    self.tmp,
-                    self.qkv,
-                    self.q,
-                    self.attn,
-                    self.pm,
-                    self.pl,
-                    self.pacc,
-                    self.gu,
-                    self.act,
-                    self.out_logits,
-                    self.counters,
-                    self.best_v,
-                    self.best_i,
-                )
-            )
-            + self.qin.nbytes
-        )
+        buffers = [a for a in vars(self).values() if isinstance(a, cp.ndarray)]  # the arrays above
+        self.scratch_bytes = int(sum(a.nbytes for a in buffers) + self.qin.nbytes)
+        """Bytes of the step's device buffers (`cupy_plan.decode_scratch_bytes` counts them)."""
         # --- the step as a list of launches, then one graph ---------------------------------
-        self.plan: list[_Launch] = []
-        self._build_plan()
+        self.plan: list[Launch] = step_launches(self)
         self.pdl = False
         self._set_pdl(pdl_launcher(use_pdl and opts.cupy_pdl))
         self.stream = cp.cuda.Stream(non_blocking=True)
@@ -331,186 +148,12 @@ class CupyDecoder:
         self.device_sampler = DeviceSampler(int(self.out_logits.size), self.n_ctx + 1, use_graph)
 
     # --- building ---------------------------------------------------------------------------
-    def _fn(self, name: str) -> Any:
+    def function(self, name: str) -> Any:
+        """The kernel `name` of this decoder's module (compiled for its shape and types)."""
         fn = self._fns.get(name)
         if fn is None:
             fn = self._fns[name] = self.module.get_function(name)
         return fn
-
-    def _gemv(
-        self,
-        w: Any,
-        x: cp.ndarray,
-        nw: cp.ndarray | None,
-        aq: str | None,
-        y: cp.ndarray,
-        bias: cp.ndarray | None = None,
-        epi: int = 0,
-        out_rows: int | None = None,
-        input_ready: bool = False,
-    ) -> None:
-        """y = W @ prep(x) with epilogue `epi` (0 store+bias, 1 add, 2 SwiGLU, 3 GeGLU);
-        `input_ready`: x was already rounded into `self.qin` by the launch before."""
-        self.plan.extend(
-            gemv_launches(
-                self._fn,
-                self.n_sm,
-                w,
-                x,
-                nw,
-                np.float32(self.spec.norm_eps),
-                aq,
-                y,
-                bias,
-                epi,
-                out_rows,
-                self.qin,
-                input_ready,
-            )
-        )
-
-    def _rounds_input(self, w: Any, aq: str | None, group: int) -> int:
-        """The rounding code (1 q8_0, 2 q8_k) a producer writing `group` consecutive values per
-        block may apply for W's integer GEMV, or 0 where W takes the float path or the groups
-        would straddle two producers."""
-        code = AQ_CODE[aq]
-        pieces = w.pieces()
-        if not (USE_QGEMV and code and len(pieces) == 1 and qdot_src.QTYPES.get(pieces[0].type_name) == code):
-            return 0
-        return code if group % (32 if code == 1 else 256) == 0 else 0
-
-    def _build_plan(self) -> None:
-        tf, s = self.tf, self.spec
-        eps = np.float32(s.norm_eps)
-        e, nh, nkv = s.n_embd, s.n_heads, s.n_kv_heads
-        if not self.host_embed:
-            t = tf.embed_table
-            self.plan.append(
-                _Launch(
-                    self._fn(f"embed_{t.type_name}"),
-                    (-(-(e // 32) // 128),),
-                    (128,),
-                    (t.raw, np.int64(t.raw.shape[1]), self.ids, self.x, np.int32(e), self.embed_scale),
-                    0,
-                    "embed",
-                )
-            )
-        for i, lw in enumerate(tf.layers):
-            (kc, kd), (vc, vd) = _cache_arrays(tf.kv.k[i]), _cache_arrays(tf.kv.v[i])
-            cos, sin = tf.rope[s.layer_rope_base(i)]
-            self._gemv(lw.wqkv, self.x, lw.attn_norm, lw.aq["qkv"], self.qkv, lw.bqkv)
-            self.plan.append(
-                _Launch(
-                    self._fn("qkv_post"),
-                    (nh + 2 * nkv,),
-                    (128,),
-                    (
-                        self.qkv,
-                        self.q,
-                        kc,
-                        vc,
-                        _ptr(kd),
-                        _ptr(vd),
-                        self.ids,
-                        cos,
-                        sin,
-                        _ptr(lw.q_norm),
-                        _ptr(lw.k_norm),
-                        np.int32(self.n_ctx),
-                        eps,
-                    ),
-                    0,
-                    "qkv_post",
-                )
-            )
-            window = s.sliding_window if s.is_swa_layer(i) else 0
-            # attention's last block per KV head also rounds its heads for the output projection
-            o_round = self._rounds_input(lw.wo, lw.aq["o"], (nh // nkv) * s.v_head_dim)
-            self.plan.append(
-                _Launch(
-                    self._fn("attn_decode"),
-                    (nkv, self.n_split),
-                    (32 * self.attn_warps,),
-                    (
-                        self.q,
-                        kc,
-                        vc,
-                        _ptr(kd),
-                        _ptr(vd),
-                        self.ids,
-                        self.pm,
-                        self.pl,
-                        self.pacc,
-                        self.counters,
-                        self.attn,
-                        np.int32(self.n_ctx),
-                        np.int32(window),
-                        np.float32(s.attn_scale),
-                        np.int32(o_round),
-                        self.qin.xq,
-                        self.qin.xd,
-                        self.qin.xs16,
-                    ),
-                    0,
-                    "attn",
-                )
-            )
-            self._residual(lw.wo, self.attn, lw.aq["o"], lw.post_attn_norm, input_ready=o_round > 0)
-            gelu = s.traits.activation != "silu"
-            if lw.w_gate_up.raw is not None:  # gate and up share a type: one pass, fused GLU
-                self._gemv(
-                    lw.w_gate_up, self.x, lw.ffn_norm, lw.aq["gate_up"], self.act, epi=3 if gelu else 2, out_rows=s.n_ff
-                )
-            else:
-                self._gemv(lw.w_gate_up, self.x, lw.ffn_norm, lw.aq["gate_up"], self.gu)
-                self.plan.append(
-                    _Launch(
-                        self._fn("glu"),
-                        (-(-s.n_ff // 256),),
-                        (256,),
-                        (self.gu, self.act, np.int32(s.n_ff), np.int32(gelu)),
-                        0,
-                        "glu",
-                    )
-                )
-            self._residual(lw.w_down, self.act, lw.aq["down"], lw.post_ffn_norm)
-        self._gemv(tf.output, self.x, tf.output_norm, tf.output_aq, self.out_logits)
-        self.plan.append(
-            _Launch(
-                self._fn("argmax_ids"),
-                (ARGMAX_BLOCKS,),
-                (512,),
-                (
-                    self.out_logits,
-                    np.int32(self.out_logits.size),
-                    self.best_v,
-                    self.best_i,
-                    self.counters[nkv:],
-                    self.ids,
-                ),
-                0,
-                "argmax",
-            )
-        )
-
-    def _residual(
-        self, w: Any, inp: cp.ndarray, aq: str | None, post_norm: cp.ndarray | None, input_ready: bool = False
-    ) -> None:
-        """x += W @ inp, or x += rms_norm(W @ inp) * post_norm (gemma3)."""
-        if post_norm is None:
-            self._gemv(w, inp, None, aq, self.x, epi=1, input_ready=input_ready)
-            return
-        self._gemv(w, inp, None, aq, self.tmp, input_ready=input_ready)
-        self.plan.append(
-            _Launch(
-                self._fn("add_rmsnorm"),
-                (1,),
-                (256,),
-                (self.x, self.tmp, post_norm, np.int32(self.spec.n_embd), np.float32(self.spec.norm_eps)),
-                0,
-                "add_rmsnorm",
-            )
-        )
 
     def _set_pdl(self, lib: Any) -> None:
         """Launch every kernel but the first as a programmatic dependent launch (lib: libcuda

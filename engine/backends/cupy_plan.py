@@ -49,7 +49,7 @@ freed blocks and splits larger ones for smaller requests (an allowance, checked 
 DECODE_MAX_SPLIT = 64
 """Upper bound of `CupyDecoder.n_split` (it is min(64, 2 x SMs / KV heads))."""
 ARGMAX_BLOCKS = 64
-"""`cupy_decoder.ARGMAX_BLOCKS`."""
+"""Blocks of the decode step's argmax (`cupy_step`; `CupyDecoder.best_v` / `best_i` hold one value each)."""
 
 
 def resolve_prefill_dtype(value: str | None, default: str = "auto") -> str:
@@ -179,7 +179,7 @@ def prefill_activation_bytes(spec: ModelSpec, chunk: int, last_n: int = 1, half:
 
 
 def attention_buffer_bytes(spec: ModelSpec, n_ctx: int, kv_dtype: str) -> tuple[int, int]:
-    """(K/V rows, scores) of prefill attention (`cupy_backend._AttnBuffers`): float32 K/V of one
+    """(K/V rows, scores) of prefill attention (`cupy_attention.AttnBuffers`): float32 K/V of one
     layer [KV, n_ctx, D] - none for an f32 cache (read in place), one fixed buffer for f16 and
     int8 (converted / dequantized into it) - and the score block (`score_elems`)."""
     rows = 4 * spec.n_kv_heads * n_ctx * (spec.head_dim + spec.v_head_dim)

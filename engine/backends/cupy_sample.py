@@ -208,22 +208,8 @@ class DeviceSampler:
         self.out_host = np.frombuffer(self._out_mem, np.int32, 1)
         self.pd[ks.PD_SCALE] = self.scale
         self.pi[ks.PI_VOCAB] = self.vocab
-        self.nbytes = int(
-            sum(
-                a.nbytes
-                for a in (
-                    self.params_dev,
-                    self.recent_dev,
-                    self.xw,
-                    self.state,
-                    self.bv,
-                    self.bi,
-                    self.ghist,
-                    self.counter,
-                    self.out,
-                )
-            )
-        )
+        self.nbytes = int(sum(a.nbytes for a in vars(self).values() if isinstance(a, cp.ndarray)))
+        """Bytes of the device buffers above."""
         self._capture_stream = cp.cuda.Stream(non_blocking=True)
         self._graphs: dict[tuple[int, int], Any] = {}
         self.launches = 0

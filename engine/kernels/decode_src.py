@@ -27,7 +27,7 @@ filled per shape), read as CUDA, not as Python; splitting it would scatter one t
 
 from __future__ import annotations
 
-from . import qdot_src
+from . import grid_src, qdot_src
 from .quant_units import UNITS
 
 COMMON = r"""
@@ -267,12 +267,7 @@ extern "C" __global__ void argmax_ids(const float* x, int n, float* bv, int* bi,
     }
     argmax_block(best, idx, sv, si);
     if (threadIdx.x == 0) { bv[blockIdx.x] = best; bi[blockIdx.x] = idx; }
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(counter, 1) == (int)gridDim.x - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
+    LAST_BLOCK_OR_RETURN(last, counter, (int)gridDim.x);
     best = NEG_INF; idx = 0x7fffffff;
     for (int i = threadIdx.x; i < gridDim.x; i += blockDim.x) {
         float v = __ldcg(bv + i); int j = __ldcg(bi + i);
@@ -650,12 +645,7 @@ extern "C" __global__ void __launch_bounds__(NT) attn_decode(
 #if ATT_STAGE == 2
     return;  // profiling: stop after the slice results are written
 #endif
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) last = atomicAdd(counter + kvh, 1) == active - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
+    LAST_BLOCK_OR_RETURN(last, counter + kvh, active);
     if (tid == 0) counter[kvh] = 0;
     // merge. The first 8 slices' partial outputs of this thread's outputs are loaded together
     // with the slice maxima and sums; weights per slice: one warp per query head, lanes over
@@ -790,4 +780,4 @@ def source(
         shaped = shaped.replace(k, str(v))
     gemv = "".join(GEMV.replace("{T}", t) for t in sorted(set(types)))
     qdot = qdot_src.source(types, qgemv_unroll, qgemv_unroll_glu)
-    return UNITS + COMMON + qdot_src.round_source() + gemv + qdot + MISC + shaped
+    return UNITS + COMMON + grid_src.LAST_BLOCK + qdot_src.round_source() + gemv + qdot + MISC + shaped

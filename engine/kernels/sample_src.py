@@ -23,6 +23,8 @@ named by its last member's 64-bit key `(desc_bits(logit) << 32) | id` (keys asce
 
 from __future__ import annotations
 
+from . import grid_src
+
 THREADS = 512
 """Threads a block."""
 CHUNK = 4096
@@ -157,12 +159,7 @@ smp_prep(const float* __restrict__ logits, const double* __restrict__ pd, const 
     }
     smp_argmax_block(best, idx, sv, si);
     if (threadIdx.x == 0) { bv[blockIdx.x] = best; bi[blockIdx.x] = idx; }
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(counter, 1) == (int)gridDim.x - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
+    LAST_BLOCK_OR_RETURN(last, counter, (int)gridDim.x);
     best = SMP_NEG_INF; idx = 0x7fffffff;
     for (int b = threadIdx.x; b < (int)gridDim.x; b += SMP_THREADS) {
         float v = __ldcg(bv + b);
@@ -223,12 +220,7 @@ smp_select(const float* __restrict__ xw, const double* __restrict__ pd, SmpState
     __syncthreads();
     for (int j = threadIdx.x; j < nb; j += SMP_THREADS)
         if (hist[j]) atomicAdd(&ghist[j], hist[j]);
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(counter, 1) == (int)gridDim.x - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
+    LAST_BLOCK_OR_RETURN(last, counter, (int)gridDim.x);
     // the last block: bins in rank order, find the one where the cumulative weight passes the target
     const int per = (nb + SMP_THREADS - 1) / SMP_THREADS;  // <= 4 bins a thread
     u64 loc[(SMP_BINS + SMP_THREADS - 1) / SMP_THREADS];
@@ -284,7 +276,7 @@ smp_select(const float* __restrict__ xw, const double* __restrict__ pd, SmpState
 
 def source() -> str:
     """The translation unit (constants filled in)."""
-    return SOURCE % dict(
+    return grid_src.LAST_BLOCK + SOURCE % dict(
         THREADS=THREADS,
         CHUNK=CHUNK,
         BINS=1 << BITS,

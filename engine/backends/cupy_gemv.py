@@ -1,0 +1,186 @@
+"""The GEMV launches of the decode step (`cupy_step`): y = W @ prep(x), the input normed and
+rounded as llama.cpp does, by integer dot products (`qgemv_<T>`, after one `qprep_x`) where W's
+type has them and the rounding is on, else by the float kernel (`dgemv_<T>`); and `Launch`, one
+kernel launch with its arguments fixed, of which a step is a list.
+
+Kernels: `engine.kernels.decode_src` and `engine.kernels.qdot_src`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cupy as cp
+import numpy as np
+
+from ..kernels import qdot_src
+from .cupy_launch import PdlLaunch
+
+ROWS_PER_BLOCK = 8  # warps per GEMV block, one row each
+GEMV_THREADS = 32 * ROWS_PER_BLOCK
+GRID_CAP = 4  # GEMV blocks per multiprocessor at most (rows are strided over the grid)
+AQ_CODE = {None: 0, "q8_0": 1, "q8_k": 2}
+
+
+def ptr(a: Any) -> Any:
+    """A kernel's pointer argument: the array, or a null pointer for None."""
+    return np.uint64(0) if a is None else a
+
+
+class Launch:
+    """One kernel launch with its arguments fixed (device pointers, sizes); `use_pdl` switches it
+    to a programmatic dependent launch (`cupy_launch`) on the current stream."""
+
+    __slots__ = ("fn", "grid", "block", "args", "smem", "name", "pdl")
+
+    def __init__(
+        self,
+        fn: Any,
+        grid: tuple[int, ...],
+        block: tuple[int, ...],
+        args: tuple[Any, ...],
+        smem: int = 0,
+        name: str = "",
+    ) -> None:
+        self.fn, self.grid, self.block, self.args, self.smem, self.name = fn, grid, block, args, smem, name
+        self.pdl: PdlLaunch | None = None
+
+    def use_pdl(self, lib: Any) -> None:
+        self.pdl = None if lib is None else PdlLaunch(lib, self.fn, self.grid, self.block, self.args, self.smem)
+
+    def __call__(self) -> None:
+        if self.pdl is not None:
+            self.pdl(cp.cuda.get_current_stream().ptr)
+        else:
+            self.fn(self.grid, self.block, self.args, shared_mem=self.smem)
+
+
+USE_QGEMV = True  # integer dot products where the activation rounding is on (False: float path)
+
+
+def qgemv_config(type_name: str, rows: int, n_sm: int, cols: int = 0) -> tuple[int, int]:
+    """(threads per row, grid cap in blocks per SM) of the integer GEMV.
+
+    Inputs of >= 1536 values (v7, timed with the weights coming from DRAM, each launch after an
+    L2 flush: bench/results/decode_profile-*-v7a*/v7b*.txt): the most threads a row (64, 32, 16) that
+    keeps the row groups within 5 a multiprocessor, one group a block (cap 8): Qwen3-4B shape
+    2560x9728 15.4 -> 11.0 us, 4096x2560 8.1 -> 6.7 us, 2560x4096 7.8 -> 6.7 us, gate/up 19.5 ->
+    15.6 us. Smaller inputs (SmolLM2, timed v3b): 16 threads a row from 4096 rows up, else 32;
+    the heads (>= 32768 rows) 8 (SmolLM2 head 9.8 vs 12.4 us); Q6_K likes a cap of 8."""
+    if cols >= 1536:
+        for tpr in (64, 32, 16):
+            if rows * tpr <= 5 * n_sm * 256:
+                return tpr, 8
+        return 8, 8
+    if rows >= 32768:
+        tpr = 8
+    elif rows >= 4096:
+        tpr = 16
+    else:  # few rows of long inputs: more threads a row (v4 profile: 1024x2560 3.2 vs 3.6 us)
+        tpr = 64 if rows <= 1024 and cols >= 1536 else 32
+    return tpr, (8 if type_name == "Q6_K" else 4)
+
+
+class QInput:
+    """A matrix input rounded to int8 blocks (`qprep_x`): values, per-block scales, per-16 sums.
+    Sized for the widest input; one serves every GEMV of a step (they run one after another)."""
+
+    def __init__(self, cols: int) -> None:
+        self.cols = cols
+        self.xq = cp.zeros(cols, dtype=cp.int8)
+        self.xd = cp.zeros(max(1, cols // 32), dtype=cp.float32)
+        self.xs16 = cp.zeros(max(1, cols // 16), dtype=cp.int32)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.xq.nbytes + self.xd.nbytes + self.xs16.nbytes)
+
+
+def gemv_launches(
+    fn: Any,
+    n_sm: int,
+    w: Any,
+    x: cp.ndarray,
+    nw: cp.ndarray | None,
+    eps: np.float32,
+    aq: str | None,
+    y: cp.ndarray,
+    bias: cp.ndarray | None = None,
+    epi: int = 0,
+    out_rows: int | None = None,
+    qin: QInput | None = None,
+    input_ready: bool = False,
+) -> list[Launch]:
+    """The launches of y = W @ prep(x) (norm by `nw`, llama.cpp rounding `aq`) with epilogue `epi`:
+    where W's type has an integer dot product and the rounding is on, one `qprep_x` launch rounds
+    the input into `qin` (allocated here when not given), then the integer-dot kernel
+    (`qgemv_<T>`) reads it; other pieces use the float kernel (`dgemv_<T>`, which prepares its
+    input itself). `fn(name)` gives a compiled kernel of the decode module."""
+    out: list[Launch] = []
+    cols = w.shape[1]
+    code = AQ_CODE[aq]
+    prepped = input_ready  # the producer of x already rounded it into `qin`
+    r0 = 0
+    for p in w.pieces():
+        rows = p.shape[0] if out_rows is None else out_rows
+        b = None if bias is None else bias[r0 : r0 + rows]
+        if USE_QGEMV and qdot_src.QTYPES.get(p.type_name) == code:
+            if qin is None or qin.cols < cols:
+                qin = QInput(cols)
+            glu = epi >= 2
+            tpr, cap = qgemv_config(p.type_name, rows, n_sm, cols)
+            blocks = max(1, min(-(-rows // (256 // tpr)), cap * n_sm))
+            name = f"qgemv_{p.type_name}[{rows}x{cols}]"
+            tail = (y[r0:], ptr(b), np.int32(epi), np.int32(out_rows or 0), np.int32(tpr))
+            if not prepped:
+                groups = cols // (32 if code == 1 else 256)
+                out.append(
+                    Launch(
+                        fn("qprep_x"),
+                        (max(1, -(-groups // 8)),),
+                        (256,),
+                        (x, ptr(nw), eps, np.int32(code), np.int32(cols), qin.xq, qin.xd, qin.xs16),
+                        0,
+                        f"qprep[{cols}]",
+                    )
+                )
+                prepped = True
+            k = fn(f"qgemv{'_glu' if glu else ''}_{p.type_name}")
+            args = (p.raw, np.int64(p.raw.shape[1]), np.int32(rows), np.int32(cols), qin.xq, qin.xd, qin.xs16, *tail)
+            out.append(Launch(k, (blocks,), (256,), args, 0, name))
+        else:
+            args = (
+                p.raw,
+                np.int64(p.raw.shape[1]),
+                np.int32(rows),
+                np.int32(cols),
+                x,
+                ptr(nw),
+                eps,
+                np.int32(code),
+                y[r0:],
+                ptr(b),
+                np.int32(epi),
+                np.int32(out_rows or 0),
+            )
+            # two rows a warp where that still fills the GPU (more loads in flight per lane)
+            r = 2 if epi < 2 and -(-rows // (2 * ROWS_PER_BLOCK)) >= n_sm else 1
+            k = fn(f"dgemv{'2' if r == 2 else ''}_{p.type_name}")
+            smem = cols * 4
+            if smem > 48 * 1024:
+                k.max_dynamic_shared_size_bytes = smem
+            blocks = max(1, min(-(-rows // (r * ROWS_PER_BLOCK)), GRID_CAP * n_sm))
+            out.append(Launch(k, (blocks,), (GEMV_THREADS,), args, smem, f"gemv_{p.type_name}[{rows}x{cols}]"))
+        r0 += rows
+    return out
+
+
+def rounds_input(w: Any, aq: str | None, group: int) -> int:
+    """The rounding code (1 q8_0, 2 q8_k) a producer writing `group` consecutive values per
+    block may apply for W's integer GEMV, or 0 where W takes the float path or the groups
+    would straddle two producers."""
+    code = AQ_CODE[aq]
+    pieces = w.pieces()
+    if not (USE_QGEMV and code and len(pieces) == 1 and qdot_src.QTYPES.get(pieces[0].type_name) == code):
+        return 0
+    return code if group % (32 if code == 1 else 256) == 0 else 0

@@ -131,7 +131,7 @@ class _Generation(_Body):
     def check_think(self, model: str) -> None:
         """Thinking output is not offered: ``think: true`` (or a level) is refused as Ollama refuses it."""
         if self.think not in (None, False, "", "none", "false"):
-            raise BadRequest(f"{model!r} does not support thinking", "think")
+            raise BadRequest(f'"{model}" does not support thinking', "think")
 
 
 class ChatBody(_Generation):

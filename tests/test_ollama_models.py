@@ -47,6 +47,8 @@ async def test_ids_and_roles_are_names_and_keep_alive_zero_unloads_after_the_ans
 
             await oc.chat(model="fast:latest", messages=HI, options=TINY, keep_alive=0)
             assert models["voice"].state == "ready"  # resident: kept
+            kept = await oc.chat(model="voice", messages=[], keep_alive=0)
+            assert kept.done_reason == "load" and models["voice"].state == "ready"
 
             loaded = await oc.generate(model="spare", prompt="", keep_alive="10m")
             assert loaded.done_reason == "load" and models["spare"].state == "ready"

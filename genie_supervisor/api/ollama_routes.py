@@ -66,11 +66,10 @@ class _Then(Response):
                 await self.after()
 
 
-async def _unload_if_not_resident(deps: ApiDeps, m: ManagedModel) -> bool:
+async def _unload_if_not_resident(deps: ApiDeps, m: ManagedModel) -> None:
     """``keep_alive: 0``: unload `m` unless it is resident (resident models are never unloaded here)."""
-    if m.entry.resident:
-        return False
-    return bool(await deps.models.unload(m.id))
+    if not m.entry.resident:
+        await deps.models.unload(m.id)
 
 
 def _keep_alive_zero(seconds: float | None) -> bool:
@@ -84,9 +83,10 @@ async def _syntax(m: ManagedModel) -> ToolSyntax:
 
 async def _load_only(deps: ApiDeps, name: str, m: ManagedModel, keep_alive_s: float | None, chat: bool) -> Response:
     """An empty request: load the model (``done_reason: load``), or with ``keep_alive: 0`` unload it."""
-    if _keep_alive_zero(keep_alive_s):
-        reason = "unload" if await _unload_if_not_resident(deps, m) else "load"
-    else:
+    if _keep_alive_zero(keep_alive_s) and not m.entry.resident:
+        await _unload_if_not_resident(deps, m)
+        reason = "unload"
+    else:  # a resident model stays loaded whatever keep_alive says
         async with deps.models.lease(m):
             reason = "load"
     body: dict[str, Any] = {"model": name, "created_at": created_at(), "done": True, "done_reason": reason}

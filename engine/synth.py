@@ -89,70 +89,46 @@ class SynthConfig:
     name: str = "synthetic"
 
 
+def _preset(
+    arch: str,
+    layers: int,
+    embd: int,
+    ff: int,
+    heads: int,
+    kv_heads: int,
+    vocab: int,
+    weights: str,
+    n_ctx_train: int,
+    rope_base: float,
+    name: str,
+    **more: object,
+) -> dict[str, object]:
+    """The SynthConfig keywords of a named shape, tied; weights ``Q4_K_M``: Q4_K with llama.cpp's
+    Q4_K_M mix (``mix="q4_k_m"``, see `preset_config`); `more`: head_dim, norm_eps, ..."""
+    if weights == "Q4_K_M":
+        weights, more = "Q4_K", {**more, "mix": "q4_k_m"}
+    shape = dict(n_layers=layers, n_embd=embd, n_ff=ff, n_heads=heads, n_kv_heads=kv_heads, n_vocab=vocab)
+    rope = dict(n_ctx_train=n_ctx_train, rope_base=rope_base)
+    return {"arch": arch, **shape, "weight_type": weights, "tied": True, **rope, "name": name, **more}
+
+
+# fmt: off
 PRESETS: dict[str, dict[str, object]] = {
-    "smollm2-135m-q4_1": dict(
-        arch="llama",
-        n_layers=30,
-        n_embd=576,
-        n_ff=1536,
-        n_heads=9,
-        n_kv_heads=3,
-        n_vocab=49152,
-        weight_type="Q4_1",
-        tied=True,
-        n_ctx_train=8192,
-        rope_base=100000.0,
-        norm_eps=1e-5,
-        name="SmolLM2-135M-shape",
-    ),
-    "qwen3-4b-q4_k_m": dict(
-        arch="qwen3",
-        n_layers=36,
-        n_embd=2560,
-        n_ff=9728,
-        n_heads=32,
-        n_kv_heads=8,
-        head_dim=128,
-        n_vocab=151936,
-        weight_type="Q4_K",
-        mix="q4_k_m",
-        tied=True,
-        n_ctx_train=40960,
-        rope_base=1000000.0,
-        name="Qwen3-4B-shape",
-    ),
-    "qwen2-0.5b-q8_0": dict(
-        arch="qwen2",
-        n_layers=24,
-        n_embd=896,
-        n_ff=4864,
-        n_heads=14,
-        n_kv_heads=2,
-        n_vocab=151936,
-        weight_type="Q8_0",
-        tied=True,
-        n_ctx_train=32768,
-        rope_base=1000000.0,
-        name="Qwen2-0.5B-shape",
-    ),
-    "gemma3-270m-q4_k_m": dict(
-        arch="gemma3",
-        n_layers=18,
-        n_embd=640,
-        n_ff=2048,
-        n_heads=4,
-        n_kv_heads=1,
-        head_dim=256,
-        n_vocab=262144,
-        weight_type="Q4_K",
-        mix="q4_k_m",
-        tied=True,
-        sliding_window=512,
-        n_ctx_train=32768,
-        rope_base=1000000.0,
-        name="Gemma3-270M-shape",
-    ),
+    # _preset(arch, layers, embd, ff, heads, kv heads, vocab, weights, n_ctx_train, rope base, name, **more)
+    "smollm2-135m-q4_1": _preset("llama", 30, 576, 1536, 9, 3, 49152, "Q4_1", 8192, 1e5, "SmolLM2-135M-shape",
+                                 norm_eps=1e-5),
+    "qwen3-4b-q4_k_m": _preset("qwen3", 36, 2560, 9728, 32, 8, 151936, "Q4_K_M", 40960, 1e6, "Qwen3-4B-shape",
+                               head_dim=128),
+    "qwen2-0.5b-q8_0": _preset("qwen2", 24, 896, 4864, 14, 2, 151936, "Q8_0", 32768, 1e6, "Qwen2-0.5B-shape"),
+    "gemma3-270m-q4_k_m": _preset("gemma3", 18, 640, 2048, 4, 1, 262144, "Q4_K_M", 32768, 1e6, "Gemma3-270M-shape",
+                                  head_dim=256, sliding_window=512),
 }
+# fmt: on
+"""Real models' shapes (``mix="q4_k_m"``: llama.cpp's Q4_K_M type table, see `preset_config`)."""
+
+TINY_SHAPE: Mapping[str, int] = dict(n_layers=2, n_embd=256, n_ff=512, n_heads=4, n_kv_heads=2, n_vocab=512)
+"""A small shape for tests (``write_synthetic_gguf(path, arch, **{**TINY_SHAPE, "n_layers": 3})``)
+and the CLI's defaults."""
 
 
 def preset_config(name: str, **overrides: object) -> SynthConfig:
@@ -344,18 +320,19 @@ def write_config(
     return p
 
 
+_SHAPE_FLAGS = (("--layers", "n_layers"), ("--embd", "n_embd"), ("--ff", "n_ff"), ("--heads", "n_heads"),
+               ("--kv-heads", "n_kv_heads"), ("--vocab", "n_vocab"))  # fmt: skip
+"""The CLI's shape options and the SynthConfig fields they set."""
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m engine.synth", description=__doc__.split("\n")[0])
     ap.add_argument("out", help="output .gguf path")
     ap.add_argument("--preset", choices=sorted(PRESETS), help="a named shape (overrides --arch etc.)")
     ap.add_argument("--arch", choices=ARCHS, default="llama")
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--embd", type=int, default=256)
-    ap.add_argument("--ff", type=int, default=512)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--kv-heads", type=int, default=2)
+    for flag, key in _SHAPE_FLAGS:
+        ap.add_argument(flag, dest=key, metavar=flag[2:].upper().replace("-", "_"), type=int, default=TINY_SHAPE[key])
     ap.add_argument("--head-dim", type=int, default=None)
-    ap.add_argument("--vocab", type=int, default=512)
     ap.add_argument("--type", default=None, help="weight type (F32 F16 BF16 Q8_0 Q4_0 ... Q6_K)")
     ap.add_argument("--untied", action="store_true", help="write a separate output.weight")
     ap.add_argument("--seed", type=int, default=0)
@@ -371,20 +348,9 @@ def main(argv: list[str] | None = None) -> int:
         if a.arch != "llama" and a.arch != cfg.arch:
             ap.error(f"--arch {a.arch} contradicts preset {a.preset} ({cfg.arch})")
     else:
-        cfg = SynthConfig(
-            arch=a.arch,
-            n_layers=a.layers,
-            n_embd=a.embd,
-            n_ff=a.ff,
-            n_heads=a.heads,
-            n_kv_heads=a.kv_heads,
-            head_dim=a.head_dim,
-            n_vocab=a.vocab,
-            weight_type=a.type or "Q4_1",
-            tied=not a.untied,
-            seed=a.seed,
-            fast=a.fast,
-        )
+        shape = {key: getattr(a, key) for _, key in _SHAPE_FLAGS}
+        tied, kind = not a.untied, a.type or "Q4_1"
+        cfg = SynthConfig(a.arch, **shape, head_dim=a.head_dim, weight_type=kind, tied=tied, seed=a.seed, fast=a.fast)
     write_config(a.out, cfg)
     print(f"{a.out}: {cfg.arch} {cfg.n_layers} layers, {os.path.getsize(a.out) / 1e6:.1f} MB")
     return 0

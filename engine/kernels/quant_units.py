@@ -126,18 +126,24 @@ __device__ __forceinline__ void unit_Q8_0(const unsigned char* row, int u, float
         v[2*i] = (float)(signed char)(w & 0xff) * d; v[2*i+1] = (float)(signed char)(w >> 8) * d;
     }
 }
-__device__ __forceinline__ void k_scale_min(const unsigned char* s, int j, int* sc, int* mn) {
-    if (j < 4) { *sc = s[j] & 63; *mn = s[j+4] & 63; }
-    else { *sc = (s[j+4] & 0xF) | ((s[j-4] >> 6) << 4); *mn = (s[j+4] >> 4) | ((s[j] >> 6) << 4); }
-}
-__device__ __forceinline__ void unit_Q4_K(const unsigned char* row, int u, float* v) {
-    const unsigned char* p = row + (long long)(u >> 3) * 144;
+// Unit u of a Q4_K / Q5_K row of `bytes`-byte super-blocks (fp16 d and dmin, then 12 bytes of
+// 6-bit scales and mins): its super-block, and a and b of its sub-block u & 7 (values a * q - b).
+__device__ __forceinline__ const unsigned char* k_block(const unsigned char* row, int u, int bytes,
+                                                        float* a, float* b) {
+    const unsigned char* p = row + (long long)(u >> 3) * bytes;
     int j = u & 7, sc, mn;
     unsigned int dd = ld32(p);
-    k_scale_min(p + 4, j, &sc, &mn);
-    float a = h2f(dd & 0xffff) * sc, b = h2f(dd >> 16) * mn;
+    const unsigned char* s = p + 4;
+    if (j < 4) { sc = s[j] & 63; mn = s[j+4] & 63; }
+    else { sc = (s[j+4] & 0xF) | ((s[j-4] >> 6) << 4); mn = (s[j+4] >> 4) | ((s[j] >> 6) << 4); }
+    *a = h2f(dd & 0xffff) * sc; *b = h2f(dd >> 16) * mn;
+    return p;
+}
+__device__ __forceinline__ void unit_Q4_K(const unsigned char* row, int u, float* v) {
+    float a, b;
+    const unsigned char* p = k_block(row, u, 144, &a, &b);
+    int j = u & 7, shift = (j & 1) * 4;
     const uint4* q = (const uint4*)(p + 16 + 32 * (j >> 1));
-    int shift = (j & 1) * 4;
     #pragma unroll
     for (int i = 0; i < 2; i++) {
         uint4 c = q[i]; unsigned int w[4] = {c.x, c.y, c.z, c.w};
@@ -146,14 +152,11 @@ __device__ __forceinline__ void unit_Q4_K(const unsigned char* row, int u, float
     }
 }
 __device__ __forceinline__ void unit_Q5_K(const unsigned char* row, int u, float* v) {
-    const unsigned char* p = row + (long long)(u >> 3) * 176;
-    int j = u & 7, sc, mn;
-    unsigned int dd = ld32(p);
-    k_scale_min(p + 4, j, &sc, &mn);
-    float a = h2f(dd & 0xffff) * sc, b = h2f(dd >> 16) * mn;
-    const uint4* q = (const uint4*)(p + 48 + 32 * (j >> 1));
+    float a, b;
+    const unsigned char* p = k_block(row, u, 176, &a, &b);
+    int j = u & 7, shift = (j & 1) * 4;
     const uint4* h = (const uint4*)(p + 16);
-    int shift = (j & 1) * 4;
+    const uint4* q = (const uint4*)(p + 48 + 32 * (j >> 1));
     #pragma unroll
     for (int i = 0; i < 2; i++) {
         uint4 c = q[i]; unsigned int w[4] = {c.x, c.y, c.z, c.w};

@@ -19,7 +19,8 @@ import numpy as np
 
 from .chat_template import probe_chat_template
 from .chat_template import render_chat as _render_chat
-from .errors import ContextOverflowError, EngineError, ModelFormatError, TemplateError
+from .constrain import Constrainer, Constraint, Grammar
+from .errors import ContextOverflowError, EngineError, GrammarError, ModelFormatError, TemplateError
 from .gate import Gate, OpenGate
 from .generate import Generation, GenerationStats, TokenEvent
 from .gguf_file import GGUFFile, read_gguf
@@ -33,12 +34,16 @@ from .tokenizer import StreamDecoder, Tokenizer
 from .tool_calls import ToolSyntax, tool_syntax
 
 __all__ = [
+    "Constrainer",
+    "Constraint",
     "ContextOverflowError",
     "EngineError",
     "EngineOptions",
     "Gate",
     "Generation",
     "GenerationStats",
+    "Grammar",
+    "GrammarError",
     "MemoryPlan",
     "Model",
     "ModelFormatError",
@@ -126,6 +131,8 @@ class Model:
         """Held by a generation for its whole length: the KV cache holds one sequence."""
         self._thread_lock = threading.Lock()
         self._pinned: KVSnapshot | None = None
+        self._constrainer: Constrainer | None = None
+        self._constrainer_lock = threading.Lock()
         self.info = ModelInfo(
             name=self.spec.name,
             arch=self.spec.arch,
@@ -176,6 +183,16 @@ class Model:
         if bos is not None and len(ids) > 1 and ids[0] == bos and ids[1] == bos:
             ids = ids[1:]  # the template already wrote BOS
         return ids
+
+    @property
+    def constrainer(self) -> Constrainer:
+        """Grammars checked and started against this model's vocabulary (`engine.constrain`);
+        made on first use, its llguidance vocabulary built on the first `check`/`start`
+        (about a second for 262k tokens: call it off the event loop)."""
+        with self._constrainer_lock:
+            if self._constrainer is None:
+                self._constrainer = Constrainer(self.tokenizer, self.spec.n_vocab)
+            return self._constrainer
 
     # --- compute ------------------------------------------------------------------------
     def logits(self, ids: Sequence[int], last_n: int | None = None) -> np.ndarray:
@@ -292,14 +309,26 @@ class Model:
                 have = kv.common_prefix(seq)
             return have
 
-    def step_sample(self, token: int, pos: int, sampler: Sampler, history: Sequence[int]) -> int:
+    def step_sample(
+        self,
+        token: int,
+        pos: int,
+        sampler: Sampler,
+        history: Sequence[int],
+        mask: Constraint | None = None,
+    ) -> int:
         """One decode step: feed `token` at `pos`, sample the next one (on the device when the
         backend's decoder can: its argmax for plain greedy, its sampler otherwise - the same
-        uniform draw from `sampler` as the host path, so a seed gives the same tokens)."""
+        uniform draw from `sampler` as the host path, so a seed gives the same tokens).
+
+        `mask`: the generation's constraint; its mask of allowed next tokens is filled after
+        the step's forward pass is queued and applied before sampling. A logit bias or a mask
+        sample on the host (the logits row comes back) unless the decoder's sampler takes them."""
         p = sampler.params
         dec = self.decoder
         greedy = p.temperature <= 0 and p.repeat_penalty == 1.0
-        if dec is not None and (greedy or hasattr(dec, "sample")):
+        plain = not p.logit_bias and mask is None
+        if dec is not None and plain and (greedy or hasattr(dec, "sample")):
             u = sampler.uniform() if p.temperature > 0 else 0.0
             with self._thread_lock:
                 del self.transformer.kv.tokens[pos:]
@@ -309,7 +338,11 @@ class Model:
                     nxt = int(dec.sample(int(token), pos, p, u, history))
                 self.transformer.kv.tokens.append(int(token))
                 return nxt
-        return sampler(self.step_logits([token], pos), history)
+        logits = self.step_logits([token], pos)
+        if mask is None:
+            return sampler(logits, history)
+        mask.fill(mask.mask)
+        return sampler(logits, history, mask.mask)
 
     def generate(
         self,
@@ -320,6 +353,7 @@ class Model:
         priority: int = 0,
         prefill_layer_group: int | None = None,
         pin_prefix: bool = False,
+        constraint: Constraint | None = None,
     ) -> Generation:
         """An async iterator of TokenEvent; awaits `gate` before every step and prefill chunk
         (and, with `prefill_layer_group` G, between groups of G layers inside a chunk).
@@ -329,6 +363,9 @@ class Model:
         With `pin_prefix` the prompt's K/V are copied aside once prefilled (`pin_prefix`), so the
         next generation sharing its prefix copies it back instead of prefilling it again, even if
         other prompts used the cache in between (every generation restores a longer pinned prefix).
+        With `constraint` (`model.constrainer.start(grammar)`, one per generation) every token is
+        picked from the grammar's mask, and the generation stops ("stop") when the grammar has
+        finished; end-of-generation tokens are allowed only where the grammar accepts.
         """
         return Generation(
             self,
@@ -339,6 +376,7 @@ class Model:
             priority,
             prefill_layer_group,
             pin_prefix,
+            constraint,
         )
 
     def close(self) -> None:

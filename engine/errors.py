@@ -49,3 +49,17 @@ class ContextOverflowError(EngineError):
         self.needed = needed
         self.limit = limit
         super().__init__(f"{needed} tokens exceed the context of {limit} tokens")
+
+
+class GrammarError(EngineError):
+    """A grammar or JSON schema the constraint library rejects, or a bad `logit_bias` entry.
+
+    The message is the library's own (llguidance names the line and column of a grammar);
+    `param` names the request field it came from, set by the API layer (e.g.
+    ``"response_format.json_schema"``; None until then).
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        self.message = cap_text(message.strip(), 2000)
+        self.param = param
+        super().__init__(self.message)

@@ -16,14 +16,16 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.to_thread
+import numpy as np
 
-from .errors import ContextOverflowError
+from .errors import ContextOverflowError, GrammarError
 from .gate import Gate, OpenGate, Phase
-from .sampler import Sampler, SamplingParams
+from .sampler import Sampler, SamplingParams, log_probs
 from .tokenizer import StreamDecoder
 
 if TYPE_CHECKING:
     from . import Model
+    from .constrain import Constraint
 
 DEFAULT_PREFILL_CHUNK = 64
 """Prompt tokens per forward pass when neither the caller, the gate nor the backend's ops
@@ -40,6 +42,11 @@ class TokenEvent:
     text: str
     """Text this token adds to the output ("" while a UTF-8 character or a possible stop
     string is still incomplete; held text is released with a later token)."""
+    logprob: float | None = None
+    """With `SamplingParams.logprobs`: the token's log-probability (log-softmax of the biased,
+    masked logits at temperature 1); None otherwise and on a tail event (id -1 or a repeat)."""
+    top: tuple[tuple[int, float], ...] = ()
+    """With `SamplingParams.logprobs` n: the n most likely (id, log-probability), most likely first."""
 
 
 @dataclass
@@ -135,8 +142,12 @@ class Generation:
         priority: int = 0,
         prefill_layer_group: int | None = None,
         pin_prefix: bool = False,
+        constraint: Constraint | None = None,
     ) -> None:
         self.model = model
+        self.constraint = constraint
+        """The grammar the output must match (`engine.constrain`): its mask is applied before
+        every token is picked; the generation stops ("stop") when the grammar has finished."""
         self.pin_prefix = pin_prefix
         """Copy the prompt's K/V aside once prefilled (`Model.pin_prefix`)."""
         self.priority = priority
@@ -147,7 +158,13 @@ class Generation:
         self._holding = False
         self.prompt_ids = [int(t) for t in prompt_ids]
         check_prompt_ids(self.prompt_ids, model.info.n_vocab)
+        bad = [t for t, _ in sampling.logit_bias if t >= model.info.n_vocab]
+        if bad:
+            raise GrammarError(
+                f"token id {bad[0]} is outside the vocabulary (0..{model.info.n_vocab - 1})", param="logit_bias"
+            )
         self.sampling = sampling
+        self._logprob: tuple[float | None, tuple[tuple[int, float], ...]] = (None, ())
         self.gate: Gate = gate if gate is not None else OpenGate()
         chunk = (
             prefill_chunk
@@ -258,6 +275,31 @@ class Generation:
             if out is not None:
                 return out
 
+    def _pick(self, sampler: Sampler, logits: np.ndarray, history: list[int]) -> int:
+        """The next token from a logits row on the host: the constraint's mask, the bias, the
+        chain; its log-probabilities kept for the event when asked for."""
+        mask = None
+        if self.constraint is not None:
+            mask = self.constraint.mask
+            self.constraint.fill(mask)
+        p = sampler.params
+        x = sampler.adjusted(logits, mask)
+        token = sampler.pick_adjusted(x, sampler.uniform() if p.temperature > 0.0 else 0.0, history)
+        if p.logprobs is not None:
+            self._logprob = log_probs(x, token, p.logprobs)
+        return token
+
+    def _step_host(self, token: int, pos: int, sampler: Sampler, history: list[int]) -> int:
+        """One decode step whose logits row comes to the host (log-probabilities asked for)."""
+        return self._pick(sampler, self.model.step_logits([token], pos), history)
+
+    async def _first(self, sampler: Sampler, logits: np.ndarray, history: list[int]) -> int:
+        """The token after a prefill: on the loop as before, in a worker thread when a mask or
+        log-probabilities make it costlier."""
+        if self.constraint is None and sampler.params.logprobs is None:
+            return sampler(logits, history)
+        return await anyio.to_thread.run_sync(self._pick, sampler, logits, history)
+
     async def _run(self) -> AsyncGenerator[TokenEvent, None]:
         model, tf = self.model, self.model.transformer
         prompt, params = self.prompt_ids, self.sampling
@@ -270,6 +312,8 @@ class Generation:
         decoder = StreamDecoder(model.tokenizer)
         stopper = _StopMatcher(params.stop)
         eog = model.tokenizer.eog_ids
+        constraint = self.constraint
+        host_steps = params.logprobs is not None
         await self._hold()
         try:
             self.stats.cached_tokens = min(self.model.restore_pinned(prompt), len(prompt) - 1)
@@ -280,12 +324,15 @@ class Generation:
             if self.pin_prefix:
                 self.model.pin_prefix(prompt)
             history = list(prompt)
-            token = sampler(logits, history)
+            token = await self._first(sampler, logits, history)
             hit = False
             while True:
                 if token in eog and not params.ignore_eos:
                     self.finish_reason = "stop"
                     break
+                if constraint is not None:
+                    constraint.advance(token)
+                logprob, top = self._logprob
                 self.completion_ids.append(token)
                 history.append(token)
                 self.stats.completion_tokens += 1
@@ -296,9 +343,12 @@ class Generation:
                 if hit:
                     self.finish_reason = "stop"
                     if text:
-                        yield TokenEvent(token, text)
+                        yield TokenEvent(token, text, logprob, top)
                     break
-                yield TokenEvent(token, text)
+                yield TokenEvent(token, text, logprob, top)
+                if constraint is not None and constraint.done:
+                    self.finish_reason = "stop"
+                    break
                 pos = len(history) - 1
                 if self.stats.completion_tokens >= params.max_tokens or pos >= tf.n_ctx:
                     self.finish_reason = "length"
@@ -306,10 +356,14 @@ class Generation:
                 await self._checkpoint("decode")
                 t0 = time.perf_counter()
                 if tf.kv.common_prefix(history) >= pos:
-                    token = await anyio.to_thread.run_sync(model.step_sample, token, pos, sampler, history)
+                    if host_steps:
+                        token = await anyio.to_thread.run_sync(self._step_host, token, pos, sampler, history)
+                    else:
+                        step = model.step_sample
+                        token = await anyio.to_thread.run_sync(step, token, pos, sampler, history, constraint)
                     self.stats.decode_s += time.perf_counter() - t0
                 else:  # another generation used the cache meanwhile: rebuild our context first
-                    token = sampler(await self._prefill(history), history)
+                    token = await self._first(sampler, await self._prefill(history), history)
             if not hit:  # release what the UTF-8 decoder and the stop matcher still hold
                 tail, hit = stopper.push(decoder.flush())
                 if not hit:

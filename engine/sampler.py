@@ -1,11 +1,16 @@
-"""Sampling: greedy, temperature, top-k, top-p, min-p, repetition penalty; seeded for reproducibility."""
+"""Sampling: logit bias, token mask, greedy, temperature, top-k, top-p, min-p, repetition penalty;
+seeded for reproducibility; log-probabilities on request."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+
+from .errors import GrammarError
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,12 @@ class SamplingParams:
     """Strings that end the generation (not included in the output)."""
     ignore_eos: bool = False
     """Keep going past end-of-generation tokens."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs added to the logits before anything else; -inf bans a token.
+    Given as a mapping or pairs; kept sorted by id (a repeated id: its last bias)."""
+    logprobs: int | None = None
+    """None: off; n (0..20): each token carries its log-probability and the n most likely
+    tokens' (`top_logprobs`), from the log-softmax of the biased, masked logits at temperature 1."""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0:
@@ -50,10 +61,42 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        lp = self.logprobs
+        if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in 0..{MAX_LOGPROBS}, not {self.logprobs!r}")
+
+
+MAX_LOGPROBS = 20
+"""Most alternatives a token's log-probabilities may list (OpenAI's top_logprobs bound)."""
+
+
+def _bias_pairs(bias: Any) -> tuple[tuple[int, float], ...]:
+    """`bias` (a mapping or (id, value) pairs) as sorted pairs; ValueError naming a bad entry."""
+    items = bias.items() if isinstance(bias, Mapping) else bias
+    out: dict[int, float] = {}
+    for entry in items:
+        try:
+            token, value = entry
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias: expected (token id, bias) pairs, got {entry!r}") from None
+        if isinstance(token, bool) or not isinstance(token, (int, np.integer)) or token < 0:
+            raise ValueError(f"logit_bias: token id must be an integer >= 0, not {token!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+            raise ValueError(f"logit_bias[{token}]: bias must be a number, not {value!r}")
+        v = float(value)
+        if math.isnan(v) or v == math.inf:
+            raise ValueError(f"logit_bias[{token}]: bias must be finite or -inf, not {v}")
+        out[int(token)] = v
+    return tuple(sorted(out.items()))
 
 
 class Sampler:
     """Turns one row of logits into a token id (llama.cpp's order: penalty, top-k, top-p, min-p, temp).
+
+    Before that chain: the logit bias is added and tokens outside the mask (a constrained
+    generation's bitmask, `engine.constrain`) become -inf (`adjusted`); greedy takes the argmax
+    of what is left.
 
     Order of the candidates: logit descending, then id ascending (also which of equal logits
     make the top-k). A sampled token costs one uniform draw `u` from the seeded generator
@@ -70,14 +113,36 @@ class Sampler:
         """The next uniform draw in [0, 1) (one per sampled token; none for greedy)."""
         return float(self.rng.random())
 
-    def __call__(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
+    def __call__(self, logits: np.ndarray, history: Sequence[int] = (), mask: np.ndarray | None = None) -> int:
         u = self.uniform() if self.params.temperature > 0.0 else 0.0
-        return self.pick(logits, u, history)
+        return self.pick(logits, u, history, mask)
 
-    def pick(self, logits: np.ndarray, u: float, history: Sequence[int] = ()) -> int:
-        """The token for the uniform draw `u` (no randomness of its own)."""
-        p = self.params
+    def adjusted(self, logits: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
+        """The row with the logit bias added and tokens the bitmask `mask` leaves out set to -inf
+        (float32; `logits` itself when there is neither)."""
         x = np.asarray(logits, dtype=np.float32).reshape(-1)
+        bias = self.params.logit_bias
+        if not bias and mask is None:
+            return x
+        x = x.copy()
+        if bias:
+            ids = np.fromiter((t for t, _ in bias), dtype=np.int64, count=len(bias))
+            keep = ids < x.shape[0]
+            x[ids[keep]] += np.fromiter((b for _, b in bias), dtype=np.float32, count=len(bias))[keep]
+        if mask is not None:
+            x[~allowed_tokens(mask, x.shape[0])] = -np.inf
+        if not np.isfinite(np.max(x)):
+            raise GrammarError("no token is left to pick: the logit_bias bans every token the grammar allows")
+        return x
+
+    def pick(self, logits: np.ndarray, u: float, history: Sequence[int] = (), mask: np.ndarray | None = None) -> int:
+        """The token for the uniform draw `u` (no randomness of its own); `mask`: the int32
+        bitmask of allowed tokens (bit t % 32 of word t // 32), None = all."""
+        return self.pick_adjusted(self.adjusted(logits, mask), u, history)
+
+    def pick_adjusted(self, x: np.ndarray, u: float, history: Sequence[int] = ()) -> int:
+        """`pick` on a row `adjusted` already gave."""
+        p = self.params
         if p.repeat_penalty != 1.0 and history and p.repeat_last_n:
             seen = np.unique(np.asarray(history[-p.repeat_last_n :], dtype=np.int64))
             x = x.copy()
@@ -103,6 +168,28 @@ class Sampler:
         cdf = np.cumsum(w)
         cdf /= cdf[-1]
         return int(idx[min(int(np.searchsorted(cdf, u, side="right")), len(idx) - 1)])
+
+
+def allowed_tokens(mask: np.ndarray, n: int) -> np.ndarray:
+    """The int32 bitmask `mask` as booleans for tokens 0..n-1 (tokens past the mask: not allowed)."""
+    bits = np.unpackbits(np.ascontiguousarray(mask, dtype="<i4").view(np.uint8), bitorder="little")
+    if bits.shape[0] >= n:
+        return bits[:n].view(bool)
+    return np.concatenate([bits, np.zeros(n - bits.shape[0], dtype=np.uint8)]).view(bool)
+
+
+def log_probs(x: np.ndarray, token: int, n: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """Log-softmax of row `x` (temperature 1): `token`'s log-probability and the `n` most likely
+    tokens' as (id, logprob), most likely first (equal ones by id)."""
+    v = np.asarray(x, dtype=np.float64).reshape(-1)
+    top = float(np.max(v))
+    lse = top + math.log(float(np.sum(np.exp(v - top))))
+    chosen = float(v[token] - lse)
+    if n <= 0:
+        return chosen, ()
+    ids = top_k_ids(v, n)
+    ids = ids[np.argsort(-v[ids], kind="stable")]
+    return chosen, tuple((int(i), float(v[i] - lse)) for i in ids)
 
 
 def top_k_ids(x: np.ndarray, k: int) -> np.ndarray:

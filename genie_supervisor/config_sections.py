@@ -267,6 +267,11 @@ class ApiConfig(_Section):
         description="SIGTERM/SIGINT: the process is gone within this (generations cut at their next step, HTTP drained; a worker thread stuck in one long call is left behind by a forced exit)",
     )
     default_max_tokens: int = Field(256, ge=1, le=1_048_576, description="max_tokens of requests that name none")
+    unknown_model: Literal["default", "error"] = Field(
+        "default",
+        description="a generation request naming an unknown model: default = served by the model when the daemon "
+        "serves exactly one (as llama-server), error = 404; with several models always 404",
+    )
     warmup: bool = Field(
         True, description="after start, time a one-token request per resident model (the first-reply banner)"
     )

@@ -105,6 +105,10 @@ class AdmissionError(SupervisorError):
     retry_after: int | None = None
     """Seconds the client should wait before retrying (the ``Retry-After`` header), None for no header."""
 
+    def details(self) -> dict[str, Any]:
+        """Fields the error body carries beside OpenAI's four (none by default)."""
+        return {}
+
     def __init_subclass__(cls, *, status: int | None = None, code: str | None = None, **kwargs: Any) -> None:
         """``class X(AdmissionError, status=400, code="..."):`` gives a class its status and code;
         its ``error_type`` follows from the status (as for every class of the family)."""
@@ -132,8 +136,14 @@ class ContextTooLong(AdmissionError, status=400, code="context_length_exceeded")
     """The context a new request may use now."""
     why: str
     """What sets the limit (``the model's context``, ``the policy``)."""
+    prompt_tokens: int
+    """Tokens in the prompt."""
 
     message_template = "prompt and max_tokens need {needed} tokens but {why} allows {limit}"
+
+    def details(self) -> dict[str, Any]:
+        """llama-server's numbers: ``n_prompt_tokens`` and ``n_ctx`` (the context allowed now)."""
+        return {"n_prompt_tokens": self.prompt_tokens, "n_ctx": self.limit}
 
 
 @dataclass(eq=False, repr=False)

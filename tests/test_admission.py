@@ -106,7 +106,9 @@ async def test_disconnects_leave_the_queue_and_stop_generation_at_the_parked_ste
 
 async def test_bad_input_gets_4xx_in_openai_shape_never_500(tmp_path: Path) -> None:
     """Malformed JSON, wrong types, n>1, oversized bodies, too-long prompts, unknown models and classes are 4xx."""
-    sup = make_api_supervisor(tmp_path, _one_model(tmp_path, "{max_body_bytes: 4096, warmup: false}"))
+    sup = make_api_supervisor(
+        tmp_path, _one_model(tmp_path, "{max_body_bytes: 4096, warmup: false, unknown_model: error}")
+    )
     with anyio.fail_after(60):
         async with sup, http(sup) as client:
 

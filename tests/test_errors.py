@@ -30,7 +30,7 @@ EXAMPLES: list[AdmissionError] = [
     AdmissionError("not now"),
     EngineUnavailable("no model is loaded"),
     RequestRefused("the policy refuses new requests (memory low)"),
-    ContextTooLong(5000, 4096, "the model's context"),
+    ContextTooLong(5000, 4096, "the model's context", 4900),
     QueueFull("the queue is full (8 waiting)", retry_after=2),
     QueueTimeout("waited longer than 30 s"),
     UnknownPriority("unknown priority 'urgent'"),
@@ -81,7 +81,7 @@ class _Raises:
     def __init__(self, exc: AdmissionError) -> None:
         self.exc = exc
 
-    def resolve(self, _name: str | None) -> Any:
+    def resolve(self, _name: str | None, **_kw: Any) -> Any:
         raise self.exc
 
     async def unload(self, _model: str | None = None, *, force: bool = False) -> list[str]:
@@ -123,7 +123,13 @@ async def test_the_api_answers_each_error_with_its_status_and_a_json_body(
     assert r.status_code == exc.status
     assert r.headers["content-type"] == "application/json"
     assert r.json() == {
-        "error": {"message": str(exc), "type": _expected_type(exc.status), "param": exc.param, "code": exc.code}
+        "error": {
+            "message": str(exc),
+            "type": _expected_type(exc.status),
+            "param": exc.param,
+            "code": exc.code,
+            **exc.details(),
+        }
     }
     assert r.headers.get("retry-after") == (str(exc.retry_after) if exc.retry_after is not None else None)
 

@@ -166,7 +166,7 @@ class GenerationResponse(Response):
         deps, job = self.deps, self.job
         try:
             cls = deps.admission.resolve(job.priority)
-            model = deps.models.resolve(job.model)
+            model = deps.models.resolve(job.model, fallback=True)
             async with deps.admission.slot(cls), deps.models.lease(model) as lease:
                 if _token_ids(job.prompt):
                     check_token_ids(job.prompt, _n_vocab(lease.backend), job.prompt_param)

@@ -34,11 +34,12 @@ def jsonable(value: Any) -> Any:
 
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
-    """Liveness and identity: 200 when serving (with or without a model), 503 while loading or broken."""
+    """Readiness and identity: 200 once the resident models are ready (or none is configured), 503
+    before that (``loading``, as llama-server while it loads its model) and while a model loads or failed."""
     deps = get_deps(request)
     engine = deps.models.describe()
     state = engine["state"]
-    status = {"loading": "loading", "error": "error"}.get(state, "ok")
+    status = {"loading": "loading", "error": "error"}.get(state, "ok" if deps.models.started else "loading")
     body = {
         "status": status,
         "backend": engine["backend"],

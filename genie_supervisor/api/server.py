@@ -128,7 +128,7 @@ class BodyLimit:
 
 
 def create_app(deps: ApiDeps) -> Any:
-    """The app with the ops, OpenAI-compatible, llama-server and management routes, serving `deps`."""
+    """The app with the ops, OpenAI-compatible, Ollama, llama-server and management routes, serving `deps`."""
     from . import llama_routes, manage, metrics, ollama_routes, openai_routes, ops, security
 
     app = FastAPI(title="genie-supervisor", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)

@@ -328,7 +328,7 @@ class EngineHost:
         if policy_ctx is not None and policy_ctx < limit:
             limit, why = policy_ctx, "the policy under memory pressure (shrink_context)"
         if needed > limit:
-            raise ContextTooLong(needed, limit, why)
+            raise ContextTooLong(needed, limit, why, len(ids))
         model = self._admit()  # tokenizing took a moment: check again
         return HostedGeneration(self, ids, sampling, priority)
 

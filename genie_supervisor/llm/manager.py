@@ -76,6 +76,8 @@ class ModelManager:
         self._changed: anyio.Event | None = None
         self._load_lock: anyio.Lock | None = None
         self._tg: TaskGroup | None = None
+        self.started = False
+        """True once the resident models were loaded at the start (`run` is ready): /health says ok."""
         self.first_reply_ms: dict[str, float | None] = {}
         """Warm-up time to first token per resident model (the startup banner)."""
         self.unloads: Counter[str] = Counter()
@@ -92,14 +94,20 @@ class ModelManager:
         """The model used when a request names none: the first resident model, else the first."""
         return next((m for m in self.models.values() if m.entry.resident), next(iter(self.models.values()), None))
 
-    def resolve(self, name: str | None) -> ManagedModel:
-        """The model a request names (id or role; None or "" = the default); UnknownModel if none."""
+    def resolve(self, name: str | None, *, fallback: bool = False) -> ManagedModel:
+        """The model a request names (id or role; None or "" = the default); UnknownModel if none.
+
+        With `fallback` (generation requests), an unknown name is served by the one configured
+        model when ``api.unknown_model`` is ``default``, as llama-server ignores the name; with
+        several models it stays a 404."""
         if not name:
             m = self.default
             if m is None:
                 raise EngineUnavailable("no model is configured (engine.model or models)")
             return m
         m = self._names.get(name)
+        if m is None and fallback and self.cfg.api.unknown_model == "default" and len(self.models) == 1:
+            return next(iter(self.models.values()))
         if m is None:
             known = ", ".join(sorted(self._names)) or "none"
             raise UnknownModel(f"model {name!r} does not exist (known ids and roles: {known})")
@@ -308,6 +316,8 @@ class ModelManager:
             for m in residents:
                 if m.state == "error" and m.exc is not None:
                     raise m.exc
+            self.started = True
+            self._notify()
             task_status.started()
             tg.start_soon(self._publish_while_busy)
             if self.cfg.api.warmup and residents:

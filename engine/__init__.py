@@ -322,20 +322,24 @@ class Model:
         uniform draw from `sampler` as the host path, so a seed gives the same tokens).
 
         `mask`: the generation's constraint; its mask of allowed next tokens is filled after
-        the step's forward pass is queued and applied before sampling. A logit bias or a mask
-        sample on the host (the logits row comes back) unless the decoder's sampler takes them."""
+        the step's forward pass is queued (on a device: while it runs) and applied before
+        sampling. With a logit bias or a mask the logits row comes back to the host unless the
+        decoder's sampler takes them (`takes_mask`: the CuPy decoder's does)."""
         p = sampler.params
         dec = self.decoder
         greedy = p.temperature <= 0 and p.repeat_penalty == 1.0
         plain = not p.logit_bias and mask is None
-        if dec is not None and plain and (greedy or hasattr(dec, "sample")):
+        on_device = plain and (greedy or hasattr(dec, "sample")) or getattr(dec, "takes_mask", False)
+        if dec is not None and on_device:
             u = sampler.uniform() if p.temperature > 0 else 0.0
             with self._thread_lock:
                 del self.transformer.kv.tokens[pos:]
-                if greedy:
+                if greedy and plain:
                     nxt = int(dec.greedy(int(token), pos))
-                else:
+                elif plain:
                     nxt = int(dec.sample(int(token), pos, p, u, history))
+                else:
+                    nxt = int(dec.sample(int(token), pos, p, u, history, mask))
                 self.transformer.kv.tokens.append(int(token))
                 return nxt
         logits = self.step_logits([token], pos)

@@ -9,7 +9,9 @@ import pytest
 from llguidance.numpy import apply_token_bitmask_inplace
 
 from engine import GrammarError
+from engine.backends.cupy_sample import reference_sample
 from engine.sampler import Sampler, SamplingParams, allowed_tokens, log_probs
+from tests.sampling_cases import PARAMS, host_plan, random_history, random_row
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -110,3 +112,25 @@ def test_logit_bias_is_kept_sorted_with_the_last_value_of_an_id() -> None:
     """A mapping or pairs become sorted (id, bias) pairs; a repeated id keeps its last bias."""
     assert SamplingParams(logit_bias=[(7, 1), (2, -1.5), (7, 3)]).logit_bias == ((2, -1.5), (7, 3.0))  # type: ignore[arg-type]
     assert SamplingParams(logit_bias={3: -math.inf}).logit_bias == ((3, -math.inf),)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", sorted(PARAMS))
+def test_device_twin_applies_mask_and_bias_as_the_host(name: str) -> None:
+    """The NumPy twin of the device sampler, given a mask and a logit bias, picks the host's token
+    for the same u (except u within 1e-5 of a cumulative boundary), never a masked or banned one."""
+    rng = np.random.default_rng(31)
+    vocab = 4097
+    for density in (0.3, 0.002):
+        x, hist = random_row(rng, vocab), random_history(rng, vocab)
+        allowed = rng.random(vocab) < density
+        allowed[rng.integers(0, vocab, 3)] = True
+        best = int(np.argmax(np.where(allowed, x, -np.inf)))
+        p = SamplingParams(
+            **{**PARAMS[name].__dict__, "logit_bias": ((best, -math.inf), (int(rng.integers(vocab)), 2.0))}
+        )
+        mask = _mask_of(allowed)
+        plan = host_plan(Sampler(p).adjusted(x, mask), p, hist)
+        for u in rng.random(10):
+            got = reference_sample(x, p, float(u), hist, mask)
+            assert allowed[got] and got != best
+            assert got == plan.token(float(u)) or plan.ambiguous(float(u)), (float(u), got)

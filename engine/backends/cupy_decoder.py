@@ -254,9 +254,13 @@ class CupyDecoder:
             "scratch_bytes": self.scratch_bytes,
         }
 
-    def sample(self, token: int, pos: int, params: Any, u: float, history: Any) -> int:
-        """Feed `token` at `pos`; the next token sampled on the device (`DeviceSampler`: penalty,
-        top-k/top-p/min-p, temperature, the uniform draw `u`), queued after the step on this
-        decoder's stream: only the id comes back."""
+    takes_mask = True
+    """`sample` takes a token mask and a logit bias (`Model.step_sample` keeps them on the device)."""
+
+    def sample(self, token: int, pos: int, params: Any, u: float, history: Any, mask: Any = None) -> int:
+        """Feed `token` at `pos`; the next token sampled on the device (`DeviceSampler`: bias and
+        mask, penalty, top-k/top-p/min-p, temperature, the uniform draw `u`; temperature 0: the
+        argmax of the adjusted row), queued after the step on this decoder's stream: only the id
+        comes back. A `Constraint` as `mask` computes its mask while the step runs."""
         self._launch(token, pos)
-        return self.device_sampler.sample(self.out_logits, params, u, history, stream=self.stream)
+        return self.device_sampler.sample(self.out_logits, params, u, history, stream=self.stream, mask=mask)

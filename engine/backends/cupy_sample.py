@@ -1,9 +1,15 @@
 """Sampling on the device: a logits row on the GPU in, one token id (4 bytes) back to the host.
 
-`DeviceSampler.sample(logits_dev, params, u, history)` picks the token `engine.sampler.Sampler`
-picks for the same uniform draw `u` (`Sampler.pick`): repetition penalty, top-k, top-p, min-p,
-temperature, inverse CDF; temperature 0 is the argmax after the penalty. Kernels and the
-algorithm: `engine.kernels.sample_src` (no sort: radix selections over exact integer weights).
+`DeviceSampler.sample(logits_dev, params, u, history, mask=...)` picks the token
+`engine.sampler.Sampler` picks for the same uniform draw `u` (`Sampler.pick`): logit bias and
+token mask, repetition penalty, top-k, top-p, min-p, temperature, inverse CDF; temperature 0 is
+the argmax after the penalty. Kernels and the algorithm: `engine.kernels.sample_src` (no sort:
+radix selections over exact integer weights).
+
+A constrained generation's mask (`engine.constrain.Constraint`) is filled on the host into a
+pinned buffer after the step's forward pass is queued - while the GPU runs it - and copied to
+the device on the same stream (n_vocab / 8 bytes); the logit bias travels as (id, value) pairs.
+Without either, nothing changes: no extra launch, no extra copy.
 
 `reference_sample` is the same algorithm in NumPy, pass for pass (digits, integer weights,
 targets), so the algorithm is tested without a GPU (`tests/test_sampler_device_twin.py`); the
@@ -27,8 +33,10 @@ from typing import Any
 
 import numpy as np
 
+from ..constrain import mask_words
+from ..errors import GrammarError
 from ..kernels import sample_src as ks
-from ..sampler import SamplingParams
+from ..sampler import Sampler, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +46,8 @@ ALL = (1 << 64) - 1
 """A bound that keeps every token."""
 MAX_GRAPHS = 16
 """Captured graphs kept (one per logits buffer and set of active stages)."""
+BIAS_SLOTS = 1024
+"""Logit-bias entries the device buffers hold at first (more: they grow, and graphs are recaptured)."""
 
 
 def pass_schedule(vocab: int) -> list[tuple[int, int]]:
@@ -56,9 +66,13 @@ def weight_scale(vocab: int) -> float:
     return float(2.0 ** (62 - max(1, (vocab - 1).bit_length())))
 
 
-def flags_of(params: SamplingParams, vocab: int, n_recent: int) -> int:
+def flags_of(params: SamplingParams, vocab: int, n_recent: int, masked: bool = False) -> int:
     """Which stages run (bits `F_*` of `engine.kernels.sample_src`)."""
     f = ks.F_PEN if params.repeat_penalty != 1.0 and n_recent > 0 else 0
+    if masked:
+        f |= ks.F_MASK
+    if params.logit_bias:
+        f |= ks.F_BIAS
     if params.temperature > 0.0:
         f |= ks.F_SAMPLE
         if 0 < params.top_k < vocab:
@@ -119,10 +133,17 @@ def _weights(d: np.ndarray, scale: float) -> np.ndarray:
     return np.rint(np.exp(d) * scale).astype(np.uint64)
 
 
-def reference_sample(logits: np.ndarray, params: SamplingParams, u: float, history: Sequence[int] = ()) -> int:
-    """The device algorithm in NumPy (see the module doc): the token for the uniform draw `u`."""
+def reference_sample(
+    logits: np.ndarray,
+    params: SamplingParams,
+    u: float,
+    history: Sequence[int] = (),
+    mask: np.ndarray | None = None,
+) -> int:
+    """The device algorithm in NumPy (see the module doc): the token for the uniform draw `u`
+    (`mask`: the int32 bitmask of allowed tokens, as `Sampler.pick` takes it)."""
     p = params
-    x = np.array(logits, dtype=np.float32).reshape(-1)
+    x = np.array(Sampler(p).adjusted(logits, mask), dtype=np.float32).reshape(-1)
     vocab = x.shape[0]
     window = recent_window(p, history)
     if window:
@@ -186,6 +207,7 @@ class DeviceSampler:
         self.scale = weight_scale(self.vocab)
         self.use_graph = use_graph
         mod = _module()
+        self._adjust = mod.get_function("smp_adjust")
         self._prep = mod.get_function("smp_prep")
         self._select = mod.get_function("smp_select")
         # --- buffers (allocated once) ---------------------------------------------------------
@@ -199,6 +221,14 @@ class DeviceSampler:
         self.ghist = cp.zeros(1 << ks.BITS, dtype=cp.uint64)
         self.counter = cp.zeros(1, dtype=cp.int32)
         self.out = cp.zeros(1, dtype=cp.int32)
+        self.words = mask_words(self.vocab)
+        self.xa = cp.zeros(self.vocab, dtype=cp.float32)  # the biased, masked row
+        self.mask_dev = cp.zeros(self.words, dtype=cp.int32)
+        self._mask_mem = cp.cuda.alloc_pinned_memory(self.words * 4)
+        self.mask_host = np.frombuffer(self._mask_mem, np.int32, self.words)
+        self._bias_cap = 0
+        self._bias_sent: tuple[tuple[int, float], ...] = ()
+        self._grow_bias(BIAS_SLOTS)
         self._params_mem = cp.cuda.alloc_pinned_memory(pbytes)
         self.pd = np.frombuffer(self._params_mem, np.float64, ks.PD_N)
         self.pi = np.frombuffer(self._params_mem, np.int32, ks.PI_N, offset=ks.PD_N * 8)
@@ -209,22 +239,41 @@ class DeviceSampler:
         self.pd[ks.PD_SCALE] = self.scale
         self.pi[ks.PI_VOCAB] = self.vocab
         self.nbytes = int(sum(a.nbytes for a in vars(self).values() if isinstance(a, cp.ndarray)))
-        """Bytes of the device buffers above."""
+        """Bytes of the device buffers above (the bias slots grow past BIAS_SLOTS on demand)."""
         self._capture_stream = cp.cuda.Stream(non_blocking=True)
         self._graphs: dict[tuple[int, int], Any] = {}
         self.launches = 0
         """Kernel sequences run (graph replays or eager), for tests and benchmarks."""
 
+    def _grow_bias(self, n: int) -> None:
+        """Room for `n` logit-bias entries on the device and in pinned host memory."""
+        cp = self._cp
+        cap = max(n, 2 * self._bias_cap)
+        self.bias_ids_dev = cp.zeros(cap, dtype=cp.int32)
+        self.bias_vals_dev = cp.zeros(cap, dtype=cp.float32)
+        self._bias_mem = cp.cuda.alloc_pinned_memory(cap * 8)
+        self.bias_ids_host = np.frombuffer(self._bias_mem, np.int32, cap)
+        self.bias_vals_host = np.frombuffer(self._bias_mem, np.float32, cap, offset=cap * 4)
+        self._bias_cap = cap
+        self._bias_sent = ()
+        self._graphs = {}  # captured with the old buffers
+
     def _launches(self, logits_dev: Any, flags: int) -> list[tuple[Any, tuple[Any, ...]]]:
         g, b = (self.blocks,), (ks.THREADS,)
-        out: list[tuple[Any, tuple[Any, ...]]] = [
+        out: list[tuple[Any, tuple[Any, ...]]] = []
+        row = logits_dev
+        if flags & (ks.F_MASK | ks.F_BIAS):
+            args = (logits_dev, self.params_dev, self.mask_dev, self.bias_ids_dev, self.bias_vals_dev, self.xa)
+            out.append((self._adjust, (g, b, args)))
+            row = self.xa
+        out += [
             (
                 self._prep,
                 (
                     g,
                     b,
                     (
-                        logits_dev,
+                        row,
                         self.params_dev,
                         self.recent_dev,
                         self.xw,
@@ -263,7 +312,7 @@ class DeviceSampler:
         return out
 
     def _run(self, logits_dev: Any, flags: int, stream: Any) -> None:
-        key = (int(logits_dev.data.ptr), flags & (ks.F_TOPK | ks.F_TOPP | ks.F_SAMPLE))
+        key = (int(logits_dev.data.ptr), flags & (ks.F_TOPK | ks.F_TOPP | ks.F_SAMPLE | ks.F_MASK | ks.F_BIAS))
         graph = self._graphs.get(key)
         if graph is not None:
             graph.launch(stream)
@@ -295,10 +344,18 @@ class DeviceSampler:
             return None
 
     def sample(
-        self, logits_dev: Any, params: SamplingParams, u: float, history: Sequence[int] = (), stream: Any = None
+        self,
+        logits_dev: Any,
+        params: SamplingParams,
+        u: float,
+        history: Sequence[int] = (),
+        stream: Any = None,
+        mask: Any = None,
     ) -> int:
-        """The token `Sampler.pick(logits, u, history)` gives for the float32 row `logits_dev`
-        [vocab] on the device; queued on `stream` (default: the current one) after what is there."""
+        """The token `Sampler.pick(logits, u, history, mask)` gives for the float32 row
+        `logits_dev` [vocab] on the device; queued on `stream` (default: the current one) after
+        what is there. `mask`: an int32 bitmask on the host, or an object whose `fill(out)`
+        writes one (a `Constraint`: filled here, while the queued work runs on the device)."""
         cp = self._cp
         if logits_dev.size != self.vocab or logits_dev.dtype != cp.float32:
             raise ValueError(f"logits must be float32 [{self.vocab}], got {logits_dev.dtype} {logits_dev.shape}")
@@ -309,7 +366,7 @@ class DeviceSampler:
         n = len(window)
         if n > self.max_history:
             raise ValueError(f"repetition window of {n} ids exceeds max_history {self.max_history}")
-        flags = flags_of(params, self.vocab, n)
+        flags = flags_of(params, self.vocab, n, mask is not None)
         pd, pi = self.pd, self.pi
         pd[ks.PD_TOP_P] = params.top_p
         pd[ks.PD_MIN_P] = params.min_p
@@ -319,7 +376,12 @@ class DeviceSampler:
         pi[ks.PI_NRECENT] = n
         pi[ks.PI_TOPK] = params.top_k
         pi[ks.PI_FLAGS] = flags
+        pi[ks.PI_NBIAS] = len(params.logit_bias)
         h2d, d2h = cp.cuda.runtime.memcpyHostToDevice, cp.cuda.runtime.memcpyDeviceToHost
+        if mask is not None:
+            self._upload_mask(mask, stream)
+        if params.logit_bias and params.logit_bias != self._bias_sent:
+            self._upload_bias(params.logit_bias, stream)
         cp.cuda.runtime.memcpyAsync(
             self.params_dev.data.ptr, self.pd.ctypes.data, self.params_dev.nbytes, h2d, stream.ptr
         )
@@ -330,4 +392,47 @@ class DeviceSampler:
         self.launches += 1
         cp.cuda.runtime.memcpyAsync(self.out_host.ctypes.data, self.out.data.ptr, 4, d2h, stream.ptr)
         stream.synchronize()
-        return int(self.out_host[0])
+        token = int(self.out_host[0])
+        if mask is not None and not (int(self.mask_host[token >> 5]) >> (token & 31)) & 1:
+            raise GrammarError("no token is left to pick: the logit_bias bans every token the grammar allows")
+        return token
+
+    def _upload_mask(self, mask: Any, stream: Any) -> None:
+        """The mask into the pinned buffer (computed now by a `Constraint`), then to the device."""
+        cp = self._cp
+        if isinstance(mask, np.ndarray):
+            if mask.size < self.words:
+                raise ValueError(f"the mask must have {self.words} int32 words, got {mask.size}")
+            self.mask_host[:] = mask.reshape(-1)[: self.words]
+        elif getattr(mask, "words", self.words) == self.words:
+            mask.fill(self.mask_host)
+        else:  # a vocabulary wider than the logits row (never allowed past it)
+            full = np.empty(mask.words, dtype=np.int32)
+            mask.fill(full)
+            self.mask_host[:] = full[: self.words]
+        cp.cuda.runtime.memcpyAsync(
+            self.mask_dev.data.ptr,
+            self.mask_host.ctypes.data,
+            self.words * 4,
+            cp.cuda.runtime.memcpyHostToDevice,
+            stream.ptr,
+        )
+
+    def _upload_bias(self, bias: tuple[tuple[int, float], ...], stream: Any) -> None:
+        """The (id, value) pairs to the device (only when they changed since the last upload)."""
+        cp = self._cp
+        n = len(bias)
+        if n > self._bias_cap:
+            stream.synchronize()
+            self._grow_bias(n)
+        for j, (token, value) in enumerate(bias):
+            if not 0 <= token < self.vocab:
+                raise GrammarError(f"token id {token} is outside the vocabulary (0..{self.vocab - 1})", "logit_bias")
+            self.bias_ids_host[j] = token
+            self.bias_vals_host[j] = value
+        h2d = cp.cuda.runtime.memcpyHostToDevice
+        cp.cuda.runtime.memcpyAsync(self.bias_ids_dev.data.ptr, self.bias_ids_host.ctypes.data, 4 * n, h2d, stream.ptr)
+        cp.cuda.runtime.memcpyAsync(
+            self.bias_vals_dev.data.ptr, self.bias_vals_host.ctypes.data, 4 * n, h2d, stream.ptr
+        )
+        self._bias_sent = bias

@@ -4,6 +4,10 @@ one token id out, with `engine.sampler.Sampler`'s semantics and no host round tr
 Order: a token's rank is (logit descending, id ascending); every cut is a prefix of that order,
 named by its last member's 64-bit key `(desc_bits(logit) << 32) | id` (keys ascend with rank).
 
+- `smp_adjust` (launched only with a token mask or a logit bias; same grid): the row with the
+  bias added and tokens whose mask bit is clear set to -inf, into `xa`, which `smp_prep` then
+  reads instead of the logits (`Sampler.adjusted`'s order: the penalty comes after).
+
 - `smp_prep` (one block per CHUNK ids, the last block merges): repetition penalty (each block
   marks the recent ids of its chunk in a shared bitmap, so duplicates are penalised once),
   -0 -> +0, the penalised row into `xw`, argmax (first on ties) into `out` and the state; resets
@@ -35,9 +39,9 @@ BITS = 11
 # params buffer: PD_N doubles, then PI_N int32
 PD_TOP_P, PD_MIN_P, PD_U, PD_TEMP, PD_SCALE, PD_PENALTY = range(6)
 PD_N = 8
-PI_VOCAB, PI_NRECENT, PI_TOPK, PI_FLAGS = range(4)
+PI_VOCAB, PI_NRECENT, PI_TOPK, PI_FLAGS, PI_NBIAS = range(5)
 PI_N = 8
-F_PEN, F_TOPK, F_TOPP, F_MINP, F_SAMPLE = 1, 2, 4, 8, 16
+F_PEN, F_TOPK, F_TOPP, F_MINP, F_SAMPLE, F_MASK, F_BIAS = 1, 2, 4, 8, 16, 32, 64
 STATE_BYTES = 256
 """Size of the device state (`SmpState`, 136 bytes, rounded up)."""
 
@@ -57,11 +61,14 @@ typedef unsigned long long u64;
 #define PI_NRECENT %(PI_NRECENT)d
 #define PI_TOPK %(PI_TOPK)d
 #define PI_FLAGS %(PI_FLAGS)d
+#define PI_NBIAS %(PI_NBIAS)d
 #define F_PEN %(F_PEN)d
 #define F_TOPK %(F_TOPK)d
 #define F_TOPP %(F_TOPP)d
 #define F_MINP %(F_MINP)d
 #define F_SAMPLE %(F_SAMPLE)d
+#define F_MASK %(F_MASK)d
+#define F_BIAS %(F_BIAS)d
 #define SMP_NEG_INF __int_as_float(0xff800000)
 #define SMP_ALL 0xffffffffffffffffull
 
@@ -124,6 +131,28 @@ __device__ u64 smp_excl_scan(u64 x, u64* ws, u64* total) {
     __syncthreads();
     *total = ws[SMP_THREADS / 32 - 1];
     return (warp ? ws[warp - 1] : 0ull) + inc - x;
+}
+
+// The row with the logit bias added and tokens outside the bitmask (bit i%%32 of word i/32) at -inf.
+extern "C" __global__ void __launch_bounds__(SMP_THREADS)
+smp_adjust(const float* __restrict__ logits, const double* __restrict__ pd, const unsigned int* __restrict__ mask,
+           const int* __restrict__ bias_ids, const float* __restrict__ bias_vals, float* __restrict__ xa) {
+    const int* pi = (const int*)(pd + PD_N);
+    const int V = pi[PI_VOCAB], flags = pi[PI_FLAGS];
+    const int c0 = blockIdx.x * SMP_CHUNK, c1 = min(V, c0 + SMP_CHUNK);
+    for (int i = c0 + threadIdx.x; i < c1; i += SMP_THREADS) {
+        float v = logits[i];
+        if ((flags & F_MASK) && !((mask[i >> 5] >> (i & 31)) & 1u)) v = SMP_NEG_INF;
+        xa[i] = v;
+    }
+    if (flags & F_BIAS) {
+        __syncthreads();  // this block's row written: each bias id lands in exactly one block
+        const int n = pi[PI_NBIAS];
+        for (int j = threadIdx.x; j < n; j += SMP_THREADS) {
+            const int id = bias_ids[j];
+            if (id >= c0 && id < c1) xa[id] += bias_vals[j];
+        }
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(SMP_THREADS)
@@ -291,9 +320,12 @@ def source() -> str:
         PI_NRECENT=PI_NRECENT,
         PI_TOPK=PI_TOPK,
         PI_FLAGS=PI_FLAGS,
+        PI_NBIAS=PI_NBIAS,
         F_PEN=F_PEN,
         F_TOPK=F_TOPK,
         F_TOPP=F_TOPP,
         F_MINP=F_MINP,
         F_SAMPLE=F_SAMPLE,
+        F_MASK=F_MASK,
+        F_BIAS=F_BIAS,
     )

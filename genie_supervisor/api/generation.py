@@ -15,10 +15,11 @@ generation stops at its next step, and the slot and the lease are given back.
 from __future__ import annotations
 
 import json
+import secrets
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
@@ -27,6 +28,7 @@ from starlette.responses import JSONResponse, Response
 
 from engine import SamplingParams
 from engine.errors import EngineError
+from engine.tool_calls import ToolCall, ToolSyntax, content_prefix_len
 
 from ..errors import AdmissionError, EngineUnavailable
 from ..llm.serving import NO_EXTRAS, Piece, RequestExtras
@@ -59,6 +61,15 @@ class Result:
     """Generated token ids (where the backend says them)."""
     pieces: list[Piece] = field(default_factory=list)
     """The streamed pieces in order (token ids and log-probabilities with their text)."""
+    content: str | None = None
+    """With tools: the text without the tool calls (`ToolSyntax.parse`); None: the text is all content."""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    """The tool calls parsed from the text, each with its id (``call_...``)."""
+
+    @property
+    def message(self) -> str:
+        """The answer's content: the text, less its tool calls."""
+        return self.text if self.content is None else self.content
 
 
 class Formatter(Protocol):
@@ -135,6 +146,54 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
+class ToolSplitter:
+    """A streamed answer's content while tool calls may follow: text is passed on up to where a call
+    could start (`content_prefix_len`), the rest held until `finish` parses the whole text."""
+
+    def __init__(self, syntax: ToolSyntax, parallel: bool) -> None:
+        self.syntax = syntax
+        self.parallel = parallel
+        self.text = ""
+        self.sent = 0
+        """Characters of `text` passed on as content."""
+        self._held: list[Piece] = []
+        self._final = False
+        self._longest = max((len(o) for o in syntax.openers), default=0)
+
+    def push(self, piece: Piece) -> Piece | None:
+        """The content `piece` releases (None: nothing yet); its tokens go with the next released text."""
+        self.text += piece.text
+        self._held.append(piece)
+        if self._final:
+            return None
+        cut = content_prefix_len(self.syntax, self.text)
+        self._final = cut + self._longest < len(self.text)  # an opener is whole: nothing after it is content
+        if cut <= self.sent:
+            return None
+        out = Piece(
+            self.text[self.sent : cut],
+            tuple(t for p in self._held for t in p.tokens),
+            tuple(lp for p in self._held for lp in p.logprobs),
+        )
+        self.sent, self._held = cut, []
+        return out
+
+    def finish(self, result: Result) -> Piece | None:
+        """Parse the whole text into `result` (content and calls with ids); the content not passed on yet."""
+        content, calls = self.syntax.parse(self.text)
+        if not self.parallel:
+            calls = calls[:1]
+        result.content = content
+        result.tool_calls = [replace(c, id=f"call_{secrets.token_hex(12)}") for c in calls]
+        sent = self.text[: self.sent]
+        rest = content[len(sent) :] if content.startswith(sent) else ""
+        if not rest:
+            return None
+        return Piece(
+            rest, tuple(t for p in self._held for t in p.tokens), tuple(lp for p in self._held for lp in p.logprobs)
+        )
+
+
 class GenerationResponse(Response):
     """An ASGI response running `job` to the end, or until its client disconnects."""
 
@@ -172,6 +231,8 @@ class GenerationResponse(Response):
                     check_token_ids(job.prompt, _n_vocab(lease.backend), job.prompt_param)
                 stream = await lease.backend.generate(job.prompt, job.sampling, cls, job.extras)
                 result = Result(model.id, prompt_tokens=stream.prompt_tokens)
+                syntax = getattr(stream, "tool_syntax", None)
+                splitter = ToolSplitter(syntax, stream.parallel_tool_calls) if syntax is not None else None
                 try:
                     if job.stream:
                         await self._start_stream(send)
@@ -181,8 +242,9 @@ class GenerationResponse(Response):
                         result.text += piece.text
                         result.tokens.extend(piece.tokens)
                         result.pieces.append(piece)
-                        if job.stream:
-                            await self._send_event(send, job.fmt.piece(model.id, piece))
+                        out = piece if splitter is None else splitter.push(piece)
+                        if job.stream and out is not None:
+                            await self._send_event(send, job.fmt.piece(model.id, out))
                 finally:
                     with anyio.CancelScope(shield=True):
                         await stream.aclose()
@@ -191,7 +253,10 @@ class GenerationResponse(Response):
                         result.completion_tokens = stream.completion_tokens
                         result.timings = stream.timings()
                         deps.models.record(model.id, result.prompt_tokens, result.completion_tokens, result.timings)
+            rest = splitter.finish(result) if splitter is not None else None
             if job.stream:
+                if rest is not None:
+                    await self._send_event(send, job.fmt.piece(model.id, rest))
                 for event in job.fmt.end(result):
                     await self._send_event(send, event)
                 await send({"type": "http.response.body", "body": b"", "more_body": False})

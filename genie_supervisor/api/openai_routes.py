@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
+
+from engine.tool_calls import ToolCall
 
 from ..llm.admission import PRIORITY_HEADER
 from ..llm.serving import Piece
@@ -27,22 +30,55 @@ def _usage(r: Result) -> dict[str, Any]:
     }
 
 
+def _spelled(piece: bytes) -> str:
+    return piece.decode("utf-8", errors="replace")
+
+
+def chat_logprobs(pieces: list[Piece]) -> dict[str, Any]:
+    """OpenAI's ``choices[].logprobs`` of a chat answer: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
+    content = [
+        {
+            "token": _spelled(lp.piece),
+            "logprob": lp.logprob,
+            "bytes": list(lp.piece),
+            "top_logprobs": [{"token": _spelled(b), "logprob": v, "bytes": list(b)} for _i, b, v in lp.top],
+        }
+        for p in pieces
+        for lp in p.logprobs
+    ]
+    return {"content": content, "refusal": None}
+
+
+def tool_call_json(call: ToolCall, index: int | None = None) -> dict[str, Any]:
+    """One call as OpenAI writes it: id, type function, the function's name and its arguments as JSON text."""
+    out: dict[str, Any] = {} if index is None else {"index": index}
+    fn = {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}
+    return {**out, "id": call.id, "type": "function", "function": fn}
+
+
+def _finish(r: Result) -> str:
+    return "tool_calls" if r.tool_calls else r.finish_reason
+
+
 class ChatFormat:
     """``chat.completion`` and ``chat.completion.chunk`` objects."""
 
-    def __init__(self, include_usage: bool) -> None:
+    def __init__(self, include_usage: bool, logprobs: bool = False) -> None:
         self.id = new_id("chatcmpl")
         self.created = now_s()
         self.include_usage = include_usage
+        self.logprobs = logprobs
 
-    def _chunk(self, model: str, delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
+    def _chunk(
+        self, model: str, delta: dict[str, Any], finish: str | None, logprobs: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         out: dict[str, Any] = {
             "id": self.id,
             "object": "chat.completion.chunk",
             "created": self.created,
             "model": model,
             "system_fingerprint": FINGERPRINT,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
         }
         if self.include_usage:
             out["usage"] = None
@@ -52,10 +88,19 @@ class ChatFormat:
         return [self._chunk(model, {"role": "assistant", "content": ""}, None)]
 
     def piece(self, model: str, piece: Piece) -> dict[str, Any]:
-        return self._chunk(model, {"content": piece.text}, None)
+        return self._chunk(model, {"content": piece.text}, None, chat_logprobs([piece]) if self.logprobs else None)
 
     def end(self, r: Result) -> list[dict[str, Any] | str]:
-        events: list[dict[str, Any] | str] = [self._chunk(r.model, {}, r.finish_reason)]
+        events: list[dict[str, Any] | str] = []
+        for k, call in enumerate(r.tool_calls):  # a call's head (id, name), then its arguments
+            head = tool_call_json(call, k)
+            arguments = head["function"]["arguments"]
+            head["function"] = {"name": call.name, "arguments": ""}
+            events.append(self._chunk(r.model, {"tool_calls": [head]}, None))
+            events.append(
+                self._chunk(r.model, {"tool_calls": [{"index": k, "function": {"arguments": arguments}}]}, None)
+            )
+        events.append(self._chunk(r.model, {}, _finish(r)))
         if self.include_usage:
             events.append(
                 {
@@ -73,6 +118,10 @@ class ChatFormat:
         return events
 
     def whole(self, r: Result) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": r.message, "refusal": None}
+        if r.tool_calls:
+            message["content"] = r.message or None
+            message["tool_calls"] = [tool_call_json(c) for c in r.tool_calls]
         return {
             "id": self.id,
             "object": "chat.completion",
@@ -82,9 +131,9 @@ class ChatFormat:
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": r.text, "refusal": None},
-                    "logprobs": None,
-                    "finish_reason": r.finish_reason,
+                    "message": message,
+                    "logprobs": chat_logprobs(r.pieces) if self.logprobs else None,
+                    "finish_reason": _finish(r),
                 }
             ],
             "usage": _usage(r),
@@ -95,26 +144,49 @@ class ChatFormat:
 class CompletionFormat:
     """``text_completion`` objects (the same shape streamed and not)."""
 
-    def __init__(self, include_usage: bool) -> None:
+    def __init__(self, include_usage: bool, logprobs: bool = False) -> None:
         self.id = new_id("cmpl")
         self.created = now_s()
         self.include_usage = include_usage
+        self.logprobs = logprobs
+        self._offset = 0
 
-    def _obj(self, model: str, text: str, finish: str | None) -> dict[str, Any]:
+    def _obj(self, model: str, text: str, finish: str | None, pieces: list[Piece] | None = None) -> dict[str, Any]:
         return {
             "id": self.id,
             "object": "text_completion",
             "created": self.created,
             "model": model,
             "system_fingerprint": FINGERPRINT,
-            "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}],
+            "choices": [
+                {
+                    "text": text,
+                    "index": 0,
+                    "logprobs": self._logprobs(pieces) if pieces is not None and self.logprobs else None,
+                    "finish_reason": finish,
+                }
+            ],
         }
+
+    def _logprobs(self, pieces: list[Piece]) -> dict[str, Any]:
+        """The legacy shape: tokens, token_logprobs, top_logprobs ({token: logprob}), text_offset (characters
+        from the start of the generated text; it runs on across a stream's chunks)."""
+        out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for p in pieces:
+            for lp in p.logprobs:
+                token = _spelled(lp.piece)
+                out["tokens"].append(token)
+                out["token_logprobs"].append(lp.logprob)
+                out["top_logprobs"].append({_spelled(b): v for _i, b, v in lp.top})
+                out["text_offset"].append(self._offset)
+                self._offset += len(token)
+        return out
 
     def start(self, model: str) -> list[dict[str, Any]]:
         return []
 
     def piece(self, model: str, piece: Piece) -> dict[str, Any]:
-        return self._obj(model, piece.text, None)
+        return self._obj(model, piece.text, None, [piece])
 
     def end(self, r: Result) -> list[dict[str, Any] | str]:
         events: list[dict[str, Any] | str] = [self._obj(r.model, "", r.finish_reason)]
@@ -124,7 +196,7 @@ class CompletionFormat:
         return events
 
     def whole(self, r: Result) -> dict[str, Any]:
-        return {**self._obj(r.model, r.text, r.finish_reason), "usage": _usage(r), "timings": r.timings}
+        return {**self._obj(r.model, r.text, r.finish_reason, r.pieces), "usage": _usage(r), "timings": r.timings}
 
 
 def _priority(request: Request, body_priority: str | None) -> str | None:
@@ -145,7 +217,8 @@ async def chat_completions(request: Request) -> Response:
         req.prompt(),
         req.sampling(max_tokens),
         req.stream,
-        ChatFormat(include_usage),
+        ChatFormat(include_usage, bool(req.logprobs)),
+        extras=req.extras(),
     )
     return GenerationResponse(deps, job)
 
@@ -164,8 +237,9 @@ async def completions(request: Request) -> Response:
         prompt,
         req.sampling(req.max_tokens or 16),
         req.stream,
-        CompletionFormat(include_usage),
+        CompletionFormat(include_usage, req.logprobs is not None),
         prompt_param=name,
+        extras=req.extras(),
     )
     return GenerationResponse(deps, job)
 

@@ -9,17 +9,19 @@ Token ids are checked against the vocabulary once the model is known (`check_tok
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
 
-from engine import SamplingParams
+from engine import Grammar, GrammarError, SamplingParams
 from engine.generate import TokenIdError, check_prompt_ids
 
 from ..errors import BadRequest
 from ..jsonlimits import MAX_DEPTH, loads_bounded
+from ..llm.serving import NO_EXTRAS, RequestExtras
 
 T = TypeVar("T", bound=BaseModel)
 
@@ -94,6 +96,10 @@ class Message(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"] = Field(..., description="who speaks")
     content: str | list[ContentPart] | None = Field(None, description="text, or a list of text parts")
     name: str | None = Field(None, description="speaker name (passed to the template)")
+    tool_calls: list[Any] | None = Field(
+        None, description="an assistant's calls: {id, type: function, function: {name, arguments: JSON text}}"
+    )
+    tool_call_id: str | None = Field(None, max_length=NAME_CHARS, description="a tool result: the call it answers")
 
     def text(self) -> str:
         """The content as one string."""
@@ -109,6 +115,228 @@ class Message(_Body):
                 )
             out.append(part.text)
         return "".join(out)
+
+
+MAX_TOOLS = 128
+"""Most tools a request may give (OpenAI's limit)."""
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+"""What a function's name may be (OpenAI's rule)."""
+BIAS_LIMIT = 100.0
+"""logit_bias values are within +-100 (OpenAI's range); -100 (or llama-server's false) bans the token."""
+MAX_BIASES = 1024
+"""Most logit_bias entries a request may give."""
+
+
+def _tool_calls(i: int, calls: list[Any]) -> list[dict[str, Any]]:
+    """An assistant message's OpenAI tool_calls with the arguments decoded for the template."""
+    out: list[dict[str, Any]] = []
+    for j, call in enumerate(calls):
+        where = f"messages[{i}].tool_calls[{j}]"
+        if not isinstance(call, dict):
+            raise BadRequest(f"{where} must be an object, got {type(call).__name__}", where)
+        if call.get("type", "function") != "function":
+            raise BadRequest(f"{where}.type must be 'function', got {call.get('type')!r}", f"{where}.type")
+        fn = call.get("function")
+        if not isinstance(fn, dict):
+            raise BadRequest(f"{where}.function must be an object", f"{where}.function")
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            raise BadRequest(f"{where}.function.name must be a non-empty string", f"{where}.function.name")
+        args: Any = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError as exc:
+                raise BadRequest(
+                    f"{where}.function.arguments is not valid JSON: {exc}", f"{where}.function.arguments"
+                ) from None
+        if not isinstance(args, dict):
+            raise BadRequest(
+                f"{where}.function.arguments must be a JSON object, got {type(args).__name__}",
+                f"{where}.function.arguments",
+            )
+        entry: dict[str, Any] = {"type": "function", "function": {"name": name, "arguments": args}}
+        if call.get("id") is not None:
+            if not isinstance(call["id"], str):
+                raise BadRequest(f"{where}.id must be a string", f"{where}.id")
+            entry = {"id": call["id"], **entry}
+        out.append(entry)
+    return out
+
+
+def check_tools(tools: list[Any]) -> tuple[dict[str, Any], ...]:
+    """OpenAI function tools, each checked (BadRequest naming ``tools[i]...``) and its parameters schema compiled
+    (leniently: keywords the constraint library lacks are ignored there, as in `llm.extras.lenient`)."""
+    if len(tools) > MAX_TOOLS:
+        raise BadRequest(f"at most {MAX_TOOLS} tools (got {len(tools)})", "tools")
+    out: list[dict[str, Any]] = []
+    names: set[str] = set()
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise BadRequest(f"{where} must be an object, got {type(tool).__name__}", where)
+        if tool.get("type") != "function":
+            raise BadRequest(f"{where}.type must be 'function', got {tool.get('type')!r}", f"{where}.type")
+        fn = tool.get("function")
+        if not isinstance(fn, dict):
+            raise BadRequest(f"{where}.function must be an object", f"{where}.function")
+        name = fn.get("name")
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+            shown = json.dumps(name)[:80] if isinstance(name, str) else type(name).__name__
+            raise BadRequest(
+                f"{where}.function.name must be 1 to 64 letters, digits, _ or -, got {shown}", f"{where}.function.name"
+            )
+        if name in names:
+            raise BadRequest(f"{where}.function.name: {name!r} is given twice", f"{where}.function.name")
+        names.add(name)
+        desc = fn.get("description")
+        if desc is not None and not isinstance(desc, str):
+            raise BadRequest(f"{where}.function.description must be a string", f"{where}.function.description")
+        params = fn.get("parameters")
+        param = f"{where}.function.parameters"
+        if params is None:
+            params = {"type": "object", "properties": {}}
+        if not isinstance(params, dict) or params.get("type", "object") != "object":
+            raise BadRequest(f"{param} must be a JSON schema of an object ({{'type': 'object', ...}})", param)
+        try:
+            Grammar.json_schema(params, strict=False)
+        except GrammarError as exc:
+            raise BadRequest(f"{param}: {exc.message}", param) from None
+        body = {"name": name, "parameters": params}
+        if desc is not None:
+            body["description"] = desc
+        out.append({"type": "function", "function": body})
+    return tuple(out)
+
+
+def check_tool_choice(choice: Any, tools: tuple[dict[str, Any], ...]) -> str | dict[str, Any]:
+    """``none``, ``auto``, ``required`` or ``{"type": "function", "function": {"name"}}`` naming one of `tools`."""
+    if choice is None:
+        return "auto"
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise BadRequest(
+                f"tool_choice must be 'none', 'auto', 'required' or name a function, got {choice!r}", "tool_choice"
+            )
+        if choice == "required" and not tools:
+            raise BadRequest("tool_choice 'required' needs tools", "tool_choice")
+        return choice
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(choice, dict) or choice.get("type", "function") != "function" or not isinstance(name, str):
+        raise BadRequest(
+            "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}",
+            "tool_choice",
+        )
+    if name not in {t["function"]["name"] for t in tools}:
+        raise BadRequest(f"tool_choice names {name!r}, which is not among the tools", "tool_choice.function.name")
+    return {"type": "function", "function": {"name": name}}
+
+
+def _grammar(make: Any, value: Any, param: str) -> Grammar:
+    try:
+        grammar: Grammar = make(value)
+    except GrammarError as exc:
+        raise BadRequest(f"{param}: {exc.message}", param) from None
+    return grammar
+
+
+def response_format_grammar(fmt: dict[str, Any]) -> tuple[Grammar | None, str]:
+    """OpenAI's ``response_format`` (``text``, ``json_object``, ``json_schema`` with ``json_schema: {name,
+    schema, strict}``; llama-server's ``schema`` beside the type too) as a grammar and the field it came from."""
+    kind = fmt.get("type")
+    if kind == "text":
+        return None, "response_format"
+    if kind == "json_object":
+        if isinstance(fmt.get("schema"), dict):  # llama-server's form
+            return _grammar(Grammar.json_schema, fmt["schema"], "response_format.schema"), "response_format.schema"
+        return Grammar.json_object(), "response_format"
+    if kind != "json_schema":
+        raise BadRequest(
+            f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+            "response_format.type",
+        )
+    if isinstance(fmt.get("schema"), dict) and "json_schema" not in fmt:  # llama-server's form
+        return _grammar(Grammar.json_schema, fmt["schema"], "response_format.schema"), "response_format.schema"
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise BadRequest(
+            "response_format.json_schema must be an object {name, schema, strict}", "response_format.json_schema"
+        )
+    name = spec.get("name")
+    if name is not None and (not isinstance(name, str) or not TOOL_NAME.fullmatch(name)):
+        raise BadRequest(
+            "response_format.json_schema.name must be 1 to 64 letters, digits, _ or -",
+            "response_format.json_schema.name",
+        )
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise BadRequest("response_format.json_schema.strict must be a boolean", "response_format.json_schema.strict")
+    schema = spec.get("schema", {})
+    param = "response_format.json_schema.schema"
+    if not isinstance(schema, dict):
+        raise BadRequest(f"{param} must be a JSON schema object", param)
+    return _grammar(lambda s: Grammar.json_schema(s, strict=strict is not False), schema, param), param
+
+
+_INT_KEY = re.compile(r"\s*-?[0-9]{1,30}\s*")
+
+
+def check_logit_bias(bias: Any) -> tuple[tuple[tuple[int, float], ...], tuple[tuple[str, float], ...]]:
+    """``logit_bias`` as (token id, bias) and (text, bias) pairs: OpenAI's ``{"<id>": bias}``, llama-server's
+    ``[[id or text, bias or false], ...]`` and ``{"<text>": bias}``. A bias of -100 or ``false`` bans a token."""
+    if bias is None:
+        return (), ()
+    items = list(bias.items()) if isinstance(bias, dict) else bias
+    if len(items) > MAX_BIASES:
+        raise BadRequest(f"logit_bias: at most {MAX_BIASES} entries (got {len(items)})", "logit_bias")
+    ids: dict[int, float] = {}
+    texts: dict[str, float] = {}
+    for n, entry in enumerate(items):
+        where = f"logit_bias[{n}]" if isinstance(bias, list) else f"logit_bias.{entry[0]}"[:80]
+        if not isinstance(entry, (list, tuple)) or len(entry) != 2:
+            raise BadRequest(f"{where} must be a [token id or text, bias] pair", "logit_bias")
+        key, value = entry
+        if value is False:
+            value = -math.inf
+        elif isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+            raise BadRequest(f"{where}: the bias must be a number or false, got {json.dumps(value)[:40]}", "logit_bias")
+        elif not -BIAS_LIMIT <= value <= BIAS_LIMIT:
+            raise BadRequest(f"{where}: the bias must be within -100..100, got {value}", "logit_bias")
+        b = -math.inf if value <= -BIAS_LIMIT else float(value)
+        if isinstance(key, str) and _INT_KEY.fullmatch(key):
+            key = int(key)
+        if isinstance(key, bool):
+            raise BadRequest(f"{where}: a token id or a text, not a boolean", "logit_bias")
+        if isinstance(key, int):
+            if key < 0:
+                raise BadRequest(f"{where}: token id {key} is negative", "logit_bias")
+            ids[key] = b
+        elif isinstance(key, str) and key:
+            texts[key] = b
+        else:
+            raise BadRequest(f"{where}: a token id or a non-empty text, got {json.dumps(key)[:40]}", "logit_bias")
+    return tuple(sorted(ids.items())), tuple(texts.items())
+
+
+def grammar_field(json_schema: dict[str, Any] | None, grammar: str | None) -> tuple[Grammar | None, str | None]:
+    """llama-server's ``json_schema`` or ``grammar`` (GBNF; not both) as a grammar and its field."""
+    if json_schema is not None and grammar:
+        raise BadRequest('either "json_schema" or "grammar" can be specified, but not both', "grammar")
+    if json_schema is not None:
+        return _grammar(Grammar.json_schema, json_schema, "json_schema"), "json_schema"
+    if grammar:
+        return _grammar(Grammar.gbnf, grammar, "grammar"), "grammar"
+    return None, None
+
+
+def plain_extras(json_schema: dict[str, Any] | None, grammar: str | None, logit_bias: Any) -> RequestExtras:
+    """The extras of a request without tools: llama-server's grammar fields and biases by string."""
+    constraint, param = grammar_field(json_schema, grammar)
+    texts = check_logit_bias(logit_bias)[1]
+    if constraint is None and not texts:
+        return NO_EXTRAS
+    return RequestExtras(grammar=constraint, grammar_param=param, bias_text=texts)
 
 
 class StreamOptions(_Body):
@@ -132,6 +360,13 @@ class _Sampling(_Body):
     n: int | None = Field(None, ge=1, le=128, description="choices to generate: only 1")
     priority: str | None = Field(
         None, max_length=NAME_CHARS, description="request class (voice, tool, background); or header X-Genie-Priority"
+    )
+    logit_bias: dict[str, Any] | list[Any] | None = Field(
+        None, description='{"<token id>": bias} (-100..100; -100 bans), or llama-server\'s [[id or text, bias|false]]'
+    )
+    json_schema: dict[str, Any] | None = Field(None, description="llama-server: the output is an instance of it")
+    grammar: str | None = Field(
+        None, max_length=1_000_000, description="llama-server: a GBNF grammar the output follows"
     )
 
     def check_n(self) -> None:
@@ -157,7 +392,17 @@ class _Sampling(_Body):
             min_p=self.min_p if self.min_p is not None else 0.05,
             seed=None if self.seed is None or self.seed < 0 else self.seed,
             stop=self.stops(),
+            logit_bias=check_logit_bias(self.logit_bias)[0],
+            logprobs=self.top_n(),
         )
+
+    def top_n(self) -> int | None:
+        """Alternatives per token's log-probabilities (None: none asked)."""
+        return None
+
+    def extras(self) -> RequestExtras:
+        """Constrained output and biases by string (no tools: chat adds them)."""
+        return plain_extras(self.json_schema, self.grammar, self.logit_bias)
 
 
 class ChatRequest(_Sampling):
@@ -166,16 +411,68 @@ class ChatRequest(_Sampling):
     messages: list[Message] = Field(..., min_length=1, description="the conversation")
     max_tokens: int | None = Field(None, ge=1, le=1_048_576, description="most tokens to generate")
     max_completion_tokens: int | None = Field(None, ge=1, le=1_048_576, description="same as max_tokens (wins)")
+    tools: list[Any] | None = Field(None, description="function tools: {type: function, function: {name, ...}}")
+    tool_choice: str | dict[str, Any] | None = Field(None, description="none, auto (default), required, or a function")
+    parallel_tool_calls: bool | None = Field(
+        None, description="whether an answer may call several tools (default true)"
+    )
+    response_format: dict[str, Any] | None = Field(None, description="text, json_object, or json_schema")
+    logprobs: bool | None = Field(None, description="each token's log-probability in the answer")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="the most likely alternatives per token")
 
     def prompt(self) -> list[dict[str, Any]]:
-        """Messages as the engine's chat template takes them."""
+        """Messages as the engine's chat template takes them: tool calls' arguments decoded (400 naming
+        ``messages[i].tool_calls[j].function.arguments`` when not JSON), a tool result named by its call."""
         out = []
-        for m in self.messages:
+        names: dict[str, str] = {}
+        for i, m in enumerate(self.messages):
             d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
             if m.name:
                 d["name"] = m.name
+            if m.tool_calls:
+                if m.role != "assistant":
+                    raise BadRequest(
+                        f"messages[{i}].tool_calls: only an assistant message has tool calls",
+                        f"messages[{i}].tool_calls",
+                    )
+                d["tool_calls"] = _tool_calls(i, m.tool_calls)
+                names.update({c["id"]: c["function"]["name"] for c in d["tool_calls"] if "id" in c})
+            if m.role == "tool" and m.tool_call_id is not None:
+                d["tool_call_id"] = m.tool_call_id
+                if "name" not in d and m.tool_call_id in names:
+                    d["name"] = names[m.tool_call_id]
             out.append(d)
         return out
+
+    def top_n(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def extras(self) -> RequestExtras:
+        """Tools, tool_choice and constrained output (response_format, or llama-server's fields)."""
+        grammar, param = grammar_field(self.json_schema, self.grammar)
+        if self.response_format is not None:
+            fmt, fmt_param = response_format_grammar(self.response_format)
+            if fmt is not None and grammar is not None:
+                raise BadRequest(f"response_format and {param} cannot both be given", "response_format")
+            if fmt is not None:
+                grammar, param = fmt, fmt_param
+        tools = check_tools(self.tools) if self.tools else ()
+        choice = check_tool_choice(self.tool_choice, tools)
+        if tools and choice != "none" and grammar is not None:
+            raise BadRequest(f"{param} cannot be combined with tools (unless tool_choice is 'none')", param)
+        texts = check_logit_bias(self.logit_bias)[1]
+        if not tools and grammar is None and not texts:
+            return NO_EXTRAS
+        return RequestExtras(
+            tools=tools,
+            tool_choice=choice,
+            parallel_tool_calls=self.parallel_tool_calls is not False,
+            grammar=grammar,
+            grammar_param=param,
+            bias_text=texts,
+        )
 
 
 class CompletionRequest(_Sampling):
@@ -185,11 +482,15 @@ class CompletionRequest(_Sampling):
         ..., description="text, one text in a list, token ids, or one list of token ids in a list"
     )
     max_tokens: int | None = Field(None, ge=1, le=1_048_576, description="most tokens to generate (default 16)")
+    logprobs: int | None = Field(None, ge=0, le=20, description="log-probabilities of each token and n alternatives")
 
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt_items(cls, v: Any) -> Any:
         return _one_kind(v, "int str list")
+
+    def top_n(self) -> int | None:
+        return self.logprobs
 
     def text_prompt(self) -> tuple[str | list[int], str]:
         """The one prompt (text or token ids) and the name its token ids are reported under."""
@@ -228,6 +529,12 @@ class LlamaCompletionRequest(_Body):
     ignore_eos: bool = False
     model: str | None = Field(None, max_length=NAME_CHARS, description="model id or role (an extension)")
     priority: str | None = Field(None, max_length=NAME_CHARS, description="request class (an extension)")
+    n_probs: int = Field(0, ge=0, le=20, description="each token's log-probability and the n most likely ones")
+    logit_bias: dict[str, Any] | list[Any] | None = Field(
+        None, description="[[token id or text, bias or false], ...] or {id or text: bias}; -100 or false bans"
+    )
+    json_schema: dict[str, Any] | None = Field(None, description="the output is an instance of this JSON schema")
+    grammar: str | None = Field(None, max_length=1_000_000, description="a GBNF grammar the output follows")
 
     def sampling(self, default_max: int) -> SamplingParams:
         top_p, top_k = self.top_p, self.top_k
@@ -244,7 +551,13 @@ class LlamaCompletionRequest(_Body):
             seed=None if self.seed < 0 else self.seed,
             stop=check_stops(tuple(self.stop)),
             ignore_eos=self.ignore_eos,
+            logit_bias=check_logit_bias(self.logit_bias)[0],
+            logprobs=self.n_probs or None,
         )
+
+    def extras(self) -> RequestExtras:
+        """``json_schema`` / ``grammar`` and biases by string."""
+        return plain_extras(self.json_schema, self.grammar, self.logit_bias)
 
 
 def check_stops(stops: tuple[str, ...]) -> tuple[str, ...]:

@@ -7,11 +7,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from engine import SamplingParams, load_model
+from engine.tool_calls import ToolSyntax
 
 from ..config import ModelEntry
 from ..errors import BackendUnavailable, EngineUnavailable
 from .host import EngineHost, HostedGeneration, Prompt
-from .serving import NO_EXTRAS, BackendContext, Piece, Plan, RequestExtras
+from .serving import NO_EXTRAS, BackendContext, Piece, Plan, RequestExtras, TokenLogprob
 
 MiB = 1024 * 1024
 
@@ -19,9 +20,11 @@ MiB = 1024 * 1024
 class BuiltinStream:
     """A HostedGeneration seen as pieces (text and the tokens that made it) with counts."""
 
-    def __init__(self, gen: HostedGeneration) -> None:
+    def __init__(self, gen: HostedGeneration, tokenizer: Any = None) -> None:
         self.gen = gen
         """The engine's generation."""
+        self.tokenizer = tokenizer
+        """The model's tokenizer (spells the tokens of log-probabilities)."""
         self.prompt_tokens = len(gen.prompt_ids)
         """Tokens in the prompt."""
 
@@ -35,16 +38,35 @@ class BuiltinStream:
         """Tokens generated so far."""
         return self.gen.stats.completion_tokens
 
+    @property
+    def tool_syntax(self) -> ToolSyntax | None:
+        """How the model writes tool calls when the request's tools reached the prompt (None: no tools)."""
+        return self.gen.tool_syntax
+
+    @property
+    def parallel_tool_calls(self) -> bool:
+        """Whether several calls may come back."""
+        return self.gen.parallel_tool_calls
+
     async def __aiter__(self) -> AsyncIterator[Piece]:
         held: list[int] = []  # tokens whose text is still held back (UTF-8, a possible stop string)
+        probs: list[TokenLogprob] = []
+        want = self.gen.sampling.logprobs is not None
+        piece_bytes = self._piece_bytes
         seen = 0
         async for tok in self.gen:
             if self.gen.stats.completion_tokens > seen:  # a new token (the last event may only release text)
                 seen += 1
                 held.append(tok.id)
+                if want and tok.logprob is not None:
+                    top = tuple((i, piece_bytes(i), lp) for i, lp in tok.top)
+                    probs.append(TokenLogprob(tok.id, piece_bytes(tok.id), tok.logprob, top))
             if tok.text:
-                yield Piece(tok.text, tuple(held))
-                held = []
+                yield Piece(tok.text, tuple(held), tuple(probs))
+                held, probs = [], []
+
+    def _piece_bytes(self, token: int) -> bytes:
+        return self.tokenizer.token_to_bytes(token) if self.tokenizer is not None else b""
 
     async def aclose(self) -> None:
         """Stop the generation (within one step) and free the model."""
@@ -121,8 +143,8 @@ class BuiltinBackend:
         self, prompt: Prompt, sampling: SamplingParams, priority: str | None, extras: RequestExtras = NO_EXTRAS
     ) -> BuiltinStream:
         """Admit the request on the engine (context checked) and return its stream."""
-        gen = await self.host.generate(prompt, sampling, priority=priority)
-        return BuiltinStream(gen)
+        gen = await self.host.generate(prompt, sampling, priority=priority, extras=extras)
+        return BuiltinStream(gen, self.tokenizer())
 
     async def check(self) -> str | None:
         """Health: None when fine, else why not."""

@@ -21,6 +21,7 @@ from engine import GenerationStats, SamplingParams, TokenEvent
 from ..errors import EngineUnavailable
 
 if TYPE_CHECKING:
+    from .extras import Prepared
     from .host import EngineHost
 
 
@@ -71,7 +72,14 @@ class _HostGate:
 class HostedGeneration:
     """One admitted generation: an async iterator of TokenEvent; close it (``async with``) when done."""
 
-    def __init__(self, host: EngineHost, prompt_ids: list[int], sampling: SamplingParams, priority: str | None) -> None:
+    def __init__(
+        self,
+        host: EngineHost,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        priority: str | None,
+        prepared: Prepared | None = None,
+    ) -> None:
         self.prompt_ids = prompt_ids
         """The prompt as token ids."""
         self.sampling = sampling
@@ -88,6 +96,12 @@ class HostedGeneration:
         """Monotonic time of the first token."""
         self.tokens = 0
         """Token events seen so far."""
+        self.constraint = prepared.constraint if prepared is not None else None
+        """The grammar the output follows (None: free)."""
+        self.tool_syntax = prepared.tool_syntax if prepared is not None else None
+        """How the model writes tool calls when the request's tools reached the prompt (None: no tools)."""
+        self.parallel_tool_calls = prepared.parallel if prepared is not None else True
+        """Whether several calls may come back."""
         self._host = host
         self._agen = self._run()
 
@@ -139,6 +153,7 @@ class HostedGeneration:
             prefill_layer_group=host.arbiter.prefill_layer_group,
             priority=PRIORITY_RANK.get(self.priority or "", 0),
             pin_prefix=self.priority == "voice",
+            constraint=self.constraint,
         )
         self.stats = gen.stats
         host._started(self)

@@ -31,7 +31,7 @@ import psutil
 import structlog
 from anyio.abc import TaskStatus
 
-from engine import Model, SamplingParams, load_model, open_model_file
+from engine import GrammarError, Model, SamplingParams, load_model, open_model_file
 from engine.backends import resolve_backend
 from engine.model import MemoryPlan, plan_memory
 from engine.spec import read_spec
@@ -40,8 +40,9 @@ from ..arbiter import Arbiter, DecodeGate
 from ..errors import AdmissionError as AdmissionError  # re-export
 from ..errors import ContextTooLong, EngineUnavailable, RequestRefused
 from ..events import EngineStats, Observation
+from .extras import prepare
 from .generation import HostedGeneration as HostedGeneration  # re-export
-from .serving import plan_parts_mb
+from .serving import NO_EXTRAS, RequestExtras, plan_parts_mb
 
 log = structlog.get_logger(__name__)
 
@@ -311,17 +312,33 @@ class EngineHost:
 
     # -- requests ---------------------------------------------------------------------------
     async def generate(
-        self, prompt: Prompt, sampling: SamplingParams | None = None, *, priority: str | None = None
+        self,
+        prompt: Prompt,
+        sampling: SamplingParams | None = None,
+        *,
+        priority: str | None = None,
+        extras: RequestExtras = NO_EXTRAS,
     ) -> HostedGeneration:
-        """Admit a request and return its generation (not started until iterated).
+        """Admit a request and return its generation (not started until iterated); `extras`: tools,
+        constrained output and biases by string (`llm.extras.prepare`, in a worker thread).
 
-        Raises EngineUnavailable, RequestRefused or ContextTooLong with the reason.
+        Raises EngineUnavailable, RequestRefused or ContextTooLong with the reason, GrammarError
+        (naming the request field) for a grammar or tool schema the model's vocabulary cannot take.
         """
         sampling = sampling or SamplingParams()
         model = self._admit()
-        ids = await self._tokenize(model, prompt)
+        prepared = None
+        if extras.empty:
+            ids = await self._tokenize(model, prompt)
+        else:
+            prepared = await anyio.to_thread.run_sync(prepare, model, prompt, sampling, extras)
+            ids, sampling = prepared.ids, prepared.sampling
         if not ids:
             raise ValueError("the prompt is empty")
+        outside = [t for t, _ in sampling.logit_bias if t >= model.info.n_vocab]
+        if outside:  # the generation would say so only once it starts: after a stream's first bytes
+            vocab = f"0..{model.info.n_vocab - 1}"
+            raise GrammarError(f"token id {outside[0]} is outside the vocabulary ({vocab})", param="logit_bias")
         needed = len(ids) + sampling.max_tokens
         limit, why = model.info.n_ctx, "the model's context (engine.n_ctx)"
         policy_ctx = self.arbiter.max_context
@@ -330,7 +347,7 @@ class EngineHost:
         if needed > limit:
             raise ContextTooLong(needed, limit, why, len(ids))
         model = self._admit()  # tokenizing took a moment: check again
-        return HostedGeneration(self, ids, sampling, priority)
+        return HostedGeneration(self, ids, sampling, priority, prepared)
 
     def _admit(self) -> Model:
         if self.closing:

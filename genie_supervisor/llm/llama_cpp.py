@@ -79,6 +79,10 @@ class LlamaStream:
         """Tokens generated (llama-server's count at the end; chunks until then)."""
         self._timings: dict[str, float] = {}
         self._t0 = time.monotonic()
+        self.tool_syntax = None
+        """No tools reach llama-server (they are refused with a 400)."""
+        self.parallel_tool_calls = True
+        """Not used: no tool calls are parsed."""
 
     async def __aiter__(self) -> AsyncIterator[Piece]:
         gate = self._backend.gate
@@ -354,8 +358,16 @@ class LlamaCppBackend:
         self, prompt: Any, sampling: SamplingParams, priority: str | None, extras: RequestExtras = NO_EXTRAS
     ) -> LlamaStream:
         """Wait for the gate, send the request upstream (streaming) and return its stream."""
-        if not extras.empty:
-            field = "tools" if extras.tools else extras.grammar_param or "grammar"
+        if not extras.empty or sampling.logprobs is not None:
+            field = (
+                "tools"
+                if extras.tools
+                else "logit_bias"
+                if extras.bias_text
+                else "logprobs"
+                if extras.grammar is None
+                else extras.grammar_param or "grammar"
+            )
             raise BadRequest(f"{field} is not supported by the llama_cpp backend (use the builtin engine)", field)
         if self._client is None:
             raise BackendUnavailable(f"model {self.model_id!r} is not loaded")
@@ -382,6 +394,8 @@ class LlamaCppBackend:
             common["seed"] = sampling.seed
         if sampling.stop:
             common["stop"] = list(sampling.stop)
+        if sampling.logit_bias:  # llama-server's pairs; false bans a token
+            common["logit_bias"] = [[t, False if b == float("-inf") else b] for t, b in sampling.logit_bias]
         chat = isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], Mapping)
         if chat:
             body = {

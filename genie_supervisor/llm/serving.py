@@ -24,6 +24,7 @@ from ..errors import UpstreamError as UpstreamError  # re-export
 
 if TYPE_CHECKING:
     from engine import Model
+    from engine.tool_calls import ToolSyntax
 
     from ..arbiter import Arbiter, DecodeGate
     from ..config import Config, ModelEntry
@@ -119,11 +120,23 @@ class RequestExtras:
     """An `engine.constrain.Grammar` the output must follow (response_format, json_schema, grammar, format)."""
     grammar_param: str | None = None
     """The request field the grammar came from (errors name it)."""
+    bias_text: tuple[tuple[str, float], ...] = ()
+    """llama-server's ``logit_bias`` by string: every token of each text gets its bias (-inf bans)."""
 
     @property
     def empty(self) -> bool:
         """Nothing beyond plain generation is asked."""
-        return not self.tools and self.grammar is None
+        return not self.tools and self.grammar is None and not self.bias_text
+
+    @property
+    def tools_active(self) -> bool:
+        """Tools reach the prompt (there are some and ``tool_choice`` is not ``none``)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def forced(self) -> bool:
+        """``tool_choice`` forces a call (``required`` or a named function)."""
+        return self.tools_active and self.tool_choice != "auto"
 
 
 NO_EXTRAS = RequestExtras()
@@ -143,6 +156,14 @@ class TextStream(Protocol):
     @property
     def completion_tokens(self) -> int:
         """Tokens generated so far."""
+
+    @property
+    def tool_syntax(self) -> ToolSyntax | None:
+        """How the model writes tool calls when the request gave it tools (None: no tools, no parsing)."""
+
+    @property
+    def parallel_tool_calls(self) -> bool:
+        """Whether the answer may carry several calls (else only the first one parsed counts)."""
 
     def __aiter__(self) -> AsyncIterator[Piece]: ...
 

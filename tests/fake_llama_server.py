@@ -3,7 +3,7 @@
     python tests/fake_llama_server.py -m MODEL.gguf --host 127.0.0.1 --port 8081 -c 512 --alias brain
 
 Routes: ``GET /health``, ``GET /v1/models``, ``POST /completion`` and ``POST /v1/chat/completions``
-(streaming and not). The answer is always the same words (``REPLY``), cut at ``n_predict`` /
+(streaming and not); ``POST /tokenize``, ``/detokenize``, ``/apply-template`` and ``GET /props`` in their shape. The answer is always the same words (``REPLY``), cut at ``n_predict`` /
 ``max_tokens`` (one word = one token) or at a stop string; a prompt "token" is a
 whitespace-separated word. A prompt plus n_predict over ``-c`` gets llama-server's 400 error.
 Unknown arguments are ignored, so it accepts whatever llama-server would be started with.
@@ -23,6 +23,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 REPLY = ["Hello", " from", " the", " fake", " llama", " server", "."]
 """The tokens every answer is made of."""
+VOCAB = [w.strip() for w in REPLY]
+"""What ``/tokenize`` knows: a whitespace-separated word of the reply is its index (others: len(VOCAB))."""
 
 
 def _words(n: int, stop: list[str]) -> tuple[list[str], str]:
@@ -175,6 +177,30 @@ def create_app(alias: str, n_ctx: int) -> FastAPI:
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        words = str((await request.json()).get("content", "")).split()
+        return {"tokens": [VOCAB.index(w) if w in VOCAB else len(VOCAB) for w in words]}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        ids = (await request.json()).get("tokens", [])
+        return {"content": " ".join(VOCAB[i] if 0 <= i < len(VOCAB) else "?" for i in ids)}
+
+    @app.post("/apply-template")
+    async def apply_template(request: Request) -> dict[str, Any]:
+        messages = (await request.json()).get("messages", [])
+        return {"prompt": "".join(f"<{m['role']}>{m.get('content') or ''}\n" for m in messages) + "<assistant>"}
+
+    @app.get("/props")
+    async def props() -> dict[str, Any]:
+        return {
+            "default_generation_settings": {"n_ctx": n_ctx, "params": {"temperature": 0.8}},
+            "total_slots": 4,
+            "model_path": alias,
+            "chat_template": "fake",
+        }
 
     return app
 

@@ -38,7 +38,18 @@ pytestmark = pytest.mark.timeout(120)
 
 N_VOCAB = 49152
 """SmolLM2's vocabulary."""
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/completion", "/unload", "/v1/voice/events")
+ROUTES = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/completion",
+    "/chat/completions",
+    "/completions",
+    "/tokenize",
+    "/detokenize",
+    "/apply-template",
+    "/unload",
+    "/v1/voice/events",
+)
 """Every POST route."""
 JSON = {"content-type": "application/json"}
 GENERATED = settings(
@@ -305,6 +316,20 @@ LLAMA = body(
     },
 )
 UNLOAD = body({}, {"model": (st.sampled_from(["default", "nope"]), texts), "force": (st.booleans(), numbers | texts)})
+MODEL: Spec = {"model": SAMPLING["model"]}
+TOKENIZE = body(
+    {"content": (st.text(max_size=12), numbers)},
+    {
+        **MODEL,
+        "add_special": (st.booleans(), numbers | texts),
+        "parse_special": (st.booleans(), numbers),
+        "with_pieces": (st.booleans(), numbers),
+    },
+)
+DETOKENIZE = body({"tokens": (st.lists(ids, max_size=6), st.lists(ids | texts, max_size=4) | texts)}, MODEL)
+APPLY_TEMPLATE = body(
+    {"messages": (st.lists(good_message, min_size=1, max_size=3), st.lists(any_message, max_size=3) | texts)}, MODEL
+)
 VOICE = body(
     {},
     {
@@ -513,6 +538,18 @@ GENERATION_ROUTES = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION
 def test_generated_generation_requests_never_500(api: httpx.Client, route: str, data: st.DataObject) -> None:
     """Generated bodies of each generation route get < 500, and a JSON error when refused."""
     assert_clean(post(api, route, data.draw(GENERATION_ROUTES[route], label="request_body")))
+
+
+HELPER_ROUTES = {"/tokenize": TOKENIZE, "/detokenize": DETOKENIZE, "/apply-template": APPLY_TEMPLATE}
+"""llama-server's helper routes and the strategies of their bodies."""
+
+
+@FEWER
+@pytest.mark.parametrize("route", HELPER_ROUTES)
+@given(data=st.data())
+def test_generated_llama_helper_requests_never_500(api: httpx.Client, route: str, data: st.DataObject) -> None:
+    """Generated /tokenize, /detokenize and /apply-template bodies get < 500, and a JSON error when refused."""
+    assert_clean(post(api, route, data.draw(HELPER_ROUTES[route], label="request_body")))
 
 
 @FEWER

@@ -129,7 +129,7 @@ class BodyLimit:
 
 def create_app(deps: ApiDeps) -> Any:
     """The app with the ops, OpenAI-compatible, Ollama, llama-server and management routes, serving `deps`."""
-    from . import llama_routes, manage, metrics, ollama_routes, openai_routes, ops, security
+    from . import llama_extra, llama_routes, manage, metrics, ollama_routes, openai_routes, ops, security
 
     app = FastAPI(title="genie-supervisor", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.deps = deps
@@ -163,6 +163,7 @@ def create_app(deps: ApiDeps) -> Any:
     app.include_router(openai_routes.router)
     app.include_router(ollama_routes.router)
     app.include_router(llama_routes.router)
+    app.include_router(llama_extra.router)
     app.include_router(manage.router)
     return security.guard(BodyLimit(app, deps.config.api.max_body_bytes), deps.config)
 

@@ -8,8 +8,8 @@ llama.cpp's x86 CPU backend does (Q8_0 / Q8_1 / Q8_K), and computes integer bloc
 with the float accumulation of its AVX2 build. RMSNorm, RoPE, attention over the fp16 cache and
 the gated activations are C too, with llama.cpp's arithmetic (docs/engine.md): for Q4_1/Q8_0
 models such as SmolLM2 the logits are llama.cpp's bit for bit. The rest (embedding lookup,
-residual adds, other caches' attention) is NumPy (inherited from `NumpyOps`). This module builds
-and loads the kernels; `NativeOps` (in `cpu_native_ops`) calls them.
+residual adds, other caches' attention) is NumPy: `NativeOps` hands it to the `NumpyOps` it holds.
+This module builds and loads the kernels; `NativeOps` (in `cpu_native_ops`) calls them.
 
 Without a working compiler `native_available()` returns ``(False, reason)`` and `auto` falls
 back to the NumPy backend. A cache folder that cannot be written (read-only, not a directory, disk

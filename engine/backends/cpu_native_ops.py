@@ -1,11 +1,12 @@
-"""The native backend's ops: `NumpyOps` with GGUF-block weights and the compiled C kernels doing the math.
+"""The native backend's ops: GGUF-block weights and the compiled C kernels doing the math.
 
 `QWeight` keeps a 2-D weight in its GGUF block layout (no float32 copy) and `QParts` a fused matrix
 whose parts have different types. `NativeOps` loads the kernels through `cpu_native.load_library`
 (with the options' extra compiler flags) and runs every projection as one quantization of the
 activation row plus integer block dot products (`linear`), and RMSNorm, RoPE, attention over the fp16
-cache and the gated activations with llama.cpp's arithmetic; float weights, other caches and the
-embedding lookup of float tables stay on the inherited NumPy path.
+cache and the gated activations with llama.cpp's arithmetic. It holds a `NumpyOps` and hands it what
+the kernels do not take: float weights, other caches, the embedding lookup of float tables, the KV
+writes and the CPU's (absent) device abilities.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from ..options import DEFAULT_OPTIONS, EngineOptions
 from ..quants import dequantize_rows
 from .cpu_native import ACT_KIND, GGML_TYPE, default_threads, limit_blas_threads, load_library
 from .numpy_backend import NumpyOps
+from .ops import Ops
 
 
 class QWeight:
@@ -50,13 +52,21 @@ class QParts:
         self.nbytes = int(sum(p.nbytes for p in parts))
 
 
-class NativeOps(NumpyOps):
-    """`NumpyOps` with quantized matrices and a compiled GEMV; everything else is NumPy."""
+class NativeOps:
+    """The `Ops` of the native backend: quantized matrices and compiled kernels, with a `NumpyOps`
+    for the rest."""
 
     name = "native"
+    xp: Any = np
     batch_dependent = True
     """A row's rounding can depend on the rows computed with it: Q4_K matrices round like
     llama.cpp's repacked kernels (a batch's rows in groups of four: its gemm; others: its gemv)."""
+    prefill_chunk: int | None = None
+    """No preference: the engine's default chunk."""
+    prefill_graphs: Any = None
+    """No prefill graphs on the CPU."""
+    prefill_dtype = ""
+    """No tile precision to choose."""
 
     def __init__(self, threads: int | None = None, options: EngineOptions | None = None) -> None:
         self.options = options or DEFAULT_OPTIONS
@@ -69,16 +79,28 @@ class NativeOps(NumpyOps):
         self.threads = int(threads or default_threads(self.options))
         self.blas_limited = limit_blas_threads(1) if self.threads > 1 else False
         self._row_bytes: dict[tuple[int, int], int] = {}
+        self.numpy = NumpyOps()
+        """The reference ops, for what the kernels do not take."""
+        # handed over as they are, bound once (no extra call per use in the decode loop)
+        self.zeros = self.numpy.zeros
+        self.to_host = self.numpy.to_host
+        self.kv_store = self.numpy.kv_store
+        self.make_decoder = self.numpy.make_decoder
+        self.mark = self.numpy.mark
+        self.synchronize = self.numpy.synchronize
+        self._linear_f32 = self.numpy.linear
+        self._attention_ref = self.numpy.attention
+        self._gated_act_ref = self.numpy.gated_act
 
     # --- weights -------------------------------------------------------------------------
     def weight(self, t: TensorInfo) -> Any:
         if t.type_name in GGML_TYPE and len(t.shape) == 2:
             return QWeight(t.raw, t.type_name, (t.shape[0], t.shape[1]))
-        return super().weight(t)
+        return self.numpy.weight(t)
 
     def concat_rows(self, parts: list[Any]) -> Any:
         if all(isinstance(p, np.ndarray) for p in parts):
-            return super().concat_rows(parts)
+            return self.numpy.concat_rows(parts)
         if all(isinstance(p, QWeight) for p in parts) and len({p.type_name for p in parts}) == 1:
             raw = np.concatenate([p.raw for p in parts], axis=0)
             return QWeight(raw, parts[0].type_name, (raw.shape[0], parts[0].shape[1]))
@@ -87,7 +109,7 @@ class NativeOps(NumpyOps):
     def embed_rows(self, table: Any, ids: np.ndarray, cols: int) -> np.ndarray:
         if isinstance(table, QWeight):
             return dequantize_rows(table.raw, table.type_name, ids, cols)
-        return super().embed_rows(table, ids, cols)
+        return self.numpy.embed_rows(table, ids, cols)
 
     # --- math ----------------------------------------------------------------------------
     def _act_bytes(self, kind: int, n: int) -> int:
@@ -104,13 +126,11 @@ class NativeOps(NumpyOps):
         self.lib.qg_quantize(kind, x.ctypes.data, n, t, n, buf.ctypes.data, self.threads)
         return buf
 
-    def linear(  # type: ignore[override]
-        self, x: np.ndarray, w: Any, b: np.ndarray | None = None, aq: str | None = None
-    ) -> np.ndarray:
+    def linear(self, x: np.ndarray, w: Any, b: np.ndarray | None = None, aq: str | None = None) -> np.ndarray:
         """[T, in] x [out, in] -> [T, out] (+ bias). Quantized weights go through the C kernel
         (the activation rounding follows from the weight type; `aq` is for float weights)."""
         if isinstance(w, np.ndarray):
-            return NumpyOps.linear(x, w, b, aq)
+            return self._linear_f32(x, w, b, aq)
         x = np.ascontiguousarray(x, dtype=np.float32)
         t, n = x.shape
         parts = w.parts if isinstance(w, QParts) else [w]
@@ -145,7 +165,7 @@ class NativeOps(NumpyOps):
         return y
 
     # --- the rest of the forward pass with llama.cpp's CPU arithmetic (qgemv.c, second half) --
-    def rms_norm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:  # type: ignore[override]
+    def rms_norm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
         """RMSNorm over the last axis as ggml computes it (double sum, float scale, then * w)."""
         shape = x.shape
         x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, shape[-1])
@@ -163,16 +183,14 @@ class NativeOps(NumpyOps):
         )
         return y.reshape(shape)
 
-    def rope_tables(  # type: ignore[override]
-        self, n_ctx: int, dim: int, base: float, scale: float
-    ) -> tuple[np.ndarray, np.ndarray]:
+    def rope_tables(self, n_ctx: int, dim: int, base: float, scale: float) -> tuple[np.ndarray, np.ndarray]:
         """cos and sin [n_ctx, dim/2] from ggml's float theta recurrence and libm cosf/sinf."""
         cos = np.empty((n_ctx, dim // 2), dtype=np.float32)
         sin = np.empty_like(cos)
         self.lib.qg_rope_cache(0, n_ctx, dim, float(base), float(1.0 / scale), cos.ctypes.data, sin.ctypes.data)
         return cos, sin
 
-    def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str) -> np.ndarray:  # type: ignore[override]
+    def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str) -> np.ndarray:
         """Rotate [T, heads, D] with ggml's rounding (one fused multiply-add per output)."""
         out = np.array(x, dtype=np.float32, order="C")
         c = np.ascontiguousarray(cos, dtype=np.float32)
@@ -191,9 +209,7 @@ class NativeOps(NumpyOps):
         )
         return out
 
-    def attention(  # type: ignore[override]
-        self, q: np.ndarray, k_cache: Any, v_cache: Any, start: int, window: int, scale: float
-    ) -> np.ndarray:
+    def attention(self, q: np.ndarray, k_cache: Any, v_cache: Any, start: int, window: int, scale: float) -> np.ndarray:
         """ggml's CPU flash attention over an fp16 cache (other caches: the NumPy path)."""
         if not (
             isinstance(k_cache, np.ndarray)
@@ -203,7 +219,7 @@ class NativeOps(NumpyOps):
             and k_cache.flags.c_contiguous
             and v_cache.flags.c_contiguous
         ):
-            return NumpyOps.attention(q, k_cache, v_cache, start, window, scale)
+            return self._attention_ref(q, k_cache, v_cache, start, window, scale)
         q = np.ascontiguousarray(q, dtype=np.float32)
         t, h, d = q.shape
         kv, n_ctx, _ = k_cache.shape
@@ -226,10 +242,10 @@ class NativeOps(NumpyOps):
             self.threads,
         )
         if rc != 0:
-            return NumpyOps.attention(q, k_cache, v_cache, start, window, scale)
+            return self._attention_ref(q, k_cache, v_cache, start, window, scale)
         return out
 
-    def gated_act(self, gate: np.ndarray, up: np.ndarray, kind: str) -> np.ndarray:  # type: ignore[override]
+    def gated_act(self, gate: np.ndarray, up: np.ndarray, kind: str) -> np.ndarray:
         """SwiGLU with ggml's AVX2 exp, or GeGLU with its fp16 GELU table."""
         if (
             kind not in ("silu", "gelu_tanh")
@@ -239,7 +255,7 @@ class NativeOps(NumpyOps):
             or gate.strides != up.strides
             or gate.strides[-1] != 4
         ):
-            return NumpyOps.gated_act(gate, up, kind)
+            return self._gated_act_ref(gate, up, kind)
         t, n = gate.shape
         y = np.empty((t, n), dtype=np.float32)
         self.lib.qg_glu(
@@ -253,3 +269,7 @@ class NativeOps(NumpyOps):
             self.threads,
         )
         return y
+
+
+_CHECKED: type[Ops] = NativeOps
+"""NativeOps is an `Ops` (mypy checks it here)."""

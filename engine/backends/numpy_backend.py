@@ -10,6 +10,7 @@ import numpy as np
 from ..gguf_file import TensorInfo
 from ..kv_cache import kv_rows, kv_write
 from ..quants import dequantize, dequantize_rows
+from .ops import Ops
 
 _GELU_C = math.sqrt(2.0 / math.pi)
 
@@ -18,7 +19,7 @@ class NumpyOps:
     """Every op the forward pass uses; arrays are float32 NumPy arrays."""
 
     name = "numpy"
-    xp = np
+    xp: Any = np
     batch_dependent = False
     """Every row's result is independent of the batch (see `Ops.batch_dependent`)."""
     prefill_chunk: int | None = None
@@ -175,3 +176,7 @@ class NumpyOps:
             return gate / (1.0 + np.exp(-gate)) * up
         inner = _GELU_C * (gate + 0.044715 * gate * gate * gate)
         return 0.5 * gate * (1.0 + np.tanh(inner)) * up
+
+
+_CHECKED: type[Ops] = NumpyOps
+"""NumpyOps is an `Ops` (mypy checks it here)."""

@@ -11,7 +11,10 @@ import openai
 import pytest
 
 from engine import Model
+from engine.tool_calls import SYNTAXES
+from genie_supervisor.api.generation import Result, ToolSplitter
 from genie_supervisor.api.schemas import ChatRequest
+from genie_supervisor.llm.serving import Piece
 from tests.serving_daemon import api, daemon, model, oa
 
 __all__ = ["api", "daemon", "model", "oa"]  # the module's fixtures
@@ -363,3 +366,27 @@ def test_bad_tools_schemas_grammars_and_biases_are_400s_naming_the_field(
     assert r.status_code == 400, r.text[:400]
     error = r.json()["error"]
     assert error["param"] == param and words in error["message"], error
+
+
+def _split(pieces: list[str]) -> tuple[str, Result]:
+    """The content a stream passes on for `pieces` (hermes syntax), and the parsed result."""
+    splitter = ToolSplitter(SYNTAXES["hermes"], parallel=True)
+    sent = ""
+    for p in pieces:
+        out = splitter.push(Piece(p, (len(sent),)))
+        sent += out.text if out is not None else ""
+    result = Result("m", text="".join(pieces))
+    rest = splitter.finish(result)
+    return sent + (rest.text if rest is not None else ""), result
+
+
+def test_the_splitter_streams_content_up_to_a_call_and_parses_the_whole_text() -> None:
+    """Content before a call is streamed, a possible opener is held back, the call comes out parsed with an id."""
+    call = '<tool_call>\n{"name": "set_light", "arguments": {"room": "kitchen", "on": false}}\n</tool_call>'
+    pieces = ["Let me ", "check.\n<to", "ol_c", "all>\n{", call[13:]]
+    content, result = _split(pieces)
+    assert content == "Let me check." == result.message
+    assert [(c.name, c.arguments) for c in result.tool_calls] == [("set_light", {"room": "kitchen", "on": False})]
+    assert result.tool_calls[0].id is not None and result.tool_calls[0].id.startswith("call_")
+    content, result = _split(["It is <to", "day, ", "sunny."])  # held back, then released as content
+    assert content == "It is <today, sunny." and result.tool_calls == []

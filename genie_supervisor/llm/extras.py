@@ -46,7 +46,7 @@ class Prepared:
     tool_syntax: ToolSyntax | None
     """How the model writes calls when tools reached the prompt (None: no tools)."""
     parallel: bool
-    """Whether several calls may come back."""
+    """Whether several calls may come back (the request allows them and the model's templates take them)."""
 
 
 def prepare(model: Model, prompt: Any, sampling: SamplingParams, extras: RequestExtras) -> Prepared:
@@ -61,9 +61,10 @@ def prepare(model: Model, prompt: Any, sampling: SamplingParams, extras: Request
     else:
         raise ValueError("a prompt is token ids, a string, or a list of chat messages")
     syntax = model.tool_syntax if tools else None
+    parallel = extras.parallel_tool_calls and (syntax is None or syntax.parallel_calls)
     grammar, param = extras.grammar, extras.grammar_param
     if syntax is not None and tools and extras.forced:
-        grammar, param = _tools_grammar(model, syntax, tools, extras), "tools"
+        grammar, param = _tools_grammar(model, syntax, tools, extras.tool_choice, parallel), "tools"
     constraint = None
     if grammar is not None:
         try:
@@ -76,7 +77,7 @@ def prepare(model: Model, prompt: Any, sampling: SamplingParams, extras: Request
         _with_text_bias(model, sampling, extras.bias_text),
         constraint,
         syntax,
-        extras.parallel_tool_calls,
+        parallel,
     )
 
 
@@ -94,8 +95,11 @@ def lenient(schema: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _tools_grammar(model: Model, syntax: ToolSyntax, tools: list[dict[str, Any]], extras: RequestExtras) -> Grammar:
-    """The Lark grammar forcing a call (``required``: any of `tools`; or the one named) in the model's syntax."""
+def _tools_grammar(
+    model: Model, syntax: ToolSyntax, tools: list[dict[str, Any]], choice: str | dict[str, Any], parallel: bool
+) -> Grammar:
+    """The Lark grammar forcing a call (``required``: any of `tools`; or the one named; several in a row when
+    `parallel`) in the model's syntax."""
     shaped = []
     for tool in tools:
         fn = dict(tool.get("function", {}))
@@ -109,7 +113,7 @@ def _tools_grammar(model: Model, syntax: ToolSyntax, tools: list[dict[str, Any]]
         if i is not None and tok.attrs[i] & (ATTR_CONTROL | ATTR_UNKNOWN):
             special.append(text)
     try:
-        text = syntax.grammar(shaped, extras.tool_choice, extras.parallel_tool_calls, special=special)
+        text = syntax.grammar(shaped, choice, parallel, special=special)
     except ValueError as exc:
         raise GrammarError(str(exc), param="tool_choice") from None
     try:

@@ -250,7 +250,7 @@ class Supervisor(SupervisorControls):
     async def run(self, *, task_status: TaskStatus[Supervisor] = anyio.TASK_STATUS_IGNORED) -> None:
         """Start every component, announce readiness, run until asked to stop, then shut down.
 
-        Raises PolicyErrors (bad policy), TelemetryUnavailable, BudgetError, EngineError or
+        Raises PolicyErrors (bad policy), TelemetryUnavailable, ModelTooLarge, EngineError or
         SupervisorError (cannot listen) when start-up fails.
         """
         self._t0 = time.monotonic()

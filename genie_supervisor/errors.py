@@ -74,20 +74,6 @@ class PolicyErrors(SourceErrors):
 # the generated __init__ takes the fields in order; SupervisorError.__post_init__ makes the message.
 
 
-@dataclass(eq=False, repr=False)
-class BudgetError(SupervisorError):
-    """Something does not fit in the memory it is allowed: says what, how much, and how much there is."""
-
-    needed_mb: float
-    """Memory the thing needs, in MiB."""
-    available_mb: float
-    """Memory it may use, in MiB."""
-    what: str
-    """What was refused (e.g. ``model smollm2 with n_ctx 8192``)."""
-
-    message_template = "{what} needs {needed_mb:.0f} MiB but only {available_mb:.0f} MiB are available"
-
-
 # -- requests the supervisor does not serve: each class carries its HTTP answer ----------------
 
 

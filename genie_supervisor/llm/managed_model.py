@@ -8,7 +8,7 @@ from typing import Any
 import anyio
 
 from ..config import ModelEntry
-from ..errors import AdmissionError, BudgetError, EngineUnavailable, ModelTooLarge
+from ..errors import AdmissionError, EngineUnavailable, ModelTooLarge
 from ..events import EngineStats
 from .serving import Backend, Plan, plan_parts_mb
 
@@ -166,8 +166,6 @@ def load_error(m: ManagedModel) -> AdmissionError:
     exc = m.exc
     if isinstance(exc, AdmissionError):
         return exc
-    if isinstance(exc, BudgetError):
-        return ModelTooLarge(exc.needed_mb, exc.available_mb, str(exc))
     return EngineUnavailable(f"model {m.id!r} failed to load: {m.error}")
 
 

@@ -31,7 +31,6 @@ from anyio.abc import TaskGroup, TaskStatus
 from ..config import Config
 from ..errors import (
     BackendUnavailable,
-    BudgetError,
     EngineUnavailable,
     LlmDisabled,
     ModelTooLarge,
@@ -202,7 +201,7 @@ class ModelManager:
             async with self._load_lock:
                 try:
                     await self._load_with(m)
-                except (BackendUnavailable, ModelTooLarge, BudgetError, OSError) as exc:
+                except (BackendUnavailable, ModelTooLarge, OSError) as exc:
                     fallback = self.cfg.fallback
                     if not fallback or fallback == m.kind:
                         raise

@@ -28,6 +28,7 @@ from ..quants import dequantize, dequantize_rows
 from .cupy_attention import AttnBuffers, decode_attention, prefill_attention
 from .cupy_blas import CUDA_R_16F, CUDA_R_32F, OP_N, OP_T, gemm
 from .cupy_plan import PREFILL_CHUNK, SCRATCH_ELEMS, resolve_prefill_dtype, tile_dtype
+from .ops import Ops
 
 log = logging.getLogger(__name__)
 
@@ -383,3 +384,7 @@ class CupyOps:
         out = cp.empty((1,), dtype=cp.int64)
         kernels.kernel("argmax")((1,), (1024,), (x, np.int32(x.size), out))
         return int(out.get()[0])
+
+
+_CHECKED: type[Ops] = CupyOps
+"""CupyOps is an `Ops` (mypy checks it here, cupy itself being untyped: its arrays are Any)."""

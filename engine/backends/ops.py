@@ -27,12 +27,17 @@ class Ops(Protocol):
     batch_dependent: bool
     """True where a row's result depends on how many rows run together (llama.cpp's repacked
     kernels round per batch), so the engine runs a pass's kept rows as that pass would."""
-    prefill_chunk: int | None
-    """Prompt tokens per forward pass the backend prefers (None: the engine's default)."""
+
     prefill_graphs: Any
     """First-chunk prefill graphs (`cupy_prefill_graph.PrefillGraphs`), None without."""
     prefill_dtype: str
     """Tile precision of the prefill GEMMs ("" where it does not apply)."""
+
+    @property
+    def prefill_chunk(self) -> int | None:
+        """Prompt tokens per forward pass the backend prefers (None: the engine's default); read only,
+        so a backend may declare it narrower (CuPy: an int)."""
+        ...
 
     def weight(self, t: TensorInfo) -> Any: ...
     def concat_rows(self, parts: list[Any]) -> Any: ...

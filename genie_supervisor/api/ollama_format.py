@@ -1,11 +1,11 @@
 """Ollama's wire format: NDJSON lines, ``{"error": ...}`` bodies, and the chat and generate objects.
 
-    job = Job(..., fmt=ChatFormat("smollm2:latest", syntax), framing=NDJSON)
+    job = Job(..., fmt=ChatFormat("smollm2:latest"), framing=NDJSON)
 
-A chat with ``tools`` sends content only up to where a tool call could begin (the model's syntax:
-`content_prefix_len`), parses the whole output at the end, and sends the calls as Ollama does:
-``message.tool_calls`` = ``[{"id", "function": {"index", "name", "arguments": {...}}}]`` (arguments an
-object, not a JSON string), in one line before the final ``done: true`` line.
+A chat with ``tools`` gets its content as `GenerationResponse` passes it on (up to where a tool call
+could begin) and the calls it parsed from the whole output (`Result.tool_calls`), sent as Ollama
+does: ``message.tool_calls`` = ``[{"id", "function": {"index", "name", "arguments": {...}}}]``
+(arguments an object, not a JSON string), in one line before the final ``done: true`` line.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from engine.tool_calls import ToolCall, ToolSyntax, content_prefix_len
+from engine.tool_calls import ToolCall
 
 from ..llm.serving import Piece
 from .generation import Framing, Result
@@ -71,7 +71,7 @@ def tool_calls_out(calls: list[ToolCall]) -> list[dict[str, Any]]:
     """Ollama's ``tool_calls``: arguments as an object, an id and index per call."""
     return [
         {
-            "id": c.id or f"call_{uuid.uuid4().hex[:8]}",
+            "id": c.id or f"call_{uuid.uuid4().hex[:24]}",
             "function": {"index": i, "name": c.name, "arguments": c.arguments},
         }
         for i, c in enumerate(calls)
@@ -79,14 +79,7 @@ def tool_calls_out(calls: list[ToolCall]) -> list[dict[str, Any]]:
 
 
 class ChatFormat(_Base):
-    """``/api/chat`` lines: ``message`` deltas, tool calls, then the ``done`` line with counts."""
-
-    def __init__(self, name: str, syntax: ToolSyntax | None = None) -> None:
-        super().__init__(name)
-        self.syntax = syntax
-        """The model's tool-call syntax when the request gave tools (None: all text is content)."""
-        self.text = ""
-        self.sent = 0
+    """``/api/chat`` lines: ``message`` deltas, the tool calls, then the ``done`` line with counts."""
 
     def _message(self, content: str, calls: list[ToolCall] | None = None) -> dict[str, Any]:
         msg: dict[str, Any] = {"role": "assistant", "content": content}
@@ -95,26 +88,17 @@ class ChatFormat(_Base):
         return msg
 
     def piece(self, model: str, piece: Piece) -> dict[str, Any]:
-        self.text += piece.text
-        upto = len(self.text) if self.syntax is None else max(self.sent, content_prefix_len(self.syntax, self.text))
-        delta, self.sent = self.text[self.sent : upto], upto
-        return {**self._head(False), "message": self._message(delta)}
-
-    def _parsed(self, text: str) -> tuple[str, list[ToolCall]]:
-        return (text, []) if self.syntax is None else self.syntax.parse(text)
+        return {**self._head(False), "message": self._message(piece.text)}
 
     def end(self, r: Result) -> list[dict[str, Any] | str]:
-        content, calls = self._parsed(r.text)
-        rest = content[self.sent :] if content.startswith(r.text[: self.sent]) else ""
         lines: list[dict[str, Any] | str] = []
-        if rest or calls:
-            lines.append({**self._head(False), "message": self._message(rest, calls)})
+        if r.tool_calls:
+            lines.append({**self._head(False), "message": self._message("", r.tool_calls)})
         lines.append({**self._head(True), "message": self._message(""), **self._final(r)})
         return lines
 
     def whole(self, r: Result) -> dict[str, Any]:
-        content, calls = self._parsed(r.text)
-        return {**self._head(True), "message": self._message(content, calls), **self._final(r)}
+        return {**self._head(True), "message": self._message(r.message, r.tool_calls), **self._final(r)}
 
 
 class GenerateFormat(_Base):

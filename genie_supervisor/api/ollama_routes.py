@@ -22,11 +22,8 @@ import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from engine.errors import TemplateError
-from engine.tool_calls import ToolSyntax, tool_syntax, validate_tools
-
 from .. import __version__
-from ..errors import AdmissionError, BadRequest
+from ..errors import AdmissionError
 from ..llm.admission import PRIORITY_HEADER
 from ..llm.managed_model import ManagedModel
 from ..llm.serving import RequestExtras
@@ -74,11 +71,6 @@ async def _unload_if_not_resident(deps: ApiDeps, m: ManagedModel) -> None:
 
 def _keep_alive_zero(seconds: float | None) -> bool:
     return seconds is not None and seconds == 0
-
-
-async def _syntax(m: ManagedModel) -> ToolSyntax:
-    card = await model_card(m)
-    return tool_syntax(card.template or None, str(card.details.get("family", "")))
 
 
 async def _load_only(deps: ApiDeps, name: str, m: ManagedModel, keep_alive_s: float | None, chat: bool) -> Response:
@@ -256,12 +248,8 @@ async def chat(request: Request) -> Response:
         keep_alive_s = body.keep_alive_s()
         if not body.messages:
             return await _load_only(deps, name, m, keep_alive_s, chat=True)
-        try:
-            tools = tuple(validate_tools(body.tools)) if body.tools else ()
-        except TemplateError as exc:
-            raise BadRequest(str(exc), "tools") from None
-        extras = RequestExtras(tools=tools, grammar=body.grammar(), grammar_param="format")
-        fmt = ChatFormat(name, await _syntax(m) if tools else None)
+        extras = body.extras()
+        fmt = ChatFormat(name)
         sampling = body.sampling(deps.config.api.default_max_tokens)
         job = Job(m.id, _priority(request, body.priority), body.prompt(), sampling, body.stream, fmt)
         job.extras, job.framing = extras, NDJSON

@@ -15,8 +15,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine import SamplingParams
+from engine.errors import TemplateError
+from engine.tool_calls import tool_choice_name, validate_tools
 
 from ..errors import BadRequest
+from ..llm.serving import RequestExtras
 from .schemas import GREEDY_BELOW, NAME_CHARS, SEED_MAX, check_stops
 
 _UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -139,6 +142,34 @@ class ChatBody(_Generation):
 
     messages: list[ChatMessage] = Field(default_factory=list, description="the conversation ([]: load or unload)")
     tools: list[dict[str, Any]] | None = Field(None, description="function tools")
+    tool_choice: str | dict[str, Any] = Field(
+        "auto", description="an extension (OpenAI's): auto, none, required or a function's name; Ollama has none"
+    )
+    parallel_tool_calls: bool = Field(True, description="an extension (OpenAI's): several calls may come back")
+
+    def extras(self) -> RequestExtras:
+        """Tools (checked), the tool choice and ``format``'s grammar; BadRequest naming the field."""
+        try:
+            tools = validate_tools(self.tools) if self.tools else []
+        except TemplateError as exc:
+            raise BadRequest(str(exc), "tools") from None
+        choice = self.tool_choice
+        if choice not in ("auto", "none"):
+            try:
+                name = tool_choice_name(choice)
+            except ValueError as exc:
+                raise BadRequest(f"tool_choice: {exc}", "tool_choice") from None
+            names = [t["function"].get("name") for t in tools]
+            if not tools or (name is not None and name not in names):
+                wanted = "a call" if name is None else f"a call of {name!r}"
+                raise BadRequest(f"tool_choice forces {wanted}, which is not among the tools", "tool_choice")
+        return RequestExtras(
+            tools=tuple(tools),
+            tool_choice=choice,
+            parallel_tool_calls=self.parallel_tool_calls,
+            grammar=self.grammar(),
+            grammar_param="format",
+        )
 
     def prompt(self) -> list[dict[str, Any]]:
         """Messages as the chat template takes them (a tool message's ``tool_name`` as its ``name``)."""

@@ -8,6 +8,7 @@ Token ids are checked against the vocabulary once the model is known (`check_tok
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -164,6 +165,17 @@ def _tool_calls(i: int, calls: list[Any]) -> list[dict[str, Any]]:
     return out
 
 
+@functools.lru_cache(maxsize=256)
+def _schema_problem(schema: str) -> str | None:
+    """Why the constraint library rejects a tool's parameters schema (JSON text), leniently; None: it compiles.
+    Cached: a client such as Home Assistant sends the same tools with every request."""
+    try:
+        Grammar.json_schema(json.loads(schema), strict=False)
+    except GrammarError as exc:
+        return exc.message
+    return None
+
+
 def check_tools(tools: list[Any]) -> tuple[dict[str, Any], ...]:
     """OpenAI function tools, each checked (BadRequest naming ``tools[i]...``) and its parameters schema compiled
     (leniently: keywords the constraint library lacks are ignored there, as in `llm.extras.lenient`)."""
@@ -198,10 +210,9 @@ def check_tools(tools: list[Any]) -> tuple[dict[str, Any], ...]:
             params = {"type": "object", "properties": {}}
         if not isinstance(params, dict) or params.get("type", "object") != "object":
             raise BadRequest(f"{param} must be a JSON schema of an object ({{'type': 'object', ...}})", param)
-        try:
-            Grammar.json_schema(params, strict=False)
-        except GrammarError as exc:
-            raise BadRequest(f"{param}: {exc.message}", param) from None
+        problem = _schema_problem(json.dumps(params))
+        if problem is not None:
+            raise BadRequest(f"{param}: {problem}", param)
         body = {"name": name, "parameters": params}
         if desc is not None:
             body["description"] = desc
@@ -233,12 +244,31 @@ def check_tool_choice(choice: Any, tools: tuple[dict[str, Any], ...]) -> str | d
     return {"type": "function", "function": {"name": name}}
 
 
-def _grammar(make: Any, value: Any, param: str) -> Grammar:
+@functools.lru_cache(maxsize=128)
+def _compiled(kind: str, source: str, strict: bool) -> Grammar:
+    """A grammar made once per text (clients repeat theirs with every request): a JSON schema's JSON text,
+    GBNF text, or json_object's. GrammarError is not cached."""
+    if kind == "gbnf":
+        return Grammar.gbnf(source)
+    if kind == "json_object":
+        return Grammar.json_object()
+    return Grammar.json_schema(json.loads(source), strict=strict)
+
+
+def _schema(schema: Any, strict: bool, param: str) -> Grammar:
+    if not isinstance(schema, dict):
+        raise BadRequest(f"{param} must be a JSON schema object", param)
     try:
-        grammar: Grammar = make(value)
+        return _compiled("json_schema", json.dumps(schema), strict)
     except GrammarError as exc:
         raise BadRequest(f"{param}: {exc.message}", param) from None
-    return grammar
+
+
+def _gbnf(text: str) -> Grammar:
+    try:
+        return _compiled("gbnf", text, True)
+    except GrammarError as exc:
+        raise BadRequest(f"grammar: {exc.message}", "grammar") from None
 
 
 def response_format_grammar(fmt: dict[str, Any]) -> tuple[Grammar | None, str]:
@@ -249,15 +279,15 @@ def response_format_grammar(fmt: dict[str, Any]) -> tuple[Grammar | None, str]:
         return None, "response_format"
     if kind == "json_object":
         if isinstance(fmt.get("schema"), dict):  # llama-server's form
-            return _grammar(Grammar.json_schema, fmt["schema"], "response_format.schema"), "response_format.schema"
-        return Grammar.json_object(), "response_format"
+            return _schema(fmt["schema"], True, "response_format.schema"), "response_format.schema"
+        return _compiled("json_object", "", True), "response_format"
     if kind != "json_schema":
         raise BadRequest(
             f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
             "response_format.type",
         )
     if isinstance(fmt.get("schema"), dict) and "json_schema" not in fmt:  # llama-server's form
-        return _grammar(Grammar.json_schema, fmt["schema"], "response_format.schema"), "response_format.schema"
+        return _schema(fmt["schema"], True, "response_format.schema"), "response_format.schema"
     spec = fmt.get("json_schema")
     if not isinstance(spec, dict):
         raise BadRequest(
@@ -276,7 +306,7 @@ def response_format_grammar(fmt: dict[str, Any]) -> tuple[Grammar | None, str]:
     param = "response_format.json_schema.schema"
     if not isinstance(schema, dict):
         raise BadRequest(f"{param} must be a JSON schema object", param)
-    return _grammar(lambda s: Grammar.json_schema(s, strict=strict is not False), schema, param), param
+    return _schema(schema, strict is not False, param), param
 
 
 _INT_KEY = re.compile(r"\s*-?[0-9]{1,30}\s*")
@@ -324,9 +354,9 @@ def grammar_field(json_schema: dict[str, Any] | None, grammar: str | None) -> tu
     if json_schema is not None and grammar:
         raise BadRequest('either "json_schema" or "grammar" can be specified, but not both', "grammar")
     if json_schema is not None:
-        return _grammar(Grammar.json_schema, json_schema, "json_schema"), "json_schema"
+        return _schema(json_schema, True, "json_schema"), "json_schema"
     if grammar:
-        return _grammar(Grammar.gbnf, grammar, "grammar"), "grammar"
+        return _gbnf(grammar), "grammar"
     return None, None
 
 

@@ -342,10 +342,13 @@ class Model:
                     nxt = int(dec.sample(int(token), pos, p, u, history, mask))
                 self.transformer.kv.tokens.append(int(token))
                 return nxt
-        logits = self.step_logits([token], pos)
         if mask is None:
-            return sampler(logits, history)
-        mask.fill(mask.mask)
+            return sampler(self.step_logits([token], pos), history)
+        pending = mask.fill_async(mask.mask)  # the mask is computed while the forward pass runs
+        try:
+            logits = self.step_logits([token], pos)
+        finally:
+            pending.result()
         return sampler(logits, history, mask.mask)
 
     def generate(

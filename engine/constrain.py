@@ -14,8 +14,11 @@ Three parts, as the work splits:
 The vocabulary reaches llguidance as the bytes each token decodes to (`Tokenizer.token_to_bytes`:
 GPT-2 byte-level BPE already unmapped, SentencePiece "▁" as a space and ``<0xNN>`` as the byte).
 Control and unknown tokens are special: they never match text, only a Lark grammar's
-``<|name|>`` / ``<[id]>``; user-defined tokens are text (the tokenizer matches them from text
-too). The end-of-generation ids are llguidance's EOS set: the mask allows them only where the
+``<|name|>`` / ``<[id]>`` (`Constrainer.special_tokens`); user-defined tokens are text, as the
+tokenizer matches them from text too (unlike llama.cpp's llguidance glue, which also makes
+user-defined ``<...>`` tokens special): a literal ``"<tool_call>"`` then matches Qwen's single
+user-defined token as well as the same text in pieces, and Gemma's thousands of user-defined
+``<table>``-like tokens stay usable as text. The end-of-generation ids are llguidance's EOS set: the mask allows them only where the
 grammar accepts, so a constrained generation ends when the grammar does or the model says so there.
 """
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +41,9 @@ JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{1,24}"
 """Whitespace allowed at one place in JSON output: up to 24 characters (a newline and nested
 indentation), not llguidance's unbounded default, so a small model cannot pad forever. A schema's
 own top-level ``"x-guidance"`` key overrides it."""
+
+_FILLER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mask")
+"""Where `Constraint.fill_async` computes masks (llguidance drops the GIL while it does)."""
 
 SPECIAL_PREFIX = b"\xff"
 """llguidance's mark of a special token's bytes (no UTF-8 text starts with 0xFF)."""
@@ -135,6 +142,11 @@ class Constraint:
         if self._matcher.is_error():
             raise GrammarError(self._matcher.get_error())
 
+    def fill_async(self, out: np.ndarray) -> Future[None]:
+        """`fill` in a worker thread, so the mask is computed while the caller runs the step's
+        forward pass; the future's `result()` waits for it (and raises what `fill` raised)."""
+        return _FILLER.submit(self.fill, out)
+
     def advance(self, token: int) -> None:
         """Feed the token chosen (from the mask `fill` gave); GrammarError if the grammar refuses it."""
         if not self._matcher.consume_token(int(token)):
@@ -163,6 +175,14 @@ class Constrainer:
         self.n_vocab = max(int(n_vocab or 0), tokenizer.n_vocab)
         self._lock = threading.Lock()
         self._ll: llg.LLTokenizer | None = None
+
+    @property
+    def special_tokens(self) -> frozenset[str]:
+        """Texts of the special (control and unknown) tokens: a grammar names these as tokens
+        (Lark ``<|im_end|>``), a string literal never matches them (`ToolSyntax.grammar`'s `special`)."""
+        tok = self.tokenizer
+        mark = ATTR_CONTROL | ATTR_UNKNOWN
+        return frozenset(t for t, a in zip(tok.tokens, tok.attrs, strict=True) if a & mark and t)
 
     @property
     def ll_tokenizer(self) -> llg.LLTokenizer:

@@ -284,7 +284,8 @@ class Generation:
             self.constraint.fill(mask)
         p = sampler.params
         x = sampler.adjusted(logits, mask)
-        token = sampler.pick_adjusted(x, sampler.uniform() if p.temperature > 0.0 else 0.0, history)
+        u = sampler.uniform() if p.temperature > 0.0 else 0.0
+        token = sampler.pick_adjusted(x, u, history, masked=mask is not None)
         if p.logprobs is not None:
             self._logprob = log_probs(x, token, p.logprobs)
         return token

@@ -137,17 +137,31 @@ class Sampler:
 
     def pick(self, logits: np.ndarray, u: float, history: Sequence[int] = (), mask: np.ndarray | None = None) -> int:
         """The token for the uniform draw `u` (no randomness of its own); `mask`: the int32
-        bitmask of allowed tokens (bit t % 32 of word t // 32), None = all."""
-        return self.pick_adjusted(self.adjusted(logits, mask), u, history)
+        bitmask of allowed tokens (bit t % 32 of word t // 32), None = all. Greedy with a mask
+        tries the unmasked row first: its argmax, when allowed, is the masked row's too."""
+        if mask is not None and self.params.temperature <= 0.0:
+            token = self.pick_adjusted(self.adjusted(logits), u, history)
+            if 0 <= token >> 5 < mask.shape[0] and (int(mask[token >> 5]) >> (token & 31)) & 1:
+                return token
+        return self.pick_adjusted(self.adjusted(logits, mask), u, history, masked=mask is not None)
 
-    def pick_adjusted(self, x: np.ndarray, u: float, history: Sequence[int] = ()) -> int:
-        """`pick` on a row `adjusted` already gave."""
+    def pick_adjusted(self, x: np.ndarray, u: float, history: Sequence[int] = (), masked: bool = False) -> int:
+        """`pick` on a row `adjusted` already gave; `masked`: the chain runs over its finite
+        entries only (the same token: -inf ones weigh nothing; and fast when a mask leaves few)."""
         p = self.params
         if p.repeat_penalty != 1.0 and history and p.repeat_last_n:
             seen = np.unique(np.asarray(history[-p.repeat_last_n :], dtype=np.int64))
             x = x.copy()
             vals = x[seen]
             x[seen] = np.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
+        if masked:
+            ids = np.flatnonzero(x > -np.inf)  # ascending: ties still go to the smaller id
+            return int(ids[self._chain(x[ids], u)])
+        return self._chain(x, u)
+
+    def _chain(self, x: np.ndarray, u: float) -> int:
+        """Index into `x` that greedy, or top-k, top-p, min-p, temperature and the draw `u` pick."""
+        p = self.params
         if p.temperature <= 0.0:
             return int(np.argmax(x))
         idx = top_k_ids(x, p.top_k)

@@ -84,20 +84,9 @@ def test_cupy_plan_of_a_4b_shape_is_gpu_sized() -> None:
     plan = plan_memory(gf, spec, 4096, "f16", backend="cupy", prefill_dtype="auto")
     cpu = plan_memory(gf, spec, 4096, "f16")
     mib = 2**20
-    print(
-        {
-            k: round(v / mib, 1)
-            for k, v in [
-                ("weights", plan.weights),
-                ("kv", plan.kv),
-                ("decode", plan.decode_scratch),
-                ("prefill", plan.prefill_scratch),
-                ("total", plan.total),
-                ("cpu_total", cpu.total),
-            ]
-        },
-        {k: round(v / mib, 1) for k, v in plan.parts},
-    )
+    sizes = {"weights": plan.weights, "kv": plan.kv, "decode": plan.decode_scratch}
+    sizes |= {"prefill": plan.prefill_scratch, "total": plan.total, "cpu_total": cpu.total}
+    print({k: round(v / mib, 1) for k, v in sizes.items()}, {k: round(v / mib, 1) for k, v in plan.parts})
     assert 2300 * mib < plan.weights < 2450 * mib  # ~2.49 GB of blocks
     assert plan.kv == 576 * mib
     assert 3.0e9 < plan.total < 3.6e9 and cpu.total > 15e9

@@ -86,16 +86,15 @@ def component(entity: Entity, topics: Topics, *, expire_s: int | None) -> dict[s
         cfg["cmd_t"] = topics.state(entity.command)
     if entity.attributes_topic is not None:
         cfg["json_attr_t"] = topics.state(entity.attributes_topic)
-    for key, value in (
-        ("dev_cla", entity.device_class),
-        ("stat_cla", entity.state_class),
-        ("unit_of_meas", entity.unit),
-        ("ic", entity.icon),
-        ("ent_cat", entity.category),
-        ("sug_dsp_prc", entity.precision),
-    ):
-        if value is not None:
-            cfg[key] = value
+    optional = {
+        "dev_cla": entity.device_class,
+        "stat_cla": entity.state_class,
+        "unit_of_meas": entity.unit,
+        "ic": entity.icon,
+        "ent_cat": entity.category,
+        "sug_dsp_prc": entity.precision,
+    }
+    cfg.update((key, value) for key, value in optional.items() if value is not None)
     if expire_s is not None and entity.platform in _EXPIRING:
         cfg["exp_aft"] = expire_s
     cfg.update(entity.extra)

@@ -183,3 +183,22 @@ async def test_voice_priority_passes_the_stt_pause_while_tags_and_ps_answer_at_o
             await http.post("/v1/voice/events", json={"service": "stt", "event": "stop"})
             await wait_for(sup, lambda: bool(background) and background[-1].done)
             assert "".join(p.message.content or "" for p in background) == reply.message.content
+
+
+async def test_logprobs_come_per_token_streamed_and_whole(tmp_path: Path) -> None:
+    """logprobs with top_logprobs gives each generated token its log-probability and that many alternatives."""
+    with anyio.fail_after(60):
+        async with _serving(tmp_path) as (_model, _sup, oc):
+            whole = await oc.chat(model="default", messages=MESSAGES, options=GREEDY, logprobs=True, top_logprobs=2)
+            assert whole.logprobs is not None and len(whole.logprobs) == whole.eval_count
+            assert all(lp.logprob <= 0 and len(lp.top_logprobs or []) == 2 for lp in whole.logprobs)
+            assert "".join(lp.token for lp in whole.logprobs).startswith(whole.message.content or "")
+            parts = [
+                p
+                async for p in await oc.chat(
+                    model="default", messages=MESSAGES, options=GREEDY, logprobs=True, top_logprobs=2, stream=True
+                )
+            ]
+            assert sum(len(p.logprobs or []) for p in parts) == parts[-1].eval_count
+            plain = await oc.generate(model="default", prompt="Hi", options=GREEDY)
+            assert plain.logprobs is None

@@ -22,6 +22,7 @@ from engine.tool_calls import ToolCall
 
 from ..llm.serving import Piece
 from .generation import Framing, Result
+from .openai_routes import chat_logprobs
 
 
 def ollama_error(status: int, message: str) -> JSONResponse:
@@ -44,13 +45,18 @@ def created_at() -> str:
 
 
 class _Base:
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, logprobs: bool = False) -> None:
         self.name = name
         """The Ollama name the answer carries (``id:latest``)."""
+        self.logprobs = logprobs
+        """Whether lines carry their tokens' log-probabilities."""
         self.t0 = time.monotonic()
 
-    def _head(self, done: bool) -> dict[str, Any]:
-        return {"model": self.name, "created_at": created_at(), "done": done}
+    def _head(self, done: bool, pieces: list[Piece] | None = None) -> dict[str, Any]:
+        head: dict[str, Any] = {"model": self.name, "created_at": created_at(), "done": done}
+        if self.logprobs and pieces:
+            head["logprobs"] = chat_logprobs(pieces)["content"]  # Ollama's entries are OpenAI's
+        return head
 
     def _final(self, r: Result) -> dict[str, Any]:
         return {
@@ -88,7 +94,7 @@ class ChatFormat(_Base):
         return msg
 
     def piece(self, model: str, piece: Piece) -> dict[str, Any]:
-        return {**self._head(False), "message": self._message(piece.text)}
+        return {**self._head(False, [piece]), "message": self._message(piece.text)}
 
     def end(self, r: Result) -> list[dict[str, Any] | str]:
         lines: list[dict[str, Any] | str] = []
@@ -98,17 +104,17 @@ class ChatFormat(_Base):
         return lines
 
     def whole(self, r: Result) -> dict[str, Any]:
-        return {**self._head(True), "message": self._message(r.message, r.tool_calls), **self._final(r)}
+        return {**self._head(True, r.pieces), "message": self._message(r.message, r.tool_calls), **self._final(r)}
 
 
 class GenerateFormat(_Base):
     """``/api/generate`` lines: ``response`` pieces, then the ``done`` line with counts."""
 
     def piece(self, model: str, piece: Piece) -> dict[str, Any]:
-        return {**self._head(False), "response": piece.text}
+        return {**self._head(False, [piece]), "response": piece.text}
 
     def end(self, r: Result) -> list[dict[str, Any] | str]:
         return [{**self._head(True), "response": "", **self._final(r)}]
 
     def whole(self, r: Result) -> dict[str, Any]:
-        return {**self._head(True), "response": r.text, **self._final(r)}
+        return {**self._head(True, r.pieces), "response": r.text, **self._final(r)}

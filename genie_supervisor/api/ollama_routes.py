@@ -249,7 +249,7 @@ async def chat(request: Request) -> Response:
         if not body.messages:
             return await _load_only(deps, name, m, keep_alive_s, chat=True)
         extras = body.extras()
-        fmt = ChatFormat(name)
+        fmt = ChatFormat(name, body.logprobs)
         sampling = body.sampling(deps.config.api.default_max_tokens)
         job = Job(m.id, _priority(request, body.priority), body.prompt(), sampling, body.stream, fmt)
         job.extras, job.framing = extras, NDJSON
@@ -275,7 +275,9 @@ async def generate(request: Request) -> Response:
         extras = RequestExtras(grammar=body.grammar(), grammar_param="format")
         sampling = body.sampling(deps.config.api.default_max_tokens)
         prompt = body.text_or_messages()
-        job = Job(m.id, _priority(request, body.priority), prompt, sampling, body.stream, GenerateFormat(name))
+        job = Job(
+            m.id, _priority(request, body.priority), prompt, sampling, body.stream, GenerateFormat(name, body.logprobs)
+        )
         job.extras, job.framing = extras, NDJSON
         return _generation(deps, job, m, keep_alive_s)
 

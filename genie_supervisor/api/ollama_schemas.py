@@ -81,6 +81,8 @@ class _Generation(_Body):
     priority: str | None = Field(
         None, max_length=NAME_CHARS, description="request class (an extension); or header X-Genie-Priority"
     )
+    logprobs: bool = Field(False, description="each line carries its tokens' log-probabilities")
+    top_logprobs: int = Field(0, ge=0, le=20, description="and the most likely alternatives of each (0..20)")
 
     def sampling(self, default_max: int) -> SamplingParams:
         """The engine's sampling parameters (Ollama's defaults where `options` says nothing)."""
@@ -108,6 +110,7 @@ class _Generation(_Body):
             repeat_last_n=repeat_last_n,
             seed=None if o.seed is None or o.seed < 0 else o.seed,
             stop=check_stops(stop),
+            logprobs=self.top_logprobs if self.logprobs else None,
         )
 
     def grammar(self) -> Any:

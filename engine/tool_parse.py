@@ -184,27 +184,17 @@ def _function_block(text: str, i: int) -> _Match | None:
     return None if end is None else ([ToolCall(name=m.group(1) or m.group(2), arguments=got[0])], end)
 
 
+@dataclass(frozen=True, kw_only=True)
 class Parser:
     """The scanner every syntax shares; the flags say which forms it reads."""
 
-    def __init__(
-        self,
-        *,
-        tags: bool,
-        fences: frozenset[str],
-        python_fences: frozenset[str],
-        python_tag: bool,
-        bare_json: bool,
-        bare_python: bool,
-        separators: str,
-    ) -> None:
-        self.tags = tags
-        self.fences = fences
-        self.python_fences = python_fences
-        self.python_tag = python_tag
-        self.bare_json = bare_json
-        self.bare_python = bare_python
-        self.separators = separators
+    tags: bool
+    fences: frozenset[str]
+    python_fences: frozenset[str]
+    python_tag: bool
+    bare_json: bool
+    bare_python: bool
+    separators: str
 
     # A block at `i`: (calls, end) or None.
     def block(self, text: str, i: int) -> _Match | None:

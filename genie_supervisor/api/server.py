@@ -159,12 +159,8 @@ def create_app(deps: ApiDeps) -> Any:
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(AdmissionError, admission_error)
     app.add_exception_handler(Exception, internal_error)
-    app.include_router(ops.router)
-    app.include_router(openai_routes.router)
-    app.include_router(ollama_routes.router)
-    app.include_router(llama_routes.router)
-    app.include_router(llama_extra.router)
-    app.include_router(manage.router)
+    for routes in (ops, openai_routes, ollama_routes, llama_routes, llama_extra, manage):
+        app.include_router(routes.router)
     return security.guard(BodyLimit(app, deps.config.api.max_body_bytes), deps.config)
 
 

@@ -47,7 +47,19 @@ SCHEMAS: list[tuple[dict[str, Any], str]] = [
         "Some scores out of ten.",
     ),
     (_obj({"owner": _obj({"name": NAME, "pets": {"type": "integer", "minimum": 0, "maximum": 9}})}), "A pet owner."),
-    (_obj({"point": _obj({"x": {"type": "number"}, "y": {"type": "number"}})}), "A point on a plane."),
+    (
+        _obj(
+            {
+                "point": _obj(
+                    {
+                        "x": {"type": "integer", "minimum": -99, "maximum": 99},
+                        "y": {"type": "number", "minimum": -1, "maximum": 1},
+                    }
+                )
+            }
+        ),
+        "A point on a plane.",
+    ),
     (
         _obj(
             {

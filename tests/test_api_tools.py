@@ -114,7 +114,11 @@ TOOLS_AND_PROMPTS: list[tuple[dict[str, Any], str]] = [
         "What time is it in New York?",
     ),
     (
-        _tool("convert_units", "Convert a quantity", {"value": {"type": "number"}, "unit_from": TEXT, "unit_to": TEXT}),
+        _tool(
+            "convert_units",
+            "Convert a quantity",
+            {"value": {"type": "integer", "minimum": 0, "maximum": 1000}, "unit_from": TEXT, "unit_to": TEXT},
+        ),
         "How many feet is 3 meters?",
     ),
     (
@@ -231,7 +235,7 @@ def test_streamed_and_whole_answers_carry_the_same_calls(oa: openai.OpenAI) -> N
     messages = [{"role": "user", "content": "Turn off the kitchen light"}]
     for choice in (_named("set_light"), "required", "auto"):
         request: dict[str, Any] = dict(
-            model="default", messages=messages, tools=TOOLS[:6], tool_choice=choice, temperature=0, max_tokens=64
+            model="default", messages=messages, tools=TOOLS, tool_choice=choice, temperature=0, max_tokens=64
         )
         whole = oa.chat.completions.create(**request).choices[0]
         content, calls, finish, ids = _streamed(oa, **request)

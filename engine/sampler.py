@@ -42,7 +42,9 @@ class SamplingParams:
     Given as a mapping or pairs; kept sorted by id (a repeated id: its last bias)."""
     logprobs: int | None = None
     """None: off; n (0..20): each token carries its log-probability and the n most likely
-    tokens' (`top_logprobs`), from the log-softmax of the biased, masked logits at temperature 1."""
+    tokens' (`top_logprobs`), from the log-softmax of the biased, masked logits at temperature 1
+    (before the repetition penalty and the truncating samplers). The logits row then comes to
+    the host every step, on CUDA too (a vocabulary-sized copy), and the token is picked there."""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0:

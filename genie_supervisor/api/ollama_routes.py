@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
+import structlog
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
@@ -34,6 +35,7 @@ from .ollama_models import FOREVER, OllamaNames, model_card, ollama_name, tool_c
 from .ollama_schemas import ChatBody, GenerateBody, NameBody
 from .schemas import parse_body
 
+log = structlog.get_logger(__name__)
 router = APIRouter()
 
 OLLAMA_VERSION = "0.12.3"
@@ -64,9 +66,14 @@ class _Then(Response):
 
 
 async def _unload_if_not_resident(deps: ApiDeps, m: ManagedModel) -> None:
-    """``keep_alive: 0``: unload `m` unless it is resident (resident models are never unloaded here)."""
-    if not m.entry.resident:
+    """``keep_alive: 0``: unload `m` unless it is resident (resident models are never unloaded here);
+    a model still busy past ``api.drain_timeout_s`` stays (logged)."""
+    if m.entry.resident:
+        return
+    try:
         await deps.models.unload(m.id)
+    except AdmissionError as exc:
+        log.warning("keep_alive_unload_failed", model=m.id, error=str(exc))
 
 
 def _keep_alive_zero(seconds: float | None) -> bool:
@@ -251,8 +258,8 @@ async def chat(request: Request) -> Response:
         extras = body.extras()
         fmt = ChatFormat(name, body.logprobs)
         sampling = body.sampling(deps.config.api.default_max_tokens)
-        job = Job(m.id, _priority(request, body.priority), body.prompt(), sampling, body.stream, fmt)
-        job.extras, job.framing = extras, NDJSON
+        priority = _priority(request, body.priority)
+        job = Job(m.id, priority, body.prompt(), sampling, body.stream, fmt, extras=extras, framing=NDJSON)
         return _generation(deps, job, m, keep_alive_s)
 
     return await _answer(work)
@@ -274,11 +281,8 @@ async def generate(request: Request) -> Response:
             return await _load_only(deps, name, m, keep_alive_s, chat=False)
         extras = RequestExtras(grammar=body.grammar(), grammar_param="format")
         sampling = body.sampling(deps.config.api.default_max_tokens)
-        prompt = body.text_or_messages()
-        job = Job(
-            m.id, _priority(request, body.priority), prompt, sampling, body.stream, GenerateFormat(name, body.logprobs)
-        )
-        job.extras, job.framing = extras, NDJSON
+        priority, fmt = _priority(request, body.priority), GenerateFormat(name, body.logprobs)
+        job = Job(m.id, priority, body.text_or_messages(), sampling, body.stream, fmt, extras=extras, framing=NDJSON)
         return _generation(deps, job, m, keep_alive_s)
 
     return await _answer(work)

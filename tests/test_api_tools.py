@@ -14,6 +14,7 @@ from engine import Model
 from engine.tool_calls import SYNTAXES
 from genie_supervisor.api.generation import Result, ToolSplitter
 from genie_supervisor.api.schemas import ChatRequest
+from genie_supervisor.llm.llama_cpp import _openai_message
 from genie_supervisor.llm.serving import Piece
 from tests.serving_daemon import api, daemon, model, oa
 
@@ -394,3 +395,20 @@ def test_the_splitter_streams_content_up_to_a_call_and_parses_the_whole_text() -
     assert result.tool_calls[0].id is not None and result.tool_calls[0].id.startswith("call_")
     content, result = _split(["It is <to", "day, ", "sunny."])  # held back, then released as content
     assert content == "It is <today, sunny." and result.tool_calls == []
+
+
+def test_a_tool_history_reaches_llama_server_with_arguments_as_json_text() -> None:
+    """The llama_cpp backend sends an assistant's earlier calls as OpenAI writes them (arguments JSON text)."""
+    messages: Any = [
+        {"role": "user", "content": "Lights?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"function": {"name": "f", "arguments": '{"on": true}'}}],
+        },
+    ]
+    decoded = ChatRequest.model_validate({"messages": messages}).prompt()
+    assert decoded[1]["tool_calls"][0]["function"]["arguments"] == {"on": True}
+    sent = [_openai_message(m) for m in decoded]
+    assert sent[1]["tool_calls"] == [{"type": "function", "function": {"name": "f", "arguments": '{"on": true}'}}]
+    assert sent[0] == decoded[0]

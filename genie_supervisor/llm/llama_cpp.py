@@ -401,7 +401,7 @@ class LlamaCppBackend:
             body = {
                 **common,
                 "model": self.model_id,
-                "messages": [dict(m) for m in prompt],
+                "messages": [_openai_message(m) for m in prompt],
                 "max_tokens": sampling.max_tokens,
                 "stream_options": {"include_usage": True},
             }
@@ -428,6 +428,19 @@ class LlamaCppBackend:
             "stopped": self.stopped,
             "path": os.path.basename(self.path or ""),
         }
+
+
+def _openai_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    """A chat message as llama-server takes it: an assistant's tool-call arguments as JSON text again."""
+    out = dict(message)
+    if out.get("tool_calls"):
+        out["tool_calls"] = [
+            {**c, "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"])}}
+            if isinstance(c.get("function", {}).get("arguments"), dict)
+            else c
+            for c in out["tool_calls"]
+        ]
+    return out
 
 
 def _error_message(raw: bytes) -> str:

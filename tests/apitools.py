@@ -1,13 +1,20 @@
-"""Helpers of the API tests: tiny synthetic models, multi-model configs, SSE reading, the openai client."""
+"""Helpers of the API tests: tiny synthetic models, multi-model configs, SSE reading, the openai client, a fake
+llama-server."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 import openai
+from anyio.abc import Process
 
 from engine.synth import write_synthetic_gguf
 from genie_supervisor.api.server import bind_socket
@@ -94,3 +101,38 @@ def sse_data(lines: list[str]) -> list[Any]:
             data = line[6:]
             out.append(data if data == "[DONE]" else json.loads(data))
     return out
+
+
+FAKE_LLAMA = Path(__file__).with_name("fake_llama_server.py")
+"""The fake llama-server script (`tests.fake_llama_server`)."""
+
+LLAMA_CPP_CONFIG = """\
+backend: llama_cpp
+llama_cpp: {{url: "http://127.0.0.1:{port}"}}
+models:
+  remote: {{roles: [default], resident: true, n_ctx: 512}}
+api: {{warmup: false}}
+"""
+"""A daemon config serving the fake llama-server's model ``remote`` on `port` through the llama_cpp backend."""
+
+
+@asynccontextmanager
+async def fake_llama_server(*args: str) -> AsyncIterator[tuple[int, Process]]:
+    """The fake llama-server (alias ``remote``, more `args`) on a free loopback port, once it answers /health:
+    its port and process (terminated on exit)."""
+    with bind_socket("127.0.0.1", 0) as s:
+        port = s.getsockname()[1]
+    argv = [sys.executable, str(FAKE_LLAMA), "--port", str(port), "--alias", "remote", *args]
+    async with await anyio.open_process(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as proc:
+        try:
+            with anyio.fail_after(60):
+                async with httpx.AsyncClient() as probe:
+                    while True:  # waiting for another process to listen: polled, bounded
+                        try:
+                            if (await probe.get(f"http://127.0.0.1:{port}/health")).status_code == 200:
+                                break
+                        except httpx.HTTPError:
+                            await anyio.sleep(0.1)
+            yield port, proc
+        finally:
+            proc.terminate()

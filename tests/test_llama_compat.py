@@ -5,8 +5,6 @@ aliases, unknown model names, /health's readiness, the context-overflow body, /c
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
@@ -18,10 +16,9 @@ import openai
 import pytest
 
 from genie_supervisor.api import create_app
-from genie_supervisor.api.server import bind_socket
 from genie_supervisor.errors import UnknownModel
+from tests.apitools import LLAMA_CPP_CONFIG, fake_llama_server, make_api_supervisor
 from tests.apitools import http as api_http
-from tests.apitools import make_api_supervisor
 from tests.daemon import client, make_supervisor, write_policy
 from tests.fake_llama_server import VOCAB
 from tests.models import SMOLLM2, require, shared_model
@@ -30,7 +27,6 @@ pytestmark = pytest.mark.timeout(120)
 
 MESSAGES: list[Any] = [{"role": "user", "content": "What is the capital of France?"}]
 MODEL_ID = "SmolLM2-135M-Instruct.Q4_1"
-FAKE = Path(__file__).with_name("fake_llama_server.py")
 
 
 @asynccontextmanager
@@ -285,41 +281,16 @@ async def test_props_and_slots_describe_the_model_read_only(tmp_path: Path) -> N
 async def test_helper_routes_of_a_llama_cpp_model_are_passed_on_to_its_llama_server(tmp_path: Path) -> None:
     """On the llama_cpp backend /tokenize, /detokenize, /apply-template and /props answer what its llama-server
     says; /slots stays the daemon's own."""
-    with bind_socket("127.0.0.1", 0) as s:
-        port = s.getsockname()[1]
-    body = f"""\
-backend: llama_cpp
-llama_cpp: {{url: "http://127.0.0.1:{port}"}}
-models:
-  remote: {{roles: [default], resident: true, n_ctx: 512}}
-api: {{warmup: false}}
-"""
-    async with await anyio.open_process(
-        [sys.executable, str(FAKE), "--port", str(port), "--alias", "remote", "-c", "512"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    ) as proc:
-        try:
-            with anyio.fail_after(60):
-                async with httpx.AsyncClient() as probe:
-                    while True:  # waiting for another process to listen: polled, bounded
-                        try:
-                            if (await probe.get(f"http://127.0.0.1:{port}/health")).status_code == 200:
-                                break
-                        except httpx.HTTPError:
-                            await anyio.sleep(0.1)
-                sup = make_api_supervisor(tmp_path, body)
-                async with sup, api_http(sup) as c:
-                    ids = (await c.post("/tokenize", json={"content": "Hello fake server"})).json()["tokens"]
-                    assert ids == [VOCAB.index("Hello"), VOCAB.index("fake"), VOCAB.index("server")]
-                    assert (await c.post("/detokenize", json={"tokens": ids})).json() == {
-                        "content": "Hello fake server"
-                    }
-                    r = await c.post("/apply-template", json={"messages": MESSAGES})
-                    assert r.json() == {"prompt": f"<user>{MESSAGES[0]['content']}\n<assistant>"}
-                    props = (await c.get("/props")).json()
-                    assert props["total_slots"] == 4 and props["chat_template"] == "fake"
-                    slots = (await c.get("/slots")).json()
-                    assert [(x["model"], x["state"], x["n_ctx"]) for x in slots] == [("remote", "ready", 512)]
-        finally:
-            proc.terminate()
+    async with fake_llama_server("-c", "512") as (port, _):
+        with anyio.fail_after(60):
+            sup = make_api_supervisor(tmp_path, LLAMA_CPP_CONFIG.format(port=port))
+            async with sup, api_http(sup) as c:
+                ids = (await c.post("/tokenize", json={"content": "Hello fake server"})).json()["tokens"]
+                assert ids == [VOCAB.index("Hello"), VOCAB.index("fake"), VOCAB.index("server")]
+                assert (await c.post("/detokenize", json={"tokens": ids})).json() == {"content": "Hello fake server"}
+                r = await c.post("/apply-template", json={"messages": MESSAGES})
+                assert r.json() == {"prompt": f"<user>{MESSAGES[0]['content']}\n<assistant>"}
+                props = (await c.get("/props")).json()
+                assert props["total_slots"] == 4 and props["chat_template"] == "fake"
+                slots = (await c.get("/slots")).json()
+                assert [(x["model"], x["state"], x["n_ctx"]) for x in slots] == [("remote", "ready", 512)]

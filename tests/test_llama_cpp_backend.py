@@ -2,32 +2,28 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import anyio
-import httpx
 import openai
 import pytest
 
 from engine import SamplingParams
-from genie_supervisor.api.server import bind_socket
-from tests.apitools import http, make_api_supervisor, oai, synth
+from tests.apitools import FAKE_LLAMA, LLAMA_CPP_CONFIG, fake_llama_server, http, make_api_supervisor, oai, synth
 from tests.daemon import wait_for
 from tests.fake_llama_server import REPLY
 
 pytestmark = pytest.mark.timeout(90)
 
-FAKE = Path(__file__).with_name("fake_llama_server.py")
 HI: list[Any] = [{"role": "user", "content": "hi"}]
 
 
 def _wrapper(tmp_path: Path) -> Path:
     """An executable that starts the fake server with whatever llama-server arguments it gets."""
     script = tmp_path / "llama-server"
-    script.write_text(f'#!/bin/sh\nexec {sys.executable} {FAKE} "$@"\n', encoding="utf-8")
+    script.write_text(f'#!/bin/sh\nexec {sys.executable} {FAKE_LLAMA} "$@"\n', encoding="utf-8")
     script.chmod(0o755)
     return script
 
@@ -171,7 +167,7 @@ async def test_int8_kv_starts_llama_server_with_q8_0_caches(tmp_path: Path) -> N
     """kv_dtype int8 starts llama-server with q8_0 K and V caches and plans their smaller KV."""
     argv = tmp_path / "argv"
     script = tmp_path / "llama-server"
-    script.write_text(f'#!/bin/sh\necho "$@" > {argv}\nexec {sys.executable} {FAKE} "$@"\n', encoding="utf-8")
+    script.write_text(f'#!/bin/sh\necho "$@" > {argv}\nexec {sys.executable} {FAKE_LLAMA} "$@"\n', encoding="utf-8")
     script.chmod(0o755)
     body = f"""\
 backend: llama_cpp
@@ -217,36 +213,13 @@ api: {{warmup: false}}
 
 async def test_attached_llama_server_by_url(tmp_path: Path) -> None:
     """`llama_cpp.url` attaches to a running llama-server: requests go there, unloading leaves it running."""
-    with bind_socket("127.0.0.1", 0) as s:
-        port = s.getsockname()[1]
-    body = f"""\
-backend: llama_cpp
-llama_cpp: {{url: "http://127.0.0.1:{port}"}}
-models:
-  remote: {{roles: [default], resident: true, n_ctx: 512}}
-api: {{warmup: false}}
-"""
-    async with await anyio.open_process(
-        [sys.executable, str(FAKE), "--port", str(port), "--alias", "remote"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    ) as proc:
-        try:
-            with anyio.fail_after(60):
-                async with httpx.AsyncClient() as probe:
-                    while True:  # waiting for another process to listen: polled, bounded
-                        try:
-                            if (await probe.get(f"http://127.0.0.1:{port}/health")).status_code == 200:
-                                break
-                        except httpx.HTTPError:
-                            await anyio.sleep(0.1)
-                sup = make_api_supervisor(tmp_path, body)
-                async with sup, oai(sup) as oa, http(sup) as client:
-                    r = await oa.chat.completions.create(messages=HI, model="remote", max_tokens=4)
-                    assert r.choices[0].message.content == "".join(REPLY[:4])
-                    assert (await client.post("/unload", json={})).json()["unloaded"] == ["remote"]
-                    assert proc.returncode is None
-                    r = await oa.chat.completions.create(messages=HI, model="default", max_tokens=1)
-                    assert r.choices[0].message.content == REPLY[0]
-        finally:
-            proc.terminate()
+    async with fake_llama_server() as (port, proc):
+        with anyio.fail_after(60):
+            sup = make_api_supervisor(tmp_path, LLAMA_CPP_CONFIG.format(port=port))
+            async with sup, oai(sup) as oa, http(sup) as client:
+                r = await oa.chat.completions.create(messages=HI, model="remote", max_tokens=4)
+                assert r.choices[0].message.content == "".join(REPLY[:4])
+                assert (await client.post("/unload", json={})).json()["unloaded"] == ["remote"]
+                assert proc.returncode is None
+                r = await oa.chat.completions.create(messages=HI, model="default", max_tokens=1)
+                assert r.choices[0].message.content == REPLY[0]

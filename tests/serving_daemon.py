@@ -1,11 +1,15 @@
 """Module-scoped fixtures of the API tests that run many short generations on SmolLM2: the model (one CPU
 thread), the daemon serving it from a thread of its own, the official openai client and a plain HTTP client.
 
-Import them into a test module (``from tests.serving_daemon import api, daemon, model, oa``)."""
+Import them into a test module (``from tests.serving_daemon import api, daemon, model, oa``); `threaded_daemon` runs
+another daemon the same way."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
 import anyio.from_thread
 import httpx
@@ -28,11 +32,10 @@ def model() -> Model:
     return load_model(require(SMOLLM2), threads=1)
 
 
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory, model: Model) -> Iterator[Supervisor]:
-    """The daemon serving `model`, run by a thread of its own."""
-    tmp = tmp_path_factory.mktemp("serving")
-    cfg = write_config(tmp / "supervisor.yaml", write_policy(tmp / "p.yaml"), model=SMOLLM2)
+@contextmanager
+def threaded_daemon(cfg: Path, **kwargs: Any) -> Iterator[Supervisor]:
+    """The daemon of config file `cfg` (simulated telemetry, a free loopback port, more Supervisor `kwargs`),
+    run by a thread of its own until the block ends."""
 
     def build() -> Supervisor:
         return Supervisor(
@@ -40,13 +43,22 @@ def daemon(tmp_path_factory: pytest.TempPathFactory, model: Model) -> Iterator[S
             telemetry_source=SimulatedSource(),
             http_socket=bind_socket("127.0.0.1", 0),
             environ={},
-            model_loader=lambda *_a, **_k: model,
+            **kwargs,
         )
 
     with (
         anyio.from_thread.start_blocking_portal() as portal,
         portal.wrap_async_context_manager(portal.call(build)) as sup,
     ):
+        yield sup
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory, model: Model) -> Iterator[Supervisor]:
+    """The daemon serving `model`, run by a thread of its own."""
+    tmp = tmp_path_factory.mktemp("serving")
+    cfg = write_config(tmp / "supervisor.yaml", write_policy(tmp / "p.yaml"), model=SMOLLM2)
+    with threaded_daemon(cfg, model_loader=lambda *_a, **_k: model) as sup:
         yield sup
 
 

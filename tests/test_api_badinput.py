@@ -13,16 +13,13 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-import anyio.from_thread
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import SamplingParams
-from genie_supervisor.api.server import bind_socket
 from genie_supervisor.app import Supervisor
-from genie_supervisor.config import load_config
 from genie_supervisor.jsonlimits import (
     MAX_DEPTH,
     JsonDepthError,
@@ -30,9 +27,11 @@ from genie_supervisor.jsonlimits import (
     loads_bounded,
     max_depth,
 )
-from genie_supervisor.telemetry import SimulatedSource
 from tests.daemon import write_config, write_policy
 from tests.models import SMOLLM2, require, shared_model
+from tests.serving_daemon import api, threaded_daemon
+
+__all__ = ["api"]  # the HTTP client fixture, against this module's daemon
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -79,25 +78,8 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Supervisor]:
         model=SMOLLM2,
         extra="api: {warmup: false, default_max_tokens: 2}",
     )
-
-    def build() -> Supervisor:
-        return Supervisor(
-            load_config(cfg), telemetry_source=SimulatedSource(), http_socket=bind_socket("127.0.0.1", 0), environ={}
-        )
-
-    with (
-        anyio.from_thread.start_blocking_portal() as portal,
-        portal.wrap_async_context_manager(portal.call(build)) as sup,
-    ):
+    with threaded_daemon(cfg) as sup:
         yield sup
-
-
-@pytest.fixture(scope="module")
-def api(daemon: Supervisor) -> Iterator[httpx.Client]:
-    """A plain HTTP client for the daemon."""
-    assert daemon.http is not None
-    with httpx.Client(base_url=f"http://127.0.0.1:{daemon.http.port}", timeout=60) as client:
-        yield client
 
 
 def post(api: httpx.Client, route: str, body: Any) -> httpx.Response:

@@ -172,8 +172,9 @@ async def raw_exchange(port: int, request: bytes, piece: int = 0) -> bytes:
                     return bytes(received)
 
 
-async def client_exchange(port: int, events: list[Event]) -> list[Event]:
-    """Send events as Home Assistant would and collect the answer until the server closes."""
+async def client_exchange(port: int, events: list[Event], until: str | None = None) -> list[Event]:
+    """Send events as Home Assistant would and collect the answer until the server closes (or up to the first
+    event of type `until`)."""
     answer = []
     async with AsyncTcpClient(HOST, port) as client:
         for event in events:
@@ -181,6 +182,8 @@ async def client_exchange(port: int, events: list[Event]) -> list[Event]:
         with anyio.fail_after(5):
             while (event := await client.read_event()) is not None:
                 answer.append(event)
+                if event.type == until:
+                    break
     return answer
 
 
@@ -356,17 +359,8 @@ async def test_tts_active_from_synthesize_until_done(streaming: bool) -> None:
             until = "audio-stop"
         async with running_proxy(port, published, service="tts") as proxy:
             assert proxy.port is not None
-            direct: list[Event] = []
-            proxied: list[Event] = []
-            for target, out in ((port, direct), (proxy.port, proxied)):
-                async with AsyncTcpClient(HOST, target) as client:
-                    for event in request:
-                        await client.write_event(event)
-                    with anyio.fail_after(5):
-                        while (event := await client.read_event()) is not None:
-                            out.append(event)
-                            if event.type == until:
-                                break
+            direct = await client_exchange(port, request, until)
+            proxied = await client_exchange(proxy.port, request, until)
             assert as_tuples(proxied) == as_tuples(direct)
             await published.wait_for(lambda o: isinstance(o, VoiceActivity) and not o.active)
     first = "synthesize-start" if streaming else "synthesize"

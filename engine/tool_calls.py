@@ -47,6 +47,12 @@ __all__ = [
 ]
 
 
+Tools = list[dict[str, Any]]
+"""A tools list in Hugging Face's shape (what `validate_tools` returns)."""
+ToolChoice = str | dict[str, Any]
+"""OpenAI's ``tool_choice``: "auto", "none", "required" or ``{"type": "function", "function": {"name": ...}}``."""
+
+
 class ToolSyntax(Protocol):
     """How one family of models writes tool calls."""
 
@@ -76,14 +82,7 @@ class ToolSyntax(Protocol):
         """(content, calls) for the model's whole output; the text around calls is the content."""
         ...
 
-    def grammar(
-        self,
-        tools: list[dict[str, Any]],
-        choice: str | dict[str, Any],
-        parallel: bool,
-        *,
-        special: Collection[str] = (),
-    ) -> str:
+    def grammar(self, tools: Tools, choice: ToolChoice, parallel: bool, *, special: Collection[str] = ()) -> str:
         """An llguidance Lark grammar for calls to `tools` under `choice` ("required" or a named function);
         `special`: texts that are special tokens in the model's vocabulary (e.g. Qwen's ``<tool_call>``),
         written as token references. ValueError for a choice that forces nothing or names no tool."""
@@ -93,12 +92,12 @@ class ToolSyntax(Protocol):
 # --- the tools list ---------------------------------------------------------------------------
 
 
-def validate_tools(tools: Any) -> list[dict[str, Any]]:
+def validate_tools(tools: Any) -> Tools:
     """`tools` in Hugging Face's shape (``{"type": "function", "function": {"name", "description",
     "parameters"}}``); a bare function object is wrapped. Raises TemplateError naming the bad entry."""
     if not isinstance(tools, list):
         raise TemplateError(f"tools must be a list, not {type(tools).__name__}")
-    out: list[dict[str, Any]] = []
+    out: Tools = []
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict):
             raise TemplateError(f"tools[{i}] must be an object, not {type(tool).__name__}")
@@ -133,7 +132,7 @@ def _schema(tool: dict[str, Any]) -> dict[str, Any]:
     return params if isinstance(params, dict) and params else {"type": "object"}
 
 
-def tool_choice_name(choice: str | dict[str, Any]) -> str | None:
+def tool_choice_name(choice: ToolChoice) -> str | None:
     """The function a `tool_choice` names (``{"type": "function", "function": {"name": ...}}`` or a bare
     name), or None for "required"; ValueError for "auto"/"none" (nothing to force) or a malformed choice."""
     if isinstance(choice, str):
@@ -150,7 +149,7 @@ def tool_choice_name(choice: str | dict[str, Any]) -> str | None:
     raise ValueError(f"tool_choice must be 'auto', 'none', 'required' or name a function, got {choice!r}")
 
 
-def _chosen(tools: list[dict[str, Any]], choice: str | dict[str, Any]) -> list[dict[str, Any]]:
+def _chosen(tools: Tools, choice: ToolChoice) -> Tools:
     name = tool_choice_name(choice)
     if not tools:
         raise ValueError("tool_choice forces a call but no tools were given")
@@ -209,12 +208,12 @@ def _lark_text(text: str, special: Collection[str]) -> str:
 _TOKEN_REF = re.compile(r"<[^<>\s\[\]]+>")
 """What llguidance's ``<name>`` token-reference syntax can name."""
 
-Writer = Callable[[list[dict[str, Any]], "str | dict[str, Any]", bool, Collection[str]], str]
+Writer = Callable[[Tools, ToolChoice, bool, Collection[str]], str]
 
 
 def _grammar(
-    tools: list[dict[str, Any]],
-    choice: str | dict[str, Any],
+    tools: Tools,
+    choice: ToolChoice,
     parallel: bool,
     special: Collection[str],
     *,
@@ -254,21 +253,12 @@ class _Syntax:
         except Exception:  # a parser bug must not turn a reply into a 500: the text is content
             return text, []
 
-    def grammar(
-        self,
-        tools: list[dict[str, Any]],
-        choice: str | dict[str, Any],
-        parallel: bool,
-        *,
-        special: Collection[str] = (),
-    ) -> str:
+    def grammar(self, tools: Tools, choice: ToolChoice, parallel: bool, *, special: Collection[str] = ()) -> str:
         """The Lark grammar forcing calls to `tools` under `choice` (ValueError for auto/none/unknown)."""
         return self.write(tools, choice, parallel, special)
 
 
-def _hermes_grammar(
-    tools: list[dict[str, Any]], choice: str | dict[str, Any], parallel: bool, special: Collection[str]
-) -> str:
+def _hermes_grammar(tools: Tools, choice: ToolChoice, parallel: bool, special: Collection[str]) -> str:
     return _grammar(
         tools,
         choice,
@@ -281,9 +271,7 @@ def _hermes_grammar(
     )
 
 
-def _llama3_grammar(
-    tools: list[dict[str, Any]], choice: str | dict[str, Any], parallel: bool, special: Collection[str]
-) -> str:
+def _llama3_grammar(tools: Tools, choice: ToolChoice, parallel: bool, special: Collection[str]) -> str:
     return _grammar(tools, choice, parallel, special, prefix="", args_key="parameters", suffix="", separator="; ")
 
 

@@ -35,6 +35,15 @@
 #include <omp.h>
 #endif
 
+/* PARALLEL_FOR(cond): the `for` loop after it runs on `nthreads` OpenMP threads (static schedule) when
+ * `cond` holds; without OpenMP, on this one. */
+#define QG_PRAGMA(x) _Pragma(#x)
+#ifdef _OPENMP
+#define PARALLEL_FOR(cond) QG_PRAGMA(omp parallel for schedule(static) num_threads(nthreads) if (cond))
+#else
+#define PARALLEL_FOR(cond)
+#endif
+
 /* ggml type ids (GGMLQuantizationType) */
 enum {
     QG_Q4_0 = 2, QG_Q4_1 = 3, QG_Q5_0 = 6, QG_Q5_1 = 7, QG_Q8_0 = 8,
@@ -216,9 +225,7 @@ static void quant_row_256(const float *x, uint8_t *out, int n) {
 void qg_quantize(int kind, const float *x, long ldx, int T, int n, uint8_t *out, int nthreads) {
     const size_t rb = qg_act_row_bytes(kind, n);
     (void)nthreads;
-#ifdef _OPENMP
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (T > 1)
-#endif
+    PARALLEL_FOR(T > 1)
     for (int t = 0; t < T; ++t) {
         if (kind == QG_ACT_32) quant_row_32(x + (long)t * ldx, out + rb * t, n);
         else quant_row_256(x + (long)t * ldx, out + rb * t, n);
@@ -736,9 +743,7 @@ int qg_gemm(int type, const uint8_t *w, int rows, int n, const uint8_t *xq, int 
         /* repacked by llama.cpp into 8x8 tiles: activation rows in groups of four (the first
          * T - T % 4 of a batch of T > 3) take its gemm order, the others its gemv order */
         const int tg = T > 3 ? T - T % 4 : 0;
-#ifdef _OPENMP
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (rows >= 64)
-#endif
+        PARALLEL_FOR(rows >= 64)
         for (int r = 0; r < rows; ++r) {
             for (int t = 0; t < T; ++t) {
                 const float v = dot_q4_k_repacked(w + wrb * r, xq + arb * t, n, t < tg);
@@ -748,9 +753,7 @@ int qg_gemm(int type, const uint8_t *w, int rows, int n, const uint8_t *xq, int 
         return 0;
     }
     if (T == 1) {
-#ifdef _OPENMP
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (rows >= 64)
-#endif
+        PARALLEL_FOR(rows >= 64)
         for (int r = 0; r < rows; ++r) {
             float v = dot(w + wrb * r, xq, n);
             y[r] = bias ? v + bias[r] : v;
@@ -761,9 +764,7 @@ int qg_gemm(int type, const uint8_t *w, int rows, int n, const uint8_t *xq, int 
      * activation rows at a time for the types with a K-row dot */
     const int RT = 8;
     const int ntiles = (rows + RT - 1) / RT;
-#ifdef _OPENMP
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-#endif
+    PARALLEL_FOR(1) /* every tile */
     for (int tile = 0; tile < ntiles; ++tile) {
         const int r0 = tile * RT;
         const int r1 = r0 + RT < rows ? r0 + RT : rows;
@@ -807,9 +808,7 @@ int qg_max_threads(void) {
 void qg_rms_norm(const float *x, long ldx, const float *w, float *y, int T, int n, float eps,
                  int nthreads) {
     (void)nthreads;
-#ifdef _OPENMP
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (T > 16)
-#endif
+    PARALLEL_FOR(T > 16)
     for (int t = 0; t < T; ++t) {
         const float *xr = x + (long)t * ldx;
         float *yr = y + (long)t * n;
@@ -848,9 +847,7 @@ void qg_rope(float *x, int T, int H, int D, int n_rot, const float *cs, const fl
              int nthreads) {
     const int half = n_rot / 2;
     (void)nthreads;
-#ifdef _OPENMP
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (T > 16)
-#endif
+    PARALLEL_FOR(T > 16)
     for (int t = 0; t < T; ++t) {
         const float *c = cs + (long)t * half;
         const float *s = sn + (long)t * half;
@@ -1056,9 +1053,7 @@ static void geglu_row(const float *g, const float *u, float *y, int n) {
 /* gated activation of T rows: kind 0 SwiGLU, 1 GeGLU; g, u: T rows ld apart; y: [T, n] */
 void qg_glu(int kind, const float *g, const float *u, long ld, float *y, int T, int n, int nthreads) {
     (void)nthreads;
-#ifdef _OPENMP
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (T > 4)
-#endif
+    PARALLEL_FOR(T > 4)
     for (int t = 0; t < T; ++t) {
         (kind ? geglu_row : swiglu_row)(g + (long)t * ld, u + (long)t * ld, y + (long)t * n, n);
     }

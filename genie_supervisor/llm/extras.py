@@ -18,6 +18,7 @@ Errors are `GrammarError` (an `EngineError`: a 400) naming the request field.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -84,13 +85,13 @@ def prepare(model: Model, prompt: Any, sampling: SamplingParams, extras: Request
 def lenient(schema: dict[str, Any]) -> dict[str, Any]:
     """A tool's parameters as a `%json` schema inside a Lark grammar: keywords llguidance does not implement
     ignored (as a tool list from Home Assistant may hold some), JSON whitespace bounded (a schema's own
-    ``x-guidance`` wins), and no top-level keys the tool does not declare unless its schema allows them
-    (``additionalProperties``): a forced call's arguments still validate against the schema as given, and a
+    ``x-guidance`` wins), and no top-level keys beyond the declared ``properties`` unless its schema allows
+    them (``additionalProperties``): a forced call's arguments still validate against the schema as given, and a
     small model cannot pad them with keys of its own."""
     guidance = {"lenient": True, "whitespace_pattern": JSON_WHITESPACE}
     own = schema.get("x-guidance")
     out = {**schema, "x-guidance": {**guidance, **own} if isinstance(own, dict) else guidance}
-    if "additionalProperties" not in schema and "patternProperties" not in schema:
+    if "properties" in schema and "additionalProperties" not in schema and "patternProperties" not in schema:
         out["additionalProperties"] = False
     return out
 
@@ -117,10 +118,16 @@ def _tools_grammar(
     except ValueError as exc:
         raise GrammarError(str(exc), param="tool_choice") from None
     try:
-        return Grammar.lark(text)
+        return _lark(text)
     except GrammarError as exc:
         exc.param = "tools"
         raise
+
+
+@functools.lru_cache(maxsize=64)
+def _lark(text: str) -> Grammar:
+    """A tools grammar compiled once (a client sends the same tools with every request; ~10 ms each)."""
+    return Grammar.lark(text)
 
 
 def _with_text_bias(model: Model, sampling: SamplingParams, bias_text: Sequence[tuple[str, float]]) -> SamplingParams:

@@ -40,6 +40,7 @@ CASES = [
     ("/api/chat", {k: v for k, v in CHAT.items() if k != "model"}, 400, "model"),
     ("/api/chat", {**CHAT, "model": "nope"}, 404, "nope"),
     ("/api/chat", [CHAT], 400, "object"),
+    ("/api/chat", {**CHAT, "messages": [{"role": "user", "content": "word " * 400}]}, 400, "context"),
     ("/api/generate", {**GEN, "prompt": 5}, 400, "prompt"),
     ("/api/generate", {**GEN, "suffix": "}"}, 400, "suffix"),
     ("/api/generate", {**GEN, "template": "{{ .Prompt }}"}, 400, "template"),

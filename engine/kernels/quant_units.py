@@ -217,14 +217,23 @@ extern "C" __global__ void gemv_{T}(const unsigned char* W, long long row_bytes,
     for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
     if (lane == 0) y[row] = acc + (bias ? bias[row] : 0.f);
 }
-extern "C" __global__ void dequant_h_{T}(const unsigned char* W, long long row_bytes,
-                                         unsigned short* out, int rows, int cols) {
+// The unit of this thread in a dequantisation of rows x cols: its row, its unit u and its values v;
+// false past the last unit.
+__device__ __forceinline__ bool dequant_unit_{T}(const unsigned char* W, long long row_bytes, int rows, int cols,
+                                                 int& row, int& u, float* v) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     int nu = cols >> 5;
-    if (i >= (long long)rows * nu) return;
-    int row = (int)(i / nu), u = (int)(i % nu);
-    float v[32];
+    if (i >= (long long)rows * nu) return false;
+    row = (int)(i / nu);
+    u = (int)(i % nu);
     unit_{T}(W + (long long)row * row_bytes, u, v);
+    return true;
+}
+extern "C" __global__ void dequant_h_{T}(const unsigned char* W, long long row_bytes,
+                                         unsigned short* out, int rows, int cols) {
+    int row, u;
+    float v[32];
+    if (!dequant_unit_{T}(W, row_bytes, rows, cols, row, u, v)) return;
     // 4 x 16-byte stores (rows of cols % 32 == 0 values keep each unit 64-byte aligned)
     uint4* o = (uint4*)(out + (long long)row * cols + u * 32);
     #pragma unroll
@@ -239,12 +248,9 @@ extern "C" __global__ void dequant_h_{T}(const unsigned char* W, long long row_b
 // Rows 0..rows-1 of W as fp32 (prefill tiles), 8 x 16-byte stores a unit.
 extern "C" __global__ void dequant_f_{T}(const unsigned char* W, long long row_bytes,
                                          float* out, int rows, int cols) {
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    int nu = cols >> 5;
-    if (i >= (long long)rows * nu) return;
-    int row = (int)(i / nu), u = (int)(i % nu);
+    int row, u;
     float v[32];
-    unit_{T}(W + (long long)row * row_bytes, u, v);
+    if (!dequant_unit_{T}(W, row_bytes, rows, cols, row, u, v)) return;
     float4* o = (float4*)(out + (long long)row * cols + u * 32);
     #pragma unroll
     for (int k = 0; k < 8; k++) o[k] = make_float4(v[4 * k], v[4 * k + 1], v[4 * k + 2], v[4 * k + 3]);

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import cupy as cp
@@ -22,3 +24,18 @@ class AllocCounter(cp.cuda.memory_hook.MemoryHook):
 
     def alloc_preprocess(self, **kw: Any) -> None:
         self.allocs += 1
+
+
+@contextmanager
+def allocates_nothing() -> Iterator[AllocCounter]:
+    """Asserts that the block (its queued work included) makes no pool malloc and no device allocation and
+    leaves the pool's used and total bytes as they were."""
+    cp.cuda.Device().synchronize()
+    pool = cp.get_default_memory_pool()
+    used, total = pool.used_bytes(), pool.total_bytes()
+    hook = AllocCounter()
+    with hook:
+        yield hook
+    cp.cuda.Device().synchronize()
+    assert (hook.mallocs, hook.allocs) == (0, 0)
+    assert (pool.used_bytes(), pool.total_bytes()) == (used, total)

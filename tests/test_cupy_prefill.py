@@ -117,18 +117,7 @@ def test_first_chunk_graph_matches_eager_prefill(tmp_path: Path, monkeypatch: py
     import engine.model
 
     monkeypatch.setattr(engine.model, "ACT_QUANT", {})
-    p = write_synthetic_gguf(
-        tmp_path / "m.gguf",
-        "llama",
-        weight_type="Q4_1",
-        seed=4,
-        n_layers=2,
-        n_embd=256,
-        n_ff=512,
-        n_heads=4,
-        n_kv_heads=2,
-        n_vocab=512,
-    )
+    p = write_synthetic_gguf(tmp_path / "m.gguf", "llama", weight_type="Q4_1", seed=4, **{**SHAPE, "n_layers": 2})
     rng = np.random.default_rng(3)
     m = load_model(p, backend="cupy", n_ctx=256, kv_dtype="f32", options=EngineOptions(cupy_prefill="float32"))
     tf = m.transformer

@@ -34,6 +34,7 @@ from engine import Grammar, SamplingParams, TemplateError, load_model
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA: dict[str, Any] = {
     "type": "array",
+    "minItems": 16,  # a random synthetic model would close the array at once: 16 objects outlast --tokens 96
     "items": {
         "type": "object",
         "properties": {

@@ -380,6 +380,8 @@ class DeviceSampler:
         h2d, d2h = cp.cuda.runtime.memcpyHostToDevice, cp.cuda.runtime.memcpyDeviceToHost
         if mask is not None:
             self._upload_mask(mask, stream)
+            if flags & ks.F_SAMPLE:
+                self._narrow_top_k(params, flags)
         if params.logit_bias and params.logit_bias != self._bias_sent:
             self._upload_bias(params.logit_bias, stream)
         cp.cuda.runtime.memcpyAsync(
@@ -388,7 +390,7 @@ class DeviceSampler:
         if n:
             self.recent_host[:n] = window
             cp.cuda.runtime.memcpyAsync(self.recent_dev.data.ptr, self.recent_host.ctypes.data, 4 * n, h2d, stream.ptr)
-        self._run(logits_dev, flags, stream)
+        self._run(logits_dev, int(pi[ks.PI_FLAGS]), stream)
         self.launches += 1
         cp.cuda.runtime.memcpyAsync(self.out_host.ctypes.data, self.out.data.ptr, 4, d2h, stream.ptr)
         stream.synchronize()
@@ -396,6 +398,16 @@ class DeviceSampler:
         if mask is not None and not (int(self.mask_host[token >> 5]) >> (token & 31)) & 1:
             raise GrammarError("no token is left to pick: the logit_bias bans every token the grammar allows")
         return token
+
+    def _narrow_top_k(self, params: SamplingParams, flags: int) -> None:
+        """Top-k over the allowed tokens only: with fewer allowed than k (a grammar usually allows
+        a handful), k becomes their count, so the selection does not sift through the masked
+        rest's equal -inf values. The token is the same: what it drops has weight exactly 0."""
+        allowed = int(np.unpackbits(self.mask_host.view(np.uint8)).sum())
+        k = params.top_k if 0 < params.top_k < self.vocab else self.vocab
+        if 0 < allowed < k:
+            self.pi[ks.PI_TOPK] = allowed
+            self.pi[ks.PI_FLAGS] = flags | ks.F_TOPK
 
     def _upload_mask(self, mask: Any, stream: Any) -> None:
         """The mask into the pinned buffer (computed now by a `Constraint`), then to the device."""

@@ -23,6 +23,7 @@ from .config_sections import (
     LogConfig,
     ModelEntry,
     MqttConfig,
+    OpenAIConfig,
     PolicyConfig,
     SimulatedTelemetry,
     SystemdConfig,
@@ -47,6 +48,7 @@ __all__ = [
     "MatchConfig",
     "ModelEntry",
     "MqttConfig",
+    "OpenAIConfig",
     "PolicyConfig",
     "ServiceConfig",
     "ServiceKind",
@@ -70,13 +72,15 @@ class Config(_Section):
     mqtt: MqttConfig = Field(default_factory=MqttConfig, description="MQTT")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="built-in LLM engine")
     backend: BackendName = Field(
-        "builtin", description="what serves the models: builtin (this process) or llama_cpp (llama-server)"
+        "builtin",
+        description="what serves the models: builtin (this process), llama_cpp (llama-server) or openai (a remote server)",
     )
     fallback: BackendName | None = Field(
         None,
         description="backend used when `backend` cannot start a model (missing binary, model refused by the memory plan)",
     )
     llama_cpp: LlamaCppConfig = Field(default_factory=LlamaCppConfig, description="the llama_cpp backend")
+    openai: OpenAIConfig = Field(default_factory=OpenAIConfig, description="the openai backend (a remote server)")
     models: dict[str, ModelEntry] = Field(
         default_factory=dict, description="models by id; empty: engine.model is the one model"
     )
@@ -104,11 +108,12 @@ class Config(_Section):
                     raise KeyedValueError(("models", mid), f"name {name!r} is already used by model {seen[name]!r}")
                 seen[name] = mid
             backend = entry.backend or self.backend
-            if entry.path is None and not (backend == "llama_cpp" and self.llama_cpp.url):
+            if entry.path is None and not (backend == "llama_cpp" and self.llama_cpp.url) and backend != "openai":
                 raise KeyedValueError(
                     ("models", mid, "path"),
-                    "a model needs a path (only a llama_cpp model attached by llama_cpp.url may omit it)",
+                    "a model needs a path (only an openai model or a llama_cpp model attached by llama_cpp.url may omit it)",
                 )
+        self._remote_models()
         uses_llama = (
             self.backend == "llama_cpp"
             or self.fallback == "llama_cpp"
@@ -118,11 +123,37 @@ class Config(_Section):
             raise KeyedValueError("llama_cpp", "the llama_cpp backend needs llama_cpp.binary or llama_cpp.url")
         return self
 
+    def _remote_models(self) -> None:
+        """openai models: the section has a URL; a fallback names a local model; no openai-only keys elsewhere."""
+        entries = self.model_entries()
+        users = [mid for mid, e in entries.items() if (e.backend or self.backend) == "openai"]
+        if (users or self.fallback == "openai") and not self.openai.url:
+            where: Any = (
+                ("models", users[0], "backend") if users and self.models else ("backend" if users else "fallback")
+            )
+            raise KeyedValueError(where, "the openai backend needs openai.url (the remote's base URL)")
+        names = {name: mid for mid, e in entries.items() for name in (mid, *e.roles)}
+        for mid, entry in entries.items():
+            remote = (entry.backend or self.backend) == "openai"
+            for key in ("remote_model", "fallback_model"):
+                if getattr(entry, key) is not None and not remote:
+                    raise KeyedValueError(("models", mid, key), f"{key} only applies to a model with backend openai")
+            target = names.get(entry.fallback_model or "")
+            if entry.fallback_model is not None and target is None:
+                raise KeyedValueError(
+                    ("models", mid, "fallback_model"), f"no model has the id or role {entry.fallback_model!r}"
+                )
+            if target is not None and (entries[target].backend or self.backend) == "openai":
+                raise KeyedValueError(
+                    ("models", mid, "fallback_model"), f"the fallback {entry.fallback_model!r} must be a local model"
+                )
+
     def model_entries(self) -> dict[str, ModelEntry]:
         """The models to serve: `models`, or `engine.model` as one resident model (id: the file's stem)."""
         if self.models:
             return dict(self.models)
-        if self.engine.model is None and not (self.backend == "llama_cpp" and self.llama_cpp.url):
+        remote = self.backend == "openai" or (self.backend == "llama_cpp" and self.llama_cpp.url)
+        if self.engine.model is None and not remote:
             return {}
         path = self.engine.model
         mid = Path(path).stem if path else "default"
@@ -180,6 +211,7 @@ def _resolve_paths(data: dict[str, Any], base: Path) -> None:
         ("policy", "path"),
         ("llama_cpp", "binary"),
         ("api", "api_key_file"),
+        ("openai", "ca_file"),
         ("mqtt", "ca_file"),
         ("mqtt", "cert_file"),
         ("mqtt", "key_file"),

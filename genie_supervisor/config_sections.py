@@ -176,14 +176,15 @@ class EngineConfig(_Section):
     )
 
 
-BackendName = Literal["builtin", "llama_cpp"]
+BackendName = Literal["builtin", "llama_cpp", "openai"]
 
 
 class ModelEntry(_Section):
     """One model clients can ask for by its id (the key under `models`) or one of its roles."""
 
     path: str | None = Field(
-        None, description="GGUF file (relative to this file); may be null only for a llama_cpp model attached by URL"
+        None,
+        description="GGUF file (relative to this file); may be null for a llama_cpp model attached by URL and an openai model",
     )
     roles: list[str] = Field(
         default_factory=list, description="other names clients may put in `model` (e.g. voice, brain)"
@@ -200,6 +201,17 @@ class ModelEntry(_Section):
     priority: int = Field(0, ge=-1000, le=1000, description="eviction order: lower is evicted first")
     ttl_s: float | None = Field(
         None, gt=0, le=86400 * 7, description="unload after this long idle (non-resident only); null keeps it"
+    )
+    remote_model: str | None = Field(
+        None,
+        min_length=1,
+        max_length=256,
+        description="backend openai: the model name sent to the remote server (null: this model's id, passed through)",
+    )
+    fallback_model: str | None = Field(
+        None,
+        min_length=1,
+        description="backend openai: id or role of a local model that answers while the remote is unreachable",
     )
 
     @model_validator(mode="after")
@@ -236,10 +248,69 @@ class LlamaCppConfig(_Section):
     @model_validator(mode="after")
     def _check(self) -> LlamaCppConfig:
         if self.url is not None:
-            parts = urlsplit(self.url)
-            if parts.scheme not in ("http", "https") or not parts.hostname:
-                raise KeyedValueError("url", f"expected http://HOST:PORT, got {self.url!r}")
+            _check_http_url(self.url, "http://HOST:PORT")
         return self
+
+
+def _check_http_url(url: str, expected: str) -> None:
+    """KeyedValueError on ``url`` unless `url` is http(s) with a host and a valid port, and no credentials."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise KeyedValueError("url", f"expected {expected}, got {redact_url(url)!r}")
+    try:
+        parts.port  # noqa: B018 - raises on a bad port
+    except ValueError:
+        raise KeyedValueError("url", f"bad port in {redact_url(url)!r}") from None
+    if parts.username is not None:
+        raise KeyedValueError(
+            "url", "put no credentials in the URL (it is logged and shown); a key goes in api_key or api_key_env"
+        )
+
+
+class OpenAIConfig(_Section):
+    """A remote OpenAI-compatible server (vLLM, llama-server, Ollama's /v1, another genie-supervisor): backend openai."""
+
+    url: str | None = Field(
+        None, description="base URL of the remote API, as the openai client takes it (http(s)://HOST:PORT/v1)"
+    )
+    api_key: SecretStr | None = Field(None, description="key sent as Authorization: Bearer KEY (never logged or shown)")
+    api_key_env: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="name of the environment variable holding the key instead",
+    )
+    connect_timeout_s: float = Field(5.0, gt=0, le=600, description="deadline of a TCP/TLS connection to the remote")
+    first_token_timeout_s: float = Field(
+        120.0, gt=0, le=3600, description="deadline from sending a request to its first token (504 after)"
+    )
+    request_timeout_s: float = Field(600.0, gt=0, le=86400, description="deadline of a whole request (504 after)")
+    health_interval_s: float = Field(
+        5.0, gt=0, le=3600, description="seconds between health probes (GET <url>/models) of the remote"
+    )
+    verify_tls: bool = Field(True, description="check the remote's TLS certificate (https URLs)")
+    ca_file: str | None = Field(None, description="CA certificate file the remote's certificate is checked against")
+
+    _key: str | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _check(self) -> OpenAIConfig:
+        if self.url is not None:
+            _check_http_url(self.url, "http(s)://HOST:PORT/v1")
+        if self.api_key is not None and self.api_key_env is not None:
+            raise KeyedValueError("api_key_env", "give api_key or api_key_env, not both")
+        if self.api_key is not None:
+            self._key = self.api_key.get_secret_value()
+        elif self.api_key_env is not None:
+            self._key = os.environ.get(self.api_key_env)
+            if not self._key:
+                raise KeyedValueError("api_key_env", f"the environment variable {self.api_key_env} is not set or empty")
+        if self.ca_file is not None and not self.verify_tls:
+            raise KeyedValueError("ca_file", "ca_file is used to verify TLS: it takes verify_tls: true")
+        return self
+
+    def key(self) -> str | None:
+        """The remote's API key (from api_key or the api_key_env variable, read at start), or None."""
+        return self._key
 
 
 class ApiConfig(_Section):

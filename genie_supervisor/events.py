@@ -108,7 +108,7 @@ class EngineStats:
     model: str | None = None
     """Loaded model name."""
     backend: str | None = None
-    """Engine backend: ``numpy``, ``cupy`` or ``llama_cpp``."""
+    """Engine backend: ``numpy``, ``cupy``, ``llama_cpp`` or ``openai``."""
     decode_tps: float | None = None
     """Decode speed of the running / last generation in tokens/s."""
     first_token_ms: float | None = None
@@ -125,6 +125,12 @@ class EngineStats:
     """Memory of the KV cache in MiB."""
     rss_mb: float | None = None
     """Resident memory of the supervisor process in MiB."""
+    remote_url: str | None = None
+    """backend openai: the remote's base URL (no credentials)."""
+    remote_model: str | None = None
+    """backend openai: the model name the remote serves."""
+    remote_state: str | None = None
+    """backend openai: ``up``, ``down``, ``unknown``, or ``fallback`` while the local fallback answers."""
 
 
 Observation = TelemetrySample | ServiceObservation | VoiceActivity | EngineStats

@@ -33,15 +33,15 @@ def model() -> Model:
 
 
 @contextmanager
-def threaded_daemon(cfg: Path, **kwargs: Any) -> Iterator[Supervisor]:
-    """The daemon of config file `cfg` (simulated telemetry, a free loopback port, more Supervisor `kwargs`),
-    run by a thread of its own until the block ends."""
+def threaded_daemon(cfg: Path, port: int = 0, **kwargs: Any) -> Iterator[Supervisor]:
+    """The daemon of config file `cfg` (simulated telemetry, loopback `port` or a free one, more Supervisor
+    `kwargs`), run by a thread of its own until the block ends."""
 
     def build() -> Supervisor:
         return Supervisor(
             load_config(cfg),
             telemetry_source=SimulatedSource(),
-            http_socket=bind_socket("127.0.0.1", 0),
+            http_socket=bind_socket("127.0.0.1", port),
             environ={},
             **kwargs,
         )

@@ -173,5 +173,5 @@ async def model_card(m: ManagedModel) -> ModelCard:
 
 
 def tool_capable(m: ManagedModel) -> bool:
-    """Whether requests with ``tools`` are served for `m` (the builtin backend; llama_cpp refuses them)."""
-    return m.kind == "builtin"
+    """Whether requests with ``tools`` are served for `m` (the builtin and openai backends; llama_cpp refuses them)."""
+    return m.kind in ("builtin", "openai")

@@ -47,6 +47,7 @@ async def health(request: Request) -> JSONResponse:
         "backend_identity": engine.get("backend_identity"),
         "fallback": engine.get("fallback"),
         "fell_back": engine.get("fell_back", False),
+        "remotes": engine.get("remotes", {}),
         "models": {m.id: m.state for m in deps.models.models.values()},
         "model": engine["model"],
         "engine": state,

@@ -11,7 +11,6 @@ pauses, except while a voice request that the pause lets through is in flight.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -19,7 +18,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import anyio
@@ -36,6 +35,7 @@ from ..arbiter import VOICE_CLASS
 from ..config import ModelEntry
 from ..errors import BackendUnavailable, BadRequest, UpstreamError
 from .serving import NO_EXTRAS, BackendContext, Piece, Plan, RequestExtras
+from .upstream import ChatDeltas, RelayStream, error_message, is_chat, openai_message, sampling_fields
 
 log = structlog.get_logger(__name__)
 
@@ -54,105 +54,37 @@ def _tail(path: str, n: int = 8) -> str:
         return ""
 
 
-class LlamaStream:
-    """A streamed llama-server answer (SSE) as text pieces with counts."""
+class LlamaStream(RelayStream):
+    """A streamed llama-server answer (SSE): OpenAI chat chunks, or ``/completion``'s own events."""
 
     def __init__(
-        self,
-        backend: LlamaCppBackend,
-        response: httpx.Response,
-        chat: bool,
-        max_tokens: int,
-        priority: str | None = None,
+        self, backend: LlamaCppBackend, response: httpx.Response, chat: bool, priority: str | None = None
     ) -> None:
+        super().__init__(response, backend.gate, priority, who="llama-server")
         self._backend = backend
-        self._priority = priority
-        self._released = False
-        self._response = response
-        self._chat = chat
-        self._max_tokens = max_tokens
-        self.finish_reason: str | None = None
-        """``stop``, ``length`` or ``cancelled`` once finished."""
-        self.prompt_tokens = 0
-        """Tokens in the prompt (llama-server's count, known at the end)."""
-        self.completion_tokens = 0
-        """Tokens generated (llama-server's count at the end; chunks until then)."""
-        self._timings: dict[str, float] = {}
-        self._t0 = time.monotonic()
-        self.tool_syntax = None
-        """No tools reach llama-server (they are refused with a 400)."""
-        self.parallel_tool_calls = True
-        """Not used: no tool calls are parsed."""
+        self._chat = ChatDeltas() if chat else None
 
-    async def __aiter__(self) -> AsyncIterator[Piece]:
-        gate = self._backend.gate
-        try:
-            async for line in self._response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                try:
-                    obj = json.loads(data)
-                except ValueError:
-                    continue
-                if "error" in obj:
-                    err = obj["error"]
-                    raise UpstreamError(
-                        502, f"llama-server: {err.get('message', err) if isinstance(err, dict) else err}"
-                    )
-                piece = self._take(obj)
-                if piece:
-                    await gate.wait("decode", self._priority)
-                    yield Piece(piece)
-        finally:
-            if self.finish_reason is None:
-                self.finish_reason = "cancelled"
-            await self._response.aclose()
-            self._release()
-
-    def _take(self, obj: Mapping[str, Any]) -> str:
+    def _take(self, obj: Mapping[str, Any]) -> Piece | None:
         timings = obj.get("timings")
         if isinstance(timings, dict):
             self._timings = {k: v for k, v in timings.items() if isinstance(v, (int, float))}
-        if self._chat:
-            usage = obj.get("usage")
-            if isinstance(usage, dict):
-                self.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-                self.completion_tokens = int(usage.get("completion_tokens") or 0)
-            piece = ""
-            for choice in obj.get("choices") or []:
-                piece += (choice.get("delta") or {}).get("content") or ""
-                if choice.get("finish_reason"):
-                    self.finish_reason = str(choice["finish_reason"])
-            if piece and not isinstance(usage, dict):
-                self.completion_tokens += 1
+        if self._chat is not None:
+            piece = self._chat.take(obj)
+            self.finish_reason = self._chat.finish_reason
+            self.prompt_tokens, self.completion_tokens = self._chat.prompt_tokens, self._chat.completion_tokens
             return piece
-        piece = str(obj.get("content") or "")
+        text = str(obj.get("content") or "")
         if obj.get("stop"):
             self.prompt_tokens = int(obj.get("tokens_evaluated") or 0)
             self.completion_tokens = int(obj.get("tokens_predicted") or self.completion_tokens)
             self.finish_reason = "length" if obj.get("stop_type") == "limit" else "stop"
-        elif piece:
+        elif text:
             self.completion_tokens += 1
-        return piece
+        return Piece(text) if text else None
 
-    async def aclose(self) -> None:
-        """Stop reading (llama-server notices the closed connection and stops)."""
-        await self._response.aclose()
-        self._release()
-
-    def _release(self) -> None:
-        """Once per stream, whether it was read to the end, cut off or closed unread: a voice
-        stream stops keeping a SIGSTOPped llama-server running."""
-        if not self._released:
-            self._released = True
-            self._backend._voice_done(self._priority)
-
-    def timings(self) -> dict[str, float]:
-        """llama-server's own timings (ms)."""
-        return dict(self._timings)
+    def _released(self) -> None:
+        """A voice stream stops keeping a SIGSTOPped llama-server running."""
+        self._backend._voice_done(self._priority)
 
 
 class LlamaCppBackend:
@@ -383,25 +315,15 @@ class LlamaCppBackend:
 
     async def _send(self, prompt: Any, sampling: SamplingParams, priority: str | None) -> LlamaStream:
         assert self._client is not None
-        common: dict[str, Any] = {
-            "temperature": sampling.temperature,
-            "top_k": sampling.top_k,
-            "top_p": sampling.top_p,
-            "min_p": sampling.min_p,
-            "stream": True,
-        }
-        if sampling.seed is not None:
-            common["seed"] = sampling.seed
-        if sampling.stop:
-            common["stop"] = list(sampling.stop)
+        common = sampling_fields(sampling)
         if sampling.logit_bias:  # llama-server's pairs; false bans a token
             common["logit_bias"] = [[t, False if b == float("-inf") else b] for t, b in sampling.logit_bias]
-        chat = isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], Mapping)
+        chat = is_chat(prompt)
         if chat:
             body = {
                 **common,
                 "model": self.model_id,
-                "messages": [_openai_message(m) for m in prompt],
+                "messages": [openai_message(m) for m in prompt],
                 "max_tokens": sampling.max_tokens,
                 "stream_options": {"include_usage": True},
             }
@@ -417,8 +339,8 @@ class LlamaCppBackend:
         if response.status_code != 200:
             raw = await response.aread()
             await response.aclose()
-            raise UpstreamError(response.status_code, f"llama-server: {_error_message(raw)}")
-        return LlamaStream(self, response, chat, sampling.max_tokens, priority)
+            raise UpstreamError(response.status_code, f"llama-server: {error_message(raw)}")
+        return LlamaStream(self, response, chat, priority)
 
     def describe(self) -> dict[str, Any]:
         """How llama-server is reached."""
@@ -428,25 +350,3 @@ class LlamaCppBackend:
             "stopped": self.stopped,
             "path": os.path.basename(self.path or ""),
         }
-
-
-def _openai_message(message: Mapping[str, Any]) -> dict[str, Any]:
-    """A chat message as llama-server takes it: an assistant's tool-call arguments as JSON text again."""
-    out = dict(message)
-    if out.get("tool_calls"):
-        out["tool_calls"] = [
-            {**c, "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"])}}
-            if isinstance(c.get("function", {}).get("arguments"), dict)
-            else c
-            for c in out["tool_calls"]
-        ]
-    return out
-
-
-def _error_message(raw: bytes) -> str:
-    try:
-        obj = json.loads(raw)
-        err = obj.get("error", obj)
-        return str(err.get("message", err)) if isinstance(err, dict) else str(err)
-    except (ValueError, AttributeError):
-        return raw.decode("utf-8", "replace")[:500]

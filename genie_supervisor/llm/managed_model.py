@@ -45,7 +45,7 @@ class ManagedModel:
         self.entry = entry
         """Its config."""
         self.kind = kind
-        """Backend serving it now: ``builtin`` or ``llama_cpp`` (the fallback once used)."""
+        """Backend serving it now: ``builtin``, ``llama_cpp`` or ``openai`` (the fallback once used)."""
         self.backend = backend
         """That backend."""
         self.fell_back = False
@@ -125,13 +125,14 @@ def aggregate_stats(
     ms: list[ManagedModel], by_id: dict[str, EngineStats], default: ManagedModel, queued: int, gate_mode: str
 ) -> EngineStats:
     """The daemon's EngineStats over its models: the busiest model's state, totals over all
-    (`by_id`: each builtin model's last EngineStats; llama_cpp models count through `usage`)."""
+    (`by_id`: each builtin model's last EngineStats; llama_cpp and openai models count through `usage`;
+    the remote fields describe the busy model's remote, else the first openai model's)."""
     host_stats = [by_id.get(m.id) for m in ms]
     busy = [(m, s) for m, s in zip(ms, host_stats, strict=True) if m.in_flight or (s and s.requests_in_flight)]
     ref_m, ref_s = busy[0] if busy else (default, by_id.get(default.id))
     if busy:
         state = ref_s.state if ref_s and ref_s.state not in ("idle", "unloaded") else "decoding"
-        if ref_m.kind == "llama_cpp":
+        if ref_m.kind in _FORWARDED:
             state = "paused" if gate_mode == "paused" else "decoding"
     elif any(m.state == "loading" for m in ms):
         state = "loading"
@@ -145,6 +146,7 @@ def aggregate_stats(
     weights = sum(s.weights_mb or 0 for s in loaded) or None
     kv = sum(s.kv_mb or 0 for s in loaded) or None
     backend = ref_s.backend if ref_s and ref_m.kind == "builtin" else ref_m.kind
+    remote = next((m.backend.describe()["remote"] for m in [ref_m, *ms] if m.kind == "openai"), None)
     return EngineStats(
         state=state,
         model=(ref_s.model if ref_s and ref_s.model else ref_m.id),
@@ -152,13 +154,20 @@ def aggregate_stats(
         decode_tps=ref_s.decode_tps if ref_s else None,
         first_token_ms=ref_s.first_token_ms if ref_s else None,
         tokens_total=sum(s.tokens_total for s in host_stats if s)
-        + sum(m.usage.completion_tokens for m in ms if m.kind == "llama_cpp"),
+        + sum(m.usage.completion_tokens for m in ms if m.kind in _FORWARDED),
         requests_in_flight=sum(m.in_flight for m in ms),
         requests_queued=queued,
         weights_mb=round(weights, 3) if weights else None,
         kv_mb=round(kv, 3) if kv else None,
         rss_mb=ref_s.rss_mb if ref_s else None,
+        remote_url=remote["url"] if remote else None,
+        remote_model=remote["remote_model"] if remote else None,
+        remote_state=(remote["state"] if remote["serving"] == "remote" else "fallback") if remote else None,
     )
+
+
+_FORWARDED = ("llama_cpp", "openai")
+"""Backends whose tokens are counted from their requests' usage (no engine stats of ours)."""
 
 
 def load_error(m: ManagedModel) -> AdmissionError:

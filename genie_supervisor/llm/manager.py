@@ -83,9 +83,13 @@ class ModelManager:
         """model id -> unloads (any cause)."""
         for mid, entry in cfg.model_entries().items():
             kind = entry.backend or cfg.backend
-            bctx = BackendContext(cfg, ctx.gate, ctx.arbiter, self._stats_from(mid), ctx.loader)
-            self.models[mid] = ManagedModel(mid, entry, kind, create_backend(kind, mid, entry, bctx))
+            self.models[mid] = ManagedModel(mid, entry, kind, create_backend(kind, mid, entry, self._context(mid)))
         self._names = {name: m for m in self.models.values() for name in m.names}
+
+    def _context(self, mid: str) -> BackendContext:
+        """What model `mid`'s backend is built with: its stats feed, leases on the others, change notices."""
+        c = self.ctx
+        return BackendContext(self.cfg, c.gate, c.arbiter, self._stats_from(mid), c.loader, self.lease, self._notify)
 
     # -- lookup -----------------------------------------------------------------------------
     @property
@@ -212,10 +216,7 @@ class ModelManager:
                         fallback=fallback,
                         reason=f"{type(exc).__name__}: {exc}",
                     )
-                    bctx = BackendContext(
-                        self.cfg, self.ctx.gate, self.ctx.arbiter, self._stats_from(m.id), self.ctx.loader
-                    )
-                    m.backend = create_backend(fallback, m.id, m.entry, bctx)
+                    m.backend = create_backend(fallback, m.id, m.entry, self._context(m.id))
                     m.kind, m.fell_back = fallback, True
                     await self._load_with(m)
         except Exception as exc:
@@ -338,7 +339,7 @@ class ModelManager:
 
     async def _watch(self) -> None:
         interval = min(
-            [self.cfg.llama_cpp.health_interval_s]
+            [self.cfg.llama_cpp.health_interval_s, self.cfg.openai.health_interval_s]
             + [m.entry.ttl_s / 2 for m in self.models.values() if m.entry.ttl_s]
             + [5.0]
         )
@@ -428,6 +429,7 @@ class ModelManager:
         base["backend_identity"] = m.backend.identity() if m else None
         base["fallback"] = self.cfg.fallback
         base["fell_back"] = any(x.fell_back for x in self.models.values())
+        base["remotes"] = {x.id: x.backend.describe()["remote"] for x in self.models.values() if x.kind == "openai"}
         base["enabled"] = self.enabled
         if base.get("memory_plan") is not None:
             base["memory_plan"]["budget_mb"] = self._budget_mb

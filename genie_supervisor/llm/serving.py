@@ -1,6 +1,6 @@
 """Backends behind one facade: what serves a model, chosen by config alone.
 
-    backend = create_backend("builtin", model_id, entry, ctx)    # or "llama_cpp"
+    backend = create_backend("builtin", model_id, entry, ctx)    # or "llama_cpp", "openai"
     plan = await backend.plan()          # bytes it will need (from the GGUF header)
     await backend.load()                 # BackendUnavailable when it cannot start
     stream = await backend.generate(messages_or_text, SamplingParams(...), "voice", RequestExtras(...))
@@ -10,12 +10,14 @@
     await backend.unload()
 
 ``builtin`` runs the engine in this process behind the DecodeGate; ``llama_cpp`` talks to an
-external llama-server (started by us, or attached by URL), gated at admission.
+external llama-server (started by us, or attached by URL), gated at admission; ``openai`` talks to a
+remote OpenAI-compatible server by URL, gated at admission, with a local fallback model.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -78,6 +80,10 @@ class BackendContext:
     """Where engine stats go (the model manager aggregates them)."""
     loader: Callable[..., Model] | None = None
     """Model loader of the builtin backend (tests pass a fake)."""
+    lease: Callable[[str], AbstractAsyncContextManager[Any]] | None = None
+    """The model manager's lease by id or role (the openai backend's fallback model answers through it)."""
+    changed: Callable[[], None] = lambda: None
+    """Tell the model manager the backend's state changed (the openai backend's switch to its fallback)."""
 
 
 @dataclass(frozen=True)
@@ -176,7 +182,7 @@ class Backend(Protocol):
     """What the model manager needs from a backend serving one model."""
 
     kind: str
-    """``builtin`` or ``llama_cpp``."""
+    """``builtin``, ``llama_cpp`` or ``openai``."""
     n_ctx: int
     """Context length."""
 
@@ -209,7 +215,11 @@ def create_backend(kind: str, model_id: str, entry: ModelEntry, ctx: BackendCont
         from .llama_cpp import LlamaCppBackend
 
         return LlamaCppBackend(model_id, entry, ctx)
-    raise ValueError(f"unknown backend {kind!r} (known: builtin, llama_cpp)")
+    if kind == "openai":
+        from .remote import OpenAIBackend
+
+        return OpenAIBackend(model_id, entry, ctx)
+    raise ValueError(f"unknown backend {kind!r} (known: builtin, llama_cpp, openai)")
 
 
 __all__ = [

@@ -107,7 +107,11 @@ def _thermal_level(i: Inputs) -> str | None:
 
 
 def _backend(i: Inputs) -> dict[str, Any]:
-    return {"backend": _engine("backend")(i)}
+    out = {"backend": _engine("backend")(i)}
+    engine = i.snapshot.engine
+    if engine is not None and engine.remote_url is not None:  # backend openai: the remote's identity and state
+        out.update(remote_url=engine.remote_url, remote_model=engine.remote_model, remote_state=engine.remote_state)
+    return out
 
 
 def _policy_name(i: Inputs) -> str | None:

@@ -95,11 +95,11 @@ def key_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(KEY_ENV, KEY)
 
 
-def local_config(remote: Remote, *, fallback: bool = True, first_token_s: float = 60) -> str:
+def local_config(remote: Remote, *, fallback: bool = True, first_token_s: float = 60, probe_s: float = 0.1) -> str:
     """The local daemon: SmolLM2 `local` (role voice) in this process, `big` (role brain) on the remote."""
     return f"""\
 backend: builtin
-openai: {{url: "{remote.url}", api_key_env: {KEY_ENV}, health_interval_s: 0.1, connect_timeout_s: 2, first_token_timeout_s: {first_token_s}}}
+openai: {{url: "{remote.url}", api_key_env: {KEY_ENV}, health_interval_s: {probe_s}, connect_timeout_s: 2, first_token_timeout_s: {first_token_s}}}
 models:
   local: {{path: {require(SMOLLM2)}, roles: [voice], resident: true, n_ctx: 512}}
   big: {{backend: openai, remote_model: default, roles: [brain], resident: true{", fallback_model: voice" if fallback else ""}}}
@@ -185,16 +185,25 @@ async def test_answers_match_the_remote_streamed_and_whole_on_every_route(
             assert attributes["remote_state"] == "up"
 
 
-async def test_remote_4xx_is_relayed_and_tools_logprobs_pass_through(
+async def test_remote_errors_are_relayed_and_tools_logprobs_pass_through(
     tmp_path: Path, remote: Remote, local_model: Model, key_env: None
 ) -> None:
-    """A request longer than the remote's context (4,096 tokens) is the remote's 400 with its message; logprobs, a forced tool
+    """A request longer than the remote's context (4,096 tokens) is the remote's 400 with its message, its 503 our
+    502 naming it; logprobs, a forced tool
     call and a JSON response_format reach the remote and come back in OpenAI's shapes."""
     with anyio.fail_after(100):
         async with local_daemon(tmp_path, remote, local_model) as sup, oai(sup) as oa, remote.client() as direct:
             with pytest.raises(openai.BadRequestError) as info:
                 await oa.chat.completions.create(model="brain", max_tokens=5000, messages=HI)
             assert "openai remote" in str(info.value) and "context" in str(info.value)
+
+            remote.sup.models.enabled = False  # the remote refuses with a 503 (its LLM switch is off)
+            try:
+                with pytest.raises(openai.APIStatusError) as status:
+                    await _chat(oa, "brain")
+            finally:
+                remote.sup.models.enabled = True
+            assert status.value.status_code == 502 and f"openai remote {remote.url} answered 503" in str(status.value)
 
             r = await oa.chat.completions.create(
                 model="brain", messages=HI, max_tokens=3, temperature=0, logprobs=True, top_logprobs=2
@@ -307,7 +316,7 @@ async def test_remote_down_falls_back_to_the_local_model_and_recovers(
 ) -> None:
     """With the remote stopped, requests for it are answered by the local fallback model (the switch logged,
     shown in /health and the MQTT model sensor, no key anywhere in the logs); once the remote answers its probe
-    again, requests go back to it. Without a fallback the same outage is a 502 naming the remote."""
+    again, requests go back to it."""
     buf = io.StringIO()
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
@@ -335,15 +344,6 @@ async def test_remote_down_falls_back_to_the_local_model_and_recovers(
                 before = remote.admitted()
                 assert await _chat(oa, "brain") == remote_answer and remote.admitted() == before + 1
 
-            await anyio.to_thread.run_sync(remote.stop)
-            try:
-                (tmp_path / "nofb").mkdir()
-                async with local_daemon(tmp_path / "nofb", remote, local_model, fallback=False) as sup, oai(sup) as oa:
-                    with pytest.raises(openai.APIStatusError) as info:
-                        await _chat(oa, "brain")
-                    assert info.value.status_code == 502 and remote.url in str(info.value)
-            finally:
-                await anyio.to_thread.run_sync(remote.start)
     finally:
         structlog.reset_defaults()
         for h in list(root.handlers):
@@ -354,3 +354,31 @@ async def test_remote_down_falls_back_to_the_local_model_and_recovers(
     logs = buf.getvalue()
     assert '"event": "remote_down"' in logs and '"event": "remote_up"' in logs
     assert KEY not in logs
+
+
+async def test_a_request_that_finds_the_remote_gone_falls_back_itself_and_without_fallback_gets_502(
+    tmp_path: Path, remote: Remote, local_model: Model, key_env: None
+) -> None:
+    """With no probe due, the request whose connection is refused is answered by the fallback model (and moves
+    the model to it); without a fallback_model the same outage is a 502 naming the remote."""
+    with anyio.fail_after(110):
+        (tmp_path / "a").mkdir()
+        (tmp_path / "b").mkdir()
+        async with (
+            local_daemon(tmp_path / "a", remote, local_model, probe_s=600) as sup,
+            local_daemon(tmp_path / "b", remote, local_model, fallback=False, probe_s=600) as bare,
+            oai(sup) as oa,
+            oai(bare) as oa_bare,
+        ):
+            local_answer = await _chat(oa, "voice")
+            big = sup.models.models["big"].backend
+            assert big.identity() == "openai/remote"
+            await anyio.to_thread.run_sync(remote.stop)
+            try:
+                assert await _chat(oa, "brain") == local_answer
+                assert big.identity() == "openai/fallback"
+                with pytest.raises(openai.APIStatusError) as info:
+                    await _chat(oa_bare, "brain")
+                assert info.value.status_code == 502 and f"openai remote {remote.url} unreachable" in str(info.value)
+            finally:
+                await anyio.to_thread.run_sync(remote.start)

@@ -164,12 +164,8 @@ class RelayStream:
         total_s: float | None = None,
         started: float | None = None,
     ) -> None:
-        self._response = response
-        self._gate = gate
-        self._priority = priority
-        self.who = who
-        self._first_s = first_s
-        self._total_s = total_s
+        self._response, self._gate, self._priority, self.who = response, gate, priority, who
+        self._first_s, self._total_s = first_s, total_s  # deadlines of the first piece and of the whole answer
         self._t0 = time.monotonic() if started is None else started
         self._closed = False
         self.finish_reason: str | None = None

@@ -13,7 +13,7 @@ from __future__ import annotations
 import ast
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 __all__ = ["PYTHON_TAG", "Parser", "ToolCall", "line_start"]
@@ -29,6 +29,9 @@ class ToolCall:
     """Its arguments, decoded from the model's JSON (or Python keyword arguments)."""
     id: str | None = None
     """The call's id: None unless the model wrote one (llama.cpp's generic format does); the API assigns one."""
+    arguments_json: str | None = field(default=None, compare=False)
+    """The arguments' JSON text as the model wrote it (what the API answers, streamed or not); None when the
+    model wrote none (Python-style calls, missing arguments): the API writes `arguments` as JSON."""
 
 
 _DECODER = json.JSONDecoder()
@@ -181,7 +184,10 @@ def _function_block(text: str, i: int) -> _Match | None:
     if got is None or not isinstance(got[0], dict):
         return None
     end = _close(text, got[1], "</function>")
-    return None if end is None else ([ToolCall(name=m.group(1) or m.group(2), arguments=got[0])], end)
+    raw = text[_skip_ws(text, m.end()) : got[1]]
+    return (
+        None if end is None else ([ToolCall(name=m.group(1) or m.group(2), arguments=got[0], arguments_json=raw)], end)
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -285,7 +291,7 @@ class Parser:
             before = text[pos:i]
             pieces.append(before.lstrip(_WS) if after_call else before)
             pieces[-1] = pieces[-1].rstrip(_WS)
-            calls.extend(got[0])
+            calls.extend(_with_raw_arguments(text, i, got[1], got[0]))
             pos = i = got[1]
             after_call = True
         if not after_call:
@@ -293,6 +299,40 @@ class Parser:
         rest = text[pos:].lstrip(_WS)
         pieces.append(rest)
         return "\n".join(p for p in pieces if p), calls
+
+
+_ARGS_KEY = re.compile(r'"(?:arguments|parameters)"\s*:\s*(?=[{"])')
+
+
+def _with_raw_arguments(text: str, start: int, end: int, calls: list[ToolCall]) -> list[ToolCall]:
+    """`calls` of the block text[start:end], each with the JSON text of its arguments as written: the value of
+    the first ``"arguments"``/``"parameters"`` key after the previous call's that decodes to them (a JSON
+    string holding the object counts: its content is the text)."""
+    out: list[ToolCall] = []
+    pos = start
+    for call in calls:
+        if call.arguments_json is None:
+            for m in _ARGS_KEY.finditer(text, pos, end):
+                got = _json_at(text, m.end()) if text[m.end()] == "{" else _string_at(text, m.end())
+                if got is None:
+                    continue
+                value, stop = got
+                raw = value if isinstance(value, str) else text[m.end() : stop]
+                if (json.loads(value) if isinstance(value, str) else value) == call.arguments:
+                    call = replace(call, arguments_json=raw)
+                    pos = stop
+                    break
+        out.append(call)
+    return out
+
+
+def _string_at(text: str, i: int) -> tuple[str, int] | None:
+    """A JSON string at `i` holding a JSON object's text (arguments written as a string), or None."""
+    try:
+        value, stop = _DECODER.raw_decode(text, i)
+        return (value, stop) if isinstance(value, str) and isinstance(json.loads(value), dict) else None
+    except (ValueError, RecursionError):
+        return None
 
 
 def line_start(text: str, i: int) -> bool:

@@ -381,7 +381,7 @@ def _split(pieces: list[str]) -> tuple[str, Result]:
         out = splitter.push(Piece(p, (len(sent),)))
         sent += out.text if out is not None else ""
     result = Result("m", text="".join(pieces))
-    rest = splitter.finish(result)
+    rest, _deltas = splitter.finish(result)
     return sent + (rest.text if rest is not None else ""), result
 
 

@@ -29,6 +29,7 @@ from starlette.responses import JSONResponse, Response
 from engine import SamplingParams
 from engine.errors import EngineError
 from engine.tool_calls import ToolCall, ToolSyntax, content_prefix_len
+from engine.tool_stream import CallDelta, CallStream
 
 from ..errors import AdmissionError, EngineUnavailable
 from ..llm.serving import NO_EXTRAS, Piece, RequestExtras
@@ -77,7 +78,13 @@ class Formatter(Protocol):
 
     def start(self, model: str) -> list[dict[str, Any]]: ...
 
-    def piece(self, model: str, piece: Piece) -> dict[str, Any]: ...
+    def piece(self, model: str, piece: Piece) -> dict[str, Any] | None:
+        """A content event (None: the format keeps the text for `end`)."""
+        ...
+
+    def calls(self, model: str, deltas: list[CallDelta]) -> list[dict[str, Any]]:
+        """Streamed tool-call deltas as events (none for a format that sends its calls with `end`)."""
+        ...
 
     def end(self, result: Result) -> list[dict[str, Any] | str]: ...
 
@@ -147,8 +154,9 @@ def new_id(prefix: str) -> str:
 
 
 class ToolSplitter:
-    """A streamed answer's content while tool calls may follow: text is passed on up to where a call
-    could start (`content_prefix_len`), the rest held until `finish` parses the whole text."""
+    """A streamed answer while tool calls may follow: text is passed on as content up to where a call could
+    start (`content_prefix_len`); the calls after it stream as the model writes them (`CallStream`, `deltas`);
+    `finish` parses the whole text and sends what is left."""
 
     def __init__(self, syntax: ToolSyntax, parallel: bool) -> None:
         self.syntax = syntax
@@ -159,6 +167,8 @@ class ToolSplitter:
         self._held: list[Piece] = []
         self._final = False
         self._longest = max((len(o) for o in syntax.openers), default=0)
+        self._calls = CallStream(parallel)
+        self._ids: list[str] = []
 
     def push(self, piece: Piece) -> Piece | None:
         """The content `piece` releases (None: nothing yet); its tokens go with the next released text."""
@@ -178,20 +188,37 @@ class ToolSplitter:
         self.sent, self._held = cut, []
         return out
 
-    def finish(self, result: Result) -> Piece | None:
-        """Parse the whole text into `result` (content and calls with ids); the content not passed on yet."""
+    def deltas(self) -> list[CallDelta]:
+        """The tool-call deltas the text so far adds, each head with its call's id (none before content ends)."""
+        return self._with_ids(self._calls.feed(self.text, self.sent)) if self._final else []
+
+    def finish(self, result: Result) -> tuple[Piece | None, list[CallDelta]]:
+        """Parse the whole text into `result` (content and calls with ids): the content not passed on yet and
+        the call deltas not sent yet."""
         content, calls = self.syntax.parse(self.text)
         if not self.parallel:
             calls = calls[:1]
+        indexed, deltas = self._calls.finish(calls)
+        deltas = self._with_ids(deltas)
         result.content = content
-        result.tool_calls = [replace(c, id=f"call_{secrets.token_hex(12)}") for c in calls]
+        result.tool_calls = [replace(c, id=self._ids[k]) for k, c in indexed]
         sent = self.text[: self.sent]
         rest = content[len(sent) :] if content.startswith(sent) else ""
         if not rest:
-            return None
+            return None, deltas
+        held = self._held
         return Piece(
-            rest, tuple(t for p in self._held for t in p.tokens), tuple(lp for p in self._held for lp in p.logprobs)
-        )
+            rest, tuple(t for p in held for t in p.tokens), tuple(lp for p in held for lp in p.logprobs)
+        ), deltas
+
+    def _with_ids(self, deltas: list[CallDelta]) -> list[CallDelta]:
+        out = []
+        for d in deltas:
+            if d.name is not None:
+                self._ids.append(f"call_{secrets.token_hex(12)}")
+                d = replace(d, id=self._ids[d.index])
+            out.append(d)
+        return out
 
 
 class GenerationResponse(Response):
@@ -243,8 +270,11 @@ class GenerationResponse(Response):
                         result.tokens.extend(piece.tokens)
                         result.pieces.append(piece)
                         out = piece if splitter is None else splitter.push(piece)
-                        if job.stream and out is not None:
-                            await self._send_event(send, job.fmt.piece(model.id, out))
+                        if job.stream and out is not None and (event := job.fmt.piece(model.id, out)) is not None:
+                            await self._send_event(send, event)
+                        if job.stream and splitter is not None:
+                            for delta in job.fmt.calls(model.id, splitter.deltas()):
+                                await self._send_event(send, delta)
                 finally:
                     with anyio.CancelScope(shield=True):
                         await stream.aclose()
@@ -253,12 +283,12 @@ class GenerationResponse(Response):
                         result.completion_tokens = stream.completion_tokens
                         result.timings = stream.timings()
                         deps.models.record(model.id, result.prompt_tokens, result.completion_tokens, result.timings)
-            rest = splitter.finish(result) if splitter is not None else None
+            rest, deltas = splitter.finish(result) if splitter is not None else (None, [])
             if job.stream:
-                if rest is not None:
-                    await self._send_event(send, job.fmt.piece(model.id, rest))
-                for event in job.fmt.end(result):
-                    await self._send_event(send, event)
+                if rest is not None and (content := job.fmt.piece(model.id, rest)) is not None:
+                    await self._send_event(send, content)
+                for end in [*job.fmt.calls(model.id, deltas), *job.fmt.end(result)]:
+                    await self._send_event(send, end)
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
             elif result.finish_reason == "cancelled" and deps.models.closing:  # cut short by SIGTERM: retry later
                 raise EngineUnavailable(

@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from engine import SamplingParams
+from engine.tool_stream import CallDelta
 
 from ..errors import BadRequest
 from ..llm.admission import PRIORITY_HEADER
@@ -137,6 +138,9 @@ class LlamaFormat:
 
     def start(self, model: str) -> list[dict[str, Any]]:
         return []
+
+    def calls(self, model: str, deltas: list[CallDelta]) -> list[dict[str, Any]]:
+        return []  # /completion takes no tools
 
     def piece(self, model: str, piece: Piece) -> dict[str, Any]:
         self.predicted += len(piece.tokens)

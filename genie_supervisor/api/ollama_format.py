@@ -19,6 +19,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from engine.tool_calls import ToolCall
+from engine.tool_stream import CallDelta
 
 from ..llm.serving import Piece
 from .generation import Framing, Result
@@ -71,6 +72,9 @@ class _Base:
 
     def start(self, model: str) -> list[dict[str, Any]]:
         return []
+
+    def calls(self, model: str, deltas: list[CallDelta]) -> list[dict[str, Any]]:
+        return []  # Ollama sends each call whole, in one line at the end
 
 
 def tool_calls_out(calls: list[ToolCall]) -> list[dict[str, Any]]:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from engine.tool_calls import ToolCall
+from engine.tool_stream import CallDelta, arguments_text
 
 from ..llm.admission import PRIORITY_HEADER
 from ..llm.serving import Piece
@@ -49,11 +49,9 @@ def chat_logprobs(pieces: list[Piece]) -> dict[str, Any]:
     return {"content": content, "refusal": None}
 
 
-def tool_call_json(call: ToolCall, index: int | None = None) -> dict[str, Any]:
+def tool_call_json(call: ToolCall) -> dict[str, Any]:
     """One call as OpenAI writes it: id, type function, the function's name and its arguments as JSON text."""
-    out: dict[str, Any] = {} if index is None else {"index": index}
-    fn = {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}
-    return {**out, "id": call.id, "type": "function", "function": fn}
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": arguments_text(call)}}
 
 
 def _finish(r: Result) -> str:
@@ -68,6 +66,9 @@ class ChatFormat:
         self.created = now_s()
         self.include_usage = include_usage
         self.logprobs = logprobs
+        self._calling = False
+        """A tool call has been streamed: content after it waits for the finish chunk."""
+        self._tail: list[Piece] = []
 
     def _chunk(
         self, model: str, delta: dict[str, Any], finish: str | None, logprobs: dict[str, Any] | None = None
@@ -87,20 +88,34 @@ class ChatFormat:
     def start(self, model: str) -> list[dict[str, Any]]:
         return [self._chunk(model, {"role": "assistant", "content": ""}, None)]
 
-    def piece(self, model: str, piece: Piece) -> dict[str, Any]:
+    def piece(self, model: str, piece: Piece) -> dict[str, Any] | None:
+        """A content chunk; after a tool call, None: the text goes in the finish chunk, since clients that
+        gather calls by index (Home Assistant's) take every chunk after a call's head up to the finish as
+        part of a call."""
+        if self._calling:
+            self._tail.append(piece)
+            return None
         return self._chunk(model, {"content": piece.text}, None, chat_logprobs([piece]) if self.logprobs else None)
 
+    def calls(self, model: str, deltas: list[CallDelta]) -> list[dict[str, Any]]:
+        """A call's head (index, id, type, name, arguments ""), then a chunk per fragment of its arguments."""
+        self._calling = self._calling or bool(deltas)
+        events = []
+        for d in deltas:
+            if d.name is not None:
+                head = {"index": d.index, "id": d.id, "type": "function", "function": {"name": d.name, "arguments": ""}}
+                events.append(self._chunk(model, {"tool_calls": [head]}, None))
+            if d.arguments:
+                fragment = {"index": d.index, "function": {"arguments": d.arguments}}
+                events.append(self._chunk(model, {"tool_calls": [fragment]}, None))
+        return events
+
     def end(self, r: Result) -> list[dict[str, Any] | str]:
-        events: list[dict[str, Any] | str] = []
-        for k, call in enumerate(r.tool_calls):  # a call's head (id, name), then its arguments
-            head = tool_call_json(call, k)
-            arguments = head["function"]["arguments"]
-            head["function"] = {"name": call.name, "arguments": ""}
-            events.append(self._chunk(r.model, {"tool_calls": [head]}, None))
-            events.append(
-                self._chunk(r.model, {"tool_calls": [{"index": k, "function": {"arguments": arguments}}]}, None)
-            )
-        events.append(self._chunk(r.model, {}, _finish(r)))
+        tail = "".join(p.text for p in self._tail)
+        logprobs = chat_logprobs(self._tail) if self.logprobs and tail else None
+        events: list[dict[str, Any] | str] = [
+            self._chunk(r.model, {"content": tail} if tail else {}, _finish(r), logprobs)
+        ]
         if self.include_usage:
             events.append(
                 {
@@ -187,6 +202,9 @@ class CompletionFormat:
 
     def piece(self, model: str, piece: Piece) -> dict[str, Any]:
         return self._obj(model, piece.text, None, [piece])
+
+    def calls(self, model: str, deltas: list[CallDelta]) -> list[dict[str, Any]]:
+        return []
 
     def end(self, r: Result) -> list[dict[str, Any] | str]:
         events: list[dict[str, Any] | str] = [self._obj(r.model, "", r.finish_reason)]

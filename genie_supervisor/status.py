@@ -19,6 +19,14 @@ def _mb(value: Any) -> str:
     return f"{value:.1f} MiB" if isinstance(value, (int, float)) else "-"
 
 
+def _remote(r: dict[str, Any] | None) -> str:
+    """A backend openai model's remote: URL, model name, state, and who answers while it is down."""
+    if not r:
+        return ""
+    via = f", answered by {r.get('fallback_model')}" if r.get("serving") == "fallback" else ""
+    return f"  remote {r.get('url')} model {r.get('remote_model')}: {r.get('state')}{via}"
+
+
 def format_status(s: dict[str, Any], url: str) -> str:
     """The /status JSON as a few aligned lines."""
     lines: list[str] = []
@@ -73,6 +81,7 @@ def format_status(s: dict[str, Any], url: str) -> str:
                 f"{_mb(mem):>10}  roles {roles}  in flight {m.get('in_flight', 0)}"
                 + (f"  [{', '.join(flags)}]" if flags else "")
                 + (f"  error: {m['error']}" if m.get("error") else "")
+                + _remote(m.get("remote"))
             )
     else:
         lines.append("models: none configured")

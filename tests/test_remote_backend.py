@@ -22,6 +22,7 @@ from genie_supervisor.app import Supervisor
 from genie_supervisor.logging import configure_logging
 from genie_supervisor.mqtt.entity_model import Inputs
 from genie_supervisor.mqtt.entity_table import STATIC
+from genie_supervisor.status import format_status
 from tests.apitools import http, make_api_supervisor, oai
 from tests.daemon import wait_for, write_config, write_policy
 from tests.models import SMOLLM2, require
@@ -315,7 +316,7 @@ async def test_remote_down_falls_back_to_the_local_model_and_recovers(
     tmp_path: Path, remote: Remote, local_model: Model, key_env: None
 ) -> None:
     """With the remote stopped, requests for it are answered by the local fallback model (the switch logged,
-    shown in /health and the MQTT model sensor, no key anywhere in the logs); once the remote answers its probe
+    shown in /health, `genie-supervisor status` and the MQTT model sensor, no key anywhere in the logs); once the remote answers its probe
     again, requests go back to it."""
     buf = io.StringIO()
     root = logging.getLogger()
@@ -338,6 +339,8 @@ async def test_remote_down_falls_back_to_the_local_model_and_recovers(
                     assert _mqtt_model_attributes(sup)["remote_state"] == "fallback"
                     status_text = (await client.get("/status")).text
                     assert KEY not in status_text and KEY not in str(health)
+                    shown = format_status(json.loads(status_text), "here")
+                    assert f"remote {remote.url} model default: down, answered by voice" in shown
                 finally:
                     await anyio.to_thread.run_sync(remote.start)
                 await wait_for(sup, lambda: big.identity() == "openai/remote")  # type: ignore[attr-defined]

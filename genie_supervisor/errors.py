@@ -133,6 +133,23 @@ class ContextTooLong(AdmissionError, status=400, code="context_length_exceeded")
 
 
 @dataclass(eq=False, repr=False)
+class UpstreamContextTooLong(AdmissionError, status=400, code="context_length_exceeded"):
+    """llama-server refused a prompt longer than its context (its ``exceed_context_size_error``)."""
+
+    message: str
+    """llama-server's message, and where the numbers came from when it did not send them."""
+    n_prompt_tokens: int | None
+    """Tokens in the prompt (llama-server's count; None when nobody could count them)."""
+    n_ctx: int | None
+    """llama-server's context (None when unknown)."""
+
+    def details(self) -> dict[str, Any]:
+        """The same fields as `ContextTooLong`'s, those known."""
+        known = {"n_prompt_tokens": self.n_prompt_tokens, "n_ctx": self.n_ctx}
+        return {k: v for k, v in known.items() if v is not None}
+
+
+@dataclass(eq=False, repr=False)
 class QueueFull(AdmissionError, status=429, code="queue_full"):
     """The queue (or this class's share of it) is full: come back after `retry_after` seconds."""
 

@@ -5,7 +5,8 @@
 Routes: ``GET /health``, ``GET /v1/models``, ``POST /completion`` and ``POST /v1/chat/completions``
 (streaming and not); ``POST /tokenize``, ``/detokenize``, ``/apply-template`` and ``GET /props`` in their shape. The answer is always the same words (``REPLY``), cut at ``n_predict`` /
 ``max_tokens`` (one word = one token) or at a stop string; a prompt "token" is a
-whitespace-separated word. A prompt plus n_predict over ``-c`` gets llama-server's 400 error.
+whitespace-separated word. A prompt of ``-c`` tokens or more gets llama-server's 400 error (its
+``exceed_context_size_error`` body, or with ``--legacy-overflow`` an older build's, without the numbers).
 Unknown arguments are ignored, so it accepts whatever llama-server would be started with.
 """
 
@@ -39,25 +40,31 @@ def _words(n: int, stop: list[str]) -> tuple[list[str], str]:
     return out, "stop" if n >= len(REPLY) else "length"
 
 
-def create_app(alias: str, n_ctx: int) -> FastAPI:
+def create_app(alias: str, n_ctx: int, legacy_overflow: bool = False) -> FastAPI:
     """The fake server's routes."""
     app = FastAPI()
 
     def too_long(n_prompt: int, n_predict: int) -> JSONResponse | None:
-        if n_prompt + max(0, n_predict) <= n_ctx:
+        """llama-server's answer to a prompt that does not fit its context (max_tokens is not counted: it stops
+        at the context's end); an older build's without the numbers with ``--legacy-overflow``."""
+        if n_prompt < n_ctx:
             return None
-        return JSONResponse(
-            status_code=400,
-            content={
-                "error": {
-                    "code": 400,
-                    "type": "exceed_context_size_error",
-                    "n_prompt_tokens": n_prompt,
-                    "n_ctx": n_ctx,
-                    "message": f"the request exceeds the available context size ({n_prompt} + {n_predict} > {n_ctx})",
-                }
-            },
-        )
+        if legacy_overflow:
+            error: dict[str, Any] = {
+                "code": 400,
+                "type": "invalid_request_error",
+                "message": "the request exceeds the available context size, try increasing it",
+            }
+        else:
+            error = {
+                "code": 400,
+                "type": "exceed_context_size_error",
+                "n_prompt_tokens": n_prompt,
+                "n_ctx": n_ctx,
+                "message": f"request ({n_prompt} tokens) exceeds the available context size ({n_ctx} tokens), "
+                "try increasing it",
+            }
+        return JSONResponse(status_code=400, content={"error": error})
 
     def timings(n_prompt: int, n_pred: int) -> dict[str, float]:
         return {
@@ -212,8 +219,11 @@ def main() -> None:
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("-c", "--ctx-size", type=int, default=4096)
     p.add_argument("--alias", default="fake")
+    p.add_argument("--legacy-overflow", action="store_true", help="answer an overflow as builds before b5000 did")
     args, _unknown = p.parse_known_args()
-    uvicorn.run(create_app(args.alias, args.ctx_size), host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(
+        create_app(args.alias, args.ctx_size, args.legacy_overflow), host=args.host, port=args.port, log_level="warning"
+    )
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from genie_supervisor.errors import (
     RequestRefused,
     UnknownModel,
     UnknownPriority,
+    UpstreamContextTooLong,
     UpstreamError,
 )
 
@@ -38,6 +39,8 @@ EXAMPLES: list[AdmissionError] = [
     UpstreamError(418, "llama-server: I'm a teapot"),
     UpstreamError(503, "llama-server: loading"),
     UpstreamError(200, "llama-server answered an error with 200"),
+    UpstreamContextTooLong("llama-server: request (600 tokens) exceeds the available context size (512)", 600, 512),
+    UpstreamContextTooLong("llama-server: the request exceeds the available context size", None, None),
     UnknownModel("no model has the id or role 'nope'"),
     ModelTooLarge(900.0, 500.0, "model brain needs 900 MiB but the budget is 500 MiB"),
     LlmDisabled("the LLM is switched off"),

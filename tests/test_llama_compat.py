@@ -17,7 +17,7 @@ import pytest
 
 from genie_supervisor.api import create_app
 from genie_supervisor.errors import UnknownModel
-from tests.apitools import LLAMA_CPP_CONFIG, fake_llama_server, make_api_supervisor
+from tests.apitools import LLAMA_CPP_CONFIG, fake_llama_server, make_api_supervisor, oai
 from tests.apitools import http as api_http
 from tests.daemon import client, make_supervisor, write_policy
 from tests.fake_llama_server import VOCAB
@@ -294,3 +294,44 @@ async def test_helper_routes_of_a_llama_cpp_model_are_passed_on_to_its_llama_ser
                 assert props["total_slots"] == 4 and props["chat_template"] == "fake"
                 slots = (await c.get("/slots")).json()
                 assert [(x["model"], x["state"], x["n_ctx"]) for x in slots] == [("remote", "ready", 512)]
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+async def test_an_upstream_llama_servers_overflow_gets_the_same_400_body_as_ours(tmp_path: Path, legacy: bool) -> None:
+    """Through the llama_cpp backend llama-server's context overflow is a 400 context_length_exceeded with
+    n_prompt_tokens and n_ctx, on chat (streamed or not, and to the openai client) and /completion; an older
+    llama-server's body without the numbers gets them from its /props and /tokenize."""
+    words = "w " * 80
+    messages = [{"role": "user", "content": words}]
+    async with fake_llama_server("-c", "64", *(["--legacy-overflow"] if legacy else [])) as (port, _):
+        with anyio.fail_after(60):
+            sup = make_api_supervisor(tmp_path, LLAMA_CPP_CONFIG.format(port=port))
+            async with sup, api_http(sup) as c, oai(sup) as oa:
+                rendered = (await c.post("/apply-template", json={"messages": messages})).json()["prompt"]
+                chat_tokens = (
+                    80 + 2
+                    if not legacy
+                    else len((await c.post("/tokenize", json={"content": rendered})).json()["tokens"])
+                )
+                for stream in (False, True):
+                    body = {"messages": messages, "max_tokens": 4, "stream": stream}
+                    r = await c.post("/v1/chat/completions", json=body)
+                    err = r.json()["error"]
+                    assert r.status_code == 400 and err["code"] == "context_length_exceeded", r.text
+                    assert (err["n_prompt_tokens"], err["n_ctx"], err["type"]) == (
+                        chat_tokens,
+                        64,
+                        "invalid_request_error",
+                    )
+                    assert "exceeds the available context size" in err["message"]
+                    assert ("asked of llama-server" in err["message"]) == legacy
+                r = await c.post("/completion", json={"prompt": words, "n_predict": 4})
+                err = r.json()["error"]
+                assert r.status_code == 400 and (err["code"], err["n_prompt_tokens"], err["n_ctx"]) == (
+                    "context_length_exceeded",
+                    80,
+                    64,
+                )
+                with pytest.raises(openai.BadRequestError) as info:
+                    await oa.chat.completions.create(model="remote", messages=messages, max_tokens=4)
+                assert info.value.code == "context_length_exceeded"

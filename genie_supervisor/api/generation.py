@@ -351,7 +351,12 @@ class GenerationResponse(Response):
         try:
             if self.started:
                 code = getattr(exc, "code", None)
-                body = error_body(status, str(exc), code=code) if shape is None else shape(status, str(exc))
+                details = exc.details() if isinstance(exc, AdmissionError) else None
+                body = (
+                    error_body(status, str(exc), code=code, details=details)
+                    if shape is None
+                    else shape(status, str(exc))
+                )
                 await self._send_event(send, body)
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
             else:

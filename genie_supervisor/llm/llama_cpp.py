@@ -34,6 +34,7 @@ from engine.spec import read_spec
 from ..arbiter import VOICE_CLASS
 from ..config import ModelEntry
 from ..errors import BackendUnavailable, BadRequest, UpstreamError
+from .llama_overflow import error_object, fill_overflow, overflow_error, overflow_of
 from .serving import NO_EXTRAS, BackendContext, Piece, Plan, RequestExtras
 from .upstream import ChatDeltas, RelayStream, error_message, is_chat, openai_message, sampling_fields
 
@@ -81,6 +82,11 @@ class LlamaStream(RelayStream):
         elif text:
             self.completion_tokens += 1
         return Piece(text) if text else None
+
+    def _error(self, err: Any) -> Exception:
+        """An error event: llama-server's context overflow is the daemon's 400 (with the numbers it sent)."""
+        overflow = overflow_of(err)
+        return super()._error(err) if overflow is None else overflow_error(overflow)
 
     def _released(self) -> None:
         """A voice stream stops keeping a SIGSTOPped llama-server running."""
@@ -339,6 +345,10 @@ class LlamaCppBackend:
         if response.status_code != 200:
             raw = await response.aread()
             await response.aclose()
+            overflow = overflow_of(error_object(raw))
+            if overflow is not None:  # the same 400 as the builtin engine's (numbers asked for if missing)
+                n_ctx = None if self.cfg.url else self.n_ctx
+                raise await fill_overflow(self._client, self.base_url or "", overflow, prompt, chat, n_ctx)
             raise UpstreamError(response.status_code, f"llama-server: {error_message(raw)}")
         return LlamaStream(self, response, chat, priority)
 

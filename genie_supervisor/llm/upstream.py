@@ -183,6 +183,10 @@ class RelayStream:
     def _take(self, obj: Mapping[str, Any]) -> Piece | None:
         raise NotImplementedError
 
+    def _error(self, err: Any) -> Exception:
+        """What an ``error`` event raises (an `UpstreamError`, 502, with the server's message)."""
+        return UpstreamError(502, f"{self.who}: {err.get('message', err) if isinstance(err, dict) else err}")
+
     def _end(self) -> Piece | None:
         """What follows the last event (tool calls gathered from the deltas); None: nothing."""
         return None
@@ -224,8 +228,7 @@ class RelayStream:
                 if not isinstance(obj, dict):
                     continue
                 if "error" in obj:
-                    err = obj["error"]
-                    raise UpstreamError(502, f"{self.who}: {err.get('message', err) if isinstance(err, dict) else err}")
+                    raise self._error(obj["error"])
                 piece = self._take(obj)
                 if piece is not None:
                     got = True

@@ -39,7 +39,7 @@ __all__ = ["model"]  # the module-scoped SmolLM2 fixture the remote serves
 
 
 class Remote:
-    """The remote daemon on a fixed loopback port: stopped and started again by the fallback test."""
+    """The remote daemon on a fixed loopback port: stopped and started again by the fallback and timeout tests."""
 
     def __init__(self, cfg: Path, model: Model) -> None:
         self.cfg, self.model, self.port = cfg, model, free_port()
@@ -259,6 +259,9 @@ async def test_a_remote_too_slow_for_its_deadline_is_a_504_naming_it(
                 assert info.value.status_code == 504 and remote.url in str(info.value)
                 assert "0.001 s" in str(info.value)
             assert sup.models.models["big"].backend.identity() == "openai/remote"
+        # the remote may still be taking up the requests given up on: a fresh one for the next tests' counters
+        await anyio.to_thread.run_sync(remote.stop)
+        await anyio.to_thread.run_sync(remote.start)
 
 
 async def test_voice_goes_first_while_a_background_request_is_held_before_it_is_sent(

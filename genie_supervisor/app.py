@@ -46,6 +46,7 @@ from .policy.schema import builtin_policy
 from .state import StateStore
 from .systemd import Notifier
 from .telemetry import TelemetrySource, configured_source, run_sampler
+from .ui.feed import UiFeed
 from .urls import redact_url
 from .voice import VoiceHints
 from .watchers import build_watchers
@@ -130,6 +131,9 @@ class Supervisor(SupervisorControls):
         self.arbiter.attach(models=self.models, admission=self.admission)  # budget and classes come with decisions
         self.engine = self.models
         """The LLM side as one engine view (state, backend, describe, direct generate)."""
+        self.ui = UiFeed(self.store, self.gate, self.models, self.control_actions(), decision=lambda: self.arbiter.decision)
+        """The web page's timeline and live stream (``/ui``)."""
+        self.arbiter.add_listener(self.ui.poke)
         self.thermal_soft_limit: float | None = None
         """Override of the first thermal level's enter_c (MQTT number), None = the policy's own."""
         self._limited: tuple[tuple[int, float], Policy] | None = None
@@ -182,6 +186,7 @@ class Supervisor(SupervisorControls):
             "models": [m.describe() for m in self.models.models.values()],
             "admission": self.admission.describe(),
             "first_reply_ms": dict(self.models.first_reply_ms),
+            "requests": jsonable(snap.requests),
             "gate": self.gate.metrics(),
             "policy": {
                 "name": snap.policy_name,
@@ -218,6 +223,8 @@ class Supervisor(SupervisorControls):
             status=lambda: self.status(),
             uptime_s=lambda: self.uptime_s,
             version=self.version,
+            controls=self.control_actions(),
+            ui=self.ui,
         )
 
     def _on_unload(self) -> None:
@@ -320,6 +327,7 @@ class Supervisor(SupervisorControls):
         if self.policy_watcher is not None and cfg.policy.watch:
             await tg.start(self.policy_watcher.run)
         await tg.start(self.arbiter.run, self.store, lambda: self.policy)
+        await tg.start(self.ui.run)
         await tg.start(run_sampler, source, self.store.publish, cfg.telemetry.interval_s)
         for watcher in build_watchers(cfg.services, self.store.publish, wait_parked=self.gate.wait_parked):
             await tg.start(watcher.run)
@@ -353,6 +361,7 @@ class Supervisor(SupervisorControls):
         budget = max(0.5, self.shutdown_timeout_s - 1.0)
         with anyio.move_on_after(budget):
             await self.models.shutdown(timeout=budget * 0.4)
+            self.ui.close()  # open pages' streams end, so the HTTP server can drain
             if self.http is not None:
                 await self.http.stop(timeout=budget * 0.5)
         log.info("supervisor_drained", seconds=round(time.monotonic() - t0, 3))

@@ -15,7 +15,7 @@ from typing import Any
 import structlog
 from anyio.abc import TaskGroup
 
-from .api.deps import VoiceHintHandler
+from .api.deps import ControlActions, VoiceHintHandler
 from .arbiter import DecodeGate
 from .config import Config
 from .errors import PolicyErrors
@@ -108,6 +108,17 @@ class SupervisorControls:
             log.info("policy_reload_skipped", reason="no policy file configured (built-in policy)")
             return False
         return await self.policy_watcher.reload()
+
+    def control_actions(self) -> ControlActions:
+        """The controls as the HTTP routes and the web page call them (the MQTT bridge's calls)."""
+        return ControlActions(
+            select_policy=self.select_policy,
+            set_llm_enabled=self.models.set_enabled,
+            reload_policy=self.reload_policy,
+            policy_options=self.policy_options,
+            active_policy=self.active_policy_option,
+            llm_enabled=lambda: self.models.enabled,
+        )
 
     async def _start_mqtt(self, tg: TaskGroup) -> None:
         # --- MQTT hook (lead: finish the wiring) ------------------------------------------------

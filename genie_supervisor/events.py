@@ -133,4 +133,26 @@ class EngineStats:
     """backend openai: ``up``, ``down``, ``unknown``, or ``fallback`` while the local fallback answers."""
 
 
-Observation = TelemetrySample | ServiceObservation | VoiceActivity | EngineStats
+@dataclass(frozen=True)
+class RequestDone:
+    """One API request that finished (or was cut short), as the API saw it."""
+
+    model: str
+    """Id of the model that served it."""
+    priority: str
+    """Request class it was admitted as (``voice``, ``tool``, ``background``, ...)."""
+    finish_reason: str
+    """``stop``, ``length``, ``tool_calls``, ``cancelled`` (client gone, unload or shutdown)."""
+    ts: float = field(default_factory=now)
+    """Monotonic time it finished."""
+    prompt_tokens: int = 0
+    """Tokens of the prompt."""
+    completion_tokens: int = 0
+    """Tokens generated."""
+    first_token_ms: float | None = None
+    """From the request reaching the daemon to its first generated text (queueing included), in ms."""
+    decode_tps: float | None = None
+    """Decode speed of this request in tokens/s, None where the backend did not say."""
+
+
+Observation = TelemetrySample | ServiceObservation | VoiceActivity | EngineStats | RequestDone

@@ -8,6 +8,7 @@ runs on the event loop's thread (publish from other threads through ``anyio.from
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
@@ -19,6 +20,7 @@ from anyio.abc import TaskStatus
 from .events import (
     EngineStats,
     Observation,
+    RequestDone,
     ServiceObservation,
     TelemetrySample,
     VoiceActivity,
@@ -215,6 +217,12 @@ class Snapshot:
     """Latest decision."""
     version: int = 0
     """Grows with every change that may alter a decision."""
+    requests: tuple[RequestDone, ...] = ()
+    """The last finished API requests, oldest first (at most ``REQUESTS_KEPT``)."""
+
+
+REQUESTS_KEPT = 32
+"""Finished requests the store keeps for the web page (a ring: the oldest goes first)."""
 
 
 class StateStore:
@@ -235,6 +243,7 @@ class StateStore:
         self._telemetry: TelemetrySample | None = None
         self._services: dict[str, ServiceObservation] = {}
         self._engine: EngineStats | None = None
+        self._requests: deque[RequestDone] = deque(maxlen=REQUESTS_KEPT)
         self._open: dict[str, dict[str, list[float]]] = {"stt": {}, "tts": {}}
         self._idle_since: dict[str, float | None] = {"stt": None, "tts": None}
         self._policy: tuple[str | None, str | None] = (None, None)
@@ -254,6 +263,8 @@ class StateStore:
             self._engine = obs
         elif isinstance(obs, VoiceActivity):
             self._voice(obs)
+        elif isinstance(obs, RequestDone):
+            self._requests.append(obs)
         else:
             raise TypeError(f"not an observation: {type(obs).__name__}")
         self._expire(self._clock())
@@ -353,6 +364,7 @@ class StateStore:
             policy_error=self._policy[1],
             decision=self._decision,
             version=self._version,
+            requests=tuple(self._requests),
         )
 
     def _voice_state(self) -> VoiceState:

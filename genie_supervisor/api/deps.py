@@ -10,7 +10,7 @@ The routes see nothing else of the daemon: a route that needs more gets a new fi
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from ..llm.manager import ModelManager
     from ..policy import Policy
     from ..state import Decision
+    from ..ui.feed import UiFeed
 
 
 class VoiceHintHandler(Protocol):
@@ -35,6 +36,25 @@ class VoiceHintHandler(Protocol):
     def handle(self, payload: Any, source: str) -> VoiceActivity:
         """Validate `payload` and publish it; raises ValueError with a one-line reason."""
         ...
+
+
+@dataclass(frozen=True)
+class ControlActions:
+    """The operator's controls, as Home Assistant has them over MQTT (the same calls), for ``/control/*``
+    and the web page (unload is ``POST /unload``)."""
+
+    select_policy: Callable[[str], Awaitable[None]]
+    """Put the policy file named by one of ``policy_options()`` in force; ValueError when unknown or rejected."""
+    set_llm_enabled: Callable[[bool], Awaitable[None]]
+    """Switch the LLM on or off."""
+    reload_policy: Callable[[], Awaitable[bool]]
+    """Reload the policy file now (as SIGHUP); False when it was rejected (the old one stays)."""
+    policy_options: Callable[[], Sequence[str]]
+    """The policy files selectable now."""
+    active_policy: Callable[[], str | None]
+    """The selected policy file's name."""
+    llm_enabled: Callable[[], bool]
+    """Whether the LLM is switched on."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +81,10 @@ class ApiDeps:
     """Seconds the daemon has been running."""
     version: str
     """Package version (in /health)."""
+    controls: ControlActions | None = None
+    """Policy select, reload and the LLM switch (``/control/*``); None: those routes answer 503."""
+    ui: UiFeed | None = None
+    """The web page's live feed (``/ui/events``); None: the stream answers 503."""
 
 
 def get_deps(request: Request) -> ApiDeps:

@@ -32,6 +32,7 @@ from engine.tool_calls import ToolCall, ToolSyntax, content_prefix_len
 from engine.tool_stream import CallDelta, CallStream
 
 from ..errors import AdmissionError, EngineUnavailable
+from ..events import RequestDone
 from ..llm.serving import NO_EXTRAS, Piece, RequestExtras
 from .schemas import check_token_ids
 from .server import admission_response, error_body, error_response
@@ -221,6 +222,20 @@ class ToolSplitter:
         return out
 
 
+def _done(model: str, priority: str, r: Result, first_s: float | None) -> RequestDone:
+    """The finished request as an observation (the web page's recent requests)."""
+    tps = r.timings.get("predicted_per_second")
+    return RequestDone(
+        model=model,
+        priority=priority,
+        finish_reason=r.finish_reason,
+        prompt_tokens=r.prompt_tokens,
+        completion_tokens=r.completion_tokens,
+        first_token_ms=None if first_s is None else round(first_s * 1000.0, 1),
+        decode_tps=round(float(tps), 2) if tps else None,
+    )
+
+
 class GenerationResponse(Response):
     """An ASGI response running `job` to the end, or until its client disconnects."""
 
@@ -250,6 +265,7 @@ class GenerationResponse(Response):
 
     async def _serve(self, scope: Any, receive: Any, send: Any) -> None:
         deps, job = self.deps, self.job
+        t0, first_s = time.monotonic(), None
         try:
             cls = deps.admission.resolve(job.priority)
             model = deps.models.resolve(job.model, fallback=True)
@@ -266,6 +282,8 @@ class GenerationResponse(Response):
                         for first in job.fmt.start(model.id):
                             await self._send_event(send, first)
                     async for piece in stream:
+                        if first_s is None and piece.text:
+                            first_s = time.monotonic() - t0
                         result.text += piece.text
                         result.tokens.extend(piece.tokens)
                         result.pieces.append(piece)
@@ -282,7 +300,7 @@ class GenerationResponse(Response):
                         result.prompt_tokens = stream.prompt_tokens
                         result.completion_tokens = stream.completion_tokens
                         result.timings = stream.timings()
-                        deps.models.record(model.id, result.prompt_tokens, result.completion_tokens, result.timings)
+                        deps.models.record(_done(model.id, cls.name, result, first_s), result.timings)
             rest, deltas = splitter.finish(result) if splitter is not None else (None, [])
             if job.stream:
                 if rest is not None and (content := job.fmt.piece(model.id, rest)) is not None:

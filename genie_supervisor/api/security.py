@@ -11,8 +11,11 @@ Every request goes through, in this order (each refusal is an OpenAI-shaped JSON
    headers for an origin in ``http.cors_origins``, 403 for any other. No key needed.
 3. **Origin** (state-changing methods, anything but GET/HEAD/OPTIONS): a request whose ``Origin``
    is neither listed nor the daemon's own gets 403: a page elsewhere cannot unload the model.
-4. **Key** (all routes but ``/health``, and ``/metrics`` with ``api.metrics_public``): ``Authorization:
-   Bearer KEY`` or ``x-api-key: KEY``, compared in constant time; else 401 with ``WWW-Authenticate``.
+4. **Key** (all routes but ``/health``, the web page's files ``/ui`` and ``/ui/static/...``, and
+   ``/metrics`` with ``api.metrics_public``): ``Authorization: Bearer KEY`` or ``x-api-key: KEY``,
+   compared in constant time; else 401 with ``WWW-Authenticate``. The page's event stream
+   ``/ui/events`` also opens with ``?token=`` a short-lived token from ``POST /ui/token`` (which
+   needs the key): a browser's EventSource cannot send headers (`StreamTokens`).
 5. **Content type** (state-changing methods): a body declared as anything but JSON
    (``application/json``, ``application/*+json``) gets 415. A body without ``Content-Type`` is
    read as JSON (non-browser clients often omit it; a browser sending one also sends ``Origin``).
@@ -25,8 +28,12 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import secrets
 import socket
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from urllib.parse import parse_qs
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -40,8 +47,12 @@ log = structlog.get_logger(__name__)
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 """Methods that change nothing: no Origin or content-type check."""
-OPEN_PATHS = frozenset({"/health"})
-"""Routes served without the key."""
+OPEN_PATHS = frozenset({"/health", "/ui"})
+"""Routes served without the key (the web page holds no data: it asks for the key)."""
+OPEN_PREFIXES = ("/ui/static/",)
+"""Path prefixes served without the key (the page's scripts, styles and the charting library)."""
+STREAM_PATH = "/ui/events"
+"""The route a `StreamTokens` token opens."""
 ALLOW_METHODS = "GET, POST, OPTIONS"
 """What a preflight says the API accepts."""
 ALLOW_HEADERS = "Authorization, Content-Type, X-API-Key, OpenAI-Organization, OpenAI-Project, X-Stainless-*"
@@ -50,6 +61,36 @@ MAX_AGE_S = 600
 """How long a browser may cache a preflight answer."""
 LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"})
 """Host names that always mean this machine."""
+
+
+class StreamTokens:
+    """Short-lived tokens that open the web page's event stream, whose EventSource cannot send the key.
+
+    A token is ``EXPIRY.MAC``: the expiry (Unix seconds) and its HMAC-SHA256 under a secret drawn at
+    start, so nothing is stored and a restart voids every token. It opens ``/ui/events`` only, until
+    it expires (an open stream stays open); the page asks ``POST /ui/token`` (with the key) for a new
+    one whenever it connects."""
+
+    def __init__(self, ttl_s: float = 60.0, *, clock: Callable[[], float] = time.time) -> None:
+        self.ttl_s = ttl_s
+        """Seconds a token is accepted after it was issued."""
+        self._clock = clock
+        self._secret = secrets.token_bytes(32)
+
+    def _mac(self, expiry: str) -> str:
+        return hmac.new(self._secret, expiry.encode("ascii"), "sha256").hexdigest()
+
+    def issue(self) -> str:
+        """A new token."""
+        expiry = str(int(self._clock() + self.ttl_s))
+        return f"{expiry}.{self._mac(expiry)}"
+
+    def valid(self, token: str) -> bool:
+        """Whether `token` was issued here and has not expired."""
+        expiry, _, mac = token.partition(".")
+        if not (expiry.isascii() and expiry.isdigit()) or int(expiry) < self._clock():
+            return False
+        return hmac.compare_digest(mac.encode("utf-8", "replace"), self._mac(expiry).encode("ascii"))
 
 
 @dataclass(frozen=True)
@@ -64,9 +105,13 @@ class Guarded:
     """Host names accepted in ``Host`` (lowercase, no port); None accepts any."""
     metrics_public: bool = False
     """Whether ``/metrics`` is served without the key."""
+    tokens: StreamTokens = field(default_factory=StreamTokens)
+    """Tokens that open the web page's event stream instead of the key."""
 
     @classmethod
-    def from_config(cls, cfg: Config, hostname: str | None = None) -> Guarded:
+    def from_config(
+        cls, cfg: Config, hostname: str | None = None, tokens: StreamTokens | None = None
+    ) -> Guarded:
         """The rules of `cfg`; `hostname` (default: this machine's) is accepted when listening beyond loopback."""
         from ..config import parse_hostport
 
@@ -89,6 +134,7 @@ class Guarded:
             cors_origins=frozenset(cfg.http.cors_origins),
             hosts=frozenset(names) if names is not None else None,
             metrics_public=cfg.api.metrics_public,
+            tokens=tokens or StreamTokens(),
         )
 
     def host_ok(self, host_header: str | None) -> bool:
@@ -115,9 +161,16 @@ class Guarded:
                 given = value.strip()
         return given is not None and hmac.compare_digest(given, self.key)
 
+    def token_ok(self, path: str, query: bytes) -> bool:
+        """Whether the request is to the event stream with a valid ``token`` in its query."""
+        if path != STREAM_PATH or not query:
+            return False
+        given = parse_qs(query.decode("latin-1"), max_num_fields=8).get("token", [])
+        return len(given) == 1 and self.tokens.valid(given[0])
+
     def needs_key(self, path: str) -> bool:
         """Whether `path` is served only with the key."""
-        if self.key is None or path in OPEN_PATHS:
+        if self.key is None or path in OPEN_PATHS or path.startswith(OPEN_PREFIXES):
             return False
         return not (self.metrics_public and path == "/metrics")
 
@@ -231,7 +284,7 @@ class Guard:
                 "origin_not_allowed",
             )
             return
-        if rules.needs_key(path) and not rules.key_ok(headers):
+        if rules.needs_key(path) and not rules.key_ok(headers) and not rules.token_ok(path, scope.get("query_string", b"")):
             given = b"authorization" in headers or b"x-api-key" in headers
             message = (
                 "Incorrect API key provided."
@@ -292,11 +345,12 @@ def _preflight(cors: dict[str, str], asked: str) -> Any:
     return Response(status_code=204, headers=headers)
 
 
-def guard(app: Any, cfg: Config | None) -> Any:
-    """`app` behind the guard of `cfg` (defaults when None); logs what is enforced, never the key."""
+def guard(app: Any, cfg: Config | None, tokens: StreamTokens | None = None) -> Any:
+    """`app` behind the guard of `cfg` (defaults when None), accepting `tokens` on the event stream;
+    logs what is enforced, never the key."""
     from ..config import Config
 
-    rules = Guarded.from_config(cfg if cfg is not None else Config())
+    rules = Guarded.from_config(cfg if cfg is not None else Config(), tokens=tokens)
     log.info(
         "http_access",
         api_key=rules.key is not None,

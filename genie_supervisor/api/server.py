@@ -128,12 +128,25 @@ class BodyLimit:
 
 
 def create_app(deps: ApiDeps) -> Any:
-    """The app with the ops, OpenAI-compatible, Ollama, llama-server and management routes, serving `deps`."""
-    from . import llama_extra, llama_routes, manage, metrics, ollama_routes, openai_routes, ops, security
+    """The app with the ops, OpenAI-compatible, Ollama, llama-server, management, control and web-page
+    routes, serving `deps`."""
+    from . import (
+        control,
+        llama_extra,
+        llama_routes,
+        manage,
+        metrics,
+        ollama_routes,
+        openai_routes,
+        ops,
+        security,
+        ui_routes,
+    )
 
     app = FastAPI(title="genie-supervisor", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.deps = deps
     app.state.metrics_registry = metrics.registry_for(deps)
+    app.state.stream_tokens = tokens = security.StreamTokens()
 
     async def validation_error(_request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
@@ -159,9 +172,9 @@ def create_app(deps: ApiDeps) -> Any:
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(AdmissionError, admission_error)
     app.add_exception_handler(Exception, internal_error)
-    for routes in (ops, openai_routes, ollama_routes, llama_routes, llama_extra, manage):
+    for routes in (ops, openai_routes, ollama_routes, llama_routes, llama_extra, manage, control, ui_routes):
         app.include_router(routes.router)
-    return security.guard(BodyLimit(app, deps.config.api.max_body_bytes), deps.config)
+    return security.guard(BodyLimit(app, deps.config.api.max_body_bytes), deps.config, tokens)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

@@ -36,7 +36,7 @@ from ..errors import (
     ModelTooLarge,
     UnknownModel,
 )
-from ..events import EngineStats, Observation
+from ..events import EngineStats, Observation, RequestDone
 from ..state import DEFAULT_LLM_BUDGET_MB
 from .managed_model import NO_HOST, Lease, ManagedModel, aggregate_stats, first_token, load_error, next_victim
 from .serving import BackendContext, Plan, create_backend
@@ -444,9 +444,10 @@ class ModelManager:
 
         return take
 
-    def record(self, mid: str, prompt_tokens: int, completion_tokens: int, timings: dict[str, float]) -> None:
-        """Count one finished request."""
-        self.models[mid].usage.record(prompt_tokens, completion_tokens, timings)
+    def record(self, done: RequestDone, timings: dict[str, float]) -> None:
+        """Count one finished request and publish it (the store keeps the last few)."""
+        self.models[done.model].usage.record(done.prompt_tokens, done.completion_tokens, timings)
+        self._publish(done)
 
     def stats(self) -> EngineStats:
         """The aggregate EngineStats: the busiest model's state, totals over all models."""

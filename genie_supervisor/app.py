@@ -131,7 +131,9 @@ class Supervisor(SupervisorControls):
         self.arbiter.attach(models=self.models, admission=self.admission)  # budget and classes come with decisions
         self.engine = self.models
         """The LLM side as one engine view (state, backend, describe, direct generate)."""
-        self.ui = UiFeed(self.store, self.gate, self.models, self.control_actions(), decision=lambda: self.arbiter.decision)
+        self.ui = UiFeed(
+            self.store, self.gate, self.models, self.control_actions(), decision=lambda: self.arbiter.decision
+        )
         """The web page's timeline and live stream (``/ui``)."""
         self.arbiter.add_listener(self.ui.poke)
         self.thermal_soft_limit: float | None = None

@@ -300,7 +300,7 @@ class GenerationResponse(Response):
                         result.prompt_tokens = stream.prompt_tokens
                         result.completion_tokens = stream.completion_tokens
                         result.timings = stream.timings()
-                        deps.models.record(_done(model.id, cls.name, result, first_s), result.timings)
+                        deps.models.record(_done(model.id, cls, result, first_s), result.timings)
             rest, deltas = splitter.finish(result) if splitter is not None else (None, [])
             if job.stream:
                 if rest is not None and (content := job.fmt.piece(model.id, rest)) is not None:

@@ -33,8 +33,8 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from urllib.parse import parse_qs
 from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs
 
 import structlog
 
@@ -109,9 +109,7 @@ class Guarded:
     """Tokens that open the web page's event stream instead of the key."""
 
     @classmethod
-    def from_config(
-        cls, cfg: Config, hostname: str | None = None, tokens: StreamTokens | None = None
-    ) -> Guarded:
+    def from_config(cls, cfg: Config, hostname: str | None = None, tokens: StreamTokens | None = None) -> Guarded:
         """The rules of `cfg`; `hostname` (default: this machine's) is accepted when listening beyond loopback."""
         from ..config import parse_hostport
 
@@ -284,7 +282,11 @@ class Guard:
                 "origin_not_allowed",
             )
             return
-        if rules.needs_key(path) and not rules.key_ok(headers) and not rules.token_ok(path, scope.get("query_string", b"")):
+        if (
+            rules.needs_key(path)
+            and not rules.key_ok(headers)
+            and not rules.token_ok(path, scope.get("query_string", b""))
+        ):
             given = b"authorization" in headers or b"x-api-key" in headers
             message = (
                 "Incorrect API key provided."

@@ -152,7 +152,10 @@ class UiFeed:
             },
             "decision": decision.action_text() if decision else None,
             "voice": {"stt": snap.voice.stt_active, "tts": snap.voice.tts_active},
-            "engine": {"state": snap.engine.state if snap.engine else None, "model": snap.engine.model if snap.engine else None},
+            "engine": {
+                "state": snap.engine.state if snap.engine else None,
+                "model": snap.engine.model if snap.engine else None,
+            },
             "llm_enabled": controls.llm_enabled() if controls else self.models.enabled,
             "models": models,
             "memory": {
@@ -247,4 +250,3 @@ class UiFeed:
 def _event(name: str, data: str) -> str:
     """One server-sent event (`data` is one line of JSON)."""
     return f"event: {name}\ndata: {data}\n\n"
-

@@ -63,7 +63,9 @@ def fetch(dest: Path = VENDOR) -> None:
     """Fetch the pinned release with npm, check it and write its files to `dest`."""
     npm = shutil.which("npm")
     if npm is None:
-        raise VendorError("npm is not installed (Debian: apt-get install npm); the page will say charts are unavailable")
+        raise VendorError(
+            "npm is not installed (Debian: apt-get install npm); the page will say charts are unavailable"
+        )
     with tempfile.TemporaryDirectory(prefix="genie-uplot-") as tmp:
         done = subprocess.run(
             [npm, "pack", f"{PACKAGE}@{VERSION}", "--silent", "--pack-destination", tmp],

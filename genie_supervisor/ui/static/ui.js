@@ -280,6 +280,10 @@
     }).then(function (r) {
       return r.json().then(function (data) {
         if (r.status === 401) { connect(); }
+        if (r.ok && view && 'llm_enabled' in data) {  // the controls' state now, before the stream says so
+          view.llm_enabled = data.llm_enabled;
+          view.policy.active = data.policy;
+        }
         result.textContent = r.ok ? label + ': done' : label + ' failed: ' + ((data.error && data.error.message) || ('HTTP ' + r.status));
         result.dataset.ok = String(r.ok);
       });

@@ -6,7 +6,7 @@ GENIE  := $(VENV)/bin/genie-supervisor
 STAMP  := $(VENV)/.installed
 APT_GET := $(shell command -v apt-get 2>/dev/null)
 
-.PHONY: run test check format deps system-deps models lint bench bench-engine bench-gate bench-voice bench-soak clean
+.PHONY: run test check format deps system-deps models ui-assets lint bench bench-engine bench-gate bench-voice bench-soak clean
 
 $(STAMP): pyproject.toml
 	@$(PY) -m pip --version >/dev/null 2>&1 || $(PYTHON) -m venv $(VENV) || { \
@@ -16,15 +16,24 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	@touch $(STAMP)
 
-deps: $(STAMP)
+deps: $(STAMP) ui-assets
+
+# The web page's charting library (uPlot, pinned, sha512-checked) from the npm registry into the git-ignored
+# genie_supervisor/ui/static/vendor/ (shipped in wheels). Without it the page works and says charts are off.
+ui-assets: $(STAMP)
+	@$(PY) -m genie_supervisor.ui.vendor || echo "ui-assets: the page's charts stay unavailable (see above)"
 
 # Mosquitto is a real part of the tests (MQTT); gcc builds the native CPU kernels at first use
-# (engine/kernels/cpu/, cached under ~/.cache/genie-supervisor/kernels). Installed from Debian
-# when missing; without them the MQTT tests skip and the engine falls back to pure NumPy.
+# (engine/kernels/cpu/, cached under ~/.cache/genie-supervisor/kernels); chromium runs the web page's
+# tests (headless, driven by Playwright); npm fetches the page's charting library (ui-assets). Installed
+# from Debian when missing; without them the MQTT and page tests skip (fail under CI=true) and the
+# engine falls back to pure NumPy.
 system-deps:
 	@missing=""; \
 	command -v mosquitto >/dev/null 2>&1 || test -x /usr/sbin/mosquitto || missing="$$missing mosquitto"; \
 	command -v cc >/dev/null 2>&1 || missing="$$missing gcc libc6-dev"; \
+	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
+	command -v npm >/dev/null 2>&1 || missing="$$missing npm"; \
 	if [ -n "$$missing" ]; then \
 	  if [ -n "$(APT_GET)" ]; then echo "installing$$missing"; \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
@@ -34,10 +43,10 @@ models: $(STAMP)
 	@$(GENIE) models fetch smollm2 >/dev/null
 	@$(GENIE) models fetch gemma3 >/dev/null
 
-run: $(STAMP) system-deps
+run: $(STAMP) system-deps ui-assets
 	$(GENIE) run --model "$$($(GENIE) models fetch smollm2)" --policy policies/default.yaml
 
-test: $(STAMP) system-deps models
+test: $(STAMP) system-deps models ui-assets
 	$(PY) -m pytest -q tests
 
 # What CI runs (.ci/run): lint (ruff), the format check (ruff format), types (mypy, strict on

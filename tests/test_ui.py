@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +53,21 @@ def test_page_and_files_need_no_key_and_name_the_charts_only_when_installed(ui_a
     assert ui_api.get("/ui/static/ui.css").headers["content-type"].startswith("text/css")
     for bad in ("/ui/static/../feed.py", "/ui/static/%2e%2e/feed.py", "/ui/static/nothing.js", "/ui/static/vendor.py"):
         assert ui_api.get(bad).status_code == 404, bad
+
+
+@pytest.mark.timeout(300)
+def test_wheel_carries_the_page_and_the_installed_charting_library(tmp_path: Path) -> None:
+    """A wheel built from the checkout holds the page's files, and uPlot's files when `make deps` fetched them."""
+    root = Path(__file__).resolve().parents[1]
+    build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path)]
+    done = subprocess.run([*build, str(root)], capture_output=True, text=True, timeout=280, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (wheel,) = tmp_path.glob("genie_supervisor-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    static = "genie_supervisor/ui/static/"
+    assert {static + f for f in ("index.html", "ui.js", "ui.css")} <= names
+    shipped = {static + "vendor/" + f for f in (*vendor.FILES.values(), vendor.STAMP)}
+    assert (shipped <= names) == vendor.installed()
 
 
 def test_stream_starts_with_a_snapshot_then_updates_at_most_ten_a_second(

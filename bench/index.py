@@ -18,7 +18,7 @@ from typing import Any
 
 from bench.record import INDEX, ROOT, load
 
-DOCS = ("README.md", "docs/benchmarks.md", "bench/results/README.md")
+DOCS = ("README.md", "docs/benchmarks.md", "docs/ui.md", "bench/results/README.md")
 BLOCK = re.compile(r"(<!-- bench:([\w.-]+) -->)(.*?)(<!-- /bench:\2 -->)", re.S)
 MODELS = {"smollm2": "SmolLM2-135M Q4_1", "gemma3": "Gemma-3-270M Q4_K_M"}
 

@@ -17,6 +17,8 @@
   var drawPending = false;
   var busy = false;
 
+  var stats = window.genieUiStats = { updates: 0, snapshots: 0 };  // read by bench/ui_stream.py
+
   function $(id) { return document.getElementById(id); }
 
   function el(tag, text, cls) {
@@ -84,6 +86,7 @@
     source = es;
     es.addEventListener('snapshot', function (e) {
       var data = JSON.parse(e.data);
+      stats.snapshots++;
       retryMs = 1000;
       windowS = data.window_s;
       samples = data.samples;
@@ -94,6 +97,7 @@
     });
     es.addEventListener('update', function (e) {
       var data = JSON.parse(e.data);
+      stats.updates++;
       for (var i = 0; i < data.samples.length; i++) samples.push(data.samples[i]);
       var last = samples.length ? samples[samples.length - 1].t : 0;
       var drop = 0;
@@ -342,12 +346,16 @@
       },
       decode: {
         series: [
-          { label: 'tokens/s', stroke: COLORS[2], scale: 'tps' },
+          { label: 'tokens/s', stroke: COLORS[2], scale: 'tps', points: { show: true, size: 4 } },
           { label: 'queued', stroke: COLORS[1], scale: 'n', paths: stepped() },
           { label: 'running', stroke: COLORS[4], scale: 'n', paths: stepped() },
         ],
         cols: [function (s) { return s.tps; }, function (s) { return s.queue; }, function (s) { return s.run; }],
         axes: [{ scale: 'tps' }, { scale: 'n', side: 1, grid: { show: false } }],
+        scales: {
+          tps: { range: function (u, min, max) { return [0, Math.max(10, (max || 0) * 1.1)]; } },
+          n: { range: function (u, min, max) { return [0, Math.max(2, max || 0)]; } },
+        },
       },
       temps: {
         series: temps.map(function (k, i) { return { label: k, stroke: COLORS[i % COLORS.length] }; }),
@@ -386,6 +394,7 @@
         cursor: { drag: { x: false, y: false } },
       };
       if (spec.range) opts.scales.y = { range: spec.range };
+      if (spec.scales) Object.keys(spec.scales).forEach(function (k) { opts.scales[k] = spec.scales[k]; });
       charts[name] = { plot: new window.uPlot(opts, dataOf(spec), host), spec: spec, keys: spec.series.map(function (s) { return s.label; }).join('|') };
     });
   }

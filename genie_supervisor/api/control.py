@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import JSONResponse
 
 from ..errors import BadRequest
@@ -19,15 +19,23 @@ from .server import error_response
 router = APIRouter()
 
 
-async def _body(request: Request, example: str) -> dict[str, Any]:
+async def _control(request: Request, field: str | None = None, kind: type = str) -> tuple[ControlActions, Any]:
+    """The controls, and the JSON body's `field` checked to be a `kind` (a 400 naming it otherwise)."""
+    c = get_deps(request).controls
+    if c is None:
+        raise HTTPException(503, "this daemon has no run-time controls")
+    if field is None:
+        return c, None
     raw = await request.body()
     try:
         body = json.loads(raw) if raw.strip() else {}
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadRequest(f"the body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise BadRequest(f"the body must be a JSON object like {example}")
-    return body
+    value = body.get(field) if isinstance(body, dict) else None
+    if not isinstance(value, kind):
+        what = "true or false" if kind is bool else "a string"
+        raise BadRequest(f'the body must be a JSON object whose "{field}" is {what}', field)
+    return c, value
 
 
 def _state(c: ControlActions, **extra: Any) -> JSONResponse:
@@ -41,22 +49,10 @@ def _state(c: ControlActions, **extra: Any) -> JSONResponse:
     )
 
 
-def _controls(request: Request) -> ControlActions | JSONResponse:
-    c = get_deps(request).controls
-    if c is None:
-        return error_response(503, "this daemon has no run-time controls", code="controls_unavailable")
-    return c
-
-
 @router.post("/control/policy")
 async def select_policy(request: Request) -> JSONResponse:
     """Put a policy file in force: ``{"policy": name}`` (one of ``policy_options``); a bad file changes nothing."""
-    c = _controls(request)
-    if isinstance(c, JSONResponse):
-        return c
-    name = (await _body(request, '{"policy": "default"}')).get("policy")
-    if not isinstance(name, str):
-        raise BadRequest("policy must be a string: one of " + ", ".join(c.policy_options()), "policy")
+    c, name = await _control(request, "policy", str)
     try:
         await c.select_policy(name)
     except ValueError as exc:
@@ -67,12 +63,7 @@ async def select_policy(request: Request) -> JSONResponse:
 @router.post("/control/llm")
 async def set_llm(request: Request) -> JSONResponse:
     """Switch the LLM on or off: ``{"enabled": true|false}`` (off: requests get 503, models unload)."""
-    c = _controls(request)
-    if isinstance(c, JSONResponse):
-        return c
-    enabled = (await _body(request, '{"enabled": false}')).get("enabled")
-    if not isinstance(enabled, bool):
-        raise BadRequest("enabled must be true or false", "enabled")
+    c, enabled = await _control(request, "enabled", bool)
     await c.set_llm_enabled(enabled)
     return _state(c)
 
@@ -80,9 +71,7 @@ async def set_llm(request: Request) -> JSONResponse:
 @router.post("/control/reload")
 async def reload_policy(request: Request) -> JSONResponse:
     """Reload the policy file now (as SIGHUP); 409 with the file's errors when it was rejected."""
-    c = _controls(request)
-    if isinstance(c, JSONResponse):
-        return c
+    c, _ = await _control(request)
     if not await c.reload_policy():
         error = get_deps(request).status()["policy"]["error"]
         return error_response(

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import subprocess
 import sys
 import zipfile
@@ -68,6 +70,22 @@ def test_wheel_carries_the_page_and_the_installed_charting_library(tmp_path: Pat
     assert {static + f for f in ("index.html", "ui.js", "ui.css")} <= names
     shipped = {static + "vendor/" + f for f in (*vendor.FILES.values(), vendor.STAMP)}
     assert (shipped <= names) == vendor.installed()
+
+
+def test_vendor_checks_the_tarball_hash_and_the_installed_version(tmp_path: Path) -> None:
+    """The fetch refuses bytes whose SHA-512 is not the pinned one, and the library counts as installed only
+    with all its files and the pinned version's stamp."""
+    data = b"a tarball"
+    vendor.check_integrity(data, "sha512-" + base64.b64encode(hashlib.sha512(data).digest()).decode())
+    with pytest.raises(vendor.VendorError, match="expected"):
+        vendor.check_integrity(data)
+    assert not vendor.installed(tmp_path)
+    for name in vendor.FILES.values():
+        (tmp_path / name).write_text("x")
+    (tmp_path / vendor.STAMP).write_text("0.0.1\n")
+    assert not vendor.installed(tmp_path)
+    (tmp_path / vendor.STAMP).write_text(vendor.VERSION + "\n")
+    assert vendor.installed(tmp_path)
 
 
 def test_stream_starts_with_a_snapshot_then_updates_at_most_ten_a_second(

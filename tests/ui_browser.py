@@ -30,7 +30,7 @@ CHROMIUM_FLAGS = [
 
 def chromium_path() -> str | None:
     """Debian's chromium binary, None when it is not installed (`make system-deps` installs it)."""
-    return shutil.which("chromium") or (shutil.which("/usr/bin/chromium"))
+    return shutil.which("chromium")
 
 
 @contextmanager

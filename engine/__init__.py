@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -24,7 +24,7 @@ from .errors import ContextOverflowError, EngineError, GrammarError, ModelFormat
 from .gate import Gate, OpenGate
 from .generate import Generation, GenerationStats, TokenEvent
 from .gguf_file import GGUFFile, read_gguf
-from .kv_cache import KVSnapshot, check_kv_dtype, kv_bytes
+from .kv_cache import KVCache, KVSnapshot, check_kv_dtype, kv_bytes
 from .lock import PriorityLock
 from .model import MemoryPlan, Pass, Transformer, plan_memory
 from .options import DEFAULT_OPTIONS, EngineOptions
@@ -32,6 +32,9 @@ from .sampler import Sampler, SamplingParams
 from .spec import ModelSpec, read_spec
 from .tokenizer import StreamDecoder, Tokenizer
 from .tool_calls import ToolSyntax, tool_syntax
+
+if TYPE_CHECKING:
+    from .prompt_cache import ModelCache
 
 __all__ = [
     "Constrainer",
@@ -59,6 +62,7 @@ __all__ = [
     "open_model_file",
 ]
 
+T = TypeVar("T")
 DEFAULT_CTX = 4096
 LOGITS_CHUNK = 512  # llama.cpp's default micro-batch (n_ubatch)
 PIN_MAX_BYTES = 64 << 20
@@ -297,6 +301,11 @@ class Model:
                 self._pinned = kv.snapshot(n)
             return n
 
+    def with_kv(self, fn: Callable[[KVCache], T]) -> T:
+        """`fn(kv_cache)` under the model's thread lock: no forward pass runs meanwhile."""
+        with self._thread_lock:
+            return fn(self.transformer.kv)
+
     def restore_pinned(self, ids: Sequence[int]) -> int:
         """Put the pinned prefix back into the cache when it holds more of `ids`' leading tokens
         than the cache does (a copy instead of a prefill); returns the tokens the cache now shares."""
@@ -361,6 +370,8 @@ class Model:
         prefill_layer_group: int | None = None,
         pin_prefix: bool = False,
         constraint: Constraint | None = None,
+        prompt_cache: ModelCache | None = None,
+        save_prefix: int = 0,
     ) -> Generation:
         """An async iterator of TokenEvent; awaits `gate` before every step and prefill chunk
         (and, with `prefill_layer_group` G, between groups of G layers inside a chunk).
@@ -373,6 +384,9 @@ class Model:
         With `constraint` (`model.constrainer.start(grammar)`, one per generation) every token is
         picked from the grammar's mask, and the generation stops ("stop") when the grammar has
         finished; end-of-generation tokens are allowed only where the grammar accepts.
+        With `prompt_cache` (this model's `engine.prompt_cache.ModelCache`), a prompt whose prefix a
+        cache file holds gets it back from disk, and its first `save_prefix` tokens are offered to
+        the cache once prefilled.
         """
         return Generation(
             self,
@@ -384,6 +398,8 @@ class Model:
             prefill_layer_group,
             pin_prefix,
             constraint,
+            prompt_cache,
+            save_prefix,
         )
 
     def close(self) -> None:

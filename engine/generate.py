@@ -26,6 +26,7 @@ from .tokenizer import StreamDecoder
 if TYPE_CHECKING:
     from . import Model
     from .constrain import Constraint
+    from .prompt_cache import ModelCache
 
 DEFAULT_PREFILL_CHUNK = 64
 """Prompt tokens per forward pass when neither the caller, the gate nor the backend's ops
@@ -56,6 +57,8 @@ class GenerationStats:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     """Prompt tokens whose K/V were reused from the previous request (prefix cache)."""
+    disk_tokens: int = 0
+    """Of `cached_tokens`, those put back from the disk prompt cache (`engine.prompt_cache`)."""
     completion_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -143,8 +146,14 @@ class Generation:
         prefill_layer_group: int | None = None,
         pin_prefix: bool = False,
         constraint: Constraint | None = None,
+        prompt_cache: ModelCache | None = None,
+        save_prefix: int = 0,
     ) -> None:
         self.model = model
+        self.prompt_cache = prompt_cache
+        """The model's disk prompt cache: restores a prefix before the prefill, takes `save_prefix`."""
+        self.save_prefix = max(0, min(int(save_prefix), len(prompt_ids) - 1))
+        """Leading prompt tokens offered to the model's disk prompt cache once prefilled (0: none)."""
         self.constraint = constraint
         """The grammar the output must match (`engine.constrain`): its mask is applied before
         every token is picked; the generation stops ("stop") when the grammar has finished."""
@@ -317,13 +326,22 @@ class Generation:
         host_steps = params.logprobs is not None
         await self._hold()
         try:
-            self.stats.cached_tokens = min(self.model.restore_pinned(prompt), len(prompt) - 1)
+            have = self.model.restore_pinned(prompt)
+            disk = self.prompt_cache
+            if disk is not None:
+                have, self.stats.disk_tokens = await anyio.to_thread.run_sync(
+                    disk.restore, prompt, have, self.save_prefix
+                )
+            self.stats.cached_tokens = min(have, len(prompt) - 1)
+            self.stats.disk_tokens = min(self.stats.disk_tokens, self.stats.cached_tokens)
             if params.max_tokens == 0:
                 self.finish_reason = "length"
                 return
             logits = await self._prefill(prompt)
             if self.pin_prefix:
                 self.model.pin_prefix(prompt)
+            if disk is not None and self.save_prefix:
+                await anyio.to_thread.run_sync(disk.offer, prompt[: self.save_prefix])
             history = list(prompt)
             token = await self._first(sampler, logits, history)
             hit = False

@@ -40,6 +40,8 @@ from .errors import SupervisorError
 from .exit_deadline import ExitDeadline
 from .llm.admission import Admission
 from .llm.manager import ModelManager
+from .llm.prompt_cache import describe as describe_prompt_cache
+from .llm.prompt_cache import open_prompt_cache
 from .llm.serving import BackendContext
 from .policy import Policy, PolicyWatcher
 from .policy.schema import builtin_policy
@@ -120,9 +122,13 @@ class Supervisor(SupervisorControls):
             max_running=cfg.api.max_running, max_queue=cfg.api.max_queue, on_change=self._on_queue_change
         )
         """The API's priority queue and slots."""
+        self.prompt_cache = open_prompt_cache(cfg.prompt_cache)
+        """The prompt cache on disk of the builtin models (None: ``prompt_cache.enabled`` is false)."""
         self.models = ModelManager(
             cfg,
-            BackendContext(cfg, self.gate, self.arbiter, self.store.publish, model_loader),
+            BackendContext(
+                cfg, self.gate, self.arbiter, self.store.publish, model_loader, prompt_cache=self.prompt_cache
+            ),
             publish=self.store.publish,
             queued=lambda: self.admission.queued,
             on_banner=self._banner,
@@ -198,6 +204,7 @@ class Supervisor(SupervisorControls):
             },
             "decision": jsonable(snap.decision),
             "memory_plan": self.engine.describe()["memory_plan"],
+            "prompt_cache": describe_prompt_cache(self.prompt_cache),
             "http": {"listen": self.http.address if self.http else None},
             "mqtt": self.mqtt.status()
             if self.mqtt is not None
@@ -227,6 +234,7 @@ class Supervisor(SupervisorControls):
             version=self.version,
             controls=self.control_actions(),
             ui=self.ui,
+            prompt_cache=lambda: describe_prompt_cache(self.prompt_cache),
         )
 
     def _on_unload(self) -> None:
@@ -356,7 +364,7 @@ class Supervisor(SupervisorControls):
                     self.request_stop(name)
 
     async def _shutdown(self) -> None:
-        """Stop in order within the deadline: STOPPING=1, generations, HTTP; then the group is cancelled."""
+        """Stop in order within the deadline: STOPPING=1, generations, HTTP, prompt cache writes; then the group is cancelled."""
         t0 = time.monotonic()
         self.notifier.stopping()
         log.info("supervisor_stopping", reason=self._stop_reason)
@@ -366,6 +374,9 @@ class Supervisor(SupervisorControls):
             self.ui.close()  # open pages' streams end, so the HTTP server can drain
             if self.http is not None:
                 await self.http.stop(timeout=budget * 0.5)
+            if self.prompt_cache is not None:  # a prompt cache file still being written is finished
+                flush = self.prompt_cache.flush
+                await anyio.to_thread.run_sync(flush, budget * 0.3, abandon_on_cancel=True)
         log.info("supervisor_drained", seconds=round(time.monotonic() - t0, 3))
 
     def _create_source(self) -> TelemetrySource:

@@ -25,6 +25,7 @@ from .config_sections import (
     MqttConfig,
     OpenAIConfig,
     PolicyConfig,
+    PromptCacheConfig,
     SimulatedTelemetry,
     SystemdConfig,
     TelemetryConfig,
@@ -50,6 +51,7 @@ __all__ = [
     "MqttConfig",
     "OpenAIConfig",
     "PolicyConfig",
+    "PromptCacheConfig",
     "ServiceConfig",
     "ServiceKind",
     "SimulatedTelemetry",
@@ -81,6 +83,7 @@ class Config(_Section):
     )
     llama_cpp: LlamaCppConfig = Field(default_factory=LlamaCppConfig, description="the llama_cpp backend")
     openai: OpenAIConfig = Field(default_factory=OpenAIConfig, description="the openai backend (a remote server)")
+    prompt_cache: PromptCacheConfig = Field(default_factory=PromptCacheConfig, description="prompt cache on disk")
     models: dict[str, ModelEntry] = Field(
         default_factory=dict, description="models by id; empty: engine.model is the one model"
     )
@@ -215,6 +218,7 @@ def _resolve_paths(data: dict[str, Any], base: Path) -> None:
         ("mqtt", "ca_file"),
         ("mqtt", "cert_file"),
         ("mqtt", "key_file"),
+        ("prompt_cache", "dir"),
     ):
         sec = data.get(section)
         if (

@@ -441,3 +441,20 @@ class SystemdConfig(_Section):
 
     notify: bool = Field(True, description="send READY=1/STOPPING=1 when NOTIFY_SOCKET is set")
     watchdog: bool = Field(True, description="send WATCHDOG=1 pings when WATCHDOG_USEC is set")
+
+
+class PromptCacheConfig(_Section):
+    """The prompt cache on disk: the K/V of each conversation's system prompt (with tools), per model."""
+
+    enabled: bool = Field(True, description="save stable prompt prefixes to disk and restore them (builtin backend)")
+    dir: str | None = Field(
+        None,
+        description="directory of the cache files (relative to this file); null: $CACHE_DIRECTORY/prompt-cache "
+        "under systemd, else $XDG_CACHE_HOME/genie-supervisor/prompt-cache",
+    )
+    max_bytes: int = Field(
+        2 << 30, ge=0, le=1 << 50, description="bound of the files' total size; the least recently used go first"
+    )
+    min_tokens: int = Field(
+        256, ge=1, le=1_048_576, description="shortest prefix saved or restored (shorter ones prefill fast enough)"
+    )

@@ -1,9 +1,11 @@
-"""Fixtures shared by the test files: `broker` (a fresh Mosquitto on a free loopback port),
+"""Fixtures shared by the test files: `prompt_cache_dir` (the session's prompt cache, never the
+user's), `broker` (a fresh Mosquitto on a free loopback port),
 `model_loader` (the shared SmolLM2 as a Supervisor's loader), `smollm2_template`."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import os
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +14,22 @@ import pytest
 from engine.gguf_file import read_gguf
 from tests.broker import MOSQUITTO, Mosquitto
 from tests.models import SMOLLM2, require, shared_model
+
+
+@pytest.fixture(scope="session", autouse=True)
+def prompt_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Every daemon of the session keeps its prompt cache in a fresh directory (the default one is
+    under $CACHE_DIRECTORY, as systemd sets it), never in the user's cache."""
+    path = tmp_path_factory.mktemp("cache")
+    old = os.environ.get("CACHE_DIRECTORY")
+    os.environ["CACHE_DIRECTORY"] = str(path)
+    try:
+        yield path / "prompt-cache"
+    finally:
+        if old is None:
+            os.environ.pop("CACHE_DIRECTORY", None)
+        else:
+            os.environ["CACHE_DIRECTORY"] = old
 
 
 @pytest.fixture

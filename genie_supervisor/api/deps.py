@@ -85,6 +85,8 @@ class ApiDeps:
     """Policy select, reload and the LLM switch (``/control/*``); None: those routes answer 503."""
     ui: UiFeed | None = None
     """The web page's live feed (``/ui/events``); None: the stream answers 503."""
+    prompt_cache: Callable[[], dict[str, Any]] = lambda: {"enabled": False}
+    """The prompt cache on disk: settings and counters (in /status and /metrics)."""
 
 
 def get_deps(request: Request) -> ApiDeps:

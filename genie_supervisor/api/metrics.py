@@ -26,6 +26,7 @@ class SupervisorCollector(Collector):
         yield from self._models(deps)
         yield from self._admission(deps)
         yield from self._gate(deps.gate.metrics())
+        yield from self._prompt_cache(deps.prompt_cache())
         voice = CounterMetricFamily("genie_voice_events", "Voice hints handled", labels=["service", "event", "source"])
         for (service, event, source), n in sorted(deps.voice.counts.items()):
             voice.add_metric([service, event, source], n)
@@ -68,6 +69,32 @@ class SupervisorCollector(Collector):
         if decision is not None and decision.llm_budget_mb is not None:
             budget.add_metric([], decision.llm_budget_mb * 1024 * 1024)
         yield from (state, mem, load, evict, flight, reqs, tokens, prefill, decode, budget)
+
+    def _prompt_cache(self, pc: dict[str, Any]) -> Iterator[Metric]:
+        if not pc.get("enabled"):
+            return
+        events = CounterMetricFamily(
+            "genie_prompt_cache_events", "Prompt cache on disk: hits, misses, saves, evictions", labels=["event"]
+        )
+        for name, key in (("hit", "hits"), ("miss", "misses"), ("save", "saves"), ("evict", "evictions")):
+            events.add_metric([name], pc[key])
+        rejects = CounterMetricFamily(
+            "genie_prompt_cache_rejects", "Cache files refused, per reason", labels=["reason"]
+        )
+        for reason, n in sorted(pc["reject_reasons"].items()):
+            rejects.add_metric([reason], n)
+        io = CounterMetricFamily("genie_prompt_cache_io_bytes", "Bytes read and written", labels=["direction"])
+        io.add_metric(["read"], pc["bytes_read"])
+        io.add_metric(["written"], pc["bytes_written"])
+        restored = CounterMetricFamily("genie_prompt_cache_restored_tokens", "Prompt tokens restored from disk")
+        restored.add_metric([], pc["restored_tokens"])
+        size = GaugeMetricFamily("genie_prompt_cache_bytes", "Bytes of cache files on disk")
+        size.add_metric([], pc["bytes"])
+        bound = GaugeMetricFamily("genie_prompt_cache_max_bytes", "Bound of the cache files' total size")
+        bound.add_metric([], pc["max_bytes"])
+        files = GaugeMetricFamily("genie_prompt_cache_files", "Cache files on disk")
+        files.add_metric([], pc["files"])
+        yield from (events, rejects, io, restored, size, bound, files)
 
     def _admission(self, deps: ApiDeps) -> Iterator[Metric]:
         adm = deps.admission

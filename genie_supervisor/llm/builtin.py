@@ -112,6 +112,7 @@ class BuiltinBackend:
             threads=cfg.engine.threads,
             loader=ctx.loader or load_model,
             autoload=False,
+            prompt_cache=ctx.prompt_cache,
         )
         """The engine facade of this model."""
 

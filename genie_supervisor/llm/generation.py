@@ -79,6 +79,7 @@ class HostedGeneration:
         sampling: SamplingParams,
         priority: str | None,
         prepared: Prepared | None = None,
+        save_prefix: int = 0,
     ) -> None:
         self.prompt_ids = prompt_ids
         """The prompt as token ids."""
@@ -102,6 +103,8 @@ class HostedGeneration:
         """How the model writes tool calls when the request's tools reached the prompt (None: no tools)."""
         self.parallel_tool_calls = prepared.parallel if prepared is not None else True
         """Whether several calls may come back."""
+        self.save_prefix = save_prefix
+        """Leading prompt tokens (system messages and tools) the prompt cache on disk may keep."""
         self._host = host
         self._agen = self._run()
 
@@ -154,6 +157,8 @@ class HostedGeneration:
             priority=PRIORITY_RANK.get(self.priority or "", 0),
             pin_prefix=self.priority == "voice",
             constraint=self.constraint,
+            prompt_cache=host.model_cache,
+            save_prefix=self.save_prefix,
         )
         self.stats = gen.stats
         host._started(self)

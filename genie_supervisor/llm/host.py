@@ -34,6 +34,7 @@ from anyio.abc import TaskStatus
 from engine import GrammarError, Model, SamplingParams, load_model, open_model_file
 from engine.backends import resolve_backend
 from engine.model import MemoryPlan, plan_memory
+from engine.prompt_cache import ModelCache, PromptCache
 from engine.spec import read_spec
 
 from ..arbiter import Arbiter, DecodeGate
@@ -84,6 +85,7 @@ class EngineHost:
         loader: Callable[..., Model] = load_model,
         stats_interval_s: float = 1.0,
         autoload: bool = True,
+        prompt_cache: PromptCache | None = None,
     ) -> None:
         self.model_path = os.fspath(model_path) if model_path is not None else None
         """GGUF file to load, None runs without an LLM."""
@@ -103,6 +105,10 @@ class EngineHost:
         """How often stats are published while generating."""
         self.load_seconds: float | None = None
         """How long the last load took."""
+        self.prompt_cache: PromptCache | None = prompt_cache
+        """The prompt cache on disk (None: off); the loaded model's part of it is `model_cache`."""
+        self.model_cache: ModelCache | None = None
+        """The loaded model's prompt cache: attached at load, dropped at unload."""
         self._publish_fn = publish
         self._backend, self._n_ctx, self._kv_dtype = backend, n_ctx, kv_dtype
         self._threads = threads
@@ -250,7 +256,7 @@ class EngineHost:
                 self._idle = anyio.Event()
                 await self._idle.wait()
         self._closed = None
-        model, self.model = self.model, None
+        model, self.model, self.model_cache = self.model, None, None
         close = getattr(model, "close", None)
         if close is not None:
             close()
@@ -273,6 +279,8 @@ class EngineHost:
             raise
         self.model, self._load_state = model, "ready"
         self.load_seconds = time.monotonic() - t0
+        if self.prompt_cache is not None:  # its key and index are made in a background thread
+            self.model_cache = self.prompt_cache.attach(model)
         log.info(
             "model_loaded",
             name=model.info.name,
@@ -347,7 +355,20 @@ class EngineHost:
         if needed > limit:
             raise ContextTooLong(needed, limit, why, len(ids))
         model = self._admit()  # tokenizing took a moment: check again
-        return HostedGeneration(self, ids, sampling, priority, prepared)
+        stable = await self._stable_prefix(prompt, extras, ids)
+        return HostedGeneration(self, ids, sampling, priority, prepared, stable)
+
+    async def _stable_prefix(self, prompt: Prompt, extras: RequestExtras, ids: list[int]) -> int:
+        """Tokens of a chat prompt that its system messages and tools make (what the prompt cache
+        saves); 0 for text or token prompts and without a cache."""
+        cache = self.model_cache
+        items: list[Any] = [] if isinstance(prompt, str) else list(prompt)
+        if cache is None or len(ids) <= cache.store.min_tokens or not items:
+            return 0
+        if not all(isinstance(m, Mapping) for m in items):
+            return 0
+        tools = [dict(t) for t in extras.tools] if extras.tools_active else None
+        return await anyio.to_thread.run_sync(cache.stable_prefix, [dict(m) for m in items], tools, ids)
 
     def _admit(self) -> Model:
         if self.closing:

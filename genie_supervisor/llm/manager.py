@@ -89,7 +89,9 @@ class ModelManager:
     def _context(self, mid: str) -> BackendContext:
         """What model `mid`'s backend is built with: its stats feed, leases on the others, change notices."""
         c = self.ctx
-        return BackendContext(self.cfg, c.gate, c.arbiter, self._stats_from(mid), c.loader, self.lease, self._notify)
+        return BackendContext(
+            self.cfg, c.gate, c.arbiter, self._stats_from(mid), c.loader, self.lease, self._notify, c.prompt_cache
+        )
 
     # -- lookup -----------------------------------------------------------------------------
     @property

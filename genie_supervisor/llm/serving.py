@@ -26,6 +26,7 @@ from ..errors import UpstreamError as UpstreamError  # re-export
 
 if TYPE_CHECKING:
     from engine import Model
+    from engine.prompt_cache import PromptCache
     from engine.tool_calls import ToolSyntax
 
     from ..arbiter import Arbiter, DecodeGate
@@ -84,6 +85,8 @@ class BackendContext:
     """The model manager's lease by id or role (the openai backend's fallback model answers through it)."""
     changed: Callable[[], None] = lambda: None
     """Tell the model manager the backend's state changed (the openai backend's switch to its fallback)."""
+    prompt_cache: PromptCache | None = None
+    """The prompt cache on disk the builtin backend attaches its model to (None: off)."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,376 @@
+"""The KV rows of a token prefix as a file: keyed, checksummed, and read back only when everything
+matches (`engine.prompt_cache` decides what is saved and when).
+
+Layout (little-endian)::
+
+    0   magic b"GENIEKV\\0"  format u32  header length u32  sha256 of the header [32]
+    48  header: UTF-8 JSON {"key": {...}, "tokens": [...], "arrays": [...], "data_bytes": N}
+        padding to a multiple of 64
+        data: each array's rows [KV, n, D] C-contiguous, in the header's order
+
+Every array of the model's KV cache (per layer K and V; an int8 layer's values and scales apart)
+is listed by name, dtype, shape, offset in the data and CRC-32. A file is used only when the
+header's checksum holds, every field of its `CacheKey` equals the loaded model's, its token ids
+are in the vocabulary and fit the context, its arrays are exactly the ones the model's cache has,
+the file is exactly as long as the header says, and (while it is read) every array's CRC-32
+holds; anything else is a `Rejected` with a short reason. A file is written to a temporary name
+in its directory, synced and renamed, so a reader sees a whole file or none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import platform
+import struct
+import tempfile
+import zlib
+from collections import deque
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Executor, Future, wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .gguf_file import read_gguf
+from .kv_cache import Int8Rows, KVCache
+
+if TYPE_CHECKING:
+    from . import Model
+
+FORMAT = 1
+"""Version of this file layout (part of every key)."""
+MAGIC = b"GENIEKV\0"
+_PRELUDE = struct.Struct("<8sII32s")
+ALIGN = 64
+MAX_HEADER = 64 << 20
+"""Largest header read (a million token ids in JSON is ~8 MiB)."""
+SUFFIX = ".kv"
+TMP_PREFIX = ".tmp-"
+
+
+class Rejected(Exception):
+    """A cache file that is not used: `reason` is one word (``checksum``, ``key:model``, ...)."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        self.reason = reason
+        """Short, for counters and log fields."""
+        self.detail = detail
+        """What was found."""
+        super().__init__(f"{reason}: {detail}")
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    """Everything that decides a prefix's K/V rows: a file is restored only into a model whose
+    key is equal in every field."""
+
+    format: int
+    """`FORMAT` of the file layout."""
+    model: str
+    """sha256 of the GGUF's metadata (tokenizer and template apart), tensor table, file size and
+    the first and last 256 bytes of every tensor."""
+    tokenizer: str
+    """sha256 of the ``tokenizer.*`` metadata (vocabulary, merges, types, special ids)."""
+    template: str
+    """sha256 of the chat template(s)."""
+    kv_dtype: str
+    """KV element type: f32, f16 or int8."""
+    layout: str
+    """Layers, KV heads, head sizes and the context the cache is sized for."""
+    backend: str
+    """Compute backend and the device it runs on (K/V rounding differs between them)."""
+    engine: str
+    """sha256 of the engine's sources and its tuning options (a kernel change rounds differently)."""
+
+    def digest(self) -> str:
+        """24 hex digits naming this key's directory."""
+        return hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:24]
+
+    def first_difference(self, other: Any) -> str | None:
+        """The first field (in declaration order) where `other` (a header's key dict) differs."""
+        if not isinstance(other, dict):
+            return "key"
+        for f in dataclasses.fields(self):
+            if other.get(f.name) != getattr(self, f.name):
+                return f.name
+        return None
+
+
+def _hash_value(h: Any, value: Any) -> None:
+    if isinstance(value, np.ndarray):
+        h.update(str(value.dtype).encode())
+        h.update(np.ascontiguousarray(value).tobytes())
+    elif isinstance(value, list):
+        h.update(json.dumps(value, default=repr).encode())
+    else:
+        h.update(repr(value).encode())
+
+
+@functools.lru_cache(maxsize=1)
+def engine_digest() -> str:
+    """sha256 of every source file of the engine package (any engine change makes new keys)."""
+    root = Path(__file__).parent
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*")):
+        if p.suffix in (".py", ".c", ".cu", ".cuh", ".h") and "__pycache__" not in p.parts:
+            h.update(str(p.relative_to(root)).encode())
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def _device(backend: str) -> str:
+    if backend == "cupy":
+        import cupy as cp
+
+        dev = cp.cuda.Device()
+        name = cp.cuda.runtime.getDeviceProperties(dev.id)["name"]
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        return f"{name} sm_{dev.compute_capability}"
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return f"{platform.machine()} {cpu}".strip()
+
+
+def cache_key(model: Model) -> CacheKey:
+    """The key of a loaded model (blocking: reads the GGUF's header and a few bytes per tensor)."""
+    gf = read_gguf(model.path)
+    h_model, h_tok, h_tpl = hashlib.sha256(), hashlib.sha256(), hashlib.sha256()
+    for name in sorted(gf.metadata):
+        h = h_tpl if name.startswith("tokenizer.chat_template") else h_tok if name.startswith("tokenizer.") else h_model
+        h.update(name.encode() + b"\0")
+        _hash_value(h, gf.metadata[name])
+    h_model.update(str(os.path.getsize(model.path)).encode())
+    for name in sorted(gf.tensors):
+        t = gf.tensors[name]
+        raw = t.raw.reshape(-1).view(np.uint8)
+        h_model.update(f"{name}:{t.type_name}:{t.shape}".encode())
+        h_model.update(raw[:256].tobytes() + raw[-256:].tobytes())
+    s, tf = model.spec, model.transformer
+    opts = json.dumps(dataclasses.asdict(model.options), sort_keys=True, default=repr)
+    return CacheKey(
+        format=FORMAT,
+        model=h_model.hexdigest(),
+        tokenizer=h_tok.hexdigest(),
+        template=h_tpl.hexdigest(),
+        kv_dtype=tf.kv.dtype,
+        layout=f"layers={s.n_layers} kv_heads={s.n_kv_heads} head_dim={s.head_dim}/{s.v_head_dim} n_ctx={tf.n_ctx}",
+        backend=f"{model.backend} {_device(model.backend)}",
+        engine=hashlib.sha256((engine_digest() + opts).encode()).hexdigest(),
+    )
+
+
+def kv_arrays(kv: KVCache) -> list[tuple[str, Any]]:
+    """(name, array [KV, n_ctx, D]) of every array of the cache, in file order."""
+    out: list[tuple[str, Any]] = []
+    for kind, layers in (("k", kv.k), ("v", kv.v)):
+        for i, a in enumerate(layers):
+            if isinstance(a, Int8Rows):
+                out += [(f"{kind}{i}.q", a.q), (f"{kind}{i}.d", a.d)]
+            else:
+                out.append((f"{kind}{i}", a))
+    return out
+
+
+def rows_to_host(a: Any, n: int) -> np.ndarray:
+    """Positions 0..n-1 of one array [KV, n_ctx, D] as a new host array [KV, n, D] (a device
+    array is copied one head's contiguous rows at a time: no device allocation)."""
+    out = np.empty((a.shape[0], n, a.shape[2]), dtype=np.dtype(str(a.dtype)))
+    for h in range(a.shape[0]):
+        src = a[h, :n, :]
+        if isinstance(src, np.ndarray):
+            out[h] = src
+        else:
+            src.get(out=out[h])
+    return out
+
+
+def rows_from_host(a: Any, host: np.ndarray) -> None:
+    """Write host rows [KV, n, D] into positions 0..n-1 of `a` in place (buffers keep their
+    addresses, so captured CUDA graphs stay valid)."""
+    n = host.shape[1]
+    for h in range(a.shape[0]):
+        dst = a[h, :n, :]
+        if isinstance(dst, np.ndarray):
+            dst[...] = host[h]
+        else:
+            dst.set(host[h])
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    """One array of a file: where its bytes are and what they must hash to."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, int, int]
+    offset: int
+    """From the start of the data section."""
+    crc32: int
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.dtype(self.dtype).itemsize * self.shape[0] * self.shape[1] * self.shape[2])
+
+
+@dataclass(frozen=True)
+class Header:
+    """A file's checked header."""
+
+    path: str
+    tokens: tuple[int, ...]
+    arrays: tuple[ArraySpec, ...]
+    data_start: int
+    size: int
+    """File size in bytes."""
+
+
+def tokens_name(tokens: Sequence[int]) -> str:
+    """The file name of a prefix: sha256 of its token ids (int32)."""
+    return hashlib.sha256(np.asarray(tokens, dtype=np.int32).tobytes()).hexdigest()[:32] + SUFFIX
+
+
+def write(directory: Path, key: CacheKey, tokens: Sequence[int], arrays: list[tuple[str, np.ndarray]]) -> Path:
+    """Write one file atomically (temporary name, fsync, rename); returns its path."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    specs, offset = [], 0
+    for name, a in arrays:
+        a = np.ascontiguousarray(a)
+        specs.append({"name": name, "dtype": str(a.dtype), "shape": list(a.shape), "offset": offset})
+        specs[-1]["crc32"] = zlib.crc32(a.data.cast("B"))
+        offset += a.nbytes
+    body = {"key": dataclasses.asdict(key), "tokens": [int(t) for t in tokens], "arrays": specs, "data_bytes": offset}
+    header = json.dumps(body, separators=(",", ":")).encode()
+    prelude = _PRELUDE.pack(MAGIC, FORMAT, len(header), hashlib.sha256(header).digest())
+    start = -(-(_PRELUDE.size + len(header)) // ALIGN) * ALIGN
+    final = directory / tokens_name(tokens)
+    fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, suffix=SUFFIX, dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(prelude + header + b"\0" * (start - _PRELUDE.size - len(header)))
+            for _, a in arrays:
+                fh.write(np.ascontiguousarray(a).data.cast("B"))
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return final
+
+
+def _shape3(x: Any) -> tuple[int, int, int]:
+    a, b, c = (int(v) for v in x)
+    return a, b, c
+
+
+def read_header(path: str | os.PathLike[str], key: CacheKey, expect: list[tuple[str, Any]], n_vocab: int) -> Header:
+    """Open and check a file's header against the model (`key`, its cache's arrays `expect`);
+    raises Rejected. The arrays' bytes are checked while they are read (`read_arrays`)."""
+    p = os.fspath(path)
+    try:
+        with open(p, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            pre = fh.read(_PRELUDE.size)
+            if len(pre) < _PRELUDE.size:
+                raise Rejected("truncated", f"{size} bytes, shorter than the prelude")
+            magic, fmt, hlen, digest = _PRELUDE.unpack(pre)
+            if magic != MAGIC:
+                raise Rejected("magic", f"not a prompt cache file ({magic!r})")
+            if fmt != FORMAT:
+                raise Rejected("format", f"format {fmt}, this engine reads {FORMAT}")
+            if hlen > MAX_HEADER:
+                raise Rejected("header", f"header of {hlen} bytes")
+            raw = fh.read(hlen)
+    except OSError as exc:
+        raise Rejected("unreadable", str(exc)) from None
+    if len(raw) < hlen:
+        raise Rejected("truncated", f"header cut at {len(raw)} of {hlen} bytes")
+    if hashlib.sha256(raw).digest() != digest:
+        raise Rejected("checksum", "header checksum does not match")
+    try:
+        body = json.loads(raw)
+        diff = key.first_difference(body["key"])
+        tokens = tuple(int(t) for t in body["tokens"])
+        arrays = tuple(
+            ArraySpec(str(a["name"]), str(a["dtype"]), _shape3(a["shape"]), int(a["offset"]), int(a["crc32"]))
+            for a in body["arrays"]
+        )
+        data_bytes = int(body["data_bytes"])
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise Rejected("header", f"malformed header: {type(exc).__name__}") from None
+    if diff is not None:
+        raise Rejected(f"key:{diff}", f"made for another {diff}")
+    n = len(tokens)
+    if n < 1 or any(t < 0 or t >= n_vocab for t in tokens):
+        raise Rejected("tokens", "token ids outside the vocabulary")
+    want, offset = [], 0
+    for name, a in expect:
+        shape = (int(a.shape[0]), n, int(a.shape[2]))
+        if n >= int(a.shape[1]):
+            raise Rejected("tokens", f"{n} tokens do not fit the context of {a.shape[1]}")
+        want.append((name, str(a.dtype), shape, offset))
+        offset += int(np.dtype(str(a.dtype)).itemsize) * shape[0] * shape[1] * shape[2]
+    if [(s.name, s.dtype, s.shape, s.offset) for s in arrays] != want or data_bytes != offset:
+        raise Rejected("layout", "arrays differ from the model's KV cache")
+    start = -(-(_PRELUDE.size + hlen) // ALIGN) * ALIGN
+    if size != start + data_bytes:
+        reason = "truncated" if size < start + data_bytes else "size"
+        raise Rejected(reason, f"{size} bytes, the header says {start + data_bytes}")
+    return Header(p, tokens, arrays, start, size)
+
+
+def read_arrays(header: Header, pool: Executor) -> Iterator[tuple[ArraySpec, np.ndarray]]:
+    """Each array of a checked header, read and CRC-checked in `pool` (a few ahead, in order);
+    raises Rejected on a checksum or read failure."""
+    fd = os.open(header.path, os.O_RDONLY)
+
+    def one(spec: ArraySpec) -> np.ndarray:
+        buf = np.empty(spec.nbytes, dtype=np.uint8)
+        view, pos, done = buf.data, header.data_start + spec.offset, 0
+        while done < spec.nbytes:
+            got = os.preadv(fd, [view[done:]], pos + done)
+            if got <= 0:
+                raise Rejected("truncated", f"{spec.name} ends early")
+            done += got
+        if zlib.crc32(view) != spec.crc32:
+            raise Rejected("checksum", f"{spec.name} does not match its checksum")
+        return buf.view(np.dtype(spec.dtype)).reshape(spec.shape)
+
+    ahead = 2 * max(1, getattr(pool, "_max_workers", 1))
+    pending: deque[tuple[ArraySpec, Future[np.ndarray]]] = deque()
+    todo = iter(header.arrays)
+
+    def fill() -> None:
+        while len(pending) < ahead:
+            spec = next(todo, None)
+            if spec is None:
+                return
+            pending.append((spec, pool.submit(one, spec)))
+
+    try:
+        fill()
+        while pending:
+            spec, fut = pending.popleft()
+            try:
+                arr = fut.result()
+            except OSError as exc:
+                raise Rejected("unreadable", str(exc)) from None
+            fill()
+            yield spec, arr
+    finally:
+        for _, fut in pending:  # none may still read from the descriptor once it is closed
+            if not fut.cancel():
+                wait([fut])
+        os.close(fd)

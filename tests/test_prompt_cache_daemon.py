@@ -1,0 +1,53 @@
+"""The prompt cache across a daemon restart: the real daemon on SmolLM2 saves a chat's system prompt
+to disk, and the next daemon serves its first request with that prefix restored from the file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import pytest
+
+from tests.apitools import http, oai
+from tests.daemon import make_supervisor
+from tests.models import SMOLLM2, require
+
+pytestmark = pytest.mark.timeout(300)
+
+SYSTEM = "You run the lights of a small house. Answer in one short sentence and never guess."
+
+
+async def test_a_restarted_daemon_serves_the_first_request_from_the_disk_cache(tmp_path: Path) -> None:
+    """The first daemon writes its chat's system prompt K/V to disk (finished before it exits); a new
+    daemon loading the model again serves its first request with that system prompt with
+    cached_tokens > 0 from the file, and /status and /metrics count the hit."""
+    model = require(SMOLLM2)
+    extra = f"prompt_cache: {{dir: {tmp_path / 'pc'}, min_tokens: 16}}"
+    engine = "backend: auto, n_ctx: 512"
+    system = {"role": "system", "content": SYSTEM}
+    with anyio.fail_after(240):
+        (tmp_path / "one").mkdir()
+        async with make_supervisor(tmp_path / "one", model=model, engine=engine, extra=extra) as sup, oai(sup) as oa:
+            asked = [system, {"role": "user", "content": "Is the porch light on?"}]
+            first = await oa.chat.completions.create(messages=asked, model="x", max_tokens=2, temperature=0)
+            assert first.usage is not None and first.usage.prompt_tokens_details is not None
+            assert first.usage.prompt_tokens_details.cached_tokens == 0
+        assert len(list((tmp_path / "pc").rglob("*.kv"))) == 1
+
+        (tmp_path / "two").mkdir()
+        async with (
+            make_supervisor(tmp_path / "two", model=model, engine=engine, extra=extra) as sup,
+            oai(sup) as oa,
+            http(sup) as client,
+        ):
+            asked = [system, {"role": "user", "content": "Which lights are on in the kitchen?"}]
+            second = await oa.chat.completions.create(messages=asked, model="x", max_tokens=2, temperature=0)
+            assert second.usage is not None and second.usage.prompt_tokens_details is not None
+            cached = second.usage.prompt_tokens_details.cached_tokens
+            assert cached is not None and 16 <= cached < second.usage.prompt_tokens
+            status = (await client.get("/status")).json()["prompt_cache"]
+            assert status["enabled"] and status["dir"] == str(tmp_path / "pc")
+            assert (status["hits"], status["restored_tokens"], status["files"]) == (1, cached, 1)
+            metrics = (await client.get("/metrics")).text
+            assert 'genie_prompt_cache_events_total{event="hit"} 1.0' in metrics
+            assert f"genie_prompt_cache_restored_tokens_total {float(cached)}" in metrics

@@ -30,7 +30,7 @@ import struct
 import tempfile
 import zlib
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, Future, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -182,29 +182,53 @@ def kv_arrays(kv: KVCache) -> list[tuple[str, Any]]:
     return out
 
 
+def _pitches(a: Any, n: int) -> tuple[int, int]:
+    """(bytes of positions 0..n-1 of one head, bytes of one head's whole rows) of a C-contiguous
+    [KV, n_ctx, D] array: the width and pitch of a 2-D copy of positions 0..n-1 of every head."""
+    row = int(a.shape[2]) * int(a.dtype.itemsize)
+    return n * row, int(a.shape[1]) * row
+
+
 def rows_to_host(a: Any, n: int) -> np.ndarray:
     """Positions 0..n-1 of one array [KV, n_ctx, D] as a new host array [KV, n, D] (a device
-    array is copied one head's contiguous rows at a time: no device allocation)."""
+    array in one 2-D copy: no device allocation)."""
     out = np.empty((a.shape[0], n, a.shape[2]), dtype=np.dtype(str(a.dtype)))
-    for h in range(a.shape[0]):
-        src = a[h, :n, :]
-        if isinstance(src, np.ndarray):
-            out[h] = src
-        else:
-            src.get(out=out[h])
+    if isinstance(a, np.ndarray):
+        out[...] = a[:, :n, :]
+        return out
+    import cupy as cp
+
+    width, pitch = _pitches(a, n)
+    rt = cp.cuda.runtime
+    rt.memcpy2D(out.ctypes.data, width, a.data.ptr, pitch, width, a.shape[0], rt.memcpyDeviceToHost)
     return out
+
+
+def host_buffers(a: Any) -> Callable[[int], np.ndarray]:
+    """How `read_arrays` gets a buffer of n bytes for arrays going into `a`'s device: plain host
+    memory for a NumPy cache, page-locked memory (CuPy's pinned pool, reused) for a device one."""
+    if isinstance(a, np.ndarray):
+        return lambda n: np.empty(n, dtype=np.uint8)
+    import cupyx
+
+    return lambda n: cupyx.empty_pinned((n,), dtype=np.uint8)
 
 
 def rows_from_host(a: Any, host: np.ndarray) -> None:
     """Write host rows [KV, n, D] into positions 0..n-1 of `a` in place (buffers keep their
-    addresses, so captured CUDA graphs stay valid)."""
+    addresses, so captured CUDA graphs stay valid); a device array in one 2-D copy, finished when
+    this returns (the host buffer may be reused)."""
     n = host.shape[1]
-    for h in range(a.shape[0]):
-        dst = a[h, :n, :]
-        if isinstance(dst, np.ndarray):
-            dst[...] = host[h]
-        else:
-            dst.set(host[h])
+    if isinstance(a, np.ndarray):
+        a[:, :n, :] = host
+        return
+    import cupy as cp
+
+    host = np.ascontiguousarray(host)
+    width, pitch = _pitches(a, n)
+    stream, rt = cp.cuda.get_current_stream(), cp.cuda.runtime
+    rt.memcpy2DAsync(a.data.ptr, pitch, host.ctypes.data, width, width, a.shape[0], rt.memcpyHostToDevice, stream.ptr)
+    stream.synchronize()
 
 
 @dataclass(frozen=True)
@@ -331,13 +355,17 @@ def read_header(path: str | os.PathLike[str], key: CacheKey, expect: list[tuple[
     return Header(p, tokens, arrays, start, size)
 
 
-def read_arrays(header: Header, pool: Executor) -> Iterator[tuple[ArraySpec, np.ndarray]]:
-    """Each array of a checked header, read and CRC-checked in `pool` (a few ahead, in order);
-    raises Rejected on a checksum or read failure."""
+def read_arrays(
+    header: Header, pool: Executor, empty: Callable[[int], np.ndarray] | None = None
+) -> Iterator[tuple[ArraySpec, np.ndarray]]:
+    """Each array of a checked header, read and CRC-checked in `pool` (a few ahead, in order) into
+    buffers from `empty(nbytes)` (default: host memory; see `host_buffers`); raises Rejected on a
+    checksum or read failure."""
+    new = empty or (lambda n: np.empty(n, dtype=np.uint8))
     fd = os.open(header.path, os.O_RDONLY)
 
     def one(spec: ArraySpec) -> np.ndarray:
-        buf = np.empty(spec.nbytes, dtype=np.uint8)
+        buf = new(spec.nbytes)
         view, pos, done = buf.data, header.data_start + spec.offset, 0
         while done < spec.nbytes:
             got = os.preadv(fd, [view[done:]], pos + done)

@@ -166,8 +166,9 @@ class ModelCache:
             ops.synchronize()
             kv.tokens = []  # nothing of it is trusted until every array has checked out
             arrays = dict(kv_file.kv_arrays(kv))
+            empty = kv_file.host_buffers(kv.k[0] if not hasattr(kv.k[0], "q") else kv.k[0].q)
             try:
-                for spec, rows in kv_file.read_arrays(header, pool):
+                for spec, rows in kv_file.read_arrays(header, pool, empty):
                     kv_file.rows_from_host(arrays[spec.name], rows)
             finally:
                 ops.synchronize()

@@ -173,6 +173,7 @@
       var flags = [];
       if (m.resident) flags.push('resident');
       if (m.group) flags.push('group ' + m.group);
+      if (m.group && m.state === 'loading') flags.push('swapping in');
       if (m.draining) flags.push('draining');
       var tr = el('tr');
       tr.dataset.model = m.id;

@@ -14,8 +14,8 @@ from engine import Model
 from engine.tool_calls import SYNTAXES
 from genie_supervisor.api.generation import Result, ToolSplitter
 from genie_supervisor.api.schemas import ChatRequest
-from genie_supervisor.llm.llama_cpp import _openai_message
 from genie_supervisor.llm.serving import Piece
+from genie_supervisor.llm.upstream import openai_message
 from tests.serving_daemon import api, daemon, model, oa
 
 __all__ = ["api", "daemon", "model", "oa"]  # the module's fixtures
@@ -179,38 +179,35 @@ def _check_call(choice: Any, names: set[str]) -> tuple[str, dict[str, Any]]:
     return call.function.name, args
 
 
+def _forced_calls(oa: openai.OpenAI, choice: Any, prompt: str, seed: int, **more: Any) -> Any:
+    """The one choice of a chat answering `prompt` over the twenty tools under tool_choice `choice`, at temperature
+    0.8 with `seed`."""
+    r = oa.chat.completions.create(
+        model="default",
+        messages=[{"role": "user", "content": prompt}],
+        tools=TOOLS,
+        tool_choice=choice,
+        temperature=0.8,
+        seed=seed,
+        max_tokens=96,
+        **more,
+    )
+    return r.choices[0]
+
+
 def test_named_tool_calls_parse_and_validate_for_twenty_tools(oa: openai.OpenAI) -> None:
     """tool_choice naming each of 20 tools, at temperature 0.8: one call of that tool, arguments valid for its schema."""
     for k, (tool, prompt) in enumerate(TOOLS_AND_PROMPTS):
         name = tool["function"]["name"]
-        r = oa.chat.completions.create(
-            model="default",
-            messages=[{"role": "user", "content": prompt}],
-            tools=TOOLS,
-            tool_choice=_named(name),
-            temperature=0.8,
-            seed=k,
-            max_tokens=96,
-        )
-        assert _check_call(r.choices[0], {name})[0] == name
+        assert _check_call(_forced_calls(oa, _named(name), prompt, k), {name})[0] == name
 
 
 def test_required_tool_calls_parse_and_validate(oa: openai.OpenAI) -> None:
     """tool_choice required for each of 20 prompts at temperature 0.8: calls of listed tools with valid arguments."""
-    names = set(SCHEMAS)
     for k, prompt in enumerate(p for _, p in TOOLS_AND_PROMPTS):
-        r = oa.chat.completions.create(
-            model="default",
-            messages=[{"role": "user", "content": prompt}],
-            tools=TOOLS,
-            tool_choice="required",
-            parallel_tool_calls=False,
-            temperature=0.8,
-            seed=100 + k,
-            max_tokens=96,
-        )
-        _check_call(r.choices[0], names)
-        assert len(r.choices[0].message.tool_calls or []) == 1
+        choice = _forced_calls(oa, "required", prompt, 100 + k, parallel_tool_calls=False)
+        _check_call(choice, set(SCHEMAS))
+        assert len(choice.message.tool_calls or []) == 1
 
 
 def _streamed(oa: openai.OpenAI, **request: Any) -> tuple[str, list[tuple[str, str]], str | None, list[str]]:
@@ -409,6 +406,6 @@ def test_a_tool_history_reaches_llama_server_with_arguments_as_json_text() -> No
     ]
     decoded = ChatRequest.model_validate({"messages": messages}).prompt()
     assert decoded[1]["tool_calls"][0]["function"]["arguments"] == {"on": True}
-    sent = [_openai_message(m) for m in decoded]
+    sent = [openai_message(m) for m in decoded]
     assert sent[1]["tool_calls"] == [{"type": "function", "function": {"name": "f", "arguments": '{"on": true}'}}]
     assert sent[0] == decoded[0]

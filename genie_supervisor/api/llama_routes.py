@@ -14,7 +14,7 @@ from engine import SamplingParams
 from engine.tool_stream import CallDelta
 
 from ..errors import BadRequest
-from ..llm.admission import PRIORITY_HEADER
+from ..llm.admission import request_priority
 from ..llm.serving import NO_EXTRAS, Piece, RequestExtras, TokenLogprob
 from . import openai_routes
 from .deps import get_deps
@@ -228,7 +228,7 @@ async def completion(request: Request) -> Response:
     sampling, extras = req.sampling(deps.config.api.default_max_tokens), req.extras()
     job = Job(
         req.model,
-        request.headers.get(PRIORITY_HEADER) or req.priority,
+        request_priority(request, req.priority),
         prompt,
         sampling,
         req.stream,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import structlog
@@ -25,14 +25,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from .. import __version__
 from ..errors import AdmissionError
-from ..llm.admission import PRIORITY_HEADER
+from ..llm.admission import request_priority
 from ..llm.managed_model import ManagedModel
 from ..llm.serving import RequestExtras
 from .deps import ApiDeps, get_deps
-from .generation import GenerationResponse, Job
+from .generation import Formatter, GenerationResponse, Job
 from .ollama_format import NDJSON, ChatFormat, GenerateFormat, created_at, ollama_error
 from .ollama_models import FOREVER, OllamaNames, model_card, ollama_name, tool_capable
-from .ollama_schemas import ChatBody, GenerateBody, NameBody
+from .ollama_schemas import ChatBody, GenerateBody, GenerationBody, NameBody
 from .schemas import parse_body
 
 log = structlog.get_logger(__name__)
@@ -238,51 +238,49 @@ async def manage_files() -> JSONResponse:
     return ollama_error(501, "this daemon serves the models its config names; it does not manage model files")
 
 
-def _priority(request: Request, body_priority: str | None) -> str | None:
-    return request.headers.get(PRIORITY_HEADER) or body_priority
+Body = TypeVar("Body", bound=GenerationBody)
+
+
+async def _ollama_job(
+    request: Request, kind: type[Body], parts: Callable[[Body, str], tuple[Any, RequestExtras, Formatter]]
+) -> Response:
+    """One /api/chat or /api/generate request: the body checked, the model resolved, an empty request loading
+    it, else a `Job` with `parts` (prompt, extras, format), unloading after with ``keep_alive: 0``."""
+
+    async def work() -> Response:
+        deps = get_deps(request)
+        body = parse_body(await request.body(), kind)
+        name = ollama_name(body.model)
+        m = OllamaNames(deps.models).resolve(body.model)
+        body.check_offered()
+        keep_alive_s = body.keep_alive_s()
+        if body.load_only():
+            return await _load_only(deps, name, m, keep_alive_s, chat=isinstance(body, ChatBody))
+        prompt, extras, fmt = parts(body, name)
+        sampling = body.sampling(deps.config.api.default_max_tokens)
+        priority = request_priority(request, body.priority)
+        job = Job(m.id, priority, prompt, sampling, body.stream, fmt, extras=extras, framing=NDJSON)
+        return _generation(deps, job, m, keep_alive_s)
+
+    return await _answer(work)
 
 
 @router.post("/api/chat")
 async def chat(request: Request) -> Response:
     """Chat: messages (and tools) in, the assistant's message out, as NDJSON lines or one object."""
 
-    async def work() -> Response:
-        deps = get_deps(request)
-        body = parse_body(await request.body(), ChatBody)
-        name = ollama_name(body.model)
-        m = OllamaNames(deps.models).resolve(body.model)
-        body.check_think(body.model)
-        keep_alive_s = body.keep_alive_s()
-        if not body.messages:
-            return await _load_only(deps, name, m, keep_alive_s, chat=True)
-        extras = body.extras()
-        fmt = ChatFormat(name, body.logprobs)
-        sampling = body.sampling(deps.config.api.default_max_tokens)
-        priority = _priority(request, body.priority)
-        job = Job(m.id, priority, body.prompt(), sampling, body.stream, fmt, extras=extras, framing=NDJSON)
-        return _generation(deps, job, m, keep_alive_s)
+    def parts(body: ChatBody, name: str) -> tuple[Any, RequestExtras, Formatter]:
+        return body.prompt(), body.extras(), ChatFormat(name, body.logprobs)
 
-    return await _answer(work)
+    return await _ollama_job(request, ChatBody, parts)
 
 
 @router.post("/api/generate")
 async def generate(request: Request) -> Response:
     """Completion: a prompt (templated as a user turn unless ``raw``) in, its continuation out."""
 
-    async def work() -> Response:
-        deps = get_deps(request)
-        body = parse_body(await request.body(), GenerateBody)
-        name = ollama_name(body.model)
-        m = OllamaNames(deps.models).resolve(body.model)
-        body.check_think(body.model)
-        body.check_offered()
-        keep_alive_s = body.keep_alive_s()
-        if not body.prompt:
-            return await _load_only(deps, name, m, keep_alive_s, chat=False)
+    def parts(body: GenerateBody, name: str) -> tuple[Any, RequestExtras, Formatter]:
         extras = RequestExtras(grammar=body.grammar(), grammar_param="format")
-        sampling = body.sampling(deps.config.api.default_max_tokens)
-        priority, fmt = _priority(request, body.priority), GenerateFormat(name, body.logprobs)
-        job = Job(m.id, priority, body.text_or_messages(), sampling, body.stream, fmt, extras=extras, framing=NDJSON)
-        return _generation(deps, job, m, keep_alive_s)
+        return body.text_or_messages(), extras, GenerateFormat(name, body.logprobs)
 
-    return await _answer(work)
+    return await _ollama_job(request, GenerateBody, parts)

@@ -71,7 +71,7 @@ class ChatMessage(_Body):
     thinking: str | None = Field(None, description="an assistant's reasoning (not passed to the template)")
 
 
-class _Generation(_Body):
+class GenerationBody(_Body):
     model: str = Field(..., min_length=1, max_length=NAME_CHARS, description="an Ollama name (id or role)")
     format: str | dict[str, Any] | None = Field(None, description='"json" or a JSON schema')
     options: Options | None = Field(None, description="sampling options")
@@ -139,8 +139,16 @@ class _Generation(_Body):
         if self.think not in (None, False, "", "none", "false"):
             raise BadRequest(f'"{model}" does not support thinking', "think")
 
+    def check_offered(self) -> None:
+        """BadRequest for what this daemon does not offer (thinking; a route's own fields), naming the field."""
+        self.check_think(self.model)
 
-class ChatBody(_Generation):
+    def load_only(self) -> bool:
+        """Nothing to generate: the request loads (or with ``keep_alive: 0`` unloads) the model."""
+        raise NotImplementedError
+
+
+class ChatBody(GenerationBody):
     """``POST /api/chat``."""
 
     messages: list[ChatMessage] = Field(default_factory=list, description="the conversation ([]: load or unload)")
@@ -149,6 +157,9 @@ class ChatBody(_Generation):
         "auto", description="an extension (OpenAI's): auto, none, required or a function's name; Ollama has none"
     )
     parallel_tool_calls: bool = Field(True, description="an extension (OpenAI's): several calls may come back")
+
+    def load_only(self) -> bool:
+        return not self.messages
 
     def extras(self) -> RequestExtras:
         """Tools (checked), the tool choice and ``format``'s grammar; BadRequest naming the field."""
@@ -189,7 +200,7 @@ class ChatBody(_Generation):
         return out
 
 
-class GenerateBody(_Generation):
+class GenerateBody(GenerationBody):
     """``POST /api/generate``."""
 
     prompt: str = Field("", description="the prompt ('' : load or unload)")
@@ -200,8 +211,12 @@ class GenerateBody(_Generation):
     context: list[int] | None = Field(None, description="tokens of an earlier answer: refused (use /api/chat)")
     images: list[str] | None = Field(None, description="refused (the models read text only)")
 
+    def load_only(self) -> bool:
+        return not self.prompt
+
     def check_offered(self) -> None:
         """BadRequest for the fields this daemon does not offer (each names itself)."""
+        super().check_offered()
         if self.suffix:
             raise BadRequest("suffix: fill-in-the-middle is not offered by this daemon", "suffix")
         if self.template:

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, Response
 from engine.tool_calls import ToolCall
 from engine.tool_stream import CallDelta, arguments_text
 
-from ..llm.admission import PRIORITY_HEADER
+from ..llm.admission import request_priority
 from ..llm.serving import Piece
 from .deps import get_deps
 from .generation import GenerationResponse, Job, Result, new_id, now_s
@@ -217,10 +217,6 @@ class CompletionFormat:
         return {**self._obj(r.model, r.text, r.finish_reason, r.pieces), "usage": _usage(r), "timings": r.timings}
 
 
-def _priority(request: Request, body_priority: str | None) -> str | None:
-    return request.headers.get(PRIORITY_HEADER) or body_priority
-
-
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     """Chat: messages in, one assistant message out (SSE chunks with ``stream: true``)."""
@@ -231,7 +227,7 @@ async def chat_completions(request: Request) -> Response:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     job = Job(
         req.model,
-        _priority(request, req.priority),
+        request_priority(request, req.priority),
         req.prompt(),
         req.sampling(max_tokens),
         req.stream,
@@ -251,7 +247,7 @@ async def completions(request: Request) -> Response:
     prompt, name = req.text_prompt()
     job = Job(
         req.model,
-        _priority(request, req.priority),
+        request_priority(request, req.priority),
         prompt,
         req.sampling(req.max_tokens or 16),
         req.stream,

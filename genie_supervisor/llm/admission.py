@@ -20,9 +20,10 @@ import itertools
 import math
 import time
 from collections import Counter, defaultdict, deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import anyio
 import structlog
@@ -34,6 +35,16 @@ log = structlog.get_logger(__name__)
 
 PRIORITY_HEADER = "x-genie-priority"
 """Request header naming the class (the body field ``priority`` works too)."""
+
+
+class _Headed(Protocol):
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+
+
+def request_priority(request: _Headed, body_priority: str | None) -> str | None:
+    """The class a request asks for: the `PRIORITY_HEADER` header, else its body's ``priority`` (None: the default)."""
+    return request.headers.get(PRIORITY_HEADER) or body_priority
 
 
 @dataclass(eq=False)

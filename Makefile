@@ -25,7 +25,7 @@ ui-assets: $(STAMP)
 
 # Mosquitto is a real part of the tests (MQTT); gcc builds the native CPU kernels at first use
 # (engine/kernels/cpu/, cached under ~/.cache/genie-supervisor/kernels); chromium runs the web page's
-# tests (headless, driven by Playwright); npm fetches the page's charting library (ui-assets). Installed
+# tests (headless, driven by Playwright). Installed
 # from Debian when missing; without them the MQTT and page tests skip (fail under CI=true) and the
 # engine falls back to pure NumPy.
 system-deps:
@@ -33,7 +33,6 @@ system-deps:
 	command -v mosquitto >/dev/null 2>&1 || test -x /usr/sbin/mosquitto || missing="$$missing mosquitto"; \
 	command -v cc >/dev/null 2>&1 || missing="$$missing gcc libc6-dev"; \
 	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
-	command -v npm >/dev/null 2>&1 || missing="$$missing npm"; \
 	if [ -n "$$missing" ]; then \
 	  if [ -n "$(APT_GET)" ]; then echo "installing$$missing"; \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \

@@ -2,7 +2,8 @@
 
     python -m genie_supervisor.ui.vendor     # what `make deps` runs; does nothing when the pinned version is there
 
-``npm pack`` brings the pinned release's tarball; its SHA-512 must equal the registry's integrity
+The pinned release's tarball is downloaded from the npm registry (``$GENIE_NPM_REGISTRY``, default
+https://registry.npmjs.org; no npm needed); its SHA-512 must equal the registry's integrity
 value written here, else nothing is written. Three files are kept: the minified script, its
 stylesheet and the MIT license. setuptools ships them in wheels (package data) when they are there
 at build time. Without them the page works and says that the charts are unavailable.
@@ -12,11 +13,12 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import shutil
-import subprocess
+import io
+import os
 import sys
 import tarfile
-import tempfile
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 PACKAGE = "uplot"
@@ -33,6 +35,8 @@ FILES = {
 """Tarball member -> file name under ``static/vendor/``."""
 VENDOR = Path(__file__).resolve().parent / "static" / "vendor"
 """Where the files go (inside the package, so wheels carry them)."""
+REGISTRY = os.environ.get("GENIE_NPM_REGISTRY", "https://registry.npmjs.org")
+"""The npm registry (a mirror can be named with ``GENIE_NPM_REGISTRY``)."""
 STAMP = "uPlot.VERSION"
 """File holding the version that is there."""
 
@@ -59,33 +63,27 @@ def check_integrity(data: bytes, integrity: str = INTEGRITY) -> None:
         raise VendorError(f"{PACKAGE}@{VERSION}: the tarball's {algo} is {got}, expected {want}; nothing written")
 
 
-def fetch(dest: Path = VENDOR) -> None:
-    """Fetch the pinned release with npm, check it and write its files to `dest`."""
-    npm = shutil.which("npm")
-    if npm is None:
-        raise VendorError(
-            "npm is not installed (Debian: apt-get install npm); the page will say charts are unavailable"
-        )
-    with tempfile.TemporaryDirectory(prefix="genie-uplot-") as tmp:
-        done = subprocess.run(
-            [npm, "pack", f"{PACKAGE}@{VERSION}", "--silent", "--pack-destination", tmp],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
-        )
-        tarballs = list(Path(tmp).glob("*.tgz"))
-        if done.returncode != 0 or len(tarballs) != 1:
-            raise VendorError(f"npm pack {PACKAGE}@{VERSION} failed: {(done.stderr or done.stdout).strip()[:500]}")
-        data = tarballs[0].read_bytes()
-        check_integrity(data)
-        contents: dict[str, bytes] = {}
-        with tarfile.open(tarballs[0], "r:gz") as tar:
-            for member, name in FILES.items():
-                f = tar.extractfile(member)
-                if f is None:
-                    raise VendorError(f"{PACKAGE}@{VERSION}: {member} is not in the tarball")
-                contents[name] = f.read()
+def tarball_url(registry: str = REGISTRY) -> str:
+    """The pinned release's tarball address in the npm registry (its ``dist.tarball``)."""
+    return f"{registry.rstrip('/')}/{PACKAGE}/-/{PACKAGE}-{VERSION}.tgz"
+
+
+def fetch(dest: Path = VENDOR, registry: str = REGISTRY) -> None:
+    """Download the pinned release's tarball, check it and write its files to `dest`."""
+    url = tarball_url(registry)
+    try:
+        with urllib.request.urlopen(url, timeout=120) as response:  # noqa: S310 (a fixed https address)
+            data = response.read()
+    except (urllib.error.URLError, TimeoutError) as exc:
+        raise VendorError(f"could not download {url}: {exc}; the page will say charts are unavailable") from exc
+    check_integrity(data)
+    contents: dict[str, bytes] = {}
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+        for member, name in FILES.items():
+            f = tar.extractfile(member)
+            if f is None:
+                raise VendorError(f"{PACKAGE}@{VERSION}: {member} is not in the tarball")
+            contents[name] = f.read()
     dest.mkdir(parents=True, exist_ok=True)
     for name, body in contents.items():
         (dest / name).write_bytes(body)
@@ -99,7 +97,7 @@ def main() -> int:
         return 0
     try:
         fetch()
-    except (VendorError, OSError, subprocess.SubprocessError, tarfile.TarError) as exc:
+    except (VendorError, OSError, tarfile.TarError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(f"{PACKAGE} {VERSION}: fetched into {VENDOR}")

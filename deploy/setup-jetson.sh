@@ -258,11 +258,16 @@ install_file() {
   return 0
 }
 if [ -n "$MODEL_FILE" ]; then MODEL_LINE="  model: /var/cache/genie-supervisor/models/$MODEL_FILE"; else MODEL_LINE="  model: null"; fi
+# The small fallback model of the config's models: section is the demo model fetched here.
+SMALL_EXPR=''
+if [ -n "$MODEL_FILE" ]; then
+  SMALL_EXPR="s#^    path: /var/cache/genie-supervisor/models/gemma-3-270m-q4_k_m.gguf\$#    path: /var/cache/genie-supervisor/models/$MODEL_FILE#;"
+fi
 [ "$CPU_ONLY" = 1 ] && BACKEND_EXPR='s#^  backend: auto#  backend: native#' || BACKEND_EXPR=''
 KEY_FILE="$ETC/api-key"
 NEW_CONFIG=0; [ -f "$ETC/supervisor.yaml" ] || NEW_CONFIG=1
 install_file "$SRC_DIR/deploy/config/orin-nano-8gb.yaml" "$ETC/supervisor.yaml" 0600 user \
-  "s#^  model: .*#$MODEL_LINE#;s|^  #api_key_file: api-key|  api_key_file: api-key|;$BACKEND_EXPR"
+  "s#^  model: .*#$MODEL_LINE#;${SMALL_EXPR}s|^  #api_key_file: api-key|  api_key_file: api-key|;$BACKEND_EXPR"
 install_file "$SRC_DIR/policies/orin-nano-8gb.yaml" "$ETC/policy.yaml" 0644 root
 
 step "API key $KEY_FILE"

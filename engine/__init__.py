@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -70,6 +71,18 @@ PIN_MAX_BYTES = 64 << 20
 ~2,800 of SmolLM2's."""
 
 
+class _Laps:
+    """Records the seconds since the previous call under each name (`Model.load_phases`)."""
+
+    def __init__(self, into: dict[str, float]) -> None:
+        self.into, self.t = into, time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.into[name] = round(now - self.t, 4)
+        self.t = now
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     """What a loaded model is and what it holds in memory."""
@@ -99,13 +112,18 @@ class Model:
         opts = options or DEFAULT_OPTIONS
         self.options = opts
         """The tuning knobs the backend was built with (`EngineOptions`)."""
+        self.load_phases: dict[str, float] = {}
+        """Seconds each step of this load took (tokenizer, template, ops, weights, decoder), in order."""
+        lap = _Laps(self.load_phases)
         self.path = gf.path
         self.spec: ModelSpec = read_spec(gf)
         self.tokenizer = Tokenizer.from_gguf(gf)
+        lap("tokenizer")
         self.chat_template: str | None = gf.get("tokenizer.chat_template")
         if self.chat_template is not None:  # untrusted: refuse one that cannot render a small chat
             bos, eos = self._bos_eos_text()
             probe_chat_template(self.chat_template, path=self.path, bos_token=bos, eos_token=eos)
+        lap("template")
         self.memory_plan: MemoryPlan = plan_memory(
             gf,
             self.spec,
@@ -127,9 +145,12 @@ class Model:
             from .backends.numpy_backend import NumpyOps
 
             ops = NumpyOps()
+        lap("ops")
         self.backend = ops.name
         self.transformer = Transformer(gf, self.spec, ops, n_ctx, kv_dtype)
+        lap("weights_kv")
         self.decoder: Any = ops.make_decoder(self.transformer)
+        lap("decoder")
         """Optional backend fast path for one-token steps (e.g. a replayed CUDA graph)."""
         self.lock = PriorityLock()
         """Held by a generation for its whole length: the KV cache holds one sequence."""
@@ -407,9 +428,11 @@ class Model:
         self.transformer = None  # type: ignore[assignment]
 
 
-def open_model_file(path: str | os.PathLike[str]) -> GGUFFile:
-    """Read a GGUF's header and check that the engine supports it (no weights loaded)."""
-    gf = read_gguf(path)
+def open_model_file(path: str | os.PathLike[str], header_only: bool = False) -> GGUFFile:
+    """Read a GGUF's header and check that the engine supports it (no weights loaded; the result
+    can be passed to `load_model(gguf=)`, unless `header_only`: then no tensor byte is even
+    mapped, for planning alone, see `read_gguf`)."""
+    gf = read_gguf(path, header_only=header_only)
     read_spec(gf)
     return gf
 
@@ -421,6 +444,7 @@ def load_model(
     kv_dtype: str = "f16",
     threads: int | None = None,
     options: EngineOptions | None = None,
+    gguf: GGUFFile | None = None,
 ) -> Model:
     """Load a GGUF model. `backend`: "auto" (CuPy when CUDA works, else the native CPU kernels
     when a C compiler builds them, else NumPy), "numpy" (pure NumPy reference), "native", "cupy".
@@ -428,17 +452,27 @@ def load_model(
     `options`: the backends' tuning knobs (`engine.options.EngineOptions`; None: read from the
     environment once, here, by `EngineOptions.from_env`).
     `kv_dtype`: KV cache elements, "f16" (the default, as llama.cpp's), "f32" or "int8" (int8
-    values + one float16 scale per 32, about 53 % of f16's bytes; see engine.kv_cache)."""
+    values + one float16 scale per 32, about 53 % of f16's bytes; see engine.kv_cache).
+    `gguf`: the header of `path` already read by `open_model_file` (not read again)."""
     from .backends import resolve_backend
 
     opts = options or EngineOptions.from_env()
-    gf = read_gguf(path)
+    if gguf is not None and (gguf.path != os.fspath(path) or not gguf.loadable):
+        raise ValueError(f"gguf: a header of {gguf.path}, read header_only={not gguf.loadable}, not one to load {path}")
+    t0 = time.perf_counter()
+    gf = gguf if gguf is not None else read_gguf(path)
+    header_s = time.perf_counter() - t0
     spec = read_spec(gf)
     ctx = int(n_ctx or min(DEFAULT_CTX, spec.n_ctx_train))
     if ctx < 1:
         raise ValueError("n_ctx must be >= 1")
     check_kv_dtype(spec, kv_dtype)
-    return Model(gf, resolve_backend(backend, opts), ctx, kv_dtype, threads, opts)
+    t1 = time.perf_counter()
+    name = resolve_backend(backend, opts)
+    resolve_s = time.perf_counter() - t1
+    model = Model(gf, name, ctx, kv_dtype, threads, opts)
+    model.load_phases = {"header": round(header_s, 4), "backend": round(resolve_s, 4), **model.load_phases}
+    return model
 
 
 # re-exported helpers

@@ -44,6 +44,14 @@ _SCALAR = {
 }
 
 
+_VIEWS: dict[str, tuple[np.dtype[Any], tuple[int, ...] | None]] = {
+    "F32": (np.dtype(np.float32), ()),
+    "F16": (np.dtype(np.float16), ()),
+    "BF16": (np.dtype(np.uint16), ()),
+}
+"""Float types viewed with their element type in the logical shape; the rest as uint8 rows."""
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     """One tensor of the file, its bytes still memory-mapped."""
@@ -69,6 +77,8 @@ class GGUFFile:
     path: str
     metadata: dict[str, Any]
     tensors: dict[str, TensorInfo]
+    loadable: bool = True
+    """False for a header read alone (`read_gguf(header_only=True)`): tensors have no bytes."""
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
@@ -131,6 +141,23 @@ class _Cursor:
             raise ModelFormatError(self.path, what, f"string of {n} bytes is longer than the limit of {limit}")
         return bytes(self.take(n, what)).decode("utf-8", errors="replace")
 
+    def strings(self, n: int, what: str) -> list[str]:
+        """`n` strings in a row (a vocabulary: one tight loop, ~5x faster than `string` per item)."""
+        buf, pos, end = self.mv, self.pos, len(self.buf)
+        out: list[str] = []
+        unpack_from, append = struct.Struct("<Q").unpack_from, out.append
+        for _ in range(n):
+            if pos + 8 > end:
+                raise ModelFormatError(self.path, what, f"file is truncated: needs byte {pos + 8}, file has {end}")
+            k = unpack_from(buf, pos)[0]
+            pos += 8
+            if pos + k > end:
+                raise ModelFormatError(self.path, what, f"file is truncated: needs byte {pos + k}, file has {end}")
+            append(str(buf[pos : pos + k], "utf-8", "replace"))
+            pos += k
+        self.pos = pos
+        return out
+
     def count(self, n: int, min_bytes: int, what: str) -> int:
         """`n` items of at least `min_bytes` each must fit in the rest of the file (no huge list is built)."""
         left = len(self.buf) - self.pos
@@ -149,7 +176,7 @@ class _Cursor:
             etype = self.unpack("<I", what)
             count = self.unpack("<Q", what)
             if etype == GGUFValueType.STRING:
-                return [self.string(what) for _ in range(self.count(count, 8, what))]
+                return self.strings(self.count(count, 8, what), what)
             if etype == GGUFValueType.ARRAY:
                 return [self.value(GGUFValueType.ARRAY, what, depth + 1) for _ in range(self.count(count, 12, what))]
             if etype not in _SCALAR:
@@ -163,8 +190,12 @@ class _Cursor:
         return self.unpack(fmt, what)
 
 
-def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:
-    """Open `path`; raise ModelFormatError naming what is wrong when it is not a usable GGUF."""
+def read_gguf(path: str | os.PathLike[str], header_only: bool = False) -> GGUFFile:
+    """Open `path`; raise ModelFormatError naming what is wrong when it is not a usable GGUF.
+
+    `header_only`: metadata and tensor shapes and types alone, for planning (`TensorInfo.raw` is a
+    zero-stride view of the right shape and dtype, so `nbytes` is right and no tensor byte of the
+    file is ever read; a file cut after its header still opens)."""
     p = os.fspath(path)
     try:
         size = os.path.getsize(p)
@@ -230,17 +261,17 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:
             raise ModelFormatError(p, name, f"row length {cols} is not a multiple of {block}")
         nbytes = n_elems // block * type_size
         start = data_start + int(offset)
-        if start + nbytes > size:
+        if not header_only and start + nbytes > size:
             raise ModelFormatError(p, name, f"file is truncated: tensor ends at byte {start + nbytes}, file has {size}")
-        raw = buf[start : start + nbytes]
-        if qtype == GGMLQuantizationType.F32:
-            arr: np.ndarray = raw.view(np.float32).reshape(shape)
-        elif qtype == GGMLQuantizationType.F16:
-            arr = raw.view(np.float16).reshape(shape)
-        elif qtype == GGMLQuantizationType.BF16:
-            arr = raw.view(np.uint16).reshape(shape)
-        else:
+        dtype, view = _VIEWS.get(qtype.name, (np.dtype(np.uint8), None))
+        if view is None:  # block-quantized: bytes per row
             rows = n_elems // cols if cols else 0
-            arr = raw.reshape(rows, cols // block * type_size)
+            view = (rows, cols // block * type_size)
+        else:
+            view = shape
+        if header_only:  # the right shape and nbytes, no file byte behind it
+            arr: np.ndarray = np.broadcast_to(np.zeros(1, dtype), view)
+        else:
+            arr = buf[start : start + nbytes].view(dtype).reshape(view)
         tensors[name] = TensorInfo(name, qtype.name, shape, arr)
-    return GGUFFile(p, metadata, tensors)
+    return GGUFFile(p, metadata, tensors, loadable=not header_only)

@@ -79,6 +79,8 @@ class MemoryPlan:
     backend: str = "numpy"
     parts: tuple[tuple[str, int], ...] = ()
     """Finer breakdown (name, bytes) of the scratch parts, where the backend gives one."""
+    kv_dtype: str = "f16"
+    """KV cache element type the plan is made for."""
 
     @property
     def scratch(self) -> int:
@@ -122,7 +124,7 @@ def plan_memory(
     options: EngineOptions | None = None,
 ) -> MemoryPlan:
     """Memory plan of `backend` (None: the CPU backends) at `n_ctx` for prefill chunks of `chunk`
-    tokens (default: the backend's own chunk, 64 on CPU, 512 on CuPy).
+    tokens (default: the options' `prefill_chunk`, else the backend's own, 64 on CPU, 512 on CuPy).
 
     CPU: the float32 NumPy backend (weights dequantized); `quantized`: the backend keeps 2-D
     block-quantized matrices as stored (native CPU backend), only the other tensors count as
@@ -133,6 +135,7 @@ def plan_memory(
     tile precision `prefill_dtype` (None: the options' `cupy_prefill`) under `options` (None: the
     environment's, `EngineOptions.from_env`, as `engine.load_model` without options).
     """
+    chunk = chunk or (options.prefill_chunk if options is not None else None)
     if backend == "cupy":
         from .backends import cupy_plan
 
@@ -153,6 +156,7 @@ def plan_memory(
                 ("prefill_activations", g.activations),
                 ("prefill_graphs", g.graphs),
             ),
+            kv_dtype=kv_dtype,
         )
     chunk = chunk or 64
     weights = 0
@@ -173,6 +177,7 @@ def plan_memory(
         n_ctx,
         chunk=chunk,
         backend="native" if quantized else "numpy",
+        kv_dtype=kv_dtype,
     )
 
 

@@ -13,6 +13,7 @@ environment by `EngineOptions.from_env` (the only place the engine reads these v
 | `cupy_decoder` | `GENIE_CUPY_DECODER` | "graph" | one-token steps: graph, eager or off |
 | `attn_chunk` | `GENIE_CUPY_ATTN_CHUNK` | 32 | fewest positions a decode-attention slice takes |
 | `attn_warps` | `GENIE_CUPY_ATTN_WARPS` | 0 (the rule) | warps of a decode-attention block |
+| `prefill_chunk` | — (the caller's) | None (the backend's: CPU 64, CuPy 512) | prompt tokens per prefill pass the caller uses: sizes the memory plan's prefill scratch and CuPy's first-chunk graph |
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ class EngineOptions:
     """Fewest positions one decode-attention slice takes."""
     attn_warps: int = 0
     """Warps of one decode-attention block; 0: `decode_src.attn_warps`'s rule."""
+    prefill_chunk: int | None = None
+    """Prompt tokens per prefill pass the caller will use (the daemon: the policy's
+    `voice.prefill_chunk_tokens`); sizes the plan's prefill scratch and CuPy's first-chunk graph.
+    None: the backend's own (CPU 64, CuPy 512)."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> EngineOptions:

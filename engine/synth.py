@@ -14,12 +14,13 @@ valid random blocks directly (no float weights: seconds for a 4B-shaped model).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 
 from .quants import dequantize
 from .quants_encode import quantize, random_blocks
@@ -272,8 +273,10 @@ def write_config(
     c: SynthConfig,
     raw_tensors: Mapping[str, tuple[np.ndarray, str]] | None = None,
     log: Callable[[str], None] | None = None,
+    header_only: bool = False,
 ) -> str:
-    """Write the model described by `c` (see write_synthetic_gguf)."""
+    """Write the model described by `c` (see write_synthetic_gguf); `header_only`: the same file
+    cut after its header (metadata and tensor infos, no tensor byte), for planning tests."""
     p = os.fspath(path)
     hd = c.head_dim or c.n_embd // c.n_heads
     w = GGUFWriter(p, c.arch)
@@ -301,6 +304,17 @@ def write_config(
     w.add_add_bos_token(False)
     w.add_chat_template(CHATML)
     rng = np.random.default_rng(c.seed)
+    if header_only:
+        for name, shape, kind in _tensor_list(c):
+            t = "F32" if kind in ("norm", "bias") or c.dequantized else c.type_overrides.get(name, c.weight_type)
+            block, size = GGML_QUANT_SIZES[GGMLQuantizationType[t]]
+            nbytes = math.prod(shape) // block * size
+            w.add_tensor_info(name, shape, np.dtype(np.float32), nbytes, raw_dtype=GGMLQuantizationType[t])
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        w.close()
+        return p
     for name, shape, kind in _tensor_list(c):
         if raw_tensors and name in raw_tensors:
             data, t = raw_tensors[name]

@@ -18,6 +18,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
+
 from .tokenizer_merge import merge_pairs
 
 # llama.cpp's whitespace set (the Unicode White_Space property); Python's str.isspace() differs.
@@ -47,16 +49,22 @@ def _ranges(cps: list[int]) -> str:
     return "".join(out)
 
 
+def _class_ranges(majors: np.ndarray, letter: str) -> str:
+    """Character-class body of the code points whose major category is `letter` (runs as ranges)."""
+    mask = np.concatenate(([False], majors == ord(letter), [False]))
+    edges = np.flatnonzero(mask[1:] != mask[:-1])  # run starts and ends (exclusive), alternating
+    return "".join(
+        _esc(a) if b - a == 1 else f"{_esc(a)}-{_esc(b - 1)}"
+        for a, b in zip(edges[0::2].tolist(), edges[1::2].tolist(), strict=True)
+    )
+
+
 @lru_cache(maxsize=1)
 def unicode_classes() -> dict[str, str]:
     """Class bodies for ``L`` (letters), ``N`` (numbers), ``P`` (punctuation), ``W`` (whitespace)."""
-    members: dict[str, list[int]] = {"L": [], "N": [], "P": []}
-    category = unicodedata.category
-    for cp in range(_SCAN_LIMIT):
-        major = category(chr(cp))[0]
-        if major in members:
-            members[major].append(cp)
-    classes = {k: _ranges(v) for k, v in members.items()}
+    category = unicodedata.category  # the major class letter of every code point, as one byte string
+    majors = np.frombuffer("".join(c[0] for c in map(category, map(chr, range(_SCAN_LIMIT)))).encode(), np.uint8)
+    classes = {k: _class_ranges(majors, k) for k in ("L", "N", "P")}
     classes["W"] = _ranges(_WHITESPACE)
     return classes
 

@@ -6,8 +6,9 @@
     # leaving the block shuts down gracefully (generations cancelled, STOPPING=1)
 
 Start order (each with ``await tg.start``, so READY=1 means all of them are up): signals, state
-expiry, policy (first load; a bad file stops the start), arbiter, telemetry sampler, watchers,
-HTTP server, engine (model load), MQTT. SIGTERM/SIGINT shut down within ``api.shutdown_timeout_s``
+expiry, policy (first load; a bad file stops the start), arbiter, telemetry sampler, then the
+model manager (its loads run in a worker thread) while the watchers and the HTTP server start,
+then, once the models are up, MQTT. SIGTERM/SIGINT shut down within ``api.shutdown_timeout_s``
 (under ``genie-supervisor run`` an `ExitDeadline` ends the process at that bound even when a worker
 thread is stuck in one long call); SIGHUP reloads the policy (a bad file keeps the old one, and says
 so in /status). The policy in force and its run-time controls (select, thermal soft limit, reload, the
@@ -22,7 +23,7 @@ import socket
 import sys
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.to_thread
@@ -30,9 +31,6 @@ import structlog
 from anyio.abc import TaskGroup, TaskStatus
 
 from . import __version__
-from .api.deps import ApiDeps
-from .api.ops import jsonable
-from .api.server import HttpServer, bind_socket, create_app
 from .arbiter import Arbiter, DecodeGate
 from .config import Config, parse_hostport
 from .controls import SupervisorControls
@@ -45,6 +43,7 @@ from .llm.prompt_cache import open_prompt_cache
 from .llm.serving import BackendContext
 from .policy import Policy, PolicyWatcher
 from .policy.schema import builtin_policy
+from .startup import startup_status
 from .state import StateStore
 from .systemd import Notifier
 from .telemetry import TelemetrySource, configured_source, run_sampler
@@ -52,6 +51,10 @@ from .ui.feed import UiFeed
 from .urls import redact_url
 from .voice import VoiceHints
 from .watchers import build_watchers
+
+if TYPE_CHECKING:  # the API (FastAPI) is imported when the HTTP server starts, while the model loads
+    from .api.deps import ApiDeps
+    from .api.server import HttpServer
 
 if sys.version_info < (3, 11):  # pragma: no cover - Python 3.10 (JetPack 6)
     from exceptiongroup import BaseExceptionGroup
@@ -174,6 +177,8 @@ class Supervisor(SupervisorControls):
 
     def status(self) -> dict[str, Any]:
         """The whole state as JSON values (``GET /status``)."""
+        from .api.ops import jsonable
+
         snap = self.store.snapshot()
         watcher = self.policy_watcher
         return {
@@ -195,6 +200,7 @@ class Supervisor(SupervisorControls):
             "admission": self.admission.describe(),
             "first_reply_ms": dict(self.models.first_reply_ms),
             "requests": jsonable(snap.requests),
+            "startup": startup_status(self.models),
             "gate": self.gate.metrics(),
             "policy": {
                 "name": snap.policy_name,
@@ -221,6 +227,8 @@ class Supervisor(SupervisorControls):
 
     def _api_deps(self) -> ApiDeps:
         """What the HTTP routes may use of this daemon."""
+        from .api.deps import ApiDeps
+
         return ApiDeps(
             config=self.cfg,
             admission=self.admission,
@@ -307,6 +315,7 @@ class Supervisor(SupervisorControls):
                 )
                 log.info(
                     "supervisor_ready",
+                    **startup_status(self.models),
                     listen=self.http.address if self.http else None,
                     engine=self.engine.state,
                     backend=self.engine.backend,
@@ -339,12 +348,21 @@ class Supervisor(SupervisorControls):
         await tg.start(self.arbiter.run, self.store, lambda: self.policy)
         await tg.start(self.ui.run)
         await tg.start(run_sampler, source, self.store.publish, cfg.telemetry.interval_s)
+        models_up = anyio.Event()
+
+        async def start_models() -> None:  # the load (a worker thread) overlaps the rest of the start
+            await tg.start(self.models.run)
+            models_up.set()
+
+        tg.start_soon(start_models)
         for watcher in build_watchers(cfg.services, self.store.publish, wait_parked=self.gate.wait_parked):
             await tg.start(watcher.run)
+        from .api.server import HttpServer, create_app
+
         self.http = HttpServer(create_app(self._api_deps()), sock)
         await tg.start(self.http.run)
         log.info("http_listening", address=self.http.address)
-        await tg.start(self.models.run)
+        await models_up.wait()
         await self._start_mqtt(tg)
         await tg.start(self.notifier.run_watchdog)
 
@@ -385,6 +403,8 @@ class Supervisor(SupervisorControls):
     def _bind(self) -> socket.socket:
         host, port = parse_hostport(self.cfg.http.listen)
         try:
+            from .api.server import bind_socket
+
             return bind_socket(host, port)
         except OSError as exc:
             raise SupervisorError(f"http.listen {self.cfg.http.listen}: cannot listen: {exc.strerror or exc}") from exc

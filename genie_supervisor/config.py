@@ -17,6 +17,7 @@ from pydantic import Field, field_validator, model_validator
 from .config_sections import (
     ApiConfig,
     BackendName,
+    BoxConfig,
     EngineConfig,
     HttpConfig,
     LlamaCppConfig,
@@ -93,6 +94,7 @@ class Config(_Section):
     services: dict[str, ServiceConfig] = Field(default_factory=dict, description="watched services by name")
     voice: VoiceConfig = Field(default_factory=VoiceConfig, description="voice hints")
     systemd: SystemdConfig = Field(default_factory=SystemdConfig, description="systemd integration")
+    box: BoxConfig = Field(default_factory=BoxConfig, description="the box's memory, as doctor accounts it")
 
     @field_validator("services")
     @classmethod

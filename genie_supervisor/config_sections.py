@@ -174,6 +174,16 @@ class EngineConfig(_Section):
         le=1024,
         description="CPU threads of the native CPU kernels (default: $GENIE_THREADS, else all cores)",
     )
+    kernel_cache_dir: str | None = Field(
+        None,
+        description="where compiled kernels are kept across restarts (default: $CACHE_DIRECTORY/kernels "
+        "under systemd, else ~/.cache/genie-supervisor/kernels)",
+    )
+    prewarm: bool = Field(
+        True,
+        description="at process start, create the CUDA context and load the kernels in a thread while the "
+        "daemon starts (builtin backend)",
+    )
 
 
 BackendName = Literal["builtin", "llama_cpp", "openai"]
@@ -190,6 +200,11 @@ class ModelEntry(_Section):
         default_factory=list, description="other names clients may put in `model` (e.g. voice, brain)"
     )
     resident: bool = Field(False, description="load at startup and never evict")
+    preload: bool = Field(
+        False,
+        description="load at startup (ready waits for it; a failure is logged, the start goes on) but, unlike "
+        "resident, it may be swapped out (a swap group's first member loaded at the start)",
+    )
     group: str | None = Field(None, description="swap group: at most one member of a group is loaded at a time")
     n_ctx: int | None = Field(
         None, ge=128, le=1_048_576, description="context length (default engine.n_ctx); never shrunk to fit"
@@ -218,6 +233,8 @@ class ModelEntry(_Section):
     def _check(self) -> ModelEntry:
         if self.resident and self.group is not None:
             raise KeyedValueError("group", "a resident model cannot be in a swap group (it is never unloaded)")
+        if self.resident and self.preload:
+            raise KeyedValueError("preload", "a resident model is loaded at startup anyway: set one of the two")
         if self.resident and self.ttl_s is not None:
             raise KeyedValueError("ttl_s", "a resident model is never unloaded, so it takes no ttl_s")
         return self
@@ -458,3 +475,24 @@ class PromptCacheConfig(_Section):
     min_tokens: int = Field(
         256, ge=1, le=1_048_576, description="shortest prefix saved or restored (shorter ones prefill fast enough)"
     )
+
+
+class BoxConfig(_Section):
+    """The whole box's memory, as `genie-supervisor doctor` adds it up (estimates, not limits)."""
+
+    memory_mb: float | None = Field(
+        None, gt=0, le=16_777_216, description="usable memory of the box in MiB (null: this box's MemTotal)"
+    )
+    estimates_mb: dict[str, float] = Field(
+        default_factory=dict,
+        description="what else lives on the box, by name (e.g. os, homeassistant), in MiB; the voice services "
+        "count with the policy's memory.reservations unless named here",
+    )
+
+    @field_validator("estimates_mb")
+    @classmethod
+    def _sizes(cls, v: dict[str, float]) -> dict[str, float]:
+        for name, mb in v.items():
+            if not 0 <= mb <= 16_777_216:
+                raise ValueError(f"{name}: {mb} MiB is outside 0..16777216")
+        return v

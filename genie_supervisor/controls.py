@@ -10,12 +10,11 @@ Supervisor (app.py) inherits it and sets the attributes declared here in its con
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from anyio.abc import TaskGroup
 
-from .api.deps import ControlActions, VoiceHintHandler
 from .arbiter import DecodeGate
 from .config import Config
 from .errors import PolicyErrors
@@ -24,6 +23,9 @@ from .policy import Policy, PolicyWatcher
 from .policy.schema import builtin_policy, with_thermal_soft_limit
 from .state import StateStore
 from .urls import redact_url
+
+if TYPE_CHECKING:
+    from .api.deps import ControlActions, VoiceHintHandler
 
 log = structlog.get_logger("genie_supervisor.app")  # the logger name these events always had
 
@@ -111,6 +113,8 @@ class SupervisorControls:
 
     def control_actions(self) -> ControlActions:
         """The controls as the HTTP routes and the web page call them (the MQTT bridge's calls)."""
+        from .api.deps import ControlActions  # FastAPI: imported once the HTTP server starts
+
         return ControlActions(
             select_policy=self.select_policy,
             set_llm_enabled=self.models.set_enabled,

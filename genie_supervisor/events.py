@@ -131,6 +131,14 @@ class EngineStats:
     """backend openai: the model name the remote serves."""
     remote_state: str | None = None
     """backend openai: ``up``, ``down``, ``unknown``, or ``fallback`` while the local fallback answers."""
+    scratch_mb: float | None = None
+    """Planned scratch (activations, prefill buffers) of the loaded models in MiB."""
+    n_ctx: int | None = None
+    """Context the loaded model's KV cache is sized for."""
+    kv_dtype: str | None = None
+    """KV cache element type of the loaded model (``f16``, ``int8``)."""
+    ready_s: float | None = None
+    """Seconds from process start to ready (the resident models loaded: a first token servable)."""
 
 
 @dataclass(frozen=True)

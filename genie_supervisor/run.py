@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import structlog
 
-from .app import Supervisor, _unwrap
 from .errors import ConfigErrors, PolicyErrors, SupervisorError
-from .exit_deadline import ExitDeadline
+
+if TYPE_CHECKING:
+    from .app import Supervisor
 
 log = structlog.get_logger("genie_supervisor.app")  # the logger name these events always had
 
@@ -27,9 +28,12 @@ async def _main(sup: Supervisor) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    """``genie-supervisor run``: load the config (flags override it) and run until SIGTERM."""
+    """``genie-supervisor run``: load the config (flags override it) and run until SIGTERM.
+
+    The engine's per-process start-up (CUDA context, kernels) starts in a thread right after the
+    config is read, before the daemon's own modules are imported (`startup.prepare`)."""
     from .config import load_config
-    from .logging import configure_logging
+    from .startup import prepare
 
     overrides = {k: getattr(args, k, None) for k in ("model", "policy", "mqtt", "listen", "platform")}
     try:
@@ -37,7 +41,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ConfigErrors as exc:
         print(str(exc), file=sys.stderr)
         return 1
-    configure_logging(cfg.log.level, cfg.log.format)
+    from .logging import configure_logging
+
+    configure_logging(cfg.log.level, cfg.log.format)  # before the prewarm thread may log
+    prepare(cfg)
+    from .app import Supervisor
+    from .exit_deadline import ExitDeadline
+
     deadline = ExitDeadline()
     sup = Supervisor(cfg, handle_signals=True, exit_deadline=deadline)
     rc = _serve(sup)
@@ -49,6 +59,7 @@ def _serve(sup: Supervisor) -> int:
     """Run the daemon's loop to the end; the exit status."""
     from engine.errors import EngineError
 
+    from .app import _unwrap
     from .errors import TelemetryError
 
     backend = "asyncio"

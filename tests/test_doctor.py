@@ -71,7 +71,9 @@ def test_model_that_fits_the_budget_passes_with_exit_0(tmp_path: Path, capsys: p
     checks = by_name(audit(str(cfg)))
     memory = checks["memory"]
     assert memory.status == "ok"
-    assert "weights 513 + KV 90 (n_ctx 4096) + scratch 24 = 627 MiB; budget 2560 MiB" in memory.detail
+    assert "weights 513 + KV 90 (n_ctx 4096, f16) + scratch 24 (prefill chunk 64) = 627 MiB; budget 2560 MiB" in (
+        memory.detail
+    )
     assert "box 5000 of 7620 MiB available" in memory.detail
     assert checks["telemetry"].status == "ok" and checks["telemetry"].detail.startswith("simulated")
     assert checks["model"].detail.startswith("SmolLM2-135M-Instruct.Q4_1.gguf: llama")
@@ -334,3 +336,21 @@ def test_render_is_one_line_per_check_then_fixes_and_verdict() -> None:
     assert lines[1].startswith("  ok   a") and lines[2].startswith("  FAIL b")
     assert lines[3] == "fixes:" and lines[4] == "  b: do x"
     assert lines[-1].startswith("verdict: the daemon would NOT start")
+
+
+def test_box_memory_adds_up_the_estimates_and_the_llm_plan(tmp_path: Path) -> None:
+    """The box check sums the config's estimates and the LLM plan against box.memory_mb and says
+    what is left; a box too small for the plan fails, one too small for the whole budget warns."""
+    box = "box:\n  memory_mb: 7600\n  estimates_mb: {os: 900, homeassistant: 700}\n"
+    cfg = write_config(tmp_path, budget_mb=2560, model=require(SMOLLM2), extra=box)
+    check = by_name(audit(str(cfg)))["box memory"]
+    assert check.status == "ok", check
+    assert check.detail == (
+        "os 900 + homeassistant 700 + LLM plan 627 (budget 2560) = 2227 of 7600 MiB; "
+        "left 5373 MiB (3440 with the whole budget)"
+    )
+    cfg.write_text(cfg.read_text().replace("memory_mb: 7600", "memory_mb: 3000"))
+    assert by_name(audit(str(cfg)))["box memory"].status == "warn"
+    cfg.write_text(cfg.read_text().replace("memory_mb: 3000", "memory_mb: 2000"))
+    over = by_name(audit(str(cfg)))["box memory"]
+    assert over.status == "fail" and over.detail.startswith("over: ")

@@ -218,6 +218,8 @@ def test_device_discovery_message_is_valid_for_every_component() -> None:
         "model",
         "model_memory",
         "kv_memory",
+        "scratch_memory",
+        "start_to_ready",
         "stt_active",
         "tts_active",
         "gpu_temperature",
@@ -246,6 +248,7 @@ def test_device_discovery_message_is_valid_for_every_component() -> None:
     assert cmps["service_whisper_up"]["device_class"] == "connectivity"
     assert cmps["policy_error"]["device_class"] == "problem" and cmps["policy_error"]["json_attributes_topic"]
     assert cmps["model_memory"]["entity_category"] == "diagnostic"
+    assert cmps["start_to_ready"]["unit_of_measurement"] == "s" and cmps["start_to_ready"]["device_class"] == "duration"
     assert cmps["policy_select"]["options"] == ["default", "orin-nano-8gb"]
 
 
@@ -738,3 +741,17 @@ async def test_daemon_starts_without_a_broker_and_connects_when_it_appears(tmp_p
                     await rec.wait_for(AVAIL, is_("online"), within_s=2.5)
     finally:
         await broker.stop()
+
+
+@pytest.mark.timeout(10)
+def test_plan_and_start_to_ready_sensors_carry_the_engine_stats() -> None:
+    """The scratch, KV shape and start-to-ready sensors publish what the engine stats say."""
+    store = StateStore()
+    store.publish(
+        EngineStats("idle", model="q", kv_mb=612.0, scratch_mb=153.62, n_ctx=8192, kv_dtype="int8", ready_s=1.234)
+    )
+    by_key = {e.key: e for e in entities(Inputs(store.snapshot()))}
+    inputs = Inputs(store.snapshot())
+    assert by_key["scratch_memory"].render(inputs) == "153.6"
+    assert by_key["start_to_ready"].render(inputs) == "1.23"
+    assert json.loads(by_key["kv_memory"].render_attributes(inputs) or "{}") == {"n_ctx": 8192, "kv_dtype": "int8"}

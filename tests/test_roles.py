@@ -105,7 +105,8 @@ async def test_swap_group_under_budget_keeps_resident_and_drains_in_flight(tmp_p
                 await ask("huge")
             assert info.value.status_code == 503
             message = info.value.body["message"]  # type: ignore[index]
-            assert "'huge' needs 14.9 MiB" in message and "budget (policy memory.llm_budget_mb) is 4.0 MiB" in message
+            assert "'huge' needs 13.5 MiB" in message and "n_ctx 256, f16 KV, prefill chunk 16" in message
+            assert "budget (policy memory.llm_budget_mb) is 4.0 MiB" in message
             status = (await client.get("/status")).json()
             assert status["admission"]["running"] == 0 and all(m["in_flight"] == 0 for m in status["models"])
             metrics = (await client.get("/metrics")).text

@@ -56,6 +56,10 @@ _libs: dict[tuple[str, ...], tuple[ctypes.CDLL | None, str]] = {}
 
 
 def cache_dir() -> Path:
+    """$GENIE_KERNEL_CACHE_DIR (the daemon sets it from engine.kernel_cache_dir), else
+    $XDG_CACHE_HOME (or ~/.cache) /genie-supervisor/kernels."""
+    if os.environ.get("GENIE_KERNEL_CACHE_DIR"):
+        return Path(os.environ["GENIE_KERNEL_CACHE_DIR"])
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "genie-supervisor" / "kernels"
 

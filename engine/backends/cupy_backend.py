@@ -86,6 +86,8 @@ class CupyOps:
         kernels.module()  # compile now (NVRTC), not in the middle of the first forward pass
         self.options = options or DEFAULT_OPTIONS
         """The tuning knobs (`EngineOptions`; None: the defaults); `make_decoder` passes them on."""
+        if self.options.prefill_chunk:
+            self.prefill_chunk = int(self.options.prefill_chunk)  # the caller's chunk (memory plan, graphs)
         self.decoder_mode = self.options.cupy_decoder
         """One-token steps: "graph" (fused kernels replayed from a CUDA graph), "eager" (the same
         kernels launched one by one) or "off" (the generic forward pass)."""

@@ -14,6 +14,7 @@ from typing import Any
 
 from engine.errors import EngineError
 from engine.model import MemoryPlan, plan_memory
+from engine.options import EngineOptions
 from engine.spec import read_spec
 
 from ..config import Config
@@ -25,7 +26,9 @@ OpenModel = Callable[[str], object]
 """Reads a GGUF header (engine.open_model_file)."""
 
 
-def _plan(gf: Any, n_ctx: int, kv_dtype: str, quantized: bool = False, backend: str | None = None) -> MemoryPlan:
+def _plan(
+    gf: Any, n_ctx: int, kv_dtype: str, quantized: bool = False, backend: str | None = None, chunk: int | None = None
+) -> MemoryPlan:
     return plan_memory(
         gf,
         read_spec(gf),
@@ -33,6 +36,7 @@ def _plan(gf: Any, n_ctx: int, kv_dtype: str, quantized: bool = False, backend: 
         kv_dtype,
         quantized=quantized,
         backend=backend,
+        options=EngineOptions(prefill_chunk=chunk),
     )
 
 
@@ -57,23 +61,33 @@ def weights_stay_quantized(backend: str) -> bool:
 
 
 def largest_ctx_within(
-    gf: object, kv_dtype: str, budget_mb: float, start: int, quantized: bool = False, backend: str | None = None
+    gf: object,
+    kv_dtype: str,
+    budget_mb: float,
+    start: int,
+    quantized: bool = False,
+    backend: str | None = None,
+    chunk: int | None = None,
 ) -> int | None:
     """The largest power-of-two context (>= 128, below `start`) whose plan fits, None if none does."""
     n = start // 2
     while n >= 128:
-        if _plan(gf, n, kv_dtype, quantized, backend).total / MiB <= budget_mb:
+        if _plan(gf, n, kv_dtype, quantized, backend, chunk).total / MiB <= budget_mb:
             return n
         n //= 2
     return None
 
 
 def check_model(cfg: Config, policy: Policy, sample: TelemetrySample | None, open_model: OpenModel) -> list[Check]:
-    """The model file and its memory plan against the policy's budget and the box's memory."""
+    """The default model's file (the first loaded at the start: resident, else the first listed)
+    and its memory plan against the policy's budget and the box's memory."""
     eng = cfg.engine
-    if eng.model is None:
+    entries = [e for e in cfg.model_entries().values() if (e.backend or cfg.backend) == "builtin"]
+    entry = next((e for e in entries if e.resident), entries[0] if entries else None)
+    if entry is None or entry.path is None:
         return [Check("model", "ok", "none configured: the daemon runs without an LLM")]
-    path = eng.model
+    path = entry.path
+    n_ctx, kv_dtype = entry.n_ctx or eng.n_ctx, entry.kv_dtype or eng.kv_dtype
     if not os.path.isfile(path):
         return [
             Check(
@@ -113,14 +127,17 @@ def check_model(cfg: Config, policy: Policy, sample: TelemetrySample | None, ope
     ]
     q = weights_stay_quantized(eng.backend)
     b = _resolved(eng.backend)
+    chunk = policy.voice.prefill_chunk_tokens
+    plan = _plan(gf, n_ctx, kv_dtype, q, b, chunk)
     checks.append(
         check_memory(
-            _plan(gf, eng.n_ctx, eng.kv_dtype, q, b),
+            plan,
             policy,
             sample,
-            fits_ctx=lambda budget: largest_ctx_within(gf, eng.kv_dtype, budget, eng.n_ctx, q, b),
+            fits_ctx=lambda budget: largest_ctx_within(gf, kv_dtype, budget, n_ctx, q, b, chunk),
         )
     )
+    checks.append(check_box(cfg, policy, sample, plan))
     return checks
 
 
@@ -135,8 +152,9 @@ def check_memory(
     mem = policy.memory
     total_mb = plan.total / MiB
     detail = (
-        f"weights {plan.weights / MiB:.0f} + KV {plan.kv / MiB:.0f} (n_ctx {plan.n_ctx}) + "
-        f"scratch {plan.scratch / MiB:.0f} = {total_mb:.0f} MiB; budget {mem.llm_budget_mb:.0f} MiB"
+        f"weights {plan.weights / MiB:.0f} + KV {plan.kv / MiB:.0f} (n_ctx {plan.n_ctx}, {plan.kv_dtype}) + "
+        f"scratch {plan.scratch / MiB:.0f} (prefill chunk {plan.chunk}) = {total_mb:.0f} MiB; "
+        f"budget {mem.llm_budget_mb:.0f} MiB"
     )
     box_total = sample.mem_total_mb if sample else None
     box_avail = sample.mem_available_mb if sample else None
@@ -166,3 +184,35 @@ def check_memory(
             "stop something, or start genie-supervisor before the voice services (its unit is ordered Before= them)",
         )
     return Check("memory", "ok", f"fits: {detail}")
+
+
+VOICE_SERVICES = ("whisper", "piper", "dfn")
+"""The services the policy's memory.reservations name, counted in the box when not estimated in the config."""
+
+
+def check_box(cfg: Config, policy: Policy, sample: TelemetrySample | None, plan: MemoryPlan) -> Check:
+    """The whole box's memory: the config's estimates (box.estimates_mb: the OS, Home Assistant,
+    ...), the voice services' reservations from the policy, and the LLM (its plan; its budget as
+    the worst case) against box.memory_mb (else MemTotal); says what is left. Fails when even the
+    plan does not fit, warns when the budget would not."""
+    mem = policy.memory
+    parts = dict(cfg.box.estimates_mb)
+    for name in VOICE_SERVICES:
+        if name not in parts and name in mem.reservations:
+            parts[name] = mem.reservations[name]
+    total = cfg.box.memory_mb or (sample.mem_total_mb if sample else None)
+    llm = plan.total / MiB
+    others = sum(parts.values())
+    text = " + ".join(f"{k} {v:.0f}" for k, v in parts.items())
+    text = (text + " + " if text else "") + f"LLM plan {llm:.0f} (budget {mem.llm_budget_mb:.0f})"
+    if total is None:
+        return Check(
+            "box memory", "warn", f"{text} MiB; the box's memory is unknown", "set box.memory_mb in the config"
+        )
+    left, worst = total - others - llm, total - others - mem.llm_budget_mb
+    detail = f"{text} = {others + llm:.0f} of {total:.0f} MiB; left {left:.0f} MiB ({worst:.0f} with the whole budget)"
+    if left < 0:
+        return Check("box memory", "fail", f"over: {detail}", "use a smaller model or context, or fewer services")
+    if worst < 0:
+        return Check("box memory", "warn", detail, "lower memory.llm_budget_mb so the budget fits the box")
+    return Check("box memory", "ok", detail)

@@ -126,7 +126,7 @@ class BuiltinBackend:
             p = await self.host.plan()
         except (OSError, ValueError) as exc:
             raise BackendUnavailable(f"model {self.model_id!r}: {exc}") from exc
-        return Plan(p.weights, p.kv, p.scratch, p.n_ctx)
+        return Plan(p.weights, p.kv, p.scratch, p.n_ctx, p.kv_dtype, p.chunk)
 
     async def load(self) -> None:
         """Load the weights in a worker thread."""

@@ -152,7 +152,7 @@ class HostedGeneration:
             self.prompt_ids,
             self.sampling,
             gate=_HostGate(host, self.priority),
-            prefill_chunk=host.arbiter.prefill_chunk_tokens,
+            prefill_chunk=host.prefill_chunk,
             prefill_layer_group=host.arbiter.prefill_layer_group,
             priority=PRIORITY_RANK.get(self.priority or "", 0),
             pin_prefix=self.priority == "voice",

@@ -23,6 +23,7 @@ import gc
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import anyio
@@ -33,7 +34,9 @@ from anyio.abc import TaskStatus
 
 from engine import GrammarError, Model, SamplingParams, load_model, open_model_file
 from engine.backends import resolve_backend
+from engine.gguf_file import GGUFFile
 from engine.model import MemoryPlan, plan_memory
+from engine.options import EngineOptions
 from engine.prompt_cache import ModelCache, PromptCache
 from engine.spec import read_spec
 
@@ -96,7 +99,8 @@ class EngineHost:
         self.model: Model | None = None
         """The loaded model."""
         self.memory_plan: MemoryPlan | None = None
-        """Planned bytes (weights, KV, scratch), known before the weights load."""
+        """Planned bytes (weights, KV, scratch) for the policy's prefill chunk, known before the
+        weights load; once loaded, the plan the model was loaded with (until it is unloaded)."""
         self.error: str | None = None
         """Why loading failed."""
         self.closing = False
@@ -114,6 +118,7 @@ class EngineHost:
         self._threads = threads
         self._loader = loader
         self._load_state = "disabled" if self.model_path is None else ("loading" if autoload else "unloaded")
+        self._header: GGUFFile | None = None  # the plan's header, handed to the load (read once)
         self._live: list[HostedGeneration] = []
         self._tokens_done = 0
         self._last: HostedGeneration | None = None
@@ -174,6 +179,9 @@ class EngineHost:
             weights_mb=round(info.weights_bytes / MiB, 3) if info else None,
             kv_mb=round(info.kv_bytes / MiB, 3) if info else None,
             rss_mb=round(rss, 1) if rss is not None else None,
+            scratch_mb=round(self.memory_plan.scratch / MiB, 3) if info and self.memory_plan else None,
+            n_ctx=info.n_ctx if info else None,
+            kv_dtype=self._kv_dtype if info else None,
         )
 
     def publish_stats(self) -> None:
@@ -224,12 +232,25 @@ class EngineHost:
                 await self._activity.wait()
 
     async def plan(self) -> MemoryPlan:
-        """The memory plan of the configured model, read from its GGUF header (no weights loaded)."""
+        """The memory plan of the configured model, read from its GGUF header (no weights loaded):
+        prefill scratch for the policy's prefill chunk now (a loaded model: the plan it was loaded
+        with; a changed chunk reaches it at its next load)."""
         if self.model_path is None:
             raise EngineUnavailable("no model is configured")
-        if self.memory_plan is None:
-            self.memory_plan = await anyio.to_thread.run_sync(self._plan, self.model_path)
+        chunk = self.arbiter.prefill_chunk_tokens
+        plan = self.memory_plan
+        if self.model is None and (plan is None or plan.chunk != chunk):
+            self.memory_plan = await anyio.to_thread.run_sync(self._plan, self.model_path, chunk)
+        assert self.memory_plan is not None
         return self.memory_plan
+
+    @property
+    def prefill_chunk(self) -> int:
+        """Prompt tokens per prefill pass for new generations: the policy's, at most the chunk the
+        loaded model's scratch was planned for (a larger one applies from the next load)."""
+        chunk = self.arbiter.prefill_chunk_tokens
+        plan = self.memory_plan
+        return min(chunk, plan.chunk) if self.model is not None and plan is not None else chunk
 
     async def load(self) -> None:
         """Load the configured model now (the model manager calls this; `run` does it at start)."""
@@ -268,11 +289,21 @@ class EngineHost:
 
     async def _load(self, path: str) -> None:
         t0 = time.monotonic()
-        log.info("model_loading", path=path, backend=self._backend, n_ctx=self._n_ctx, kv_dtype=self._kv_dtype)
+        chunk = self.arbiter.prefill_chunk_tokens
+        log.info(
+            "model_loading",
+            path=path,
+            backend=self._backend,
+            n_ctx=self._n_ctx,
+            kv_dtype=self._kv_dtype,
+            prefill_chunk=chunk,
+        )
         try:
-            plan = await anyio.to_thread.run_sync(self._plan, path)
+            plan = self.memory_plan
+            if plan is None or plan.chunk != chunk or self._header is None:
+                plan = await anyio.to_thread.run_sync(self._plan, path, chunk)
             self.memory_plan = plan
-            model = await anyio.to_thread.run_sync(self._load_blocking, path, abandon_on_cancel=True)
+            model = await anyio.to_thread.run_sync(self._load_blocking, path, plan.chunk, abandon_on_cancel=True)
         except BaseException as exc:
             self._load_state, self.error = "error", f"{type(exc).__name__}: {exc}"
             self._changed()
@@ -289,20 +320,42 @@ class EngineHost:
             n_ctx=model.info.n_ctx,
             weights_mb=round(model.info.weights_bytes / MiB, 1),
             kv_mb=round(model.info.kv_bytes / MiB, 1),
+            kv_dtype=self._kv_dtype,
+            plan=plan_parts_mb(plan),
+            phases_s=getattr(model, "load_phases", None),  # a test's fake model may not say
             load_s=round(time.monotonic() - t0, 2),
         )
         self._changed()
 
-    def _plan(self, path: str) -> MemoryPlan:
+    def _options(self, chunk: int) -> EngineOptions:
+        return replace(EngineOptions.from_env(), prefill_chunk=chunk)
+
+    def _plan(self, path: str, chunk: int) -> MemoryPlan:
         gf = open_model_file(path)
+        self._header = gf  # the load takes it instead of reading the header again
         backend = resolve_backend(self._backend)  # native: weights stay in their blocks
         return plan_memory(
-            gf, read_spec(gf), self._n_ctx, self._kv_dtype, quantized=backend == "native", backend=backend
+            gf,
+            read_spec(gf),
+            self._n_ctx,
+            self._kv_dtype,
+            quantized=backend == "native",
+            backend=backend,
+            options=self._options(chunk),
         )
 
-    def _load_blocking(self, path: str) -> Model:
+    def _load_blocking(self, path: str, chunk: int) -> Model:
         kwargs: dict[str, Any] = {"threads": self._threads} if self._threads else {}
-        return self._loader(path, backend=self._backend, n_ctx=self._n_ctx, kv_dtype=self._kv_dtype, **kwargs)
+        header, self._header = self._header, None  # held only from the plan to the load
+        return self._loader(
+            path,
+            backend=self._backend,
+            n_ctx=self._n_ctx,
+            kv_dtype=self._kv_dtype,
+            options=self._options(chunk),
+            gguf=header,
+            **kwargs,
+        )
 
     async def shutdown(self, timeout: float = 2.0) -> None:  # noqa: ASYNC109 - a bounded drain
         """Refuse new requests, stop running generations at their next step, wait (bounded)."""
@@ -406,5 +459,5 @@ class EngineHost:
             "error": self.error,
             "memory_plan": None
             if plan is None
-            else {**plan_parts_mb(plan), "n_ctx": plan.n_ctx, "budget_mb": None},  # ModelManager.describe fills it in
+            else {**plan_parts_mb(plan), "budget_mb": None},  # ModelManager.describe fills it in
         }

@@ -139,17 +139,17 @@ class LlamaCppBackend:
         """Weights as stored in the file (llama.cpp keeps them quantized) + KV (f16, or q8_0 for
         int8: 34 bytes a 32 values) + a small scratch."""
         if self.path is None:
-            return Plan(0, 0, 0, self.n_ctx)
+            return Plan(0, 0, 0, self.n_ctx, self.kv_dtype)
 
         def read() -> Plan:
-            gf = open_model_file(self.path)  # type: ignore[arg-type]
+            gf = open_model_file(self.path, header_only=True)  # type: ignore[arg-type]
             spec = read_spec(gf)
             weights = sum(t.nbytes for t in gf.tensors.values())
             scratch = 512 * (spec.n_vocab * 4 + spec.n_embd * 16)
             kv = kv_bytes(spec, self.n_ctx, "f16")
             if self.kv_dtype == "int8":
                 kv = kv * 34 // 64  # q8_0: 34 bytes per 32 values, f16: 64
-            return Plan(weights, kv, scratch, self.n_ctx)
+            return Plan(weights, kv, scratch, self.n_ctx, self.kv_dtype, 512)  # llama-server's -ub 512
 
         try:
             return await anyio.to_thread.run_sync(read)

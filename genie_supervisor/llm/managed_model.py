@@ -10,7 +10,7 @@ import anyio
 from ..config import ModelEntry
 from ..errors import AdmissionError, EngineUnavailable, ModelTooLarge
 from ..events import EngineStats
-from .serving import Backend, Plan, plan_parts_mb
+from .serving import Backend, Plan, plan_parts_mb, plan_text
 
 MiB = 1024 * 1024
 
@@ -122,7 +122,12 @@ class Lease:
 
 
 def aggregate_stats(
-    ms: list[ManagedModel], by_id: dict[str, EngineStats], default: ManagedModel, queued: int, gate_mode: str
+    ms: list[ManagedModel],
+    by_id: dict[str, EngineStats],
+    default: ManagedModel,
+    queued: int,
+    gate_mode: str,
+    ready_s: float | None = None,
 ) -> EngineStats:
     """The daemon's EngineStats over its models: the busiest model's state, totals over all
     (`by_id`: each builtin model's last EngineStats; llama_cpp and openai models count through `usage`;
@@ -145,6 +150,8 @@ def aggregate_stats(
     loaded = [s for m, s in zip(ms, host_stats, strict=True) if m.state == "ready" and s is not None]
     weights = sum(s.weights_mb or 0 for s in loaded) or None
     kv = sum(s.kv_mb or 0 for s in loaded) or None
+    scratch = sum(s.scratch_mb or 0 for s in loaded) or None
+    shown = ref_s if ref_s is not None and ref_s.n_ctx is not None else next(iter(loaded), None)
     backend = ref_s.backend if ref_s and ref_m.kind == "builtin" else ref_m.kind
     remote = next((m.backend.describe()["remote"] for m in [ref_m, *ms] if m.kind == "openai"), None)
     return EngineStats(
@@ -163,6 +170,10 @@ def aggregate_stats(
         remote_url=remote["url"] if remote else None,
         remote_model=remote["remote_model"] if remote else None,
         remote_state=(remote["state"] if remote["serving"] == "remote" else "fallback") if remote else None,
+        scratch_mb=round(scratch, 3) if scratch else None,
+        n_ctx=shown.n_ctx if shown else None,
+        kv_dtype=shown.kv_dtype if shown else None,
+        ready_s=ready_s,
     )
 
 
@@ -184,10 +195,7 @@ def next_victim(m: ManagedModel, plan: Plan, models: list[ManagedModel], budget:
     else the idle-before-busy, lowest-priority, least recently used non-resident model. Raises
     ModelTooLarge with the numbers when nothing can make room."""
     need = plan.total / MiB
-    detail = (
-        f"weights {plan.weights / MiB:.1f} + KV {plan.kv / MiB:.1f} + scratch "
-        f"{plan.scratch / MiB:.1f} MiB at n_ctx {plan.n_ctx}"
-    )
+    detail = plan_text(plan)
     if budget is not None and need > budget:
         raise ModelTooLarge(
             need,
@@ -247,3 +255,15 @@ async def first_token(backend: Backend) -> None:
     finally:
         with anyio.CancelScope(shield=True):
             await stream.aclose()
+
+
+def preloads(models: list[ManagedModel]) -> list[ManagedModel]:
+    """The models with ``preload`` that load at the start: in each swap group only the first one."""
+    groups: set[str] = set()
+    out = []
+    for m in models:
+        if m.entry.preload and (m.entry.group is None or m.entry.group not in groups):
+            out.append(m)
+            if m.entry.group is not None:
+                groups.add(m.entry.group)
+    return out

@@ -37,8 +37,18 @@ from ..errors import (
     UnknownModel,
 )
 from ..events import EngineStats, Observation, RequestDone
+from ..startup import since_process_start
 from ..state import DEFAULT_LLM_BUDGET_MB
-from .managed_model import NO_HOST, Lease, ManagedModel, aggregate_stats, first_token, load_error, next_victim
+from .managed_model import (
+    NO_HOST,
+    Lease,
+    ManagedModel,
+    aggregate_stats,
+    first_token,
+    load_error,
+    next_victim,
+    preloads,
+)
 from .serving import BackendContext, Plan, create_backend
 
 log = structlog.get_logger(__name__)
@@ -77,6 +87,8 @@ class ModelManager:
         self._tg: TaskGroup | None = None
         self.started = False
         """True once the resident models were loaded at the start (`run` is ready): /health says ok."""
+        self.ready_s: float | None = None
+        """Seconds from process start until then (`startup.since_process_start`)."""
         self.first_reply_ms: dict[str, float | None] = {}
         """Warm-up time to first token per resident model (the startup banner)."""
         self.unloads: Counter[str] = Counter()
@@ -311,19 +323,21 @@ class ModelManager:
             self._tg = tg
             self.publish_stats()
             residents = [m for m in self.models.values() if m.entry.resident]
-            for m in residents:
+            first = preloads(list(self.models.values()))
+            for m in residents + first:
                 self._start_load(m)
-            while any(m.state == "loading" for m in residents):
+            while any(m.state == "loading" for m in residents + first):
                 await self._wait_change()
             for m in residents:
                 if m.state == "error" and m.exc is not None:
                     raise m.exc
-            self.started = True
+            self.started, self.ready_s = True, since_process_start()
             self._notify()
             task_status.started()
             tg.start_soon(self._publish_while_busy)
-            if self.cfg.api.warmup and residents:
-                tg.start_soon(self._warmup, residents)
+            warm = residents + [m for m in first if m.state == "ready"]
+            if self.cfg.api.warmup and warm:
+                tg.start_soon(self._warmup, warm)
             await self._watch()
 
     async def _publish_while_busy(self) -> None:
@@ -457,7 +471,7 @@ class ModelManager:
         if not ms or (not self.enabled and not any(m.in_flight for m in ms)):
             return EngineStats(state="disabled", requests_queued=self._queued())
         assert self.default is not None
-        return aggregate_stats(ms, self._host_stats, self.default, self._queued(), self.ctx.gate.mode)
+        return aggregate_stats(ms, self._host_stats, self.default, self._queued(), self.ctx.gate.mode, self.ready_s)
 
     def publish_stats(self) -> None:
         """Publish the aggregate EngineStats to the state store."""

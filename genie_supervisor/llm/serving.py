@@ -49,6 +49,10 @@ class Plan:
     """Activations (estimate)."""
     n_ctx: int
     """Context the KV cache is sized for."""
+    kv_dtype: str = "f16"
+    """KV cache element type (``f16``, ``int8``)."""
+    chunk: int | None = None
+    """Prefill chunk (tokens) the scratch is sized for (None: the backend does not say)."""
 
     @property
     def total(self) -> int:
@@ -56,15 +60,27 @@ class Plan:
         return self.weights + self.kv + self.scratch
 
 
-def plan_parts_mb(plan: Any) -> dict[str, float]:
-    """A memory plan's parts in MiB, rounded as /status shows them (a `Plan` or an engine
-    `MemoryPlan`: anything with weights, kv, scratch and total in bytes)."""
+def plan_parts_mb(plan: Any) -> dict[str, Any]:
+    """A memory plan's parts as /status, /running, MQTT and the logs show them: MiB rounded, the
+    context, the KV type and the prefill chunk (a `Plan` or an engine `MemoryPlan`)."""
     return {
         "weights_mb": round(plan.weights / MiB, 3),
         "kv_mb": round(plan.kv / MiB, 3),
         "scratch_mb": round(plan.scratch / MiB, 3),
         "total_mb": round(plan.total / MiB, 3),
+        "n_ctx": plan.n_ctx,
+        "kv_dtype": plan.kv_dtype,
+        "prefill_chunk": plan.chunk,
     }
+
+
+def plan_text(plan: Any) -> str:
+    """One line of a plan's parts, as errors and doctor write it."""
+    chunk = f", prefill chunk {plan.chunk}" if plan.chunk else ""
+    return (
+        f"weights {plan.weights / MiB:.1f} + KV {plan.kv / MiB:.1f} + scratch {plan.scratch / MiB:.1f} MiB "
+        f"at n_ctx {plan.n_ctx}, {plan.kv_dtype} KV{chunk}"
+    )
 
 
 @dataclass(frozen=True)
@@ -237,4 +253,6 @@ __all__ = [
     "TokenLogprob",
     "UpstreamError",
     "create_backend",
+    "plan_parts_mb",
+    "plan_text",
 ]

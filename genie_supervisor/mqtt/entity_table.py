@@ -114,6 +114,10 @@ def _backend(i: Inputs) -> dict[str, Any]:
     return out
 
 
+def _plan_shape(i: Inputs) -> dict[str, Any]:
+    return {"n_ctx": _engine("n_ctx")(i), "kv_dtype": _engine("kv_dtype")(i)}
+
+
 def _policy_name(i: Inputs) -> str | None:
     return i.snapshot.policy_name
 
@@ -137,6 +141,7 @@ COUNT = Kind(state_class=_MEASURE)
 TOTAL = Kind(state_class="total_increasing", unit="tokens")
 TPS = Kind(state_class=_MEASURE, unit="tok/s", precision=1)
 MS = Kind(device_class="duration", state_class=_MEASURE, unit="ms", precision=1)
+SECONDS = Kind(device_class="duration", state_class=_MEASURE, unit="s", precision=2)
 WATTS = Kind(device_class="power", state_class=_MEASURE, unit="W", precision=1)
 DIAG = Kind(category=_DIAG)
 MIB = Kind(device_class="data_size", state_class=_MEASURE, unit="MiB", icon="mdi:memory", precision=0)
@@ -159,7 +164,16 @@ STATIC: tuple[Entity, ...] = (
     TOTAL("tokens_total", "Tokens generated", "llm/tokens_total", _engine("tokens_total"), "mdi:counter"),
     SENSOR("model", "Model", "llm/model", _model, "mdi:file-cog", attributes=_backend),
     MIB("model_memory", "Model memory", "llm/weights_mb", _engine("weights_mb", 1), category=_DIAG),
-    MIB("kv_memory", "KV cache memory", "llm/kv_mb", _engine("kv_mb", 1), category=_DIAG),
+    MIB("kv_memory", "KV cache memory", "llm/kv_mb", _engine("kv_mb", 1), category=_DIAG, attributes=_plan_shape),
+    MIB("scratch_memory", "Scratch memory", "llm/scratch_mb", _engine("scratch_mb", 1), category=_DIAG),
+    SECONDS(
+        "start_to_ready",
+        "Start to ready",
+        "llm/start_to_ready_s",
+        _engine("ready_s", 2),
+        "mdi:timer-play-outline",
+        category=_DIAG,
+    ),
     MS("reaction_ms", "Pause reaction time", "gate/reaction_ms", _reaction, "mdi:timer-sand", category=_DIAG),
     # the voice path
     RUNNING("stt_active", "STT active", "voice/stt", lambda i: i.snapshot.voice.stt_active, "mdi:microphone"),

@@ -40,17 +40,28 @@ AREAS = ("kitchen", "hall", "living room", "bedroom", "garage", "office", "porch
 
 
 def system_prompt(model: Model, tokens: int) -> list[dict[str, str]]:
-    """Messages: a system prompt of about `tokens` tokens (exposed entities, HA style) and the question."""
-    lines = ["You are a voice assistant for Home Assistant. Answer in one sentence. Exposed entities:"]
-    i = 0
-    while True:
-        area = AREAS[i % len(AREAS)]
-        lines.append(f"- light.{area.replace(' ', '_')}_{i}: '{area} lamp {i}' state on, brightness {(i * 37) % 100}%")
-        i += 1
-        if i % 16 == 0:
-            system = "\n".join(lines)
-            if len(model.encode_chat([{"role": "system", "content": system}])) >= tokens:
-                return [{"role": "system", "content": system}, {"role": "user", "content": QUESTION}]
+    """Messages: a system prompt of at most `tokens` tokens, as many as fit (exposed entities, HA
+    style), and the question."""
+
+    def system(n: int) -> str:
+        lines = ["You are a voice assistant for Home Assistant. Answer in one sentence. Exposed entities:"]
+        for i in range(n):
+            area = AREAS[i % len(AREAS)]
+            lines.append(
+                f"- light.{area.replace(' ', '_')}_{i}: '{area} lamp {i}' state on, brightness {(i * 37) % 100}%"
+            )
+        return "\n".join(lines)
+
+    def size(n: int) -> int:
+        return len(model.encode_chat([{"role": "system", "content": system(n)}]))
+
+    lo, hi = 1, 2
+    while size(hi) <= tokens:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:  # size(lo) <= tokens < size(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if size(mid) <= tokens else (lo, mid)
+    return [{"role": "system", "content": system(lo)}, {"role": "user", "content": QUESTION}]
 
 
 def _ttft(model: Model, ids: list[int], cache: ModelCache | None) -> tuple[float, int, int]:

@@ -161,6 +161,8 @@ class ModelCache:
             return have, 0
         pool = self.store.read_pool()
 
+        waits = [0.0, 0.0]  # seconds waiting for reads (and checksums), seconds copying into the cache
+
         def put(kv: KVCache) -> int:
             ops = self.model.transformer.ops
             ops.synchronize()
@@ -168,8 +170,14 @@ class ModelCache:
             arrays = dict(kv_file.kv_arrays(kv))
             empty = kv_file.host_buffers(kv.k[0] if not hasattr(kv.k[0], "q") else kv.k[0].q)
             try:
+                t = time.perf_counter()
                 for spec, rows in kv_file.read_arrays(header, pool, empty):
+                    t1 = time.perf_counter()
                     kv_file.rows_from_host(arrays[spec.name], rows)
+                    t2 = time.perf_counter()
+                    waits[0] += t1 - t
+                    waits[1] += t2 - t1
+                    t = t2
             finally:
                 ops.synchronize()
             kv.tokens = list(header.tokens)
@@ -191,6 +199,8 @@ class ModelCache:
             tokens=now,
             bytes=header.size,
             ms=round(ms, 1),
+            read_wait_ms=round(waits[0] * 1000, 1),
+            copy_ms=round(waits[1] * 1000, 1),
         )
         return now, now
 

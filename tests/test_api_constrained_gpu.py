@@ -4,7 +4,8 @@ character JSON needs), read with the official openai client: JSON-schema answers
 logit_bias, as tests/test_api_constrained.py and tests/test_api_tools.py check them on the CPU.
 
 A random model pads every place JSON allows whitespace up to the grammar's bound, so answers get room
-(``max_tokens`` 1,500; a 4,096-token context, since the tools prompt is long in a byte-level vocabulary). Runs only where CuPy and a CUDA device work (`pytest -m gpu`).
+(``max_tokens`` 1,500; a 4,096-token context, since the tools prompt is long in a byte-level
+vocabulary). Runs only where CuPy and a CUDA device work (`pytest -m gpu`).
 """
 
 from __future__ import annotations
@@ -26,56 +27,24 @@ import openai  # noqa: E402
 from engine.synth import write_synthetic_gguf  # noqa: E402
 from genie_supervisor.app import Supervisor  # noqa: E402
 from tests.daemon import write_config, write_policy  # noqa: E402
-from tests.serving_daemon import threaded_daemon  # noqa: E402
+from tests.serving_daemon import api, oa, threaded_daemon  # noqa: E402
+from tests.test_api_constrained import SCHEMAS as CPU_SCHEMAS  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
+__all__ = ["api", "oa"]  # the module's fixtures (their `daemon` is this module's)
+
 SHAPE = dict(n_layers=2, n_embd=256, n_ff=512, n_heads=4, n_kv_heads=2, n_vocab=5000)
-ROOM = {"enum": ["kitchen", "bedroom", "hall"]}
-LEVEL = {"type": "integer", "minimum": 0, "maximum": 100}
 ROOMY = 1500
 """max_tokens of a constrained answer (see the module's docstring)."""
 
-
-def _obj(properties: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "object", "properties": properties, "required": list(properties), "additionalProperties": False}
-
-
-SCHEMAS: list[dict[str, Any]] = [
-    _obj({"room": ROOM, "on": {"type": "boolean"}, "level": LEVEL}),
-    _obj(
-        {
-            "celsius": {"type": "number", "minimum": -40, "maximum": 50, "multipleOf": 0.5},
-            "mode": {"enum": ["heat", "cool", None]},
-        }
-    ),
-    _obj({"light": _obj({"room": ROOM, "level": LEVEL})}),
-    _obj(
-        {
-            "rgb": {
-                "type": "array",
-                "items": {"type": "integer", "minimum": 0, "maximum": 255},
-                "minItems": 3,
-                "maxItems": 3,
-            }
-        }
-    ),
-    _obj(
-        {
-            "zones": {
-                "type": "array",
-                "items": _obj({"zone": {"type": "integer", "minimum": 1, "maximum": 4}}),
-                "maxItems": 2,
-            }
-        }
-    ),
-    _obj({"name": {"type": "string", "minLength": 1, "maxLength": 8}, "ok": {"type": "boolean"}}),
-]
-"""Nested objects, arrays, enums (a null among them), bounded numbers, a short string."""
+SCHEMAS = [schema for k, (schema, _prompt) in enumerate(CPU_SCHEMAS) if k not in (2, 10)]
+"""The CPU test's schemas (nested objects, arrays, enums with a null, required keys, bounded numbers, short
+strings, a pattern) but for the two with a number of any precision, whose digits a random model never ends."""
 
 TOOLS = [
-    {"type": "function", "function": {"name": "set_light", "description": "Set a light", "parameters": SCHEMAS[0]}},
-    {"type": "function", "function": {"name": "set_heat", "description": "Set the heating", "parameters": SCHEMAS[1]}},
+    {"type": "function", "function": {"name": name, "description": f"Set the {name[4:]}", "parameters": schema}}
+    for name, (schema, _prompt) in (("set_level", CPU_SCHEMAS[13]), ("set_color", CPU_SCHEMAS[16]))
 ]
 
 
@@ -91,40 +60,22 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Supervisor]:
         yield sup
 
 
-@pytest.fixture(scope="module")
-def oa(daemon: Supervisor) -> Iterator[openai.OpenAI]:
-    """The official client against the daemon (no retries)."""
-    assert daemon.http is not None
-    with openai.OpenAI(
-        base_url=f"http://127.0.0.1:{daemon.http.port}/v1", api_key="x", max_retries=0, timeout=300
-    ) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def api(daemon: Supervisor) -> Iterator[httpx.Client]:
-    """A plain HTTP client against the daemon."""
-    assert daemon.http is not None
-    with httpx.Client(base_url=f"http://127.0.0.1:{daemon.http.port}", timeout=300) as c:
-        yield c
-
-
 def test_the_daemon_serves_the_model_on_the_gpu(api: httpx.Client) -> None:
     """The model answering is the one loaded on the cupy backend."""
     model = api.get("/v1/models").json()["data"][0]
     assert (model["state"], model["backend_identity"]) == ("ready", "builtin/cupy"), model
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_json_schema_answers_validate(oa: openai.OpenAI, temperature: float) -> None:
-    """response_format json_schema on the GPU: every answer ends by itself and validates against its schema."""
+def test_json_schema_answers_validate(oa: openai.OpenAI) -> None:
+    """response_format json_schema on the GPU, temperature 0 and 0.8 in turn: every answer ends by itself and
+    validates against its schema."""
     for k, schema in enumerate(SCHEMAS):
         fmt: Any = {"type": "json_schema", "json_schema": {"name": f"s{k}", "schema": schema, "strict": True}}
         r = oa.chat.completions.create(
             model="default",
             messages=[{"role": "user", "content": "Answer in JSON."}],
             response_format=fmt,
-            temperature=temperature,
+            temperature=0.8 * (k % 2),
             seed=k,
             max_tokens=ROOMY,
         )
@@ -136,7 +87,7 @@ def test_json_schema_answers_validate(oa: openai.OpenAI, temperature: float) -> 
 def _call(oa: openai.OpenAI, choice: Any, seed: int, stream: bool = False) -> Any:
     return oa.chat.completions.create(
         model="default",
-        messages=[{"role": "user", "content": "Make it cosy."}],
+        messages=[{"role": "user", "content": "Set the lights."}],
         tools=TOOLS,  # type: ignore[arg-type]
         tool_choice=choice,
         parallel_tool_calls=False,
@@ -151,11 +102,11 @@ def test_required_and_named_tool_calls_validate_and_stream_the_same(oa: openai.O
     """tool_choice required and a named tool on the GPU: one call whose arguments validate against its tool's
     schema; streamed, the same call arrives in more than one arguments fragment."""
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-    for seed, choice in enumerate(["required", {"type": "function", "function": {"name": "set_heat"}}]):
+    for seed, choice in enumerate(["required", {"type": "function", "function": {"name": "set_color"}}]):
         whole = _call(oa, choice, seed).choices[0]
         assert whole.finish_reason == "tool_calls" and len(whole.message.tool_calls or []) == 1, whole
         call = (whole.message.tool_calls or [])[0]
-        assert choice == "required" or call.function.name == "set_heat"
+        assert choice == "required" or call.function.name == "set_color"
         jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
         fragments, name = [], None
         for chunk in _call(oa, choice, seed, stream=True):

@@ -466,8 +466,8 @@ class PromptCacheConfig(_Section):
     enabled: bool = Field(True, description="save stable prompt prefixes to disk and restore them (builtin backend)")
     dir: str | None = Field(
         None,
-        description="directory of the cache files (relative to this file); null: $CACHE_DIRECTORY/prompt-cache "
-        "under systemd, else $XDG_CACHE_HOME/genie-supervisor/prompt-cache",
+        description="directory of the cache files (relative to this file); null: $GENIE_PROMPT_CACHE_DIR, else "
+        "$CACHE_DIRECTORY/prompt-cache under systemd, else $XDG_CACHE_HOME/genie-supervisor/prompt-cache",
     )
     max_bytes: int = Field(
         2 << 30, ge=0, le=1 << 50, description="bound of the files' total size; the least recently used go first"

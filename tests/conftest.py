@@ -18,18 +18,18 @@ from tests.models import SMOLLM2, require, shared_model
 
 @pytest.fixture(scope="session", autouse=True)
 def prompt_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """Every daemon of the session keeps its prompt cache in a fresh directory (the default one is
-    under $CACHE_DIRECTORY, as systemd sets it), never in the user's cache."""
-    path = tmp_path_factory.mktemp("cache")
-    old = os.environ.get("CACHE_DIRECTORY")
-    os.environ["CACHE_DIRECTORY"] = str(path)
+    """Every daemon of the session keeps its prompt cache in a fresh directory
+    ($GENIE_PROMPT_CACHE_DIR, inherited by daemon processes), never in the user's cache."""
+    path = tmp_path_factory.mktemp("prompt-cache")
+    old = os.environ.get("GENIE_PROMPT_CACHE_DIR")
+    os.environ["GENIE_PROMPT_CACHE_DIR"] = str(path)
     try:
-        yield path / "prompt-cache"
+        yield path
     finally:
         if old is None:
-            os.environ.pop("CACHE_DIRECTORY", None)
+            os.environ.pop("GENIE_PROMPT_CACHE_DIR", None)
         else:
-            os.environ["CACHE_DIRECTORY"] = old
+            os.environ["GENIE_PROMPT_CACHE_DIR"] = old
 
 
 @pytest.fixture

@@ -8,6 +8,8 @@ from pathlib import Path
 import anyio
 import pytest
 
+from genie_supervisor.config import PromptCacheConfig
+from genie_supervisor.llm.prompt_cache import default_dir, open_prompt_cache
 from tests.apitools import http, oai
 from tests.daemon import make_supervisor
 from tests.models import SMOLLM2, require
@@ -51,3 +53,16 @@ async def test_a_restarted_daemon_serves_the_first_request_from_the_disk_cache(t
             metrics = (await client.get("/metrics")).text
             assert 'genie_prompt_cache_events_total{event="hit"} 1.0' in metrics
             assert f"genie_prompt_cache_restored_tokens_total {float(cached)}" in metrics
+
+
+def test_the_default_directory_follows_the_environment_and_disabled_means_none() -> None:
+    """With prompt_cache.dir null the files go to $GENIE_PROMPT_CACHE_DIR, else systemd's
+    $CACHE_DIRECTORY/prompt-cache (the first of several), else $XDG_CACHE_HOME; enabled: false
+    makes no store."""
+    assert default_dir({"GENIE_PROMPT_CACHE_DIR": "/x", "CACHE_DIRECTORY": "/c"}) == Path("/x")
+    assert default_dir({"CACHE_DIRECTORY": "/var/cache/g:/other"}) == Path("/var/cache/g/prompt-cache")
+    assert default_dir({"XDG_CACHE_HOME": "/h"}) == Path("/h/genie-supervisor/prompt-cache")
+    assert open_prompt_cache(PromptCacheConfig(enabled=False)) is None
+    store = open_prompt_cache(PromptCacheConfig(dir="$HOME/pc", max_bytes=5, min_tokens=7), {})
+    assert store is not None and (store.max_bytes, store.min_tokens) == (5, 7)
+    assert store.directory == Path.home() / "pc"

@@ -25,8 +25,10 @@ SUBDIR = "prompt-cache"
 
 
 def default_dir(environ: Mapping[str, str] = os.environ) -> Path:
-    """``$CACHE_DIRECTORY/prompt-cache`` (systemd's CacheDirectory=, the first when it lists several),
-    else ``${XDG_CACHE_HOME:-~/.cache}/genie-supervisor/prompt-cache``."""
+    """``$GENIE_PROMPT_CACHE_DIR``, else ``$CACHE_DIRECTORY/prompt-cache`` (systemd's CacheDirectory=,
+    the first when it lists several), else ``${XDG_CACHE_HOME:-~/.cache}/genie-supervisor/prompt-cache``."""
+    if environ.get("GENIE_PROMPT_CACHE_DIR"):
+        return Path(environ["GENIE_PROMPT_CACHE_DIR"])
     systemd = environ.get("CACHE_DIRECTORY", "").split(":")[0]
     if systemd:
         return Path(systemd) / SUBDIR

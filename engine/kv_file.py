@@ -301,7 +301,8 @@ def _shape3(x: Any) -> tuple[int, int, int]:
 
 def read_header(path: str | os.PathLike[str], key: CacheKey, expect: list[tuple[str, Any]], n_vocab: int) -> Header:
     """Open and check a file's header against the model (`key`, its cache's arrays `expect`);
-    raises Rejected. The arrays' bytes are checked while they are read (`read_arrays`)."""
+    raises Rejected (FileNotFoundError when it is gone). The arrays' bytes are checked while they
+    are read (`read_arrays`)."""
     p = os.fspath(path)
     try:
         with open(p, "rb") as fh:
@@ -317,6 +318,8 @@ def read_header(path: str | os.PathLike[str], key: CacheKey, expect: list[tuple[
             if hlen > MAX_HEADER:
                 raise Rejected("header", f"header of {hlen} bytes")
             raw = fh.read(hlen)
+    except FileNotFoundError:
+        raise  # gone (another process trimmed its directory): nothing to refuse
     except OSError as exc:
         raise Rejected("unreadable", str(exc)) from None
     if len(raw) < hlen:
@@ -362,7 +365,10 @@ def read_arrays(
     buffers from `empty(nbytes)` (default: host memory; see `host_buffers`); raises Rejected on a
     checksum or read failure."""
     new = empty or (lambda n: np.empty(n, dtype=np.uint8))
-    fd = os.open(header.path, os.O_RDONLY)
+    try:
+        fd = os.open(header.path, os.O_RDONLY)
+    except OSError as exc:
+        raise Rejected("unreadable", str(exc)) from None
 
     def one(spec: ArraySpec) -> np.ndarray:
         buf = new(spec.nbytes)

@@ -87,6 +87,8 @@ class ModelCache:
                     continue
                 try:
                     h = kv_file.read_header(p, key, expect, self.model.info.n_vocab)
+                except FileNotFoundError:
+                    continue
                 except Rejected as exc:
                     self.store.rejected(p, exc, self.name)
                     continue

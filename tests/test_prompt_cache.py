@@ -335,3 +335,21 @@ def test_a_file_written_by_hand_with_another_key_is_rejected_by_field(tmp_path: 
 
 def arrays_n(arrays: list[tuple[str, np.ndarray]], n: int) -> list[tuple[str, np.ndarray]]:
     return [(name, a[:, :n, :]) for name, a in arrays]
+
+
+def test_a_file_deleted_by_another_process_is_forgotten_not_refused(tmp_path: Path) -> None:
+    """A file that another process trimmed away after the index was read is dropped from the index
+    quietly (no reject counted) and the prompt prefills as usual."""
+    model = load(synth_model(tmp_path))
+    store, events = store_at(tmp_path / "pc")
+    cache = attach(store, model)
+    ids = ids_of(model, "the heating is at twenty. ", 40)
+    fill(model, ids)
+    cache.offer(ids)
+    store.flush(30)
+    (entry,) = cache.entries
+    entry.path.unlink()
+    wipe(model)
+    assert cache.restore(ids + [5], 0) == (0, 0)
+    assert cache.entries == [] and store.stats().rejects == 0
+    assert "prompt_cache_rejected" not in events.names()

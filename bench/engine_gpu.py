@@ -1,9 +1,15 @@
 """GPU engine benchmark: decode and prefill tokens/s and GPU memory on models it generates itself.
 
-    python -m bench.engine_gpu [--models smollm2,qwen3-4b] [--prompt 512] [--decode 128]
+    python -m bench.engine_gpu [--models smollm2,qwen3-4b] [--prompt 512] [--decode 128] [--llama-bench PATH]
 
-Shapes and llama.cpp's figures (commit 0c1e570, CUDA, flash attention, H200, same shapes,
-random weights) come from issue 7. Prints each figure beside llama.cpp's with the ratio and the
+The headline is decode through `Model.generate` (what the API serves: `--decode` tokens after a
+`--prompt`-token prompt, timed from the consumer's side, first token to last; median of
+`--gen-runs`), beside the replay loop (`Model.step_sample` back to back) and the graph replayed
+without the host; also `Model.generate` with the decode loop on the device off, same run.
+llama.cpp: with `--llama-bench PATH` its `llama-bench` runs on the same generated files in the same
+run (`bench.llama_bench`: pp<prompt>, tg<decode> at depth <prompt>); otherwise the figures published
+with issue 19 (llama.cpp 0c1e570, H200, same files) are printed and marked as such.
+Prints each figure beside llama.cpp's with the ratio and the
 fraction of the memory-bandwidth limit (weight bytes per token / measured copy bandwidth);
 memory: the plan's parts, what CuPy's pool holds and what CUDA reports in use after the default
 path (prefill, decode, generate), next to llama.cpp's figure for the same shape at n_ctx 4096
@@ -26,14 +32,15 @@ from typing import Any
 import anyio
 import numpy as np
 
+from bench import llama_bench
 from bench.record import record
 from engine import SamplingParams, load_model
 from engine.sampler import Sampler
 from engine.synth import preset_config, write_config
 
-LLAMA_CPP = {  # tok/s, issue 7
-    "smollm2": {"preset": "smollm2-135m-q4_1", "decode": 929.0, "prefill": 43000.0},
-    "qwen3-4b": {"preset": "qwen3-4b-q4_k_m", "decode": 333.0, "prefill": 12600.0},
+LLAMA_CPP = {  # tok/s: llama.cpp's published figures (issue 19), replaced by --llama-bench's
+    "smollm2": {"preset": "smollm2-135m-q4_1", **llama_bench.PUBLISHED["smollm2"]},
+    "qwen3-4b": {"preset": "qwen3-4b-q4_k_m", **llama_bench.PUBLISHED["qwen3-4b"]},
 }
 
 
@@ -105,15 +112,34 @@ def time_prefill(tf, ops, prompt: list[int], modes: list[str], runs: int, cp, gr
     return {m: float(np.median(v)) for m, v in times.items()}
 
 
-def _generate_stats(m, prompt: list[int], n: int):  # type: ignore[no-untyped-def]
+def _generate_stats(m, prompt: list[int], n: int, runs: int = 1, loop: bool | None = None) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """`Model.generate`, greedy, `n` tokens after `prompt` (prefilled each run): the medians over
+    `runs` of the decode rate timed by the consumer (first token to last: what a client gets),
+    the generation's own `stats.decode_tps`, and its prefill rate. `loop`: the decode loop on the
+    device on/off (None: as loaded; an engine without the option runs as it is)."""
+    from dataclasses import replace
+
+    opts = m.options
+    if loop is not None and hasattr(opts, "cupy_device_loop"):
+        m.options = replace(opts, cupy_device_loop=loop)
+
     async def run():  # type: ignore[no-untyped-def]
         g = m.generate(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
-        async for _ in g:
-            pass
-        return g.stats
+        times = [time.perf_counter() async for _ in g]  # one event a token, then maybe a text tail
+        k = g.stats.completion_tokens
+        return (k - 1) / (times[k - 1] - times[0]), g.stats
 
-    m.transformer.kv.tokens = []
-    return anyio.run(run)
+    walls, stats, prefills = [], [], []
+    try:
+        for _ in range(runs):
+            m.transformer.kv.tokens = []
+            wall, st = anyio.run(run)
+            walls.append(wall)
+            stats.append(st.decode_tps)
+            prefills.append(st.prefill_tps)
+    finally:
+        m.options = opts
+    return {"wall": float(np.median(walls)), "stats": float(np.median(stats)), "prefill": float(np.median(prefills))}
 
 
 PREFILL_OPS = (
@@ -193,6 +219,8 @@ def bench_model(
     runs: int,  # type: ignore[no-untyped-def]
     profile_out: list[str] | None = None,
     kv_dtype: str = "f16",
+    gen_runs: int = 3,
+    ref: dict[str, Any] | None = None,
 ) -> dict:
     from engine.backends.cupy_launch import pdl_launcher
     from engine.gguf_file import read_gguf
@@ -261,7 +289,8 @@ def bench_model(
         gpu_tps = n_decode / (cp.cuda.get_elapsed_time(start, stop) / 1e3)
     # end to end: Model.generate (prefill in the backend's 512-token chunks, then decode;
     # worker-thread hops)
-    gen_stats = _generate_stats(m, prompt, n_decode)
+    gen = _generate_stats(m, prompt, n_decode, gen_runs)
+    stepwise = _generate_stats(m, prompt, n_decode, gen_runs, loop=False)  # one step at a time, same run
     cp.cuda.Device().synchronize()
     # memory after the default path (before the tile-precision comparison below, which grows
     # the tile buffer to fp32 on a model whose plan has fp16 tiles only)
@@ -288,8 +317,9 @@ def bench_model(
         from bench.decode_profile import profile_model
 
         profile_model(m, key, prompt_len + n_decode, out=lambda s: (print(s, flush=True), profile_out.append(s)))
-    ref = LLAMA_CPP[key]
-    decode_tps = n_decode / decode_s
+    ref = ref or {**LLAMA_CPP[key], "source": "published"}
+    decode_tps = n_decode / decode_s  # the replay loop (Model.step_sample back to back)
+    gen_tps = gen["wall"]  # the headline: Model.generate as its consumer gets it
     # the figure compared with llama.cpp: the default tiles' median from the alternating rounds
     # below, taken with every buffer and cuBLAS heuristic warm (llama-bench also warms up); the
     # first median (right after load) is kept as prefill_first_tok_s
@@ -297,15 +327,22 @@ def bench_model(
     limit_tps = bw / weights
     row = {
         "model": key,
-        "preset": ref["preset"],
+        "preset": LLAMA_CPP[key]["preset"],
+        "llama_cpp": {k: ref[k] for k in ("decode", "prefill", "source") if k in ref},
         "load_s": round(load_s, 2),
         "decoder": dec.describe() if dec is not None else None,
         "decode_tok_s": round(decode_tps, 1),
         "decode_gpu_replay_tok_s": round(gpu_tps, 1) if gpu_tps else None,
         "decode_plain_launch_tok_s": round(n_decode / plain_s, 1) if plain_s else None,
         "decode_pdl_vs_plain": round(plain_s / decode_s, 3) if plain_s else None,
-        "generate_decode_tok_s": round(gen_stats.decode_tps, 1),
-        "generate_prefill_tok_s": round(gen_stats.prefill_tps, 1),
+        "generate_decode_tok_s": round(gen["stats"], 1),
+        "generate_wall_decode_tok_s": round(gen_tps, 1),
+        "generate_vs_replay_loop": round(gen_tps / decode_tps, 3),
+        "generate_vs_gpu_replay": round(gen_tps / gpu_tps, 3) if gpu_tps else None,
+        "generate_stepwise_wall_decode_tok_s": round(stepwise["wall"], 1),
+        "generate_device_loop_vs_stepwise": round(gen_tps / stepwise["wall"], 3),
+        "generate_runs": gen_runs,
+        "generate_prefill_tok_s": round(gen["prefill"], 1),
         "generate_prefill_chunk": int(ops.prefill_chunk),
         "prefill_tok_s": round(prefill_tps, 1),
         "prefill_first_tok_s": round(prompt_len / prefill_s, 1),
@@ -315,10 +352,12 @@ def bench_model(
         "prefill_auto_tok_s": round(prompt_len / by_mode["auto"], 1),
         "prefill_f32_tok_s": round(prompt_len / by_mode["float32"], 1),
         "prefill_f16_tok_s": round(prompt_len / by_mode["float16"], 1),
-        "decode_vs_llama_cpp": round(decode_tps / ref["decode"], 3),
+        "decode_vs_llama_cpp": round(gen_tps / ref["decode"], 3),
+        "replay_loop_vs_llama_cpp": round(decode_tps / ref["decode"], 3),
         "prefill_vs_llama_cpp": round(prefill_tps / ref["prefill"], 3),
         "bandwidth_limit_tok_s": round(limit_tps, 1),
-        "decode_fraction_of_limit": round(decode_tps / limit_tps, 3),
+        "decode_fraction_of_limit": round(gen_tps / limit_tps, 3),
+        "replay_loop_fraction_of_limit": round(decode_tps / limit_tps, 3),
         "llama_cpp_fraction_of_limit": round(ref["decode"] / limit_tps, 3),
         "weights_bytes": int(weights),
         "kv_bytes": int(tf.kv.nbytes),
@@ -377,6 +416,8 @@ def main() -> int:
     ap.add_argument("--tag", default="", help="suffix of the result file names")
     ap.add_argument("--runs", type=int, default=5, help="timed prefill runs per tile precision (median)")
     ap.add_argument("--kv", default="f16", help="KV cache types to run, comma-separated (f16, int8, f32)")
+    ap.add_argument("--gen-runs", type=int, default=3, help="Model.generate runs per mode (median)")
+    ap.add_argument("--llama-bench", default=None, help="a llama.cpp llama-bench binary to run on the same files")
     a = ap.parse_args()
     import cupy as cp
 
@@ -394,9 +435,26 @@ def main() -> int:
             print(
                 f"{key}: generated {os.path.getsize(path) / 1e9:.2f} GB in {time.perf_counter() - t0:.1f} s", flush=True
             )
+            ref = None
+            if a.llama_bench:
+                ref = {
+                    **llama_bench.measure(a.llama_bench, path, a.prompt, a.decode),
+                    "source": "llama-bench, same run",
+                }
+                print(f"{key}: llama-bench {ref}", flush=True)
             for kv in a.kv.split(","):
                 row = bench_model(
-                    key, path, a.prompt, a.decode, bw, cp, a.runs, prof if a.profile and kv == "f16" else None, kv
+                    key,
+                    path,
+                    a.prompt,
+                    a.decode,
+                    bw,
+                    cp,
+                    a.runs,
+                    prof if a.profile and kv == "f16" else None,
+                    kv,
+                    a.gen_runs,
+                    ref,
                 )
                 row["kv_dtype"] = kv
                 rows.append(row)
@@ -405,8 +463,11 @@ def main() -> int:
     print()
     for r in rows:
         print(
-            f"{r['model']} (KV {r['kv_dtype']}): decode via Model.generate {r['generate_decode_tok_s']} tok/s, "
-            f"GPU replay {r['decode_gpu_replay_tok_s']} tok/s, decoder {r['decoder']}"
+            f"{r['model']} (KV {r['kv_dtype']}): decode via Model.generate {r['generate_wall_decode_tok_s']} tok/s "
+            f"(consumer's clock; stats {r['generate_decode_tok_s']}), replay loop {r['decode_tok_s']} "
+            f"({r['generate_vs_replay_loop']:.3f}x), GPU replay {r['decode_gpu_replay_tok_s']} "
+            f"({r['generate_vs_gpu_replay']}x); one step at a time {r['generate_stepwise_wall_decode_tok_s']} "
+            f"(device loop {r['generate_device_loop_vs_stepwise']:.3f}x); decoder {r['decoder']}"
         )
         print(
             f"  prefill (median of {r['prefill_runs']}): auto {r['prefill_auto_tok_s']}, fp32 tiles "
@@ -414,14 +475,25 @@ def main() -> int:
             f"({r['generate_prefill_chunk']}-token chunks) {r['generate_prefill_tok_s']} tok/s"
         )
         print_memory(r)
+    sources = sorted({r["llama_cpp"]["source"] for r in rows})
     print(
-        f"{'model':10} {'KV':>4} {'decode tok/s':>12} {'llama.cpp':>9} {'ratio':>6} {'of limit':>8} "
+        "llama.cpp: "
+        + (
+            "measured in this run (llama-bench, same files)"
+            if sources == ["llama-bench, same run"]
+            else "the figures published with issue 19 (llama.cpp 0c1e570, same H200, same generated files), "
+            "NOT measured in this run (give --llama-bench PATH to measure)"
+        )
+    )
+    print(
+        f"{'model':10} {'KV':>4} {'generate':>9} {'replay':>7} {'gen/rep':>7} {'llama.cpp':>9} {'ratio':>6} {'of limit':>8} "
         f"{'prefill tok/s':>13} {'llama.cpp':>9} {'ratio':>6} {'GPU MiB':>8}"
     )
     for r in rows:
-        ref = LLAMA_CPP[r["model"]]
+        ref = r["llama_cpp"]
         print(
-            f"{r['model']:10} {r['kv_dtype']:>4} {r['decode_tok_s']:12.1f} {ref['decode']:9.0f} {r['decode_vs_llama_cpp']:6.2f} "
+            f"{r['model']:10} {r['kv_dtype']:>4} {r['generate_wall_decode_tok_s']:9.1f} {r['decode_tok_s']:7.1f} "
+            f"{r['generate_vs_replay_loop']:7.3f} {ref['decode']:9.0f} {r['decode_vs_llama_cpp']:6.2f} "
             f"{r['decode_fraction_of_limit']:8.1%} {r['prefill_tok_s']:13.1f} {ref['prefill']:9.0f} "
             f"{r['prefill_vs_llama_cpp']:6.2f} {r['pool_held_bytes'] / 2**20:8.0f}"
         )
@@ -442,7 +514,7 @@ def main() -> int:
         "copy_bandwidth_Bps": bw,
         "prompt": a.prompt,
         "decode": a.decode,
-        "version": "cupy-v7 (decode: programmatic dependent launch between the step's kernels, GEMVs load their first weights and attention asks for its K/V rows before waiting; prefill: a prompt's first chunk replayed from a CUDA graph for models < 1 GiB (op by op measured in the same run); integer GEMV unroll 2 (GLU 1) and threads a row chosen with weights from DRAM; the plain-launch step measured in the same run) over cupy-v5 (decode: attention with q in registers, one-ahead prefetch, parallel merge, O-projection rounding fused (no qprep), int8 KV option; prefill: auto tiles (fp16 for matrices >= 4M values), attention in query blocks by strided-batched GEMMs, 512-token chunks in generate; memory plan of the GPU backend; device sampling)",
+        "version": "cupy-v8 (decode loop on the device: Model.generate chains steps, the next reading the previous one's token from device memory, one step queued ahead, tokens read one step behind) over cupy-v7 (decode: programmatic dependent launch between the step's kernels, GEMVs load their first weights and attention asks for its K/V rows before waiting; prefill: a prompt's first chunk replayed from a CUDA graph for models < 1 GiB (op by op measured in the same run); integer GEMV unroll 2 (GLU 1) and threads a row chosen with weights from DRAM; the plain-launch step measured in the same run) over cupy-v5 (decode: attention with q in registers, one-ahead prefetch, parallel merge, O-projection rounding fused (no qprep), int8 KV option; prefill: auto tiles (fp16 for matrices >= 4M values), attention in query blocks by strided-batched GEMMs, 512-token chunks in generate; memory plan of the GPU backend; device sampling)",
         "rows": rows,
     }
     tag = f"-{a.tag}" if a.tag else ""
@@ -462,14 +534,16 @@ def _record(out: Path, rows: list[dict[str, Any]], tag: str) -> None:
     for r in f16:
         m = r["model"]
         figures |= {
-            f"{m}.decode_tok_s": (round(r["decode_tok_s"], 1), "tok/s"),
+            f"{m}.decode_tok_s": (round(r["generate_wall_decode_tok_s"], 1), "tok/s"),
+            f"{m}.replay_loop_tok_s": (round(r["decode_tok_s"], 1), "tok/s"),
             f"{m}.decode_vs_llama_cpp": (round(r["decode_vs_llama_cpp"], 3), "x"),
             f"{m}.prefill_tok_s": (round(r["prefill_tok_s"], 1), "tok/s"),
             f"{m}.prefill_vs_llama_cpp": (round(r["prefill_vs_llama_cpp"], 3), "x"),
         }
     shapes = {"smollm2": "SmolLM2 shape", "qwen3-4b": "Qwen3-4B shape"}
     parts = [
-        f"{shapes.get(r['model'], r['model'])} {r['decode_tok_s']:,.0f} tok/s decode ({r['decode_vs_llama_cpp']:.2f}x), "
+        f"{shapes.get(r['model'], r['model'])} {r['generate_wall_decode_tok_s']:,.0f} tok/s decode through "
+        f"Model.generate ({r['decode_vs_llama_cpp']:.2f}x; replay loop {r['decode_tok_s']:,.0f}), "
         f"{r['prefill_tok_s']:,.0f} prefill ({r['prefill_vs_llama_cpp']:.2f}x)"
         for r in f16
     ]
@@ -477,7 +551,7 @@ def _record(out: Path, rows: list[dict[str, Any]], tag: str) -> None:
         "engine_gpu",
         out,
         figures,
-        reference="llama.cpp's figure for the same shape",
+        reference="llama.cpp on the same shape (" + ", ".join(sorted({r["llama_cpp"]["source"] for r in f16})) + ")",
         headline=f"{tag + ', ' if tag else ''}f16 KV, vs llama.cpp: " + "; ".join(parts),
         command="`python -m bench.engine_gpu`",
     )

@@ -21,6 +21,7 @@ import numpy as np
 from .chat_template import probe_chat_template
 from .chat_template import render_chat as _render_chat
 from .constrain import Constrainer, Constraint, Grammar
+from .decode_chain import DecodeChain
 from .errors import ContextOverflowError, EngineError, GrammarError, ModelFormatError, TemplateError
 from .gate import Gate, OpenGate
 from .generate import Generation, GenerationStats, TokenEvent
@@ -380,6 +381,21 @@ class Model:
         finally:
             pending.result()
         return sampler(logits, history, mask.mask)
+
+    def decode_chain(self, sampler: Sampler, history: Sequence[int]) -> DecodeChain | None:
+        """Decode steps chained on the device for a generation sampling with `sampler` whose ids
+        so far are `history` (`engine.decode_chain`): None where the backend's decoder cannot
+        chain (no `chain`, or it declines: an untied embedding on the host), the options turn it
+        off (`cupy_device_loop`), or the sampling needs the host each step (log-probabilities;
+        a constraint is the generation's to exclude)."""
+        make = getattr(self.decoder, "chain", None)
+        p = sampler.params
+        if make is None or not self.options.cupy_device_loop or p.logprobs is not None or p.repeat_last_n < 0:
+            return None
+        device = make(p)
+        if device is None:
+            return None
+        return DecodeChain(self.transformer, self._thread_lock, sampler, history, device)
 
     def generate(
         self,

@@ -1,10 +1,13 @@
 """Generation: chunked prefill, then one decode step at a time, each in a worker thread.
 
-The gate is awaited before every prefill chunk and every decode step, so a pause takes effect
-before the next forward pass; with a layer group G (`prefill_layer_group`) also between groups of
-G layers inside a chunk, the activations kept on the device while paused. Every piece ends with
-its device work finished, so a parked generation has nothing queued. Cancelling the consumer
-stops the generation within one step.
+The gate is awaited before every prefill chunk and every decode step launch, so a pause takes
+effect before the next forward pass; with a layer group G (`prefill_layer_group`) also between
+groups of G layers inside a chunk, the activations kept on the device while paused. Where the
+backend chains decode steps on the device (`Model.decode_chain`, `engine.decode_chain`), one step
+stays queued ahead of the token being read, and is waited for before a park or a yield; pieces
+and steps are otherwise finished on the device before the host goes on, so a parked generation has
+nothing queued. Cancelling the consumer stops the generation within one step; tokens a queued
+step made past a stop are dropped.
 """
 
 from __future__ import annotations
@@ -18,9 +21,11 @@ import anyio
 import anyio.to_thread
 import numpy as np
 
+from .decode_chain import DecodeChain
 from .errors import ContextOverflowError, GrammarError
 from .gate import Gate, OpenGate, Phase
 from .sampler import Sampler, SamplingParams, log_probs
+from .stop_matcher import StopMatcher as _StopMatcher
 from .tokenizer import StreamDecoder
 
 if TYPE_CHECKING:
@@ -62,6 +67,9 @@ class GenerationStats:
     completion_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    """From the first token to the last, less the time spent at the gate (parked, paced, yielding
+    to a more urgent generation) and rebuilding the context after a yield: the decode rate as the
+    consumer gets it (its own time between tokens counts too)."""
     first_token_s: float | None = None
     """From the call to the first token (includes waiting for the model and the gate)."""
 
@@ -74,40 +82,6 @@ class GenerationStats:
     def decode_tps(self) -> float:
         n = max(0, self.completion_tokens - 1)
         return n / self.decode_s if self.decode_s > 0 else 0.0
-
-
-class _StopMatcher:
-    """Holds back text that could still become a stop string."""
-
-    def __init__(self, stops: Sequence[str]) -> None:
-        self.stops = [s for s in stops if s]
-        self.pending = ""
-
-    def push(self, text: str) -> tuple[str, bool]:
-        """Add text; return (text safe to emit, whether a stop string was hit)."""
-        self.pending += text
-        if not self.stops:
-            out, self.pending = self.pending, ""
-            return out, False
-        hits = [self.pending.find(s) for s in self.stops]
-        found = [h for h in hits if h >= 0]
-        if found:
-            out = self.pending[: min(found)]
-            self.pending = ""
-            return out, True
-        hold = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(self.pending)), 0, -1):
-                if self.pending.endswith(s[:k]):
-                    hold = max(hold, k)
-                    break
-        cut = len(self.pending) - hold
-        out, self.pending = self.pending[:cut], self.pending[cut:]
-        return out, False
-
-    def flush(self) -> str:
-        out, self.pending = self.pending, ""
-        return out
 
 
 class TokenIdError(ValueError):
@@ -192,6 +166,8 @@ class Generation:
         self.stats = GenerationStats(prompt_tokens=len(self.prompt_ids))
         self.completion_ids: list[int] = []
         self.text = ""
+        self._waited = 0.0
+        """Seconds spent in checkpoints (the gate, yields), excluded from the decode time."""
         self._agen = self._run()
 
     def __aiter__(self) -> Generation:
@@ -233,15 +209,75 @@ class Generation:
         """Between two steps: yield the model to a more urgent generation, then pass the gate. One
         that asks for the model while this one waits at the gate (parked) gets it first."""
         lock = self.model.lock
+        t0 = time.perf_counter()
+        try:
+            while True:
+                if lock.should_yield(self):
+                    self.preemptions += 1
+                    self._unhold()
+                    await self._hold()
+                with anyio.CancelScope() as scope, lock.on_outranked(self, scope.cancel):
+                    await self.gate.wait(phase)
+                if not lock.should_yield(self):
+                    return
+        finally:
+            self._waited += time.perf_counter() - t0
+
+    async def _chain_checkpoint(self, chain: DecodeChain) -> None:
+        """`_checkpoint` before a chained step's launch: with steps queued, it first waits for them
+        (their tokens go to `chain.ready`) when the gate would park or a more urgent generation
+        waits, so a parked or yielding generation leaves nothing queued on the device."""
+        lock = self.model.lock
         while True:
-            if lock.should_yield(self):
-                self.preemptions += 1
-                self._unhold()
-                await self._hold()
-            with anyio.CancelScope() as scope, lock.on_outranked(self, scope.cancel):
-                await self.gate.wait(phase)
+            if chain.in_flight and self._would_wait("decode"):
+                await anyio.to_thread.run_sync(chain.settle)
+            if not chain.in_flight:
+                await self._checkpoint("decode")
+                return
+            t0 = time.perf_counter()
+            try:  # the gate is open: it returns at once, or paces a throttled decode
+                with anyio.CancelScope() as scope, lock.on_outranked(self, scope.cancel):
+                    await self.gate.wait("decode")
+            finally:
+                self._waited += time.perf_counter() - t0
             if not lock.should_yield(self):
                 return
+
+    async def _chained(self, chain: DecodeChain, token: int, pos: int, history: list[int]) -> int | None:
+        """The token after `token` (fed at `pos`) from steps chained on the device: queue the
+        step that makes it (unless queued) and one step ahead (unless the length or the context
+        ends first, or the gate may not pass at once: one that cannot tell never gets a step
+        ahead), the gate awaited before each launch; then read it back. None when the cache
+        no longer holds `history` (another generation used it while this one yielded)."""
+        if chain.ready:
+            return chain.ready.popleft()
+        more = self.stats.completion_tokens + 1 < self.sampling.max_tokens and pos + 1 < self.model.transformer.n_ctx
+        want = 2 if more and not self._would_wait("decode") else 1  # a step ahead only past an open gate
+        while True:
+            launch = chain.in_flight < want
+            if launch:
+                await self._chain_checkpoint(chain)
+                if chain.ready:
+                    return chain.ready.popleft()
+                if not chain.in_flight and self.model.transformer.kv.common_prefix(history) < pos:
+                    return None
+            collect = not launch or chain.in_flight + 1 >= want
+            got = await anyio.to_thread.run_sync(chain.step, token, pos, launch, collect)
+            if got is not None:
+                return got
+
+    async def _stepwise(
+        self, token: int, pos: int, sampler: Sampler, history: list[int], constraint: Constraint | None
+    ) -> int | None:
+        """The token after `token` (fed at `pos`), one step at a time: the gate, then the step;
+        None when the cache no longer holds `history` (another generation used it meanwhile)."""
+        await self._checkpoint("decode")
+        if self.model.transformer.kv.common_prefix(history) < pos:
+            return None
+        if self.sampling.logprobs is not None:
+            return await anyio.to_thread.run_sync(self._step_host, token, pos, sampler, history)
+        step = self.model.step_sample
+        return await anyio.to_thread.run_sync(step, token, pos, sampler, history, constraint)
 
     async def _prefill(self, seq: list[int]) -> Any:
         """Make the KV cache hold `seq` (reusing its cached prefix); logits of the last token."""
@@ -323,7 +359,7 @@ class Generation:
         stopper = _StopMatcher(params.stop)
         eog = model.tokenizer.eog_ids
         constraint = self.constraint
-        host_steps = params.logprobs is not None
+        chain: DecodeChain | None = None
         await self._hold()
         try:
             have = self.model.restore_pinned(prompt)
@@ -344,6 +380,9 @@ class Generation:
                 await anyio.to_thread.run_sync(disk.offer, prompt[: self.save_prefix])
             history = list(prompt)
             token = await self._first(sampler, logits, history)
+            if constraint is None:  # a grammar's mask needs each token on the host before the next step
+                chain = model.decode_chain(sampler, history)
+            t_first, waited, rebuild = time.perf_counter(), self._waited, 0.0
             hit = False
             while True:
                 if token in eog and not params.ignore_eos:
@@ -372,17 +411,16 @@ class Generation:
                 if self.stats.completion_tokens >= params.max_tokens or pos >= tf.n_ctx:
                     self.finish_reason = "length"
                     break
-                await self._checkpoint("decode")
-                t0 = time.perf_counter()
-                if tf.kv.common_prefix(history) >= pos:
-                    if host_steps:
-                        token = await anyio.to_thread.run_sync(self._step_host, token, pos, sampler, history)
-                    else:
-                        step = model.step_sample
-                        token = await anyio.to_thread.run_sync(step, token, pos, sampler, history, constraint)
-                    self.stats.decode_s += time.perf_counter() - t0
-                else:  # another generation used the cache meanwhile: rebuild our context first
-                    token = await self._first(sampler, await self._prefill(history), history)
+                if chain is not None:
+                    nxt = await self._chained(chain, token, pos, history)
+                else:
+                    nxt = await self._stepwise(token, pos, sampler, history, constraint)
+                if nxt is None:  # another generation used the cache meanwhile: rebuild our context first
+                    t0, w0 = time.perf_counter(), self._waited
+                    nxt = await self._first(sampler, await self._prefill(history), history)
+                    rebuild += time.perf_counter() - t0 - (self._waited - w0)
+                token = nxt
+                self.stats.decode_s = time.perf_counter() - t_first - (self._waited - waited) - rebuild
             if not hit:  # release what the UTF-8 decoder and the stop matcher still hold
                 tail, hit = stopper.push(decoder.flush())
                 if not hit:
@@ -393,4 +431,7 @@ class Generation:
         finally:
             if self.finish_reason is None:
                 self.finish_reason = "cancelled"
+            if chain is not None and chain.in_flight:  # a step queued past the last token read
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(chain.settle)
             self._unhold()

@@ -11,6 +11,7 @@ environment by `EngineOptions.from_env` (the only place the engine reads these v
 | `cupy_prefill` | `GENIE_CUPY_PREFILL` | "auto" | prefill tile precision: auto, float16, float32 |
 | `cupy_prefill_graph` | `GENIE_CUPY_PREFILL_GRAPH` (`0`/`1`) | None (by model size) | first-chunk prefill graphs |
 | `cupy_decoder` | `GENIE_CUPY_DECODER` | "graph" | one-token steps: graph, eager or off |
+| `cupy_device_loop` | `GENIE_CUPY_DEVICE_LOOP` (`0`: off) | True | decode steps chained on the device, tokens read one step behind |
 | `attn_chunk` | `GENIE_CUPY_ATTN_CHUNK` | 32 | fewest positions a decode-attention slice takes |
 | `attn_warps` | `GENIE_CUPY_ATTN_WARPS` | 0 (the rule) | warps of a decode-attention block |
 | `prefill_chunk` | — (the caller's) | None (the backend's: CPU 64, CuPy 512) | prompt tokens per prefill pass the caller uses: sizes the memory plan's prefill scratch and CuPy's first-chunk graph |
@@ -43,6 +44,9 @@ class EngineOptions:
     """First-chunk prefill graphs: False never, True always, None by model size."""
     cupy_decoder: str = "graph"
     """CuPy one-token steps: "graph" (replayed CUDA graph), "eager" (same kernels) or "off"."""
+    cupy_device_loop: bool = True
+    """Whether `Model.generate` chains CUDA decode steps on the device (the next step reads the
+    previous one's token from device memory; the host reads tokens one step behind)."""
     attn_chunk: int = 32
     """Fewest positions one decode-attention slice takes."""
     attn_warps: int = 0
@@ -68,6 +72,7 @@ class EngineOptions:
             cupy_prefill=env.get("GENIE_CUPY_PREFILL", "auto"),
             cupy_prefill_graph={"0": False, "1": True}.get(graph),
             cupy_decoder=env.get("GENIE_CUPY_DECODER", "graph"),
+            cupy_device_loop=env.get("GENIE_CUPY_DEVICE_LOOP", "1") != "0",
             attn_chunk=int(env.get("GENIE_CUPY_ATTN_CHUNK", "32")),
             attn_warps=int(env.get("GENIE_CUPY_ATTN_WARPS", "0")),
         )

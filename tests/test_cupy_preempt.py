@@ -83,7 +83,9 @@ class _Calls:
         if m.decoder is not None:
             targets += [(m.decoder, "_launch")]
             if getattr(m.decoder, "device_sampler", None) is not None:
-                targets += [(m.decoder.device_sampler, "sample")]
+                targets += [(m.decoder.device_sampler, n) for n in ("sample", "queue", "prepare")]
+            if getattr(m.decoder, "chained", None) is not None:  # the decode loop on the device
+                targets += [(m.decoder.chained, n) for n in ("begin", "launch")]
         for obj, name in targets:
             mp.setattr(obj, name, self._wrap(getattr(obj, name)))
 
@@ -251,11 +253,12 @@ def test_prefill_paused_at_every_piece_equals_uninterrupted(
 
 
 def test_paused_decode_launches_nothing(model: Model) -> None:
-    """A pause while decoding (graph replays) parks between two steps with every stream idle, and
-    until the gate opens no backend entry point is called and nothing is allocated; the
-    generation then goes on to its full length."""
+    """A pause while decoding (steps chained on the device, one queued ahead) parks between two
+    steps with every stream idle, and until the gate opens no backend entry point is called and
+    nothing is allocated; the generation then goes on to its full length."""
     ids = _prompt(64, seed=9)
     model.transformer.kv.tokens = []
+    chained = model.decoder.chained.launches
     gate = DecodeGate()
     state: dict[str, Any] = {}
 
@@ -284,3 +287,4 @@ def test_paused_decode_launches_nothing(model: Model) -> None:
     assert model.decoder is not None
     assert state["idle"] is True and state["calls"] == 0 and state["mallocs"] == 0
     assert state["tokens"] == 40
+    assert model.decoder.chained.launches - chained == 39  # every step was a chained one

@@ -8,6 +8,7 @@ Runs only where CuPy and a CUDA device work (`pytest -m gpu`); skipped cleanly e
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +128,10 @@ def test_seeded_generation_samples_on_the_device(tmp_path: Path, monkeypatch: py
     assert len(a) == 64 and ds.launches - before == 63  # the first token comes from the prefill
     b = _generate(m, prompt, params)
     assert a == b
+    # the same steps one at a time (the decode loop on the device off), then sampled on the host
+    monkeypatch.setattr(m, "options", replace(m.options, cupy_device_loop=False))
+    chained = m.decoder.chained.launches
+    assert _generate(m, prompt, params) == a and m.decoder.chained.launches == chained
 
     def host_sample(self: CupyDecoder, token: int, pos: int, sp: SamplingParams, u: float, history: Any) -> int:
         return Sampler(sp).pick(self.logits(token, pos), u, history)

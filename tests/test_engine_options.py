@@ -31,6 +31,7 @@ VARIABLES = (
     "GENIE_CUPY_PREFILL",
     "GENIE_CUPY_PREFILL_GRAPH",
     "GENIE_CUPY_DECODER",
+    "GENIE_CUPY_DEVICE_LOOP",
     "GENIE_CUPY_ATTN_CHUNK",
     "GENIE_CUPY_ATTN_WARPS",
 )
@@ -59,6 +60,7 @@ def test_defaults_are_the_engines_and_the_value_is_frozen() -> None:
         32,
         0,
     )
+    assert o.cupy_device_loop is True
     with pytest.raises(FrozenInstanceError):
         o.threads = 3  # type: ignore[misc]
 
@@ -75,6 +77,7 @@ def test_from_env_parses_every_variable() -> None:
         "GENIE_CUPY_PREFILL": "float16",
         "GENIE_CUPY_PREFILL_GRAPH": "1",
         "GENIE_CUPY_DECODER": "eager",
+        "GENIE_CUPY_DEVICE_LOOP": "0",
         "GENIE_CUPY_ATTN_CHUNK": "64",
         "GENIE_CUPY_ATTN_WARPS": "8",
     }
@@ -87,6 +90,7 @@ def test_from_env_parses_every_variable() -> None:
         cupy_prefill="float16",
         cupy_prefill_graph=True,
         cupy_decoder="eager",
+        cupy_device_loop=False,
         attn_chunk=64,
         attn_warps=8,
     )

@@ -13,7 +13,9 @@ How a step runs:
   attention, merge, output GEMV + residual, norm+rounding+gate/up GEMV + SwiGLU/GeGLU, down GEMV
   + residual; final norm + head GEMV; argmax) is captured once as a CUDA graph and replayed; where
   capture fails the same launches run eagerly (logged);
-- greedy chaining reads back 4 bytes (the argmax); `logits` reads back the logits row.
+- greedy chaining reads back 4 bytes (the argmax); `logits` reads back the logits row;
+- chained steps (`chain`, `engine.backends.cupy_chain`) read their token and position from `ids`
+  as the step before left them there, so the host queues a step before reading the last token.
 
 The launches: `cupy_step` (its GEMVs: `cupy_gemv`). Kernels: `engine.kernels.decode_src`
 (compiled by NVRTC for this model's shape and types).
@@ -38,6 +40,7 @@ from ..kernels import decode_src
 from ..kv_cache import Int8Rows
 from ..options import DEFAULT_OPTIONS, EngineOptions
 from ..quants import dequantize_rows
+from .cupy_chain import CupyChain
 from .cupy_gemv import Launch, QInput, gemv_launches, qgemv_config
 from .cupy_launch import pdl_launcher
 from .cupy_plan import ARGMAX_BLOCKS
@@ -146,6 +149,9 @@ class CupyDecoder:
         if use_graph:
             self._capture()
         self.device_sampler = DeviceSampler(int(self.out_logits.size), self.n_ctx + 1, use_graph)
+        self.chained = None if self.host_embed else CupyChain(self)
+        """The device side of chained steps (`chain`); None for a model whose embedding table stays
+        on the host (its row for a token only the device knows cannot be looked up there)."""
 
     # --- building ---------------------------------------------------------------------------
     def function(self, name: str) -> Any:
@@ -264,3 +270,8 @@ class CupyDecoder:
         comes back. A `Constraint` as `mask` computes its mask while the step runs."""
         self._launch(token, pos)
         return self.device_sampler.sample(self.out_logits, params, u, history, stream=self.stream, mask=mask)
+
+    def chain(self, params: Any) -> CupyChain | None:
+        """The device side of a decode loop chained on the device (`engine.decode_chain`) for
+        `params` (`SamplingParams`); None where it cannot run (untied embedding on the host)."""
+        return self.chained

@@ -11,9 +11,13 @@ pinned buffer after the step's forward pass is queued - while the GPU runs it - 
 the device on the same stream (n_vocab / 8 bytes); the logit bias travels as (id, value) pairs.
 Without either, nothing changes: no extra launch, no extra copy.
 
-`reference_sample` is the same algorithm in NumPy, pass for pass (digits, integer weights,
-targets), so the algorithm is tested without a GPU (`tests/test_sampler_device_twin.py`); the
-device is tested against it and against `Sampler` in `tests/test_cupy_sample.py`.
+`reference_sample` (`engine.backends.sample_twin`, re-exported here) is the same algorithm in
+NumPy, pass for pass (digits, integer weights, targets), so the algorithm is tested without a GPU
+(`tests/test_sampler_device_twin.py`); the device is tested against it and against `Sampler` in
+`tests/test_cupy_sample.py`.
+
+`queue` is the chained form (`engine.backends.cupy_chain`): the token stays on the device, for
+the next decode step to read; each queued sample uploads its parameters from its own pinned slot.
 
 Agreement with `Sampler.pick`: the same order (logit descending, id ascending) and cuts; the
 weights are float64 exponentials rounded to integers (`weight_scale`: 2^44 for a 151936 vocab),
@@ -21,7 +25,7 @@ so cumulative sums differ from the host's float64 ones by < 1e-8 of the total. A
 only where `u` (or top_p) lies that close to a cumulative boundary; weights below 1/scale of the
 largest count as 0 (never picked, as on the host with probability < 1e-8 in all).
 
-CuPy is imported inside `DeviceSampler` only: this module (the twin) loads without it.
+CuPy is imported inside `DeviceSampler` only: this module loads without it.
 """
 
 from __future__ import annotations
@@ -36,152 +40,39 @@ import numpy as np
 from ..constrain import mask_words
 from ..errors import GrammarError
 from ..kernels import sample_src as ks
-from ..sampler import Sampler, SamplingParams
+from ..sampler import SamplingParams
+from .sample_twin import (
+    ALL,
+    VALUE_DIGITS,
+    flags_of,
+    pass_schedule,
+    recent_window,
+    reference_sample,
+    sort_keys,
+    weight_scale,
+)
 
 log = logging.getLogger(__name__)
 
-VALUE_DIGITS = ((53, 11), (42, 11), (32, 10))
-"""(shift, bits) of the radix digits over the logit half of the key (bits 63..32)."""
-ALL = (1 << 64) - 1
-"""A bound that keeps every token."""
+__all__ = [
+    "ALL",
+    "VALUE_DIGITS",
+    "DeviceSampler",
+    "flags_of",
+    "pass_schedule",
+    "recent_window",
+    "reference_sample",
+    "sort_keys",
+    "weight_scale",
+]
+
 MAX_GRAPHS = 16
 """Captured graphs kept (one per logits buffer and set of active stages)."""
 BIAS_SLOTS = 1024
 """Logit-bias entries the device buffers hold at first (more: they grow, and graphs are recaptured)."""
-
-
-def pass_schedule(vocab: int) -> list[tuple[int, int]]:
-    """(shift, bits) of every radix digit of a selection: the logit's 32 bits, then the id's."""
-    out = list(VALUE_DIGITS)
-    rest = max(1, (vocab - 1).bit_length())
-    while rest > 0:
-        n = min(ks.BITS, rest)
-        rest -= n
-        out.append((rest, n))
-    return out
-
-
-def weight_scale(vocab: int) -> float:
-    """Integer weights are round(w * scale), w <= 1: a whole vocabulary sums to < 2^62."""
-    return float(2.0 ** (62 - max(1, (vocab - 1).bit_length())))
-
-
-def flags_of(params: SamplingParams, vocab: int, n_recent: int, masked: bool = False) -> int:
-    """Which stages run (bits `F_*` of `engine.kernels.sample_src`)."""
-    f = ks.F_PEN if params.repeat_penalty != 1.0 and n_recent > 0 else 0
-    if masked:
-        f |= ks.F_MASK
-    if params.logit_bias:
-        f |= ks.F_BIAS
-    if params.temperature > 0.0:
-        f |= ks.F_SAMPLE
-        if 0 < params.top_k < vocab:
-            f |= ks.F_TOPK
-        if params.top_p < 1.0:
-            f |= ks.F_TOPP
-        if params.min_p > 0.0:
-            f |= ks.F_MINP
-    return f
-
-
-def recent_window(params: SamplingParams, history: Sequence[int]) -> Sequence[int]:
-    """The ids the repetition penalty looks at (as `Sampler.pick` slices them)."""
-    if params.repeat_penalty == 1.0 or not history or not params.repeat_last_n:
-        return ()
-    return history[-params.repeat_last_n :]
-
-
-# --- the NumPy twin -------------------------------------------------------------------------------
-def sort_keys(x: np.ndarray) -> np.ndarray:
-    """uint64 keys (desc_bits(x) << 32 | id): ascending keys = logits descending, then ids."""
-    b = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    b = np.where(b & np.uint32(0x80000000), ~b, b | np.uint32(0x80000000))
-    return ((~b).astype(np.uint64) << np.uint64(32)) | np.arange(x.shape[0], dtype=np.uint64)
-
-
-def _hist(digits: np.ndarray, w: np.ndarray, nb: int) -> np.ndarray:
-    """Exact uint64 sums of w per digit (w < 2^46: two float64 bincounts of 23-bit halves)."""
-    lo = np.bincount(digits, weights=(w & np.uint64(0x7FFFFF)).astype(np.float64), minlength=nb)
-    hi = np.bincount(digits, weights=(w >> np.uint64(23)).astype(np.float64), minlength=nb)
-    return (hi.astype(np.uint64) << np.uint64(23)) + lo.astype(np.uint64)
-
-
-def _select(keys: np.ndarray, w: np.ndarray, target_of: Any, schedule: list[tuple[int, int]]) -> int:
-    """`smp_select` over its digits: the key of the first member (in key order) whose inclusive
-    cumulative weight exceeds the target (`target_of(total)`); ALL when none does."""
-    prefix, cum, target = 0, 0, 0
-    for shift, nbits in schedule:
-        hi = shift + nbits
-        sel = np.ones(keys.shape[0], bool) if hi >= 64 else (keys >> np.uint64(hi)) == np.uint64(prefix >> hi)
-        digits = ((keys[sel] >> np.uint64(shift)) & np.uint64((1 << nbits) - 1)).astype(np.int64)
-        hist = [int(h) for h in _hist(digits, w[sel], 1 << nbits)]
-        if hi >= 64:
-            target = target_of(sum(hist))
-        rem, acc = target - cum, 0
-        for b, h in enumerate(hist):
-            if acc + h > rem:
-                prefix |= b << shift
-                cum += acc
-                break
-            acc += h
-        else:
-            return ALL
-    return prefix
-
-
-def _weights(d: np.ndarray, scale: float) -> np.ndarray:
-    return np.rint(np.exp(d) * scale).astype(np.uint64)
-
-
-def reference_sample(
-    logits: np.ndarray,
-    params: SamplingParams,
-    u: float,
-    history: Sequence[int] = (),
-    mask: np.ndarray | None = None,
-) -> int:
-    """The device algorithm in NumPy (see the module doc): the token for the uniform draw `u`
-    (`mask`: the int32 bitmask of allowed tokens, as `Sampler.pick` takes it)."""
-    p = params
-    x = np.array(Sampler(p).adjusted(logits, mask), dtype=np.float32).reshape(-1)
-    vocab = x.shape[0]
-    window = recent_window(p, history)
-    if window:
-        ids = np.asarray(window, dtype=np.int64)
-        seen = np.zeros(vocab, bool)
-        seen[ids[(ids >= 0) & (ids < vocab)]] = True
-        pen = np.float32(p.repeat_penalty)
-        x[seen] = np.where(x[seen] > 0, x[seen] / pen, x[seen] * pen)
-    x[x == 0] = 0.0  # -0 -> +0
-    arg = int(np.argmax(x))
-    f = flags_of(p, vocab, len(window))
-    if not f & ks.F_SAMPLE:
-        return arg
-    keys, sched, scale = sort_keys(x), pass_schedule(vocab), weight_scale(vocab)
-    d = x.astype(np.float64) - np.float64(x[arg])
-    b0 = b1 = ALL
-    if f & ks.F_TOPK:
-        b0 = _select(keys, np.ones(vocab, np.uint64), lambda tot: p.top_k - 1, sched)
-    in_k = keys <= np.uint64(b0)
-    if f & ks.F_TOPP:
-        e = np.where(in_k, _weights(d, scale), np.uint64(0))
-
-        def top_p_target(tot: int) -> int:
-            c = int(np.ceil(p.top_p * float(tot)))
-            return c - 1 if c else 0
-
-        b1 = _select(keys, e, top_p_target, sched)
-    kept = in_k & (keys <= np.uint64(b1))
-    if f & ks.F_MINP:
-        kept &= ~(np.exp(d) < p.min_p)
-    w = np.where(kept, _weights(d / p.temperature, scale), np.uint64(0))
-
-    def pick_target(tot: int) -> int:
-        t = int(np.floor(u * float(tot)))
-        return tot - 1 if t >= tot and tot else t
-
-    key = _select(keys, w, pick_target, sched)
-    return arg if key == ALL else int(key & 0xFFFFFFFF)
+PARAM_SLOTS = 4
+"""Pinned parameter buffers of queued samples (`queue`): a chained decode keeps up to two steps
+queued, each uploading its own draw from its own slot while the host fills the next."""
 
 
 # --- the device sampler ---------------------------------------------------------------------------
@@ -229,15 +120,24 @@ class DeviceSampler:
         self._bias_cap = 0
         self._bias_sent: tuple[tuple[int, float], ...] = ()
         self._grow_bias(BIAS_SLOTS)
-        self._params_mem = cp.cuda.alloc_pinned_memory(pbytes)
-        self.pd = np.frombuffer(self._params_mem, np.float64, ks.PD_N)
-        self.pi = np.frombuffer(self._params_mem, np.int32, ks.PI_N, offset=ks.PD_N * 8)
+        self._params_mem = cp.cuda.alloc_pinned_memory(pbytes * (1 + PARAM_SLOTS))
+        views = [
+            (
+                np.frombuffer(self._params_mem, np.float64, ks.PD_N, offset=j * pbytes),
+                np.frombuffer(self._params_mem, np.int32, ks.PI_N, offset=j * pbytes + ks.PD_N * 8),
+            )
+            for j in range(1 + PARAM_SLOTS)
+        ]
+        self.pd, self.pi = views[0]
+        self._slots = views[1:]
+        """Parameter buffers of `queue` (slot j: one queued sample's)."""
         self._recent_mem = cp.cuda.alloc_pinned_memory(self.max_history * 4)
         self.recent_host = np.frombuffer(self._recent_mem, np.int32, self.max_history)
         self._out_mem = cp.cuda.alloc_pinned_memory(4)
         self.out_host = np.frombuffer(self._out_mem, np.int32, 1)
-        self.pd[ks.PD_SCALE] = self.scale
-        self.pi[ks.PI_VOCAB] = self.vocab
+        for pd, pi in views:
+            pd[ks.PD_SCALE] = self.scale
+            pi[ks.PI_VOCAB] = self.vocab
         self.nbytes = int(sum(a.nbytes for a in vars(self).values() if isinstance(a, cp.ndarray)))
         """Bytes of the device buffers above (the bias slots grow past BIAS_SLOTS on demand)."""
         self._capture_stream = cp.cuda.Stream(non_blocking=True)
@@ -368,15 +268,7 @@ class DeviceSampler:
             raise ValueError(f"repetition window of {n} ids exceeds max_history {self.max_history}")
         flags = flags_of(params, self.vocab, n, mask is not None)
         pd, pi = self.pd, self.pi
-        pd[ks.PD_TOP_P] = params.top_p
-        pd[ks.PD_MIN_P] = params.min_p
-        pd[ks.PD_U] = u
-        pd[ks.PD_TEMP] = params.temperature
-        pd[ks.PD_PENALTY] = params.repeat_penalty
-        pi[ks.PI_NRECENT] = n
-        pi[ks.PI_TOPK] = params.top_k
-        pi[ks.PI_FLAGS] = flags
-        pi[ks.PI_NBIAS] = len(params.logit_bias)
+        _fill(pd, pi, params, u, n, flags)
         h2d, d2h = cp.cuda.runtime.memcpyHostToDevice, cp.cuda.runtime.memcpyDeviceToHost
         if mask is not None:
             self._upload_mask(mask, stream)
@@ -398,6 +290,48 @@ class DeviceSampler:
         if mask is not None and not (int(self.mask_host[token >> 5]) >> (token & 31)) & 1:
             raise GrammarError("no token is left to pick: the logit_bias bans every token the grammar allows")
         return token
+
+    # --- queued samples (a decode chained on the device: `engine.backends.cupy_chain`) ---------
+    def prepare(self, params: SamplingParams, window: Sequence[int], stream: Any) -> None:
+        """Before a run of `queue` calls: the logit bias (when it changed) and the repetition
+        window `window` (ids, oldest first; the chain's ring continues it) to the device, on
+        `stream`. Nothing may be queued that still reads the pinned recent-ids buffer."""
+        cp = self._cp
+        if len(window) > self.max_history:
+            raise ValueError(f"repetition window of {len(window)} ids exceeds max_history {self.max_history}")
+        if params.logit_bias and params.logit_bias != self._bias_sent:
+            self._upload_bias(params.logit_bias, stream)
+        if window:
+            n = len(window)
+            self.recent_host[:n] = window
+            cp.cuda.runtime.memcpyAsync(
+                self.recent_dev.data.ptr,
+                self.recent_host.ctypes.data,
+                4 * n,
+                cp.cuda.runtime.memcpyHostToDevice,
+                stream.ptr,
+            )
+
+    def queue(self, logits_dev: Any, params: SamplingParams, u: float, n_recent: int, stream: Any, slot: int) -> None:
+        """Queue the sample of `logits_dev` on `stream` with the draw `u` and the first `n_recent`
+        ids of the device's recent-ids buffer as the repetition window; the token lands in `out`
+        on the device (nothing comes back, nothing waits). `slot` (0..PARAM_SLOTS-1) is the pinned
+        parameter buffer: one not used by a sample still queued."""
+        cp = self._cp
+        if not 0.0 <= u < 1.0:
+            raise ValueError(f"u must be in [0, 1), got {u}")
+        flags = flags_of(params, self.vocab, n_recent)
+        pd, pi = self._slots[slot]
+        _fill(pd, pi, params, u, n_recent, flags)
+        cp.cuda.runtime.memcpyAsync(
+            self.params_dev.data.ptr,
+            pd.ctypes.data,
+            self.params_dev.nbytes,
+            cp.cuda.runtime.memcpyHostToDevice,
+            stream.ptr,
+        )
+        self._run(logits_dev, flags, stream)
+        self.launches += 1
 
     def _narrow_top_k(self, params: SamplingParams, flags: int) -> None:
         """Top-k over the allowed tokens only: with fewer allowed than k (a grammar usually allows
@@ -448,3 +382,16 @@ class DeviceSampler:
             self.bias_vals_dev.data.ptr, self.bias_vals_host.ctypes.data, 4 * n, h2d, stream.ptr
         )
         self._bias_sent = bias
+
+
+def _fill(pd: np.ndarray, pi: np.ndarray, params: SamplingParams, u: float, n_recent: int, flags: int) -> None:
+    """One sample's parameters into a (pinned) parameter buffer."""
+    pd[ks.PD_TOP_P] = params.top_p
+    pd[ks.PD_MIN_P] = params.min_p
+    pd[ks.PD_U] = u
+    pd[ks.PD_TEMP] = params.temperature
+    pd[ks.PD_PENALTY] = params.repeat_penalty
+    pi[ks.PI_NRECENT] = n_recent
+    pi[ks.PI_TOPK] = params.top_k
+    pi[ks.PI_FLAGS] = flags
+    pi[ks.PI_NBIAS] = len(params.logit_bias)

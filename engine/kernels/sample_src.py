@@ -23,6 +23,8 @@ named by its last member's 64-bit key `(desc_bits(logit) << 32) | id` (keys asce
     2 pick:  weight exp((x-m)/T) over the kept tokens (top-k, top-p, and exp(x-m) >= min_p),
              first cum > floor(u * sum)                          -> the token (into `out`).
   An inactive or finished selection returns at once (its bound stays "all").
+- `chain_advance` (one thread, after a chained decode step): the picked token becomes the next
+  step's input and position, and enters the repetition window's ring.
 """
 
 from __future__ import annotations
@@ -299,6 +301,22 @@ smp_select(const float* __restrict__ xw, const double* __restrict__ pd, SmpState
         *counter = 0;
     }
     for (int j = threadIdx.x; j < nb; j += SMP_THREADS) ghist[j] = 0ull;
+}
+
+// Decode steps chained on the device (`engine.backends.cupy_chain`), one thread: the token a
+// step picked (`pick`: the decode step's argmax ids[2], or the sampler's `out`) becomes the next
+// step's input ids[0] at the next position ids[1] + 1, and joins the repetition window, a ring of
+// `cap` ids in `recent` whose next slot is ids[3] (cap 0: no window).
+extern "C" __global__ void chain_advance(int* ids, const int* pick, int* recent, int cap) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    const int t = *pick;
+    ids[0] = t;
+    ids[1] += 1;
+    if (cap > 0) {
+        const int w = ids[3];
+        recent[w] = t;
+        ids[3] = w + 1 == cap ? 0 : w + 1;
+    }
 }
 """
 

@@ -11,6 +11,13 @@ generation's `Sampler` in step order (a seed gives the tokens of the step-by-ste
 each queued step its own slot, keeps the KV cache's token list (`kv.tokens`) equal to the tokens
 whose K/V are written or queued, and waits for tokens in a worker thread (`step`, `settle`).
 
+A step queued ahead costs pause reaction: a pause that comes while step k runs with step k+1
+queued lands after both. So a step is queued ahead only while steps are short
+(`AHEAD_MAX_STEP_S`: the last step's time, read-to-read, at most 5 ms - the GPU idling for the
+host's part of a token matters there, and two steps stay under 10 ms); longer steps (a 4B model on
+an Orin) run one at a time, the host's ~0.2 ms then a few percent of a step, and a pause lands
+within one step as before.
+
 A device chain offers `slots`, `begin(token, pos, params, window)` (nothing queued: the first
 step feeds a token the host knows), `launch(slot, u, n_recent)` (queue one step) and
 `wait(slot) -> token`.
@@ -19,12 +26,16 @@ step feeds a token the host knows), `launch(slot, u, n_recent)` (queue one step)
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
 from .errors import ContextOverflowError
 from .sampler import Sampler
+
+AHEAD_MAX_STEP_S = 0.005
+"""Longest step (seconds, read to read) after which a step is still queued ahead (see the module doc)."""
 
 
 class DecodeChain:
@@ -49,8 +60,17 @@ class DecodeChain:
         """Tokens read back by `settle` that the generation has not taken yet, oldest first."""
         self._launched = 0
         self._next_pos = 0
+        self._read_at: float | None = None
+        self.step_s = 0.0
+        """The last step's time, from one token read to the next while a step stayed queued
+        (0: not measured yet)."""
         p = self.params
         self._window = p.repeat_last_n if p.repeat_penalty != 1.0 and p.repeat_last_n > 0 else 0
+
+    @property
+    def ahead_ok(self) -> bool:
+        """Whether steps are short enough to keep one queued ahead (`AHEAD_MAX_STEP_S`)."""
+        return self.step_s <= AHEAD_MAX_STEP_S
 
     @property
     def in_flight(self) -> int:
@@ -83,6 +103,7 @@ class DecodeChain:
         window = window_of(self.history[: pos + 1], self._window)
         self.device.begin(int(token), pos, self.params, window)
         kv.tokens.append(int(token))
+        self._read_at = None
         self._next_pos = pos
         self._launch()
 
@@ -105,12 +126,16 @@ class DecodeChain:
         token, so the cache's token list gains it (its K/V are being written)."""
         slot, pos = self.queued[0]
         token = int(self.device.wait(slot))
+        now = time.perf_counter()
+        if self._read_at is not None:  # the device went from the last read to this one without waiting for the host
+            self.step_s = now - self._read_at
         with self.lock:
             self.queued.popleft()
             if self.queued:
                 kv = self.tf.kv
                 del kv.tokens[pos + 1 :]
                 kv.tokens.append(token)
+        self._read_at = now if self.queued else None
         return token
 
 

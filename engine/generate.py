@@ -246,13 +246,14 @@ class Generation:
     async def _chained(self, chain: DecodeChain, token: int, pos: int, history: list[int]) -> int | None:
         """The token after `token` (fed at `pos`) from steps chained on the device: queue the
         step that makes it (unless queued) and one step ahead (unless the length or the context
-        ends first, or the gate may not pass at once: one that cannot tell never gets a step
-        ahead), the gate awaited before each launch; then read it back. None when the cache
+        ends first, steps take longer than `decode_chain.AHEAD_MAX_STEP_S`, or the gate may not
+        pass at once: one that cannot tell never gets a step ahead), the gate awaited before each
+        launch; then read it back. None when the cache
         no longer holds `history` (another generation used it while this one yielded)."""
         if chain.ready:
             return chain.ready.popleft()
         more = self.stats.completion_tokens + 1 < self.sampling.max_tokens and pos + 1 < self.model.transformer.n_ctx
-        want = 2 if more and not self._would_wait("decode") else 1  # a step ahead only past an open gate
+        want = 2 if more and chain.ahead_ok and not self._would_wait("decode") else 1  # ahead: past an open gate
         while True:
             launch = chain.in_flight < want
             if launch:

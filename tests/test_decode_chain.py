@@ -15,6 +15,7 @@ import anyio
 import anyio.lowlevel
 import pytest
 
+import engine.decode_chain
 from engine import Model, SamplingParams
 from engine.decode_chain import DecodeChain
 from engine.sampler import Sampler
@@ -34,6 +35,8 @@ class FakeDeviceChain:
         """slot -> token of the steps queued and not waited for."""
         self.launches = 0
         self.most_pending = 0
+        self.pending_at_launch: list[int] = []
+        """Steps queued right after each launch."""
         self.token = self.pos = self.w = self.cap = 0
         self.ring: list[int] = []
         self.params = SamplingParams()
@@ -53,6 +56,7 @@ class FakeDeviceChain:
         pick = Sampler(self.params).pick(logits, u, self.ring[:n_recent])
         self.pending[slot] = pick
         self.most_pending = max(self.most_pending, len(self.pending))
+        self.pending_at_launch.append(len(self.pending))
         self.launches += 1
         self.token, self.pos = pick, self.pos + 1  # chain_advance
         if self.cap:
@@ -63,9 +67,12 @@ class FakeDeviceChain:
         return self.pending.pop(slot)
 
 
-def _fake_chain(model: Model, mp: pytest.MonkeyPatch) -> list[FakeDeviceChain]:
-    """Make `model.decode_chain` hand out chains on fake devices; the list collects them."""
+def _fake_chain(model: Model, mp: pytest.MonkeyPatch, ahead_max_s: float = 3600.0) -> list[FakeDeviceChain]:
+    """Make `model.decode_chain` hand out chains on fake devices; the list collects them. Steps of
+    up to `ahead_max_s` keep one queued ahead (default: all, as GPU steps of a few ms do; a CPU
+    step here takes longer than the engine's bound)."""
     made: list[FakeDeviceChain] = []
+    mp.setattr(engine.decode_chain, "AHEAD_MAX_STEP_S", ahead_max_s)
 
     def decode_chain(sampler: Sampler, history: list[int]) -> DecodeChain:
         made.append(FakeDeviceChain(model))
@@ -208,3 +215,19 @@ async def test_cancel_leaves_nothing_queued_and_the_model_free(monkeypatch: pyte
     with anyio.fail_after(5):
         async with model.lock.hold():
             pass
+
+
+async def test_long_steps_run_one_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once a step has taken longer than the bound for queuing ahead, no further step is queued
+    ahead (a pause then lands within one step); the tokens stay the step-by-step ones."""
+    model = shared_model(SMOLLM2)
+    ids = model.tokenizer.encode("The kitchen lights are", add_special=True)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    want, _ = await _run(model, ids, params)
+    with monkeypatch.context() as mp:
+        made = _fake_chain(model, mp, ahead_max_s=0.0)
+        got, _ = await _run(model, ids, params)
+    assert got == want
+    pending = made[0].pending_at_launch
+    assert pending[:3] == [1, 2, 2]  # queued ahead until a step was measured
+    assert set(pending[3:]) == {1}  # then one at a time

@@ -248,8 +248,8 @@ class Generation:
         step that makes it (unless queued) and one step ahead (unless the length or the context
         ends first, steps take longer than `decode_chain.AHEAD_MAX_STEP_S`, or the gate may not
         pass at once: one that cannot tell never gets a step ahead), the gate awaited before each
-        launch; then read it back. None when the cache
-        no longer holds `history` (another generation used it while this one yielded)."""
+        launch; then read it back. None when the cache no longer holds `history` (another
+        generation used it while this one yielded)."""
         if chain.ready:
             return chain.ready.popleft()
         more = self.stats.completion_tokens + 1 < self.sampling.max_tokens and pos + 1 < self.model.transformer.n_ctx

@@ -328,7 +328,7 @@ def bench_model(
     row = {
         "model": key,
         "preset": LLAMA_CPP[key]["preset"],
-        "llama_cpp": {k: ref[k] for k in ("decode", "prefill", "source") if k in ref},
+        "llama_cpp": {k: ref[k] for k in ("decode", "prefill", "source", "decode_depth", "build") if k in ref},
         "load_s": round(load_s, 2),
         "decoder": dec.describe() if dec is not None else None,
         "decode_tok_s": round(decode_tps, 1),

@@ -231,3 +231,47 @@ async def test_long_steps_run_one_at_a_time(monkeypatch: pytest.MonkeyPatch) -> 
     pending = made[0].pending_at_launch
     assert pending[:3] == [1, 2, 2]  # queued ahead until a step was measured
     assert set(pending[3:]) == {1}  # then one at a time
+
+
+async def test_yield_to_an_urgent_generation_leaves_nothing_queued(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chained background generation yields the model to a more urgent one with no step of its
+    own queued, gets its context rebuilt afterwards and runs to its full length; the urgent one
+    gives its uninterrupted tokens."""
+    model = shared_model(SMOLLM2)
+    bg_ids = model.tokenizer.encode("Tell me a long story about a lighthouse keeper.", add_special=True)
+    fg_ids = model.tokenizer.encode("Turn on the kitchen lights.", add_special=True)
+    fg_params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    want_fg, _ = await _run(model, fg_ids, fg_params)
+    model.transformer.kv.tokens = []
+    queued_at_fg: list[int] = []
+    with monkeypatch.context() as mp:
+        made = _fake_chain(model, mp)
+        bg = model.generate(bg_ids, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), priority=0)
+        started = anyio.Event()
+        order: list[str] = []
+        fg_tokens: list[int] = []
+
+        async def background() -> None:
+            async for _ in bg:
+                started.set()
+            order.append("bg")
+
+        async def urgent() -> None:
+            await started.wait()
+            fg = model.generate(fg_ids, fg_params, priority=2)
+            async for ev in fg:
+                if not fg_tokens:
+                    queued_at_fg.append(len(made[0].pending))  # the background's device, while fg runs
+                fg_tokens.append(ev.id)
+            order.append("fg")
+
+        with anyio.fail_after(120):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(background)
+                tg.start_soon(urgent)
+    assert order == ["fg", "bg"] and bg.preemptions >= 1
+    assert queued_at_fg == [0]
+    assert fg_tokens[: len(want_fg)] == want_fg
+    assert bg.finish_reason == "length" and bg.stats.completion_tokens == 12
+    assert not made[0].pending
+    assert _cache_consistent(model, bg_ids + bg.completion_ids)

@@ -153,6 +153,7 @@ async def test_answers_match_the_remote_streamed_and_whole_on_every_route(
             comp = await direct.completions.create(model="default", prompt="The sky is", max_tokens=8, temperature=0)
             mine = await oa.completions.create(model="brain", prompt="The sky is", max_tokens=8, temperature=0)
             assert mine.choices[0].text == comp.choices[0].text and mine.usage is not None
+            assert sup.models.models["big"].usage.decode_tps > 0  # the remote's own timings reach /metrics
             assert mine.usage.completion_tokens == comp.usage.completion_tokens  # type: ignore[union-attr]
 
             async with http(sup) as client:

@@ -66,9 +66,6 @@ class LlamaStream(RelayStream):
         self._chat = ChatDeltas() if chat else None
 
     def _take(self, obj: Mapping[str, Any]) -> Piece | None:
-        timings = obj.get("timings")
-        if isinstance(timings, dict):
-            self._timings = {k: v for k, v in timings.items() if isinstance(v, (int, float))}
         if self._chat is not None:
             piece = self._chat.take(obj)
             self.finish_reason = self._chat.finish_reason

@@ -363,7 +363,7 @@ class ModelManager:
             await anyio.sleep(max(0.05, interval))  # periodic upkeep: TTLs and backend health
             now = time.monotonic()
             for m in list(self.models.values()):
-                if m.state != "ready" or m.draining:
+                if m.state != "ready" or m.draining or self.closing:  # shutting down: backends are closing
                     continue
                 ttl = m.entry.ttl_s
                 if ttl and not m.entry.resident and m.in_flight == 0 and now - m.last_used > ttl:

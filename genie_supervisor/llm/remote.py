@@ -134,6 +134,8 @@ class OpenAIBackend:
         """Times requests moved to the fallback."""
         self._ctx = ctx
         self._client: httpx.AsyncClient | None = None
+        self._probing: anyio.CancelScope | None = None
+        self._probed: anyio.Event | None = None
 
     @property
     def who(self) -> str:
@@ -170,10 +172,13 @@ class OpenAIBackend:
         await self._probe()  # a remote that is down does not stop the start: the probe goes on
 
     async def unload(self, timeout: float = 2.0) -> None:  # noqa: ASYNC109 - same signature as the others
-        """Close the connections (the remote keeps running)."""
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
+        """Close the connections (the remote keeps running); a probe still running is stopped first."""
+        client, self._client = self._client, None
+        if self._probing is not None and self._probed is not None:
+            self._probing.cancel()
+            await self._probed.wait()
+        if client is not None:
+            await client.aclose()
 
     async def shutdown(self, timeout: float = 2.0) -> None:  # noqa: ASYNC109
         """Process exit: close the connections."""
@@ -186,26 +191,38 @@ class OpenAIBackend:
         return None
 
     async def _probe(self) -> str | None:
-        """GET <url>/models: None when it answers 200, else why not (the state is updated)."""
-        if self._client is None:
+        """GET <url>/models: None when it answers 200, else why not (the state is updated); None
+        without a word when the backend is unloaded meanwhile."""
+        client = self._client
+        if client is None:
             return None
+        scope, self._probed = anyio.CancelScope(), anyio.Event()
+        self._probing, problem = scope, None
+        try:
+            with scope:
+                problem = await self._ask(client)
+        finally:
+            self._probing = None
+            self._probed.set()
+        if scope.cancelled_caught:
+            return None
+        self._reached(problem is None, problem)
+        return problem
+
+    async def _ask(self, client: httpx.AsyncClient) -> str | None:
         try:
             with anyio.fail_after(self.cfg.connect_timeout_s + 5.0):
-                r = await self._client.get(f"{self.url}/models")
+                r = await client.get(f"{self.url}/models")
         except (httpx.HTTPError, TimeoutError) as exc:
-            problem = f"{self.who} unreachable: {type(exc).__name__}: {exc}"
-        else:
-            if r.status_code == 200:
-                try:
-                    data = r.json().get("data") or []
-                    self.listed = [str(m.get("id")) for m in data if isinstance(m, dict)][:64]
-                except (ValueError, AttributeError):
-                    self.listed = []
-                self._reached(True, None)
-                return None
-            problem = f"{self.who} /models answered {r.status_code}: {error_message(r.content)[:200]}"
-        self._reached(False, problem)
-        return problem
+            return f"{self.who} unreachable: {type(exc).__name__}: {exc}"
+        if r.status_code != 200:
+            return f"{self.who} /models answered {r.status_code}: {error_message(r.content)[:200]}"
+        try:
+            data = r.json().get("data") or []
+            self.listed = [str(m.get("id")) for m in data if isinstance(m, dict)][:64]
+        except (ValueError, AttributeError):
+            self.listed = []
+        return None
 
     def _reached(self, ok: bool, problem: str | None) -> None:
         """Record a probe's or request's outcome; a change is logged and announced."""

@@ -229,6 +229,9 @@ class RelayStream:
                     continue
                 if "error" in obj:
                     raise self._error(obj["error"])
+                timings = obj.get("timings")  # llama-server's and genie-supervisor's own (ms, tokens/s)
+                if isinstance(timings, dict):
+                    self._timings = {k: v for k, v in timings.items() if isinstance(v, (int, float))}
                 piece = self._take(obj)
                 if piece is not None:
                     got = True

@@ -320,7 +320,7 @@ async def test_remote_down_falls_back_to_the_local_model_and_recovers(
     tmp_path: Path, remote: Remote, local_model: Model, key_env: None
 ) -> None:
     """With the remote stopped, requests for it are answered by the local fallback model (the switch logged,
-    shown in /health, `genie-supervisor status` and the MQTT model sensor, no key anywhere in the logs); once the remote answers its probe
+    shown in /health, /metrics, `genie-supervisor status` and the MQTT model sensor, no key anywhere in the logs); once the remote answers its probe
     again, requests go back to it."""
     buf = io.StringIO()
     root = logging.getLogger()
@@ -341,6 +341,10 @@ async def test_remote_down_falls_back_to_the_local_model_and_recovers(
                     health = (await client.get("/health")).json()
                     assert health["remotes"]["big"]["state"] == "down" and health["remotes"]["big"]["switches"] == 1
                     assert _mqtt_model_attributes(sup)["remote_state"] == "fallback"
+                    metrics = (await client.get("/metrics")).text
+                    assert f'genie_remote_up{{model="big",url="{remote.url}"}} 0.0' in metrics
+                    assert 'genie_remote_fallback{model="big"} 1.0' in metrics
+                    assert 'genie_remote_switches_total{model="big"} 1.0' in metrics
                     status_text = (await client.get("/status")).text
                     assert KEY not in status_text and KEY not in str(health)
                     shown = format_status(json.loads(status_text), "here")

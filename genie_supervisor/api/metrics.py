@@ -64,11 +64,27 @@ class SupervisorCollector(Collector):
             tokens.add_metric([m.id, "completion"], m.usage.completion_tokens)
             prefill.add_metric([m.id], m.usage.prefill_tps)
             decode.add_metric([m.id], m.usage.decode_tps)
+        yield from self._remotes(deps)
         budget = GaugeMetricFamily("genie_llm_budget_bytes", "The LLM memory budget of the decision in force")
         decision = deps.decision()
         if decision is not None and decision.llm_budget_mb is not None:
             budget.add_metric([], decision.llm_budget_mb * 1024 * 1024)
         yield from (state, mem, load, evict, flight, reqs, tokens, prefill, decode, budget)
+
+    def _remotes(self, deps: ApiDeps) -> Iterator[Metric]:
+        """backend openai models: whether the remote answered its last probe or request, whether the local
+        fallback answers for it, and how often requests moved to the fallback."""
+        remotes = [(m.id, m.backend.describe()["remote"]) for m in deps.models.models.values() if m.kind == "openai"]
+        if not remotes:
+            return
+        up = GaugeMetricFamily("genie_remote_up", "1 while the remote server answers", labels=["model", "url"])
+        fb = GaugeMetricFamily("genie_remote_fallback", "1 while the local fallback answers for it", labels=["model"])
+        moves = CounterMetricFamily("genie_remote_switches", "Times requests moved to the fallback", labels=["model"])
+        for mid, r in remotes:
+            up.add_metric([mid, r["url"]], 1.0 if r["state"] == "up" else 0.0)
+            fb.add_metric([mid], 1.0 if r["serving"] == "fallback" else 0.0)
+            moves.add_metric([mid], r["switches"])
+        yield from (up, fb, moves)
 
     def _prompt_cache(self, pc: dict[str, Any]) -> Iterator[Metric]:
         if not pc.get("enabled"):

@@ -11,7 +11,7 @@ remote 5xx or a broken connection is a 502 and a missed deadline a 504, each nam
 Health: ``GET <url>/models`` at load and every ``openai.health_interval_s``. With
 ``fallback_model``, a remote that cannot be reached (probe or request) hands its requests to that
 local model until a probe passes again; each switch is logged (``remote_down``, ``remote_up``) and
-shown in /health, /status and the MQTT model sensor.
+shown in /health, /status, /metrics, `genie-supervisor status` and the MQTT model sensor.
 """
 
 from __future__ import annotations

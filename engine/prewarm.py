@@ -18,11 +18,29 @@ finds the context made and the modules loaded (both are per process).
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from .options import EngineOptions
+
+
+@dataclass(frozen=True)
+class EarlyLoad:
+    """A model to load right after the prewarm, if its memory plan fits `budget_bytes`."""
+
+    path: str
+    n_ctx: int
+    kv_dtype: str
+    threads: int | None
+    budget_bytes: int
+    """The plan (for the options' prefill chunk) must fit this, else nothing is loaded early."""
+
+    def matches(self, path: str, n_ctx: int, kv_dtype: str, threads: int | None) -> bool:
+        """Whether a load of these parameters is this one."""
+        return (os.fspath(path), n_ctx, kv_dtype, threads) == (self.path, self.n_ctx, self.kv_dtype, self.threads)
 
 
 @dataclass
@@ -37,6 +55,36 @@ class Prewarm:
     """Why it stopped early (the load then does the work itself and reports the error)."""
     done: threading.Event = field(default_factory=threading.Event)
     """Set when the thread is finished."""
+    early: EarlyLoad | None = None
+    """The model asked to load early, if any."""
+    options: EngineOptions | None = None
+    """The options it was (to be) loaded with."""
+    model: Any = None
+    """The early-loaded `engine.Model` until someone takes it (`take`)."""
+    load_s: float | None = None
+    """How long the early load took (None: not loaded early)."""
+    skipped: str | None = None
+    """Why the early load did not happen (its plan over the budget, an error)."""
+
+    def take(
+        self, backend: str, options: EngineOptions | None, path: str, n_ctx: int, kv: str, threads: int | None
+    ) -> Any:
+        """The early-loaded model for a load of these parameters (waiting for the thread to finish),
+        once; None when there is none or it was made otherwise."""
+        e = self.early
+        if (
+            e is None
+            or self.backend_asked != backend
+            or self.options != options
+            or not e.matches(path, n_ctx, kv, threads)
+        ):
+            return None
+        self.done.wait()
+        model, self.model = self.model, None
+        return model
+
+    backend_asked: str = "auto"
+    """The backend name the prewarm was asked for (a load asking for another one does not match)."""
 
 
 def prewarm(backend: str = "auto", options: EngineOptions | None = None) -> str:
@@ -60,18 +108,55 @@ def prewarm(backend: str = "auto", options: EngineOptions | None = None) -> str:
     return name
 
 
-def start_prewarm(backend: str = "auto", options: EngineOptions | None = None) -> Prewarm:
-    """Run `prewarm` in a daemon thread; returns at once with the record it fills in."""
-    rec = Prewarm()
+def load_early(rec: Prewarm) -> None:
+    """Load `rec.early` if its plan fits its budget (the record says what happened)."""
+    from . import load_model, open_model_file
+    from .model import plan_memory
+    from .spec import read_spec
+
+    e = rec.early
+    assert e is not None and rec.backend is not None
+    t0 = time.perf_counter()
+    header = open_model_file(e.path)
+    plan = plan_memory(
+        header, read_spec(header), e.n_ctx, e.kv_dtype, quantized=rec.backend == "native", backend=rec.backend,
+        options=rec.options,
+    )  # fmt: skip
+    if plan.total > e.budget_bytes:
+        rec.skipped = f"plan {plan.total} bytes over the budget {e.budget_bytes}"
+        return
+    kwargs: dict[str, Any] = {"threads": e.threads} if e.threads else {}
+    rec.model = load_model(
+        e.path,
+        backend=rec.backend_asked,
+        n_ctx=e.n_ctx,
+        kv_dtype=e.kv_dtype,
+        options=rec.options,
+        gguf=header,
+        **kwargs,
+    )
+    rec.load_s = time.perf_counter() - t0
+
+
+def start_prewarm(
+    backend: str = "auto", options: EngineOptions | None = None, early: EarlyLoad | None = None
+) -> Prewarm:
+    """Run `prewarm` in a daemon thread, then load `early` if its plan fits; returns at once with
+    the record it fills in (`Prewarm.take` hands the model over)."""
+    rec = Prewarm(early=early, options=options, backend_asked=backend)
 
     def work() -> None:
         t0 = time.perf_counter()
         try:
             rec.backend = prewarm(backend, options)
-        except Exception as exc:  # the load repeats the work and raises it where it is handled
-            rec.error = f"{type(exc).__name__}: {exc}"
-        finally:
             rec.seconds = time.perf_counter() - t0
+            if early is not None:
+                load_early(rec)
+        except Exception as exc:  # the daemon's own load repeats the work and raises it where it is handled
+            rec.error = rec.skipped = f"{type(exc).__name__}: {exc}"
+        finally:
+            if rec.seconds is None:
+                rec.seconds = time.perf_counter() - t0
             rec.done.set()
 
     threading.Thread(target=work, name="engine-prewarm", daemon=True).start()

@@ -43,7 +43,7 @@ from .llm.prompt_cache import open_prompt_cache
 from .llm.serving import BackendContext
 from .policy import Policy, PolicyWatcher
 from .policy.schema import builtin_policy
-from .startup import startup_status
+from .startup import release_early, startup_status
 from .state import StateStore
 from .systemd import Notifier
 from .telemetry import TelemetrySource, configured_source, run_sampler
@@ -323,6 +323,7 @@ class Supervisor(SupervisorControls):
                     policy=self.policy.name,
                     platform=source.name,
                 )
+                release_early()  # a model loaded at process start that nobody took
                 task_status.started(self)
                 await self._stop.wait()
                 await self._shutdown()

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import psutil
 
 if TYPE_CHECKING:
-    from engine.prewarm import Prewarm
+    from engine.options import EngineOptions
+    from engine.prewarm import EarlyLoad, Prewarm
 
     from .config import Config
     from .llm.manager import ModelManager
@@ -77,7 +79,9 @@ def use_kernel_cache(folder: Path, environ: dict[str, str] | os._Environ[str] = 
 
 def prepare(cfg: Config) -> Path:
     """Kernel caches, then the engine's per-process work in a thread when a builtin model is
-    configured (before the daemon's imports, so the two overlap); returns the kernel folder."""
+    configured (before the daemon's imports, so the two overlap), and, when exactly one model
+    loads at the start, that model's load too if its plan fits the policy's budget (the model
+    manager then takes it instead of loading: `take_early`); returns the kernel folder."""
     global PREWARM, KERNELS
     folder = KERNELS = kernel_cache_dir(cfg.engine.kernel_cache_dir)
     use_kernel_cache(folder)
@@ -85,8 +89,57 @@ def prepare(cfg: Config) -> Path:
     if builtin and cfg.engine.prewarm:
         from engine.prewarm import start_prewarm
 
-        PREWARM = start_prewarm(cfg.engine.backend)
+        early, options = _early(cfg)
+        PREWARM = start_prewarm(cfg.engine.backend, options, early)
     return folder
+
+
+def _early(cfg: Config) -> tuple[EarlyLoad | None, EngineOptions | None]:
+    """The one model that loads at the start, with the policy's budget and prefill chunk (None
+    when several or none load at the start, or the policy cannot be read: the daemon says why)."""
+    from engine.options import EngineOptions
+    from engine.prewarm import EarlyLoad
+
+    from .errors import PolicyErrors
+    from .policy import load_policy
+    from .policy.schema import builtin_policy
+
+    entries = cfg.model_entries()
+    groups: set[str] = set()
+    start = []
+    for e in entries.values():
+        if e.resident or (e.preload and (e.group is None or e.group not in groups)):
+            start.append(e)
+            if e.group is not None:
+                groups.add(e.group)
+    if len(start) != 1 or (start[0].backend or cfg.backend) != "builtin" or not start[0].path:
+        return None, None
+    try:
+        policy = load_policy(cfg.policy.path) if cfg.policy.path else builtin_policy()
+    except PolicyErrors:
+        return None, None
+    e = start[0]
+    options = replace(EngineOptions.from_env(), prefill_chunk=policy.voice.prefill_chunk_tokens)
+    early = EarlyLoad(
+        path=os.fspath(e.path or ""),
+        n_ctx=e.n_ctx or cfg.engine.n_ctx,
+        kv_dtype=e.kv_dtype or cfg.engine.kv_dtype,
+        threads=cfg.engine.threads,
+        budget_bytes=int(policy.memory.llm_budget_mb * 1024 * 1024),
+    )
+    return early, options
+
+
+def take_early(backend: str, options: EngineOptions, path: str, n_ctx: int, kv: str, threads: int | None) -> Any:
+    """The model loaded early for a load of exactly these parameters (once), else None."""
+    pre = PREWARM
+    return None if pre is None else pre.take(backend, options, path, n_ctx, kv, threads)
+
+
+def release_early() -> None:
+    """Drop an early-loaded model nobody took (its memory goes back)."""
+    if PREWARM is not None:
+        PREWARM.model = None
 
 
 def startup_status(models: ModelManager) -> dict[str, Any]:
@@ -99,5 +152,7 @@ def startup_status(models: ModelManager) -> dict[str, Any]:
         "load_s": {m.id: None if m.load_seconds is None else round(m.load_seconds, 3) for m in models.models.values()},
         "prewarm_s": round(pre.seconds, 3) if done and pre is not None and pre.seconds is not None else None,
         "prewarm_error": pre.error if done and pre is not None else None,
+        "early_load_s": round(pre.load_s, 3) if done and pre is not None and pre.load_s is not None else None,
+        "early_skipped": pre.skipped if done and pre is not None else None,
         "kernel_cache_dir": str(KERNELS) if KERNELS is not None else None,
     }

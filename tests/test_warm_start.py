@@ -42,3 +42,36 @@ async def test_daemon_keeps_kernels_under_the_cache_directory_and_reports_start_
         startup = (await api.get("/status")).json()["startup"]
         assert startup["start_to_ready_s"] == ready["start_to_ready_s"]
     assert list((cache / "kernels" / "native").glob("qgemv-*.so"))
+
+
+def test_early_load_only_within_the_budget_and_handed_over_once() -> None:
+    """The prewarm thread loads the start model only when its plan fits the budget, and hands it
+    over once, to a load of exactly the same parameters."""
+    from engine.options import EngineOptions
+    from engine.prewarm import EarlyLoad, start_prewarm
+
+    path = str(require(SMOLLM2))
+    options = EngineOptions(prefill_chunk=16)
+    tight = start_prewarm("numpy", options, EarlyLoad(path, 512, "f16", None, budget_bytes=1 << 20))
+    assert tight.done.wait(60) and tight.model is None and tight.skipped is not None
+    assert "over the budget" in tight.skipped
+
+    rec = start_prewarm("numpy", options, EarlyLoad(path, 512, "f16", None, budget_bytes=4 << 30))
+    assert rec.take("numpy", options, path, 1024, "f16", None) is None  # another context: not this one
+    assert rec.take("numpy", EngineOptions(prefill_chunk=64), path, 512, "f16", None) is None  # another chunk
+    model = rec.take("numpy", options, path, 512, "f16", None)
+    assert model is not None and model.info.n_ctx == 512 and model.memory_plan.chunk == 16
+    assert rec.take("numpy", options, path, 512, "f16", None) is None  # once
+
+
+async def test_the_daemon_takes_over_the_model_loaded_at_process_start(tmp_path: Path) -> None:
+    """With one model to load at the start, `run` loads it in the prewarm thread while the daemon
+    imports and starts; the model manager takes it over (model_loaded says early) and it serves."""
+    daemon = DaemonProcess(tmp_path, model=require(SMOLLM2), backend="native")
+    async with daemon as d, httpx.AsyncClient(base_url=d.url, timeout=60) as api:
+        loaded = await d.event("model_loaded")
+        assert loaded["early"] is True
+        startup = (await api.get("/status")).json()["startup"]
+        assert startup["early_load_s"] is not None and startup["early_skipped"] is None
+        chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+        assert (await api.post("/v1/chat/completions", json=chat)).status_code == 200

@@ -24,7 +24,7 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import anyio.to_thread
@@ -44,6 +44,7 @@ from ..arbiter import Arbiter, DecodeGate
 from ..errors import AdmissionError as AdmissionError  # re-export
 from ..errors import ContextTooLong, EngineUnavailable, RequestRefused
 from ..events import EngineStats, Observation
+from ..startup import take_early
 from .extras import prepare
 from .generation import HostedGeneration as HostedGeneration  # re-export
 from .serving import NO_EXTRAS, RequestExtras, plan_parts_mb
@@ -109,6 +110,8 @@ class EngineHost:
         """How often stats are published while generating."""
         self.load_seconds: float | None = None
         """How long the last load took."""
+        self.early = False
+        """Whether the model was loaded at process start (`startup.prepare`) and taken over."""
         self.prompt_cache: PromptCache | None = prompt_cache
         """The prompt cache on disk (None: off); the loaded model's part of it is `model_cache`."""
         self.model_cache: ModelCache | None = None
@@ -323,6 +326,7 @@ class EngineHost:
             kv_dtype=self._kv_dtype,
             plan=plan_parts_mb(plan),
             phases_s=getattr(model, "load_phases", None),  # a test's fake model may not say
+            early=self.early,
             load_s=round(time.monotonic() - t0, 2),
         )
         self._changed()
@@ -347,6 +351,11 @@ class EngineHost:
     def _load_blocking(self, path: str, chunk: int) -> Model:
         kwargs: dict[str, Any] = {"threads": self._threads} if self._threads else {}
         header, self._header = self._header, None  # held only from the plan to the load
+        if self._loader is load_model:  # loaded at process start with these very parameters?
+            early = take_early(self._backend, self._options(chunk), path, self._n_ctx, self._kv_dtype, self._threads)
+            if early is not None:
+                self.early = True
+                return cast(Model, early)
         return self._loader(
             path,
             backend=self._backend,

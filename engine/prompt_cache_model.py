@@ -170,7 +170,7 @@ class ModelCache:
             ops.synchronize()
             kv.tokens = []  # nothing of it is trusted until every array has checked out
             arrays = dict(kv_file.kv_arrays(kv))
-            empty = kv_file.host_buffers(kv.k[0] if not hasattr(kv.k[0], "q") else kv.k[0].q)
+            empty = kv_file.host_buffers(kv_file.kv_arrays(kv)[0][1])
             try:
                 t = time.perf_counter()
                 for spec, rows in kv_file.read_arrays(header, pool, empty):

@@ -304,6 +304,11 @@ class OpenAIConfig(_Section):
     health_interval_s: float = Field(
         5.0, gt=0, le=3600, description="seconds between health probes (GET <url>/models) of the remote"
     )
+    forward_priority: bool = Field(
+        False,
+        description="send each request's class as X-Genie-Priority (a genie-supervisor remote queues it by its own "
+        "policy; other servers ignore the header)",
+    )
     verify_tls: bool = Field(True, description="check the remote's TLS certificate (https URLs)")
     ca_file: str | None = Field(None, description="CA certificate file the remote's certificate is checked against")
 

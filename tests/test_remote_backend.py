@@ -68,6 +68,10 @@ class Remote:
         """Requests the remote has admitted so far."""
         return sum(self.sup.admission.admitted.values())
 
+    def admitted_by_class(self) -> dict[str, int]:
+        """Requests the remote has admitted so far, by the class it queued them in."""
+        return {cls: n for cls, n in self.sup.admission.admitted.items() if n}
+
 
 @pytest.fixture(scope="module")
 def remote(tmp_path_factory: pytest.TempPathFactory, model: Model) -> Iterator[Remote]:
@@ -96,11 +100,13 @@ def key_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(KEY_ENV, KEY)
 
 
-def local_config(remote: Remote, *, fallback: bool = True, first_token_s: float = 60, probe_s: float = 0.1) -> str:
+def local_config(
+    remote: Remote, *, fallback: bool = True, first_token_s: float = 60, probe_s: float = 0.1, forward: bool = False
+) -> str:
     """The local daemon: SmolLM2 `local` (role voice) in this process, `big` (role brain) on the remote."""
     return f"""\
 backend: builtin
-openai: {{url: "{remote.url}", api_key_env: {KEY_ENV}, health_interval_s: {probe_s}, connect_timeout_s: 2, first_token_timeout_s: {first_token_s}}}
+openai: {{url: "{remote.url}", api_key_env: {KEY_ENV}, health_interval_s: {probe_s}, connect_timeout_s: 2, first_token_timeout_s: {first_token_s}, forward_priority: {str(forward).lower()}}}
 models:
   local: {{path: {require(SMOLLM2)}, roles: [voice], resident: true, n_ctx: 512}}
   big: {{backend: openai, remote_model: default, roles: [brain], resident: true{", fallback_model: voice" if fallback else ""}}}
@@ -269,13 +275,18 @@ async def test_voice_goes_first_while_a_background_request_is_held_before_it_is_
     tmp_path: Path, remote: Remote, local_model: Model, key_env: None
 ) -> None:
     """While STT holds the local gate paused, a background request for the remote model is not sent (the remote
-    admits nothing for it) and a voice request passes; the background one is sent once the pause ends."""
+    admits nothing for it) and a voice request passes; the background one is sent once the pause ends. With
+    forward_priority the remote (a genie-supervisor) queues each in its own class."""
     with anyio.fail_after(100):
-        async with local_daemon(tmp_path, remote, local_model) as sup, http(sup) as client:
+        async with local_daemon(tmp_path, remote, local_model, forward=True) as sup, http(sup) as client:
             await client.post("/v1/voice/events", json={"service": "stt", "event": "start"})
             await wait_for(sup, lambda: sup.gate.mode == "paused")
-            before, done = remote.admitted(), []
+            before, done = remote.admitted_by_class(), []
             body = {"model": "brain", "messages": HI, "max_tokens": 4, "temperature": 0}
+
+            def sent() -> dict[str, int]:
+                now = remote.admitted_by_class()
+                return {cls: n - before.get(cls, 0) for cls, n in now.items() if n > before.get(cls, 0)}
 
             async def background() -> None:
                 r = await client.post("/v1/chat/completions", json=body, headers={"x-genie-priority": "background"})
@@ -288,9 +299,9 @@ async def test_voice_goes_first_while_a_background_request_is_held_before_it_is_
                 r = await client.post("/v1/chat/completions", json=body, headers={"x-genie-priority": "voice"})
                 assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
                 done.append("voice")
-                assert remote.admitted() == before + 1 and done == ["voice"]  # only the voice request went out
+                assert sent() == {"voice": 1} and done == ["voice"]  # only the voice request went out
                 await client.post("/v1/voice/events", json={"service": "stt", "event": "stop"})
-            assert done == ["voice", "background"] and remote.admitted() == before + 2
+            assert done == ["voice", "background"] and sent() == {"voice": 1, "background": 1}
 
 
 async def test_client_disconnect_closes_the_remote_request(

@@ -33,6 +33,7 @@ from engine import SamplingParams
 from ..config import ModelEntry
 from ..errors import BackendUnavailable, BadRequest, UpstreamError
 from ..urls import redact_url
+from .admission import PRIORITY_HEADER
 from .serving import NO_EXTRAS, BackendContext, Piece, Plan, RequestExtras, TextStream
 from .upstream import HERMES, ChatDeltas, RelayStream, error_message, is_chat, openai_message, sampling_fields
 
@@ -318,15 +319,17 @@ class OpenAIBackend:
     ) -> RemoteStream:
         assert self._client is not None
         url = f"{self.url}/chat/completions" if chat else f"{self.url}/completions"
+        headers = {PRIORITY_HEADER: priority} if self.cfg.forward_priority and priority else None
+        request = self._client.build_request("POST", url, json=body, headers=headers)
         t0 = time.monotonic()
         try:
             with anyio.fail_after(self.cfg.first_token_timeout_s):
                 try:
-                    response = await self._client.send(self._client.build_request("POST", url, json=body), stream=True)
+                    response = await self._client.send(request, stream=True)
                 except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
                     # a pooled connection the remote had closed (it restarted, or its keep-alive ran out):
                     # once more on a fresh one
-                    response = await self._client.send(self._client.build_request("POST", url, json=body), stream=True)
+                    response = await self._client.send(request, stream=True)
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             raise Unreachable(f"{self.who} unreachable: {type(exc).__name__}: {exc}") from None
         except (TimeoutError, httpx.TimeoutException):

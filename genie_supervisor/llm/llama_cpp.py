@@ -36,7 +36,7 @@ from ..config import ModelEntry
 from ..errors import BackendUnavailable, BadRequest, UpstreamError
 from .llama_overflow import error_object, fill_overflow, overflow_error, overflow_of
 from .serving import NO_EXTRAS, BackendContext, Piece, Plan, RequestExtras
-from .upstream import ChatDeltas, RelayStream, error_message, is_chat, openai_message, sampling_fields
+from .upstream import ChatDeltas, RelayStream, error_answer, error_message, is_chat, openai_message, sampling_fields
 
 log = structlog.get_logger(__name__)
 
@@ -340,8 +340,7 @@ class LlamaCppBackend:
         except httpx.HTTPError as exc:
             raise BackendUnavailable(f"llama-server at {self.base_url}: {type(exc).__name__}: {exc}") from exc
         if response.status_code != 200:
-            raw = await response.aread()
-            await response.aclose()
+            raw = await error_answer(response, "llama-server")
             overflow = overflow_of(error_object(raw))
             if overflow is not None:  # the same 400 as the builtin engine's (numbers asked for if missing)
                 n_ctx = None if self.cfg.url else self.n_ctx

@@ -35,7 +35,16 @@ from ..errors import BackendUnavailable, BadRequest, UpstreamError
 from ..urls import redact_url
 from .admission import PRIORITY_HEADER
 from .serving import NO_EXTRAS, BackendContext, Piece, Plan, RequestExtras, TextStream
-from .upstream import HERMES, ChatDeltas, RelayStream, error_message, is_chat, openai_message, sampling_fields
+from .upstream import (
+    HERMES,
+    ChatDeltas,
+    RelayStream,
+    error_answer,
+    error_message,
+    is_chat,
+    openai_message,
+    sampling_fields,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -219,10 +228,10 @@ class OpenAIBackend:
         if r.status_code != 200:
             return f"{self.who} /models answered {r.status_code}: {error_message(r.content)[:200]}"
         try:
-            data = r.json().get("data") or []
-            self.listed = [str(m.get("id")) for m in data if isinstance(m, dict)][:64]
-        except (ValueError, AttributeError):
-            self.listed = []
+            data = r.json().get("data")
+        except (ValueError, AttributeError):  # not JSON, or not an object
+            data = None
+        self.listed = [str(m.get("id")) for m in data if isinstance(m, dict)][:64] if isinstance(data, list) else []
         return None
 
     def _reached(self, ok: bool, problem: str | None) -> None:
@@ -341,8 +350,7 @@ class OpenAIBackend:
             raise UpstreamError(502, f"{self.who}: {type(exc).__name__}: {exc}") from None
         self._reached(True, None)
         if response.status_code != 200:
-            raw = await response.aread()
-            await response.aclose()
+            raw = await error_answer(response, self.who)
             if 400 <= response.status_code < 500:  # the request's fault: the client hears it as it is
                 raise UpstreamError(response.status_code, f"{self.who}: {error_message(raw)}")
             raise UpstreamError(502, f"{self.who} answered {response.status_code}: {error_message(raw)}")

@@ -74,6 +74,30 @@ def error_message(raw: bytes) -> str:
         return raw.decode("utf-8", "replace")[:500]
 
 
+ERROR_BODY_MAX = 65536
+"""Bytes of an upstream error answer read at most (its message is in the first few hundred)."""
+
+
+async def error_answer(response: httpx.Response, who: str) -> bytes:
+    """The body of a non-200 upstream answer (at most `ERROR_BODY_MAX` bytes), the response closed either
+    way; a body that breaks off or times out is an `UpstreamError` (502) naming `who`, not a bare
+    httpx error."""
+    try:
+        raw = b""
+        async for chunk in response.aiter_bytes():
+            raw += chunk
+            if len(raw) >= ERROR_BODY_MAX:
+                break
+        return raw[:ERROR_BODY_MAX]
+    except httpx.HTTPError as exc:
+        raise UpstreamError(
+            502, f"{who} answered {response.status_code}, then its body broke off: {type(exc).__name__}: {exc}"
+        ) from None
+    finally:
+        with anyio.CancelScope(shield=True):
+            await response.aclose()
+
+
 def _spelled(entry: Mapping[str, Any]) -> bytes:
     raw = entry.get("bytes")
     if isinstance(raw, list) and all(isinstance(b, int) and 0 <= b < 256 for b in raw):
@@ -265,6 +289,7 @@ __all__ = [
     "ChatDeltas",
     "RelayStream",
     "chat_logprobs",
+    "error_answer",
     "error_message",
     "is_chat",
     "openai_message",

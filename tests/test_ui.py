@@ -174,7 +174,7 @@ def test_controls_select_the_policy_switch_the_llm_and_reload(ui_daemon: Supervi
 
 
 def test_stream_tokens_expire_and_only_their_own_mac_passes() -> None:
-    """A token is valid until its expiry, not after, and a changed MAC or expiry is refused."""
+    """A token is valid until its expiry, not after, and a changed MAC or expiry (or one of any length) is refused."""
     now = [1000.0]
     tokens = StreamTokens(60, clock=lambda: now[0])
     token = tokens.issue()
@@ -186,6 +186,7 @@ def test_stream_tokens_expire_and_only_their_own_mac_passes() -> None:
     now[0] += 61
     assert not tokens.valid(token)
     assert not tokens.valid("") and not tokens.valid("abc.def") and not tokens.valid("١٢.x")
+    assert not tokens.valid("9" * 5000 + ".x")  # more digits than int() takes: refused, not a 500
 
 
 def test_with_a_key_the_page_is_open_but_stream_token_and_controls_need_it(tmp_path: Path) -> None:

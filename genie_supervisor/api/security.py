@@ -88,7 +88,7 @@ class StreamTokens:
     def valid(self, token: str) -> bool:
         """Whether `token` was issued here and has not expired."""
         expiry, _, mac = token.partition(".")
-        if not (expiry.isascii() and expiry.isdigit()) or int(expiry) < self._clock():
+        if not (expiry.isascii() and expiry.isdigit() and len(expiry) <= 12) or int(expiry) < self._clock():
             return False
         return hmac.compare_digest(mac.encode("utf-8", "replace"), self._mac(expiry).encode("ascii"))
 

@@ -14,17 +14,16 @@ from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
+from .config_backends import LlamaCppConfig, OpenAIConfig
 from .config_sections import (
     ApiConfig,
     BackendName,
     BoxConfig,
     EngineConfig,
     HttpConfig,
-    LlamaCppConfig,
     LogConfig,
     ModelEntry,
     MqttConfig,
-    OpenAIConfig,
     PolicyConfig,
     PromptCacheConfig,
     SimulatedTelemetry,

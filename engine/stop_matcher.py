@@ -10,7 +10,9 @@ class StopMatcher:
 
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = [s for s in stops if s]
+        """The stop strings (empty ones dropped)."""
         self.pending = ""
+        """Text held back: it ends with the start of a stop string."""
 
     def push(self, text: str) -> tuple[str, bool]:
         """Add text; return (text safe to emit, whether a stop string was hit)."""
@@ -35,5 +37,6 @@ class StopMatcher:
         return out, False
 
     def flush(self) -> str:
+        """The text held back so far (the generation ended without a stop string); nothing stays held."""
         out, self.pending = self.pending, ""
         return out

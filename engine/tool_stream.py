@@ -73,6 +73,7 @@ class _Scan:
     """The text cannot be JSON: the call is left to `CallStream.finish`."""
 
     def feed(self, text: str) -> None:
+        """Read `text` (the whole output so far) on from `pos` until the object ends or cannot be JSON."""
         i = self.pos
         while i < len(text) and self.end is None and not self.bad:
             c = text[i]

@@ -44,6 +44,7 @@ from .upstream import (
     is_chat,
     openai_message,
     sampling_fields,
+    usage_of,
 )
 
 log = structlog.get_logger(__name__)
@@ -69,16 +70,15 @@ class RemoteStream(RelayStream):
             self.finish_reason = self._chat.finish_reason or self.finish_reason
             self.prompt_tokens, self.completion_tokens = self._chat.prompt_tokens, self._chat.completion_tokens
             return piece
-        usage = obj.get("usage")
-        if isinstance(usage, dict):
-            self.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-            self.completion_tokens = int(usage.get("completion_tokens") or 0)
+        usage = usage_of(obj)
+        if usage is not None:
+            self.prompt_tokens, self.completion_tokens = usage
         text = ""
         for choice in obj.get("choices") or []:
             text += str(choice.get("text") or "")
             if choice.get("finish_reason"):
                 self.finish_reason = str(choice["finish_reason"])
-        if text and not isinstance(usage, dict):
+        if text and usage is None:
             self.completion_tokens += 1
         return Piece(text) if text else None
 

@@ -98,6 +98,14 @@ async def error_answer(response: httpx.Response, who: str) -> bytes:
             await response.aclose()
 
 
+def usage_of(obj: Mapping[str, Any]) -> tuple[int, int] | None:
+    """An OpenAI chunk's ``usage`` as (prompt tokens, completion tokens); None when it carries none."""
+    usage = obj.get("usage")
+    if not isinstance(usage, dict):
+        return None
+    return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
+
+
 def _spelled(entry: Mapping[str, Any]) -> bytes:
     raw = entry.get("bytes")
     if isinstance(raw, list) and all(isinstance(b, int) and 0 <= b < 256 for b in raw):
@@ -135,10 +143,9 @@ class ChatDeltas:
 
     def take(self, obj: Mapping[str, Any]) -> Piece | None:
         """The piece one chunk adds (None: no text or log-probabilities in it)."""
-        usage = obj.get("usage")
-        if isinstance(usage, dict):
-            self.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-            self.completion_tokens = int(usage.get("completion_tokens") or 0)
+        usage = usage_of(obj)
+        if usage is not None:
+            self.prompt_tokens, self.completion_tokens = usage
         text = ""
         probs: tuple[TokenLogprob, ...] = ()
         for choice in obj.get("choices") or []:
@@ -154,7 +161,7 @@ class ChatDeltas:
                 self.finish_reason = str(choice["finish_reason"])
         if not text and not probs:
             return None
-        if not isinstance(usage, dict):
+        if usage is None:
             self.completion_tokens += max(1, len(probs))
         return Piece(text, (), probs)
 
@@ -294,4 +301,5 @@ __all__ = [
     "is_chat",
     "openai_message",
     "sampling_fields",
+    "usage_of",
 ]

@@ -20,6 +20,7 @@ from engine import Model, SamplingParams
 from engine.decode_chain import DecodeChain
 from engine.sampler import Sampler
 from tests.models import SMOLLM2, shared_model
+from tests.test_generate import assert_model_free, cancel_after
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -201,20 +202,12 @@ async def test_cancel_leaves_nothing_queued_and_the_model_free(monkeypatch: pyte
     with monkeypatch.context() as mp:
         made = _fake_chain(model, mp)
         model.transformer.kv.tokens = []
-        g = model.generate(ids, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
-        n = 0
-        async for _ in g:
-            n += 1
-            if n == 3:
-                break
-        await g.aclose()
+        g = await cancel_after(model, ids)
     assert g.finish_reason == "cancelled" and g.stats.completion_tokens == 3
     assert not made[0].pending and made[0].launches == 3  # two read, one queued ahead
     kv = model.transformer.kv.tokens
     assert kv[: len(ids) + 3] == ids + g.completion_ids and len(kv) == len(ids) + 3
-    with anyio.fail_after(5):
-        async with model.lock.hold():
-            pass
+    await assert_model_free(model)
 
 
 async def test_long_steps_run_one_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,7 +7,7 @@ import anyio.lowlevel
 import numpy as np
 import pytest
 
-from engine import SamplingParams, TokenEvent
+from engine import Generation, Model, SamplingParams, TokenEvent
 from engine.generate import _StopMatcher
 from engine.sampler import Sampler
 from tests.models import SMOLLM2, shared_model
@@ -21,6 +21,25 @@ def _model():  # type: ignore[no-untyped-def]
 
 async def _collect(gen) -> list[TokenEvent]:  # type: ignore[no-untyped-def]
     return [tok async for tok in gen]
+
+
+async def cancel_after(model: Model, ids: list[int], n: int = 3) -> Generation:
+    """A greedy generation of `ids` (up to 200 tokens) read for `n` tokens, then closed: the consumer went away."""
+    g = model.generate(ids, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    k = 0
+    async for _ in g:
+        k += 1
+        if k == n:
+            break
+    await g.aclose()
+    return g
+
+
+async def assert_model_free(model: Model) -> None:
+    """The model's lock can be taken at once (within 5 s): no closed generation still holds it."""
+    with anyio.fail_after(5):
+        async with model.lock.hold():
+            pass
 
 
 def test_sampler_greedy_and_topk1_pick_argmax() -> None:
@@ -112,18 +131,9 @@ async def test_gate_is_awaited_before_every_step() -> None:
 async def test_cancel_stops_within_one_step() -> None:
     """Leaving the loop and closing the generation stops it; the model is free right after."""
     model = _model()
-    ids = model.tokenizer.encode("Once upon a time", add_special=True)
-    g = model.generate(ids, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
-    n = 0
-    async for _ in g:
-        n += 1
-        if n == 3:
-            break
-    await g.aclose()
+    g = await cancel_after(model, model.tokenizer.encode("Once upon a time", add_special=True))
     assert g.finish_reason == "cancelled" and g.stats.completion_tokens == 3
-    with anyio.fail_after(5):
-        async with model.lock.hold():
-            pass
+    await assert_model_free(model)
 
 
 async def test_streamed_text_handles_multibyte_characters() -> None:

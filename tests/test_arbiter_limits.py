@@ -161,7 +161,10 @@ def test_evaluate_carries_the_policy_budget_and_classes() -> None:
     assert evaluate(policy, snap).priorities == d.priorities
 
 
-@pytest.mark.parametrize("module", ["genie_supervisor/llm/manager.py", "genie_supervisor/llm/admission.py"])
+@pytest.mark.parametrize(
+    "module",
+    ["genie_supervisor/llm/manager.py", "genie_supervisor/llm/engine_view.py", "genie_supervisor/llm/admission.py"],
+)
 def test_models_and_admission_never_read_the_policy(module: str) -> None:
     """models.py and admission.py import nothing from the policy package and reach for no `.policy` attribute."""
     tree = ast.parse((ROOT / module).read_text(encoding="utf-8"), module)

@@ -22,7 +22,6 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any
 
 import anyio
 import structlog
@@ -39,8 +38,8 @@ from ..errors import (
 from ..events import EngineStats, Observation, RequestDone
 from ..startup import since_process_start
 from ..state import DEFAULT_LLM_BUDGET_MB
+from .engine_view import EngineView
 from .managed_model import (
-    NO_HOST,
     Lease,
     ManagedModel,
     aggregate_stats,
@@ -54,7 +53,7 @@ from .serving import BackendContext, Plan, create_backend
 log = structlog.get_logger(__name__)
 
 
-class ModelManager:
+class ModelManager(EngineView):
     """Loads, swaps and unloads the configured models within the LLM memory budget."""
 
     def __init__(
@@ -105,12 +104,7 @@ class ModelManager:
             self.cfg, c.gate, c.arbiter, self._stats_from(mid), c.loader, self.lease, self._notify, c.prompt_cache
         )
 
-    # -- lookup -----------------------------------------------------------------------------
-    @property
-    def default(self) -> ManagedModel | None:
-        """The model used when a request names none: the first resident model, else the first."""
-        return next((m for m in self.models.values() if m.entry.resident), next(iter(self.models.values()), None))
-
+    # -- lookup (the default model: EngineView.default) ---------------------------------------
     def resolve(self, name: str | None, *, fallback: bool = False) -> ManagedModel:
         """The model a request names (id or role; None or "" = the default); UnknownModel if none.
 
@@ -403,53 +397,6 @@ class ModelManager:
                     await m.backend.shutdown(timeout=timeout)
         self.enabled = False
         self.publish_stats()
-
-    # -- the single-model engine view (sup.engine) ------------------------------------------
-    @property
-    def host(self) -> Any:
-        """The default model's EngineHost when the builtin backend serves it, else None."""
-        m = self.default
-        return getattr(m.backend, "host", None) if m is not None else None
-
-    async def generate(self, prompt: Any, sampling: Any = None, *, priority: str | None = None) -> Any:
-        """Generate on the default model's engine directly (no queue): the in-process API of tests and bench."""
-        host = self.host
-        if host is None:
-            raise EngineUnavailable("the default model is not served by the builtin engine")
-        return await host.generate(prompt, sampling, priority=priority)
-
-    @property
-    def state(self) -> str:
-        """One word for the whole LLM side (EngineStats.state)."""
-        return self.stats().state
-
-    @property
-    def backend(self) -> str | None:
-        """Compute backend of the default model (``numpy``/``cupy``) or ``llama_cpp``."""
-        m = self.default
-        if m is None:
-            return None
-        host = getattr(m.backend, "host", None)
-        return host.backend if host is not None else m.kind
-
-    def describe(self) -> dict[str, Any]:
-        """The default model's engine view (state, model, backend, memory plan) plus every model."""
-        host = self.host
-        default_id = self.default.id if self.default else None
-        base: dict[str, Any] = (
-            host.describe() if host is not None else {**NO_HOST, "model": default_id, "backend": self.backend}
-        )
-        base["state"] = self.state
-        m = self.default
-        base["backend_kind"] = m.kind if m else None
-        base["backend_identity"] = m.backend.identity() if m else None
-        base["fallback"] = self.cfg.fallback
-        base["fell_back"] = any(x.fell_back for x in self.models.values())
-        base["remotes"] = {x.id: x.backend.describe()["remote"] for x in self.models.values() if x.kind == "openai"}
-        base["enabled"] = self.enabled
-        if base.get("memory_plan") is not None:
-            base["memory_plan"]["budget_mb"] = self._budget_mb
-        return base
 
     # -- stats ------------------------------------------------------------------------------
     def _stats_from(self, mid: str) -> Callable[[Observation], None]:

@@ -145,6 +145,38 @@ def test_finished_request_is_in_the_view_with_its_priority_and_first_token_time(
     assert ui_api.get("/status").json()["requests"][-1]["priority"] == "tool"
 
 
+def test_a_tool_call_answer_is_in_the_view_as_tool_calls(ui_api: httpx.Client) -> None:
+    """A chat answered with a tool call (streamed or not) is listed with finish ``tool_calls``, as the API
+    answered it, not the engine's ``stop``."""
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "turn_on",
+            "parameters": {
+                "type": "object",
+                "properties": {"room": {"type": "string", "enum": ["kitchen", "bedroom"]}},
+                "required": ["room"],
+            },
+        },
+    }
+    body = {
+        "messages": [{"role": "user", "content": "Turn on the kitchen light"}],
+        "tools": [tool],
+        "tool_choice": {"type": "function", "function": {"name": "turn_on"}},
+        "max_tokens": 48,
+        "temperature": 0,
+    }
+    for stream in (False, True):
+        r = ui_api.post("/v1/chat/completions", json={**body, "stream": stream})
+        assert r.status_code == 200 and "turn_on" in r.text, r.text
+        assert ('"finish_reason":"tool_calls"' in r.text.replace(" ", "")) or (
+            not stream and r.json()["choices"][0]["finish_reason"] == "tool_calls"
+        ), r.text
+        with ui_api.stream("GET", "/ui/events") as s:
+            _name, snap = next(events(s))
+        assert snap["view"]["requests"][0]["finish"] == "tool_calls", snap["view"]["requests"][0]
+
+
 def test_controls_select_the_policy_switch_the_llm_and_reload(ui_daemon: Supervisor, ui_api: httpx.Client) -> None:
     """/control/policy puts another file in force (an unknown one is a 400 naming the field), /control/llm
     switches the LLM, /control/reload reloads, and a rejected reload is a 409 with the file's error."""

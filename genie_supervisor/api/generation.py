@@ -223,12 +223,13 @@ class ToolSplitter:
 
 
 def _done(model: str, priority: str, r: Result, first_s: float | None) -> RequestDone:
-    """The finished request as an observation (the web page's recent requests)."""
+    """The finished request as an observation (the web page's recent requests); ``tool_calls`` when calls were
+    parsed from it, as the OpenAI routes answer."""
     tps = r.timings.get("predicted_per_second")
     return RequestDone(
         model=model,
         priority=priority,
-        finish_reason=r.finish_reason,
+        finish_reason="tool_calls" if r.tool_calls else r.finish_reason,
         prompt_tokens=r.prompt_tokens,
         completion_tokens=r.completion_tokens,
         first_token_ms=None if first_s is None else round(first_s * 1000.0, 1),
@@ -266,6 +267,7 @@ class GenerationResponse(Response):
     async def _serve(self, scope: Any, receive: Any, send: Any) -> None:
         deps, job = self.deps, self.job
         t0, first_s = time.monotonic(), None
+        tail: tuple[Piece | None, list[CallDelta]] = (None, [])  # what ToolSplitter.finish left to send
         try:
             cls = deps.admission.resolve(job.priority)
             model = deps.models.resolve(job.model, fallback=True)
@@ -293,6 +295,8 @@ class GenerationResponse(Response):
                         if job.stream and splitter is not None:
                             for delta in job.fmt.calls(model.id, splitter.deltas()):
                                 await self._send_event(send, delta)
+                    if splitter is not None:  # the whole answer is in: its calls parsed before it is recorded
+                        tail = splitter.finish(result)
                 finally:
                     with anyio.CancelScope(shield=True):
                         await stream.aclose()
@@ -301,7 +305,7 @@ class GenerationResponse(Response):
                         result.completion_tokens = stream.completion_tokens
                         result.timings = stream.timings()
                         deps.models.record(_done(model.id, cls, result, first_s), result.timings)
-            rest, deltas = splitter.finish(result) if splitter is not None else (None, [])
+            rest, deltas = tail
             if job.stream:
                 if rest is not None and (content := job.fmt.piece(model.id, rest)) is not None:
                     await self._send_event(send, content)

@@ -7,6 +7,7 @@ import io
 import json
 import logging
 import re
+import threading
 from collections.abc import AsyncIterator, Iterator
 from contextlib import ExitStack, asynccontextmanager
 from pathlib import Path
@@ -314,16 +315,17 @@ async def test_client_disconnect_closes_the_remote_request(
             body = {"model": "brain", "messages": count, "max_tokens": 400, "temperature": 0, "stream": True}
             usage = remote.sup.models.models[next(iter(remote.sup.models.models))].usage
             requests, tokens = usage.requests, usage.completion_tokens
-            async with client.stream("POST", "/v1/chat/completions", json=body) as r:
-                async for line in r.aiter_lines():
-                    if re.search(r'"content":"[^"]', line):
-                        break  # a first token arrived: go away
-            for _ in range(1500):  # the remote daemon's loop runs in another thread: polled, bounded
-                if usage.requests > requests:
-                    break
-                await anyio.sleep(0.02)
-            else:
-                raise AssertionError("the remote still runs the request 30 s after the client went away")
+            counted = threading.Event()  # set on the remote daemon's thread once its request is counted
+            remove = remote.sup.store.add_listener(lambda: counted.set() if usage.requests > requests else None)
+            try:
+                async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+                    async for line in r.aiter_lines():
+                        if re.search(r'"content":"[^"]', line):
+                            break  # a first token arrived: go away
+                ended = await anyio.to_thread.run_sync(counted.wait, 30.0)
+            finally:
+                remove()
+            assert ended, "the remote still runs the request 30 s after the client went away"
             assert 0 < usage.completion_tokens - tokens < 400
 
 

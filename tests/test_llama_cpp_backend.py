@@ -223,3 +223,24 @@ async def test_attached_llama_server_by_url(tmp_path: Path) -> None:
                 assert proc.returncode is None
                 r = await oa.chat.completions.create(messages=HI, model="default", max_tokens=1)
                 assert r.choices[0].message.content == REPLY[0]
+
+
+def test_llama_server_command_is_logged_without_its_secrets() -> None:
+    """The logged llama-server command hides the value of --api-key (both spellings) and keeps every other argument."""
+    from genie_supervisor.llm.llama_cpp import redacted
+
+    cmd = ["llama-server", "-m", "m.gguf", "--api-key", "s3cret", "--port", "8081", "--api-key-file=/k", "-c", "4096"]
+    shown = redacted(cmd)
+    assert "s3cret" not in shown and "--api-key-file=/k" not in shown
+    assert shown == [
+        "llama-server",
+        "-m",
+        "m.gguf",
+        "--api-key",
+        "***",
+        "--port",
+        "8081",
+        "--api-key-file=***",
+        "-c",
+        "4096",
+    ]

@@ -47,6 +47,26 @@ def _free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
+SECRET_FLAGS = frozenset({"--api-key", "--api-key-file", "--hf-token", "-hft", "--ssl-key-file"})
+"""llama-server flags whose value is a secret (or names one): never logged."""
+
+
+def redacted(cmd: list[str]) -> list[str]:
+    """`cmd` with the value of every secret flag (``--api-key K`` or ``--api-key=K``) replaced by ``***``."""
+    out: list[str] = []
+    hide = False
+    for arg in cmd:
+        flag, eq, _ = arg.partition("=")
+        if hide:
+            out.append("***")
+        elif eq and flag in SECRET_FLAGS:
+            out.append(f"{flag}=***")
+        else:
+            out.append(arg)
+        hide = not eq and arg in SECRET_FLAGS
+    return out
+
+
 def _tail(path: str, n: int = 8) -> str:
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
@@ -186,7 +206,7 @@ class LlamaCppBackend:
             *self.cfg.args,
         ]
         fd, self._log_path = tempfile.mkstemp(prefix=f"llama-server-{self.model_id}-", suffix=".log")
-        log.info("llama_server_starting", model=self.model_id, cmd=cmd, log=self._log_path)
+        log.info("llama_server_starting", model=self.model_id, cmd=redacted(cmd), log=self._log_path)
         try:
             self.process = await anyio.open_process(cmd, stdin=subprocess.DEVNULL, stdout=fd, stderr=subprocess.STDOUT)
         finally:

@@ -48,14 +48,14 @@ def page() -> str:
 
 
 @router.get("/ui")
-async def ui_page() -> HTMLResponse:
-    """The live page."""
+def ui_page() -> HTMLResponse:
+    """The live page (a plain def: FastAPI runs it in a worker thread, so a file read never blocks the loop)."""
     return HTMLResponse(page(), headers=SECURITY_HEADERS)
 
 
 @router.get("/ui/static/{path:path}")
-async def ui_static(path: str) -> Response:
-    """A file of the page (script, stylesheet, the charting library)."""
+def ui_static(path: str) -> Response:
+    """A file of the page (script, stylesheet, the charting library); read in a worker thread, as ui_page."""
     body = static_file(path)
     kind = TYPES.get(path[path.rfind(".") :]) if "." in path else None
     if body is None or kind is None:

@@ -5,7 +5,9 @@ Every sample is a fresh process, timed by this parent from just before it is spa
   same file costs the engine alone, interpreter start, imports and CUDA start included);
 - **daemon**: `python -m genie_supervisor run` on the same file (simulated telemetry, no MQTT, no
   services) until its ``supervisor_ready`` line: policy, HTTP server and model loaded, a first
-  token servable; the line's own ``start_to_ready_s`` / ``load_s`` / ``prewarm_s`` are kept too;
+  token servable; the line's own ``start_to_ready_s`` / ``load_s`` / ``prewarm_s`` /
+  ``early_load_s`` / ``early_skipped`` are kept too, and whether ``model_loaded`` says ``early``
+  (the model loaded by the prewarm thread from process start, taken over);
 - with ``--against DIR``, the daemon of another checkout (e.g. ``git worktree add /tmp/old HEAD~3``)
   in the same rounds, alternating, so both see the same page cache and machine load.
 
@@ -99,7 +101,9 @@ def time_until(
                     if f'"{name}"' in line and name not in events:
                         events[name] = round(time.perf_counter() - t0, 3)
                         if name == "model_loaded":
-                            events["phases"] = json.loads(line).get("phases_s")  # type: ignore[assignment]
+                            loaded = json.loads(line)
+                            events["phases"] = loaded.get("phases_s")  # type: ignore[assignment]
+                            events["early"] = loaded.get("early")  # type: ignore[assignment]
             if marker in line:
                 return time.perf_counter() - t0, line
             seen.append(line)
@@ -127,7 +131,10 @@ def sample(kind: str, code: Path, a: argparse.Namespace, folder: Path, kernels: 
     event = json.loads(line)
     return {
         "s": s,
-        **{k: event.get(k) for k in ("start_to_ready_s", "load_s", "prewarm_s", "backend")},
+        **{
+            k: event.get(k)
+            for k in ("start_to_ready_s", "load_s", "prewarm_s", "early_load_s", "early_skipped", "backend")
+        },
         "events": events,
     }
 
@@ -201,6 +208,11 @@ def report(a: argparse.Namespace, runs: dict[str, list[dict[str, Any]]], parts: 
     ]
     ratio = med["daemon"] / med["engine"]
     lines.append(f"daemon / engine-only load: {ratio:.2f}x")
+    taken = [x.get("events", {}).get("early") for x in runs["daemon"]]
+    skipped = {x.get("early_skipped") for x in runs["daemon"]} - {None}
+    lines.append(
+        f"early load taken over in {taken.count(True)} of {len(taken)} rounds" + (f" ({skipped})" if skipped else "")
+    )
     lines += [f"component {k}: {v:.3f} s" for k, v in parts.items()]
     figures = {"daemon_start_to_ready_s": (round(med["daemon"], 3), "s"), "daemon_vs_engine": (round(ratio, 3), "x")}
     if "daemon_before" in med:

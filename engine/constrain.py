@@ -29,13 +29,26 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import llguidance as llg
 import numpy as np
 
 from .errors import GrammarError
 from .tokenizer import ATTR_CONTROL, ATTR_UNKNOWN, Tokenizer
+
+if TYPE_CHECKING:
+    import llguidance as llg
+else:
+
+    class _OnFirstUse:
+        """llguidance, imported on first use (about 70 ms that a daemon's start does not need)."""
+
+        def __getattr__(self, name: str) -> Any:
+            import llguidance
+
+            return getattr(llguidance, name)
+
+    llg = _OnFirstUse()
 
 JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{1,24}"
 """Whitespace allowed at one place in JSON output: up to 24 characters (a newline and nested

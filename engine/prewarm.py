@@ -74,6 +74,7 @@ class Prewarm:
         e = self.early
         if (
             e is None
+            or self.disowned is not None
             or self.backend_asked != backend
             or self.options != options
             or not e.matches(path, n_ctx, kv, threads)
@@ -85,6 +86,14 @@ class Prewarm:
 
     backend_asked: str = "auto"
     """The backend name the prewarm was asked for (a load asking for another one does not match)."""
+    disowned: str | None = None
+    """Why nobody may take the early model (set by `disown`): it is dropped instead."""
+
+    def disown(self, why: str) -> None:
+        """Refuse the early model to every `take` (e.g. the full config asks for another load) and
+        drop it, now or when its load ends."""
+        self.disowned = self.skipped = why
+        self.model = None
 
 
 def prewarm(backend: str = "auto", options: EngineOptions | None = None) -> str:
@@ -126,7 +135,7 @@ def load_early(rec: Prewarm) -> None:
         rec.skipped = f"plan {plan.total} bytes over the budget {e.budget_bytes}"
         return
     kwargs: dict[str, Any] = {"threads": e.threads} if e.threads else {}
-    rec.model = load_model(
+    model = load_model(
         e.path,
         backend=rec.backend_asked,
         n_ctx=e.n_ctx,
@@ -136,6 +145,8 @@ def load_early(rec: Prewarm) -> None:
         **kwargs,
     )
     rec.load_s = time.perf_counter() - t0
+    if rec.disowned is None:  # disowned while loading: dropped here
+        rec.model = model
 
 
 def start_prewarm(
@@ -144,20 +155,22 @@ def start_prewarm(
     """Run `prewarm` in a daemon thread, then load `early` if its plan fits; returns at once with
     the record it fills in (`Prewarm.take` hands the model over)."""
     rec = Prewarm(early=early, options=options, backend_asked=backend)
-
-    def work() -> None:
-        t0 = time.perf_counter()
-        try:
-            rec.backend = prewarm(backend, options)
-            rec.seconds = time.perf_counter() - t0
-            if early is not None:
-                load_early(rec)
-        except Exception as exc:  # the daemon's own load repeats the work and raises it where it is handled
-            rec.error = rec.skipped = f"{type(exc).__name__}: {exc}"
-        finally:
-            if rec.seconds is None:
-                rec.seconds = time.perf_counter() - t0
-            rec.done.set()
-
-    threading.Thread(target=work, name="engine-prewarm", daemon=True).start()
+    threading.Thread(target=run_prewarm, args=(rec,), name="engine-prewarm", daemon=True).start()
     return rec
+
+
+def run_prewarm(rec: Prewarm) -> None:
+    """The prewarm thread's work on `rec` (what `start_prewarm` runs): `prewarm`, then the early
+    load; whatever fails is kept in the record, and `rec.done` is set at the end."""
+    t0 = time.perf_counter()
+    try:
+        rec.backend = prewarm(rec.backend_asked, rec.options)
+        rec.seconds = time.perf_counter() - t0
+        if rec.early is not None and rec.disowned is None:
+            load_early(rec)
+    except Exception as exc:  # the daemon's own load repeats the work and raises it where it is handled
+        rec.error = rec.skipped = f"{type(exc).__name__}: {exc}"
+    finally:
+        if rec.seconds is None:
+            rec.seconds = time.perf_counter() - t0
+        rec.done.set()

@@ -97,9 +97,13 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    if args.command == "run":  # the start model's load begins before the engine's own imports
+        from .run import start_early
+
+        start_early(args)
     from engine.errors import EngineError
 
-    args = _build_parser().parse_args(argv)
     try:
         return _dispatch(args)
     except EngineError as exc:

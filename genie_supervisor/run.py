@@ -12,15 +12,19 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any
 
-import anyio
-import structlog
-
-from .errors import ConfigErrors, PolicyErrors, SupervisorError
-
 if TYPE_CHECKING:
     from .app import Supervisor
 
-log = structlog.get_logger("genie_supervisor.app")  # the logger name these events always had
+OVERRIDES = ("model", "policy", "mqtt", "listen", "platform")
+"""The flags of ``run`` that override the config."""
+
+
+def start_early(args: argparse.Namespace) -> None:
+    """`boot.start` for these arguments: the first thing ``genie-supervisor run`` does, before any
+    heavy import (this module imports nothing else at its top for that reason)."""
+    from . import boot
+
+    boot.start(args.config, {k: getattr(args, k, None) for k in OVERRIDES})
 
 
 async def _main(sup: Supervisor) -> None:
@@ -30,12 +34,15 @@ async def _main(sup: Supervisor) -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     """``genie-supervisor run``: load the config (flags override it) and run until SIGTERM.
 
-    The engine's per-process start-up (CUDA context, kernels) starts in a thread right after the
-    config is read, before the daemon's own modules are imported (`startup.prepare`)."""
+    The engine's per-process start-up (CUDA context, kernels) and the start model's load begin in
+    a thread before anything else is imported (`boot.start`, from the raw config and policy),
+    checked against the validated config by `startup.prepare`."""
+    start_early(args)  # the start model's load, before the imports below (once: cli.main may have)
     from .config import load_config
+    from .errors import ConfigErrors
     from .startup import prepare
 
-    overrides = {k: getattr(args, k, None) for k in ("model", "policy", "mqtt", "listen", "platform")}
+    overrides = {k: getattr(args, k, None) for k in OVERRIDES}
     try:
         cfg = load_config(args.config, overrides)
     except ConfigErrors as exc:
@@ -57,10 +64,15 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _serve(sup: Supervisor) -> int:
     """Run the daemon's loop to the end; the exit status."""
+    import anyio
+    import structlog
+
     from engine.errors import EngineError
 
     from .app import _unwrap
-    from .errors import TelemetryError
+    from .errors import ConfigErrors, PolicyErrors, SupervisorError, TelemetryError
+
+    log = structlog.get_logger("genie_supervisor.app")  # the logger name these events always had
 
     backend = "asyncio"
     options: dict[str, Any] = {}

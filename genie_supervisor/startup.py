@@ -1,7 +1,10 @@
 """The daemon's warm start: where compiled kernels are kept, the engine's per-process work done
 ahead, and how long the process took from its start to ready.
 
-`prepare(cfg)` runs first in ``genie-supervisor run``, before the daemon's heavy imports: it points
+`boot.start` runs first in ``genie-supervisor run``, before even the config's validation, and
+starts the prewarm thread with the start model's load from the raw files; `prepare(cfg)` runs
+next, before the daemon's heavy imports: it checks that early load against the validated config
+(or, when `boot` started nothing, starts the prewarm itself); it points
 the kernel caches at ``engine.kernel_cache_dir`` (``CUPY_CACHE_DIR`` for CuPy's NVRTC output,
 ``GENIE_KERNEL_CACHE_DIR`` for the native CPU kernels) and starts `engine.prewarm` in a thread
 when the builtin backend serves a model. `since_process_start()` is the start-to-ready clock
@@ -86,7 +89,15 @@ def prepare(cfg: Config) -> Path:
     folder = KERNELS = kernel_cache_dir(cfg.engine.kernel_cache_dir)
     use_kernel_cache(folder)
     builtin = [e for e in cfg.model_entries().values() if (e.backend or cfg.backend) == "builtin" and e.path]
-    if builtin and cfg.engine.prewarm:
+    from . import boot
+
+    booted = boot.record()
+    if booted is not None:  # `boot.start` began with the raw files: the same load, or none
+        PREWARM = booted
+        early, options = _early(cfg) if builtin and cfg.engine.prewarm else (None, None)
+        if (early, options, cfg.engine.backend) != (booted.early, booted.options, booted.backend_asked):
+            booted.disown("the validated config or policy asks for another load")
+    elif builtin and cfg.engine.prewarm:
         from engine.prewarm import start_prewarm
 
         early, options = _early(cfg)

@@ -28,6 +28,7 @@ from ..quants import dequantize, dequantize_rows
 from .cupy_attention import AttnBuffers, decode_attention, prefill_attention
 from .cupy_blas import CUDA_R_16F, CUDA_R_32F, OP_N, OP_T, gemm
 from .cupy_plan import PREFILL_CHUNK, SCRATCH_ELEMS, resolve_prefill_dtype, tile_dtype
+from .cupy_upload import Uploader
 from .ops import Ops
 
 log = logging.getLogger(__name__)
@@ -100,14 +101,23 @@ class CupyOps:
         self._attn: AttnBuffers | None = None
         self._gemm_ok: dict[bool, bool] = {}  # per fp16/fp32: GemmEx checked against cp.matmul
         self.prefill_graphs: Any = None  # first-chunk graphs (cupy_prefill_graph), set per model
+        self._uploader: Uploader | None = None  # weight transfers in flight (`weight`)
 
     # --- weights -------------------------------------------------------------------------
     def weight(self, t: TensorInfo) -> QWeight | cp.ndarray:
         """2-D: raw bytes on the device (QWeight); 1-D (norms, biases): float32 array."""
+        if self._uploader is None:  # the load's transfers overlap; `finish_uploads` ends them
+            self._uploader = Uploader()
         if len(t.shape) != 2:
-            return cp.asarray(dequantize(t.raw, t.type_name, t.shape))
+            return self._uploader.upload(dequantize(t.raw, t.type_name, t.shape))
         raw = np.ascontiguousarray(t.raw).view(np.uint8).reshape(t.shape[0], -1)
-        return QWeight(cp.asarray(raw), t.type_name, (int(t.shape[0]), int(t.shape[1])))
+        return QWeight(self._uploader.upload(raw), t.type_name, (int(t.shape[0]), int(t.shape[1])))
+
+    def finish_uploads(self) -> None:
+        """Wait for the weights' transfers and free their staging buffers (`make_decoder` calls it)."""
+        if self._uploader is not None:
+            self._uploader.finish()
+            self._uploader = None
 
     def concat_rows(self, parts: list[QWeight]) -> QWeight:
         """Stack weights by rows: one buffer when the types agree, else a list of pieces."""
@@ -365,6 +375,7 @@ class CupyOps:
         # (called once per loaded model: also where its first-chunk prefill graphs are set up)
         from .cupy_plan import prefill_graph_buckets
 
+        self.finish_uploads()
         tf: Any = transformer
         buckets = prefill_graph_buckets(
             int(tf.weights_bytes), self.prefill_chunk, int(tf.n_ctx), self.options.cupy_prefill_graph

@@ -17,7 +17,6 @@ in the results index (`--record` records a .json brought back from the device ma
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -29,6 +28,7 @@ from typing import Any
 
 import anyio
 
+from bench import cpu_gpu
 from engine import Grammar, SamplingParams, TemplateError, load_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -155,16 +155,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=96, help="tokens decoded per run")
     ap.add_argument("--runs", type=int, default=3, help="timed runs per case (median)")
-    ap.add_argument("--threads", type=int, default=None, help="CPU threads of the native kernels (default: all)")
-    ap.add_argument("--cpu-only", action="store_true")
-    ap.add_argument("--gpu-only", action="store_true")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
-    ap.add_argument("--workdir", default=None, help="where the synthetic GPU model goes (temp dir)")
-    ap.add_argument("--record", default=None, help="record the rows of an earlier run's .json (no benchmark run)")
-    a = ap.parse_args()
-    if a.record:
-        rows_path = Path(a.record)
-        _record(rows_path.with_suffix(".md"), json.loads(rows_path.read_text(encoding="utf-8")))
+    a = cpu_gpu.parse(ap, workdir="where the synthetic GPU model goes (temp dir)")
+    if cpu_gpu.replayed(a, _record):
         return 0
     rows: list[dict[str, Any]] = []
     if not a.gpu_only:
@@ -180,15 +172,10 @@ def main() -> int:
         rows += _gpu_rows(a.tokens, a.runs, a.workdir)
     if not rows:
         return 1
-    out_dir = Path(a.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    suffix = "gpu" if a.gpu_only else "cpu" if a.cpu_only else "all"
     command = "python -m bench.constrained " + " ".join(sys.argv[1:])
     load = " / ".join(f"{v:.2f}" for v in os.getloadavg())
-    out = _write(rows, out_dir / f"constrained-{time.strftime('%Y%m%d')}-{suffix}.md", command.strip(), load)
-    out.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n", encoding="utf-8")
-    print(f"wrote {out} and its .json")
-    _record(out, rows)
+    out = _write(rows, cpu_gpu.result_path(a, "constrained"), command.strip(), load)
+    cpu_gpu.save(out, rows, _record)
     return 0
 
 

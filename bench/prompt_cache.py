@@ -19,7 +19,6 @@ bench/results/prompt_cache-<date>-<cpu|gpu|all>.md (and .json) and records the f
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -31,6 +30,7 @@ from typing import Any
 
 import anyio
 
+from bench import cpu_gpu
 from engine import Model, SamplingParams, load_model
 from engine.prompt_cache import ModelCache, PromptCache
 
@@ -203,16 +203,8 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3, help="timed runs per case on the GPU (median)")
     ap.add_argument("--cpu-runs", type=int, default=1, help="timed runs per case on the CPU (a cold run is long)")
     ap.add_argument("--kv", choices=("f16", "int8"), default="f16", help="KV cache element type")
-    ap.add_argument("--threads", type=int, default=None, help="CPU threads of the native kernels (default: all)")
-    ap.add_argument("--cpu-only", action="store_true")
-    ap.add_argument("--gpu-only", action="store_true")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
-    ap.add_argument("--workdir", default=None, help="where the model and cache files go (a temp dir)")
-    ap.add_argument("--record", default=None, help="record the rows of an earlier run's .json (no benchmark run)")
-    a = ap.parse_args()
-    if a.record:
-        rows_path = Path(a.record)
-        _record(rows_path.with_suffix(".md"), json.loads(rows_path.read_text(encoding="utf-8")))
+    a = cpu_gpu.parse(ap, workdir="where the model and cache files go (a temp dir)")
+    if cpu_gpu.replayed(a, _record):
         return 0
     rows: list[dict[str, Any]] = []
     if not a.gpu_only:
@@ -228,14 +220,9 @@ def main() -> int:
         rows += _gpu_row(a.tokens, a.runs, a.kv, a.workdir)
     if not rows:
         return 1
-    out_dir = Path(a.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    suffix = "gpu" if a.gpu_only else "cpu" if a.cpu_only else "all"
     command = ("python -m bench.prompt_cache " + " ".join(sys.argv[1:])).strip()
-    out = _write(rows, out_dir / f"prompt_cache-{time.strftime('%Y%m%d')}-{suffix}.md", command)
-    out.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n", encoding="utf-8")
-    print(f"wrote {out} and its .json")
-    _record(out, rows)
+    out = _write(rows, cpu_gpu.result_path(a, "prompt_cache"), command)
+    cpu_gpu.save(out, rows, _record)
     return 0
 
 

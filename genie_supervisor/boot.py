@@ -145,11 +145,22 @@ def start(config: str | None, overrides: dict[str, Any]) -> Guess | None:
 
     use_kernel_cache(kernel_cache_dir(g.kernel_cache_dir))
     threading.Thread(target=_work, args=(g,), name="engine-prewarm", daemon=True).start()
+    # The daemon's own imports (config, errors, app) import engine modules too. Two threads importing
+    # one package's modules in different orders can deadlock on Python's module locks (seen: a
+    # _DeadlockError on engine.errors killed the early load), so the caller goes on once the thread
+    # has imported the engine; the load itself (weights, CUDA context) still overlaps the rest.
+    _published.wait(IMPORT_WAIT_S)
     return g
 
 
+IMPORT_WAIT_S = 30.0
+"""How long `start` waits for the prewarm thread's engine imports (then goes on regardless)."""
+import_error: list[str] = []
+"""Why the prewarm thread's imports failed, if they did (the daemon then loads as if none had started)."""
+
+
 def _work(g: Guess) -> None:
-    try:  # the engine's imports happen here, in this thread, while the daemon imports its own
+    try:  # the engine's imports happen here, in this thread, before the daemon imports its own
         from dataclasses import replace
 
         from engine.options import EngineOptions
@@ -159,6 +170,9 @@ def _work(g: Guess) -> None:
         early = EarlyLoad(g.path, g.n_ctx, g.kv_dtype, g.threads, budget_bytes=int(g.budget_mb * 1024 * 1024))
         rec = Prewarm(early=early, options=options, backend_asked=g.backend)
         _record.append(rec)
+    except Exception as exc:  # `record` returns None: the daemon's own load does the work
+        import_error.append(f"{type(exc).__name__}: {exc}")
+        return
     finally:
         _published.set()
     run_prewarm(rec)

@@ -193,3 +193,21 @@ def test_a_failed_early_load_is_dropped_and_says_why(tmp_path: Path) -> None:
     assert rec.done.wait(60)
     assert rec.model is None and rec.skipped is not None and rec.load_s is None
     assert rec.take("numpy", options, str(bad), 256, "f16", None) is None
+
+
+def test_start_returns_once_the_thread_has_imported_the_engine(tmp_path: Path) -> None:
+    """`boot.start` returns only after the prewarm thread has imported the engine, so the daemon's own
+    imports of engine modules cannot race it for Python's module locks (a deadlock seen in a real run)."""
+    model = require(SMOLLM2)
+    cfg = tmp_path / "supervisor.yaml"
+    cfg.write_text(f"engine: {{model: {model}, backend: numpy, n_ctx: 256}}\ntelemetry: {{platform: simulated}}\n")
+    code = textwrap.dedent(
+        f"""
+        import json, sys
+        from genie_supervisor import boot
+        g = boot.start({str(cfg)!r}, {{}})
+        print(json.dumps({{"started": g is not None, "engine": "engine.prewarm" in sys.modules,
+                           "errors": boot.import_error}}), flush=True)
+        """
+    )
+    assert _run(code) == {"started": True, "engine": True, "errors": []}

@@ -15,6 +15,8 @@ file) makes `start` do nothing: `prepare` then starts the prewarm as before.
 
 from __future__ import annotations
 
+import logging
+import logging.handlers
 import os
 import stat
 import threading
@@ -144,6 +146,7 @@ def start(config: str | None, overrides: dict[str, Any]) -> Guess | None:
     from .startup import kernel_cache_dir, use_kernel_cache
 
     use_kernel_cache(kernel_cache_dir(g.kernel_cache_dir))
+    _keep_early_logs()
     threading.Thread(target=_work, args=(g,), name="engine-prewarm", daemon=True).start()
     # The daemon's own imports (config, errors, app) import engine modules too. Two threads importing
     # one package's modules in different orders can deadlock on Python's module locks (seen: a
@@ -157,6 +160,48 @@ IMPORT_WAIT_S = 30.0
 """How long `start` waits for the prewarm thread's engine imports (then goes on regardless)."""
 import_error: list[str] = []
 """Why the prewarm thread's imports failed, if they did (the daemon then loads as if none had started)."""
+
+
+class _EarlyLogs(logging.handlers.BufferingHandler):
+    """What is logged (the prewarm thread's engine warnings) before the daemon configures logging:
+    kept, up to its capacity, and handed to `configure_logging` by `take_early_logs`."""
+
+    def shouldFlush(self, record: logging.LogRecord) -> bool:  # noqa: N802 (the stdlib's name)
+        """Never flush by itself: the records wait for the configured handler."""
+        return False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        """Keep `record` while there is room (the rest is dropped: a bound, not a loss of the first ones)."""
+        if len(self.buffer) < self.capacity:
+            self.buffer.append(record)
+
+
+_early_logs: list[_EarlyLogs] = []
+
+
+def _keep_early_logs() -> None:
+    """Buffer the root logger's records until `configure_logging` takes them, unless logging is set up already."""
+    root = logging.getLogger()
+    if root.handlers or _early_logs:
+        return
+    handler = _EarlyLogs(capacity=10_000)
+    _early_logs.append(handler)
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG)  # configure_logging sets the real level and filters what was kept
+
+
+def take_early_logs() -> list[logging.LogRecord]:
+    """The records kept since `start` (the buffer is detached; empty when nothing was kept)."""
+    if not _early_logs:
+        return []
+    handler = _early_logs.pop()
+    logging.getLogger().removeHandler(handler)
+    handler.acquire()
+    try:
+        records, handler.buffer = list(handler.buffer), []
+    finally:
+        handler.release()
+    return records
 
 
 def _work(g: Guess) -> None:

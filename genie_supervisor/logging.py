@@ -18,6 +18,8 @@ from typing import Any, TextIO
 
 import structlog
 
+from . import boot
+
 LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 """Config level names -> stdlib levels."""
 
@@ -97,10 +99,14 @@ def configure_logging(level: str = "info", fmt: str = "auto", stream: TextIO | N
     handler = logging.StreamHandler(stream)
     handler.setFormatter(formatter)
     root = logging.getLogger()
+    early = boot.take_early_logs()  # what the prewarm thread logged before this call
     for old in list(root.handlers):
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(lvl)
+    for record in early:
+        if record.levelno >= lvl:
+            handler.handle(record)
     for name in FOREIGN_LOGGERS:
         foreign = logging.getLogger(name)
         foreign.handlers.clear()

@@ -180,10 +180,6 @@ def main() -> int:
 
 
 def _record(out: Path, rows: list[dict[str, Any]]) -> None:
-    try:
-        from bench.record import record
-    except ImportError:
-        return
     figures = {
         f"{r['backend']}.{r['mode']}.{k}": (r[k], u)
         for r in rows
@@ -193,15 +189,13 @@ def _record(out: Path, rows: list[dict[str, Any]]) -> None:
         f"{r['model']} {r['backend']} {r['mode']} {r['ratio']:.2f}x of plain decode ({r['mask_ms']:.2f} ms mask/token)"
         for r in rows
     )
-    backends = sorted({r["backend"] for r in rows})
-    record(
+    cpu_gpu.record_rows(
         "constrained",
         out,
+        rows,
         figures,
         reference="plain decode, same model, prompt and sampling, same run",
         headline=f"JSON-schema constrained decode: {headline}",
-        command="`python -m bench.constrained`",
-        entry="constrained" if len(backends) > 1 else f"constrained_{backends[0]}",
     )
 
 

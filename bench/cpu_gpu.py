@@ -57,3 +57,24 @@ def save(out: Path, rows: list[dict[str, Any]], record: Record) -> None:
     out.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n", encoding="utf-8")
     print(f"wrote {out} and its .json")
     record(out, rows)
+
+
+def record_rows(
+    name: str, out: Path, rows: list[dict[str, Any]], figures: dict[str, Any], *, reference: str, headline: str
+) -> None:
+    """Record a run's rows under `name` (one backend's run under `<name>_<backend>`, so a CPU run and a
+    GPU run of the same day both stay in the index); nothing when bench.record cannot be imported."""
+    try:
+        from bench.record import record
+    except ImportError:
+        return
+    backends = sorted({r["backend"] for r in rows})
+    record(
+        name,
+        out,
+        figures,
+        reference=reference,
+        headline=headline,
+        command=f"`python -m bench.{name}`",
+        entry=name if len(backends) > 1 else f"{name}_{backends[0]}",
+    )

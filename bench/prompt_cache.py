@@ -227,10 +227,6 @@ def main() -> int:
 
 
 def _record(out: Path, rows: list[dict[str, Any]]) -> None:
-    try:
-        from bench.record import record
-    except ImportError:
-        return
     figures = {
         f"{r['backend']}.{k}": (r[k], u)
         for r in rows
@@ -242,15 +238,13 @@ def _record(out: Path, rows: list[dict[str, Any]]) -> None:
         f"{r['file_mb']} MiB file"
         for r in rows
     )
-    backends = sorted({r["backend"] for r in rows})
-    record(
+    cpu_gpu.record_rows(
         "prompt_cache",
         out,
+        rows,
         figures,
         reference="cold prefill of the same prompt, same model, same run",
         headline=f"Prompt cache on disk, ~2,000-token system prompt: {headline}",
-        command="`python -m bench.prompt_cache`",
-        entry="prompt_cache" if len(backends) > 1 else f"prompt_cache_{backends[0]}",
     )
 
 

@@ -19,7 +19,7 @@ from .errors import ContextOverflowError, ModelFormatError
 from .gguf_file import SUPPORTED_TYPES, GGUFFile, TensorInfo
 from .kv_cache import KVCache, kv_bytes
 from .options import EngineOptions
-from .spec import ModelSpec
+from .spec import ModelSpec, read_spec
 
 # How llama.cpp's CPU path rounds the activations that meet a weight of each type.
 ACT_QUANT = {
@@ -109,6 +109,14 @@ def _tensor(gf: GGUFFile, name: str, shape: tuple[int, ...] | None = None) -> Te
     if shape is not None and t.shape != shape:
         raise ModelFormatError(gf.path, name, f"shape {t.shape}, expected {shape}")
     return t
+
+
+def plan_on(gf: GGUFFile, n_ctx: int, kv_dtype: str, backend: str, options: EngineOptions | None = None) -> MemoryPlan:
+    """The memory plan of `gf` loaded on the resolved `backend` ("numpy", "native": 2-D weights kept in
+    their blocks, "cupy"), as `load_model` with these `options` would load it."""
+    return plan_memory(
+        gf, read_spec(gf), n_ctx, kv_dtype, quantized=backend == "native", backend=backend, options=options
+    )
 
 
 def plan_memory(

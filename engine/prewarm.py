@@ -120,17 +120,13 @@ def prewarm(backend: str = "auto", options: EngineOptions | None = None) -> str:
 def load_early(rec: Prewarm) -> None:
     """Load `rec.early` if its plan fits its budget (the record says what happened)."""
     from . import load_model, open_model_file
-    from .model import plan_memory
-    from .spec import read_spec
+    from .model import plan_on
 
     e = rec.early
     assert e is not None and rec.backend is not None
     t0 = time.perf_counter()
     header = open_model_file(e.path)
-    plan = plan_memory(
-        header, read_spec(header), e.n_ctx, e.kv_dtype, quantized=rec.backend == "native", backend=rec.backend,
-        options=rec.options,
-    )  # fmt: skip
+    plan = plan_on(header, e.n_ctx, e.kv_dtype, rec.backend, rec.options)
     if plan.total > e.budget_bytes:
         rec.skipped = f"plan {plan.total} bytes over the budget {e.budget_bytes}"
         return

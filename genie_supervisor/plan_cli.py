@@ -2,7 +2,7 @@
 the LLM budget of the profile (the config's policy), before the model is deployed.
 
 The header is read with ``read_gguf(header_only=True)``: no tensor byte is read (a file cut after
-its header plans the same). The plan is the engine's own (`engine.model.plan_memory`, the numbers
+its header plans the same). The plan is the engine's own (`engine.model.plan_on`, the numbers
 the daemon checks before a load): weights as the backend stores them, the KV cache at the context,
 and the scratch for the policy's prefill chunk.
 
@@ -43,7 +43,7 @@ def plan_model(args: argparse.Namespace) -> dict[str, Any]:
     """The plan of `args.model` under `args.config` as a dict (raises on unreadable input)."""
     from engine import open_model_file
     from engine.backends import resolve_backend
-    from engine.model import plan_memory
+    from engine.model import plan_on
     from engine.options import EngineOptions
     from engine.spec import read_spec
 
@@ -60,15 +60,7 @@ def plan_model(args: argparse.Namespace) -> dict[str, Any]:
     chunk = policy.voice.prefill_chunk_tokens
     gf = open_model_file(args.model, header_only=True)
     spec = read_spec(gf)
-    plan = plan_memory(
-        gf,
-        spec,
-        n_ctx,
-        kv,
-        quantized=backend == "native",
-        backend=backend if backend == "cupy" else None,
-        options=EngineOptions(prefill_chunk=chunk),
-    )
+    plan = plan_on(gf, n_ctx, kv, backend, EngineOptions(prefill_chunk=chunk))
     budget = policy.memory.llm_budget_mb
     total = plan.total / MiB
     return {

@@ -35,10 +35,9 @@ from anyio.abc import TaskStatus
 from engine import GrammarError, Model, SamplingParams, load_model, open_model_file
 from engine.backends import resolve_backend
 from engine.gguf_file import GGUFFile
-from engine.model import MemoryPlan, plan_memory
+from engine.model import MemoryPlan, plan_on
 from engine.options import EngineOptions
 from engine.prompt_cache import ModelCache, PromptCache
-from engine.spec import read_spec
 
 from ..arbiter import Arbiter, DecodeGate
 from ..errors import AdmissionError as AdmissionError  # re-export
@@ -337,16 +336,7 @@ class EngineHost:
     def _plan(self, path: str, chunk: int) -> MemoryPlan:
         gf = open_model_file(path)
         self._header = gf  # the load takes it instead of reading the header again
-        backend = resolve_backend(self._backend)  # native: weights stay in their blocks
-        return plan_memory(
-            gf,
-            read_spec(gf),
-            self._n_ctx,
-            self._kv_dtype,
-            quantized=backend == "native",
-            backend=backend,
-            options=self._options(chunk),
-        )
+        return plan_on(gf, self._n_ctx, self._kv_dtype, resolve_backend(self._backend), self._options(chunk))
 
     def _load_blocking(self, path: str, chunk: int) -> Model:
         kwargs: dict[str, Any] = {"threads": self._threads} if self._threads else {}

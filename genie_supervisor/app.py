@@ -50,7 +50,6 @@ from .telemetry import TelemetrySource, configured_source, run_sampler
 from .ui.feed import UiFeed
 from .urls import redact_url
 from .voice import VoiceHints
-from .watchers import build_watchers
 
 if TYPE_CHECKING:  # the API (FastAPI) is imported when the HTTP server starts, while the model loads
     from .api.deps import ApiDeps
@@ -356,8 +355,11 @@ class Supervisor(SupervisorControls):
             models_up.set()
 
         tg.start_soon(start_models)
-        for watcher in build_watchers(cfg.services, self.store.publish, wait_parked=self.gate.wait_parked):
-            await tg.start(watcher.run)
+        if cfg.services:  # the watchers' modules (and httpx, for a health URL) only when there is one to watch
+            from .watchers import build_watchers
+
+            for watcher in build_watchers(cfg.services, self.store.publish, wait_parked=self.gate.wait_parked):
+                await tg.start(watcher.run)
         from .api.server import HttpServer, create_app
 
         self.http = HttpServer(create_app(self._api_deps()), sock)

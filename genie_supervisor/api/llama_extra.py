@@ -12,7 +12,6 @@ from collections.abc import Callable
 from typing import Any
 
 import anyio
-import httpx
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -68,6 +67,8 @@ async def _forward(m: ManagedModel, method: str, path: str, body: Any = None) ->
     base = getattr(m.backend, "base_url", None)
     if base is None:
         raise BackendUnavailable(f"model {m.id!r} is not served by an engine this route can ask")
+    import httpx  # imported already by the llama-server backend that serves `m` (llm.llama_cpp)
+
     try:
         async with httpx.AsyncClient(timeout=FORWARD_TIMEOUT_S) as client:
             r = await client.request(method, f"{base}{path}", json=body)

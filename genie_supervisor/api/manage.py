@@ -6,7 +6,6 @@ import json
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..errors import BadRequest
 from .deps import get_deps
@@ -47,4 +46,8 @@ async def unload(request: Request) -> JSONResponse:
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     """Prometheus text format: models, admission, tokens, speeds, gate, voice events."""
-    return Response(generate_latest(request.app.state.metrics_registry), media_type=CONTENT_TYPE_LATEST)
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest  # the first scrape imports it
+
+    from .metrics import registry_of
+
+    return Response(generate_latest(registry_of(request.app.state)), media_type=CONTENT_TYPE_LATEST)

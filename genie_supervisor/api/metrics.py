@@ -1,4 +1,7 @@
-"""Prometheus metrics: one registry per app, read from the daemon's parts (`ApiDeps`) at scrape time."""
+"""Prometheus metrics: one registry per app, read from the daemon's parts (`ApiDeps`) at scrape time.
+
+This module (and prometheus_client) is imported by the first scrape, not by `create_app`: the
+daemon's start does not pay for it (`registry_of`)."""
 
 from __future__ import annotations
 
@@ -158,7 +161,16 @@ class SupervisorCollector(Collector):
 
 
 def registry_for(deps: ApiDeps) -> CollectorRegistry:
-    """A new registry whose one collector reads `deps` when scraped (`create_app` makes one per app)."""
+    """A new registry whose one collector reads `deps` when scraped."""
     reg = CollectorRegistry(auto_describe=False)
     reg.register(SupervisorCollector(deps))
+    return reg
+
+
+def registry_of(state: Any) -> CollectorRegistry:
+    """The registry of the app whose ``app.state`` is `state` (made by its first scrape, from ``state.deps``)."""
+    reg = getattr(state, "metrics_registry", None)
+    if reg is None:
+        reg = state.metrics_registry = registry_for(state.deps)
+    assert isinstance(reg, CollectorRegistry)
     return reg

@@ -135,7 +135,6 @@ def create_app(deps: ApiDeps) -> Any:
         llama_extra,
         llama_routes,
         manage,
-        metrics,
         ollama_routes,
         openai_routes,
         ops,
@@ -145,7 +144,7 @@ def create_app(deps: ApiDeps) -> Any:
 
     app = FastAPI(title="genie-supervisor", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.deps = deps
-    app.state.metrics_registry = metrics.registry_for(deps)
+    app.state.metrics_registry = None  # made by the first scrape (api.metrics.registry_of)
     app.state.stream_tokens = tokens = security.StreamTokens()
 
     async def validation_error(_request: Request, exc: Exception) -> JSONResponse:

@@ -6,9 +6,12 @@ in the reason. Anything else, a timeout or a refused connection is down.
 
 from __future__ import annotations
 
-import httpx
+from typing import TYPE_CHECKING
 
 from .base import ProbeResult
+
+if TYPE_CHECKING:  # httpx (about 30 ms, its CLI's click and pygments included) only with a probe
+    import httpx
 
 
 class HttpHealthProbe:
@@ -28,12 +31,16 @@ class HttpHealthProbe:
         self.token = token
         self.timeout_s = timeout_s
         self._client = client
+        import httpx  # noqa: F401 - at start-up when a service has a URL to check (probe's import: a lookup)
+
         self.last_status: int | None = None
         """Status code of the last answer (None when there was none)."""
 
     async def probe(self) -> ProbeResult:
         """One request; never raises for an absent or failing service."""
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        import httpx
+
         try:
             if self._client is not None:
                 response = await self._client.get(self.url, headers=headers, timeout=self.timeout_s)

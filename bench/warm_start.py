@@ -11,9 +11,11 @@ Every sample is a fresh process, timed by this parent from just before it is spa
 - with ``--against DIR``, the daemon of another checkout (e.g. ``git worktree add /tmp/old HEAD~3``)
   in the same rounds, alternating, so both see the same page cache and machine load.
 
-One unmeasured round first fills the page cache and the kernel cache (a folder shared by every
-process of the run: CUPY_CACHE_DIR, GENIE_KERNEL_CACHE_DIR), so the rounds measure a *warm* start:
-warm page cache, warm kernel cache.
+One unmeasured round first fills the page cache, the kernel cache (a folder shared by every
+process of the run: CUPY_CACHE_DIR, GENIE_KERNEL_CACHE_DIR) and Python's bytecode cache (the
+children never inherit PYTHONDONTWRITEBYTECODE: an installed package has its .pyc files, and
+without them every import compiles its source, ~3x the import time), so the rounds measure a
+*warm* start: warm page cache, warm kernel cache, compiled modules.
 
     python -m bench.warm_start --preset qwen3-4b-q4_k_m --backend cupy --rounds 5
     python -m bench.warm_start --model m.gguf --backend native --against /tmp/old
@@ -81,6 +83,7 @@ def child_env(code: Path, kernels: Path) -> dict[str, str]:
     env["CUPY_CACHE_DIR"] = str(kernels / "cupy")
     env["GENIE_KERNEL_CACHE_DIR"] = str(kernels / "native")
     env["PYTHONUNBUFFERED"] = "1"
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # warm includes the bytecode cache (pip writes it at install)
     return env
 
 

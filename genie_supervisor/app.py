@@ -358,8 +358,10 @@ class Supervisor(SupervisorControls):
         if cfg.services:  # the watchers' modules (and httpx, for a health URL) only when there is one to watch
             from .watchers import build_watchers
 
-            for watcher in build_watchers(cfg.services, self.store.publish, wait_parked=self.gate.wait_parked):
-                await tg.start(watcher.run)
+            watchers = build_watchers(cfg.services, self.store.publish, wait_parked=self.gate.wait_parked)
+            async with anyio.create_task_group() as starting:  # first rounds at once: the slowest, not their sum
+                for watcher in watchers:
+                    starting.start_soon(tg.start, watcher.run)
         from .api.server import HttpServer, create_app
 
         self.http = HttpServer(create_app(self._api_deps()), sock)

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import anyio
 import httpx
 import pytest
+from anyio.abc import SocketAttribute, SocketStream
 
 from genie_supervisor.startup import kernel_cache_dir, use_kernel_cache
+from tests.daemon import make_supervisor, write_policy
 from tests.daemon_process import DaemonProcess
 from tests.models import SMOLLM2, require
 
@@ -75,3 +78,37 @@ async def test_the_daemon_takes_over_the_model_loaded_at_process_start(tmp_path:
         assert startup["early_load_s"] is not None and startup["early_skipped"] is None
         chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
         assert (await api.post("/v1/chat/completions", json=chat)).status_code == 200
+
+
+async def test_the_services_first_checks_run_at_once(tmp_path: Path) -> None:
+    """The watchers start together: two services whose health routes answer only once both are asked
+    are both up when the daemon is ready (one after the other, the first check would time out)."""
+    asked, both = 0, anyio.Event()
+
+    async def health(stream: SocketStream) -> None:
+        nonlocal asked
+        async with stream:
+            await stream.receive()
+            asked += 1
+            if asked == 2:
+                both.set()
+            await both.wait()
+            await stream.send(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+    url = f"http://127.0.0.1:{listener.extra(SocketAttribute.local_port)}/health"
+    services = "".join(
+        f"  {name}: {{kind: http, match: {{health_url: '{url}'}}, timeout_s: 5, interval_s: 600}}\n" for name in "ab"
+    )
+    async with listener, anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, health)
+        with anyio.fail_after(30):
+            async with make_supervisor(
+                tmp_path, policy=write_policy(tmp_path / "p.yaml"), extra="services:\n" + services
+            ) as sup:
+                seen = sup.store.snapshot().services
+                assert {s: (o.up, o.reason) for s, o in seen.items()} == {
+                    "a": (True, "http: health 200"),
+                    "b": (True, "http: health 200"),
+                }
+        tg.cancel_scope.cancel()

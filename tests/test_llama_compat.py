@@ -256,7 +256,7 @@ async def test_tokenize_detokenize_and_apply_template_use_the_model(tmp_path: Pa
 
 async def test_props_and_slots_describe_the_model_read_only(tmp_path: Path) -> None:
     """/props gives llama-server's default_generation_settings, total_slots, model_path, chat_template and n_ctx;
-    /slots one slot per model with its state, and ?fail_on_no_slot=1 is 200 while it is idle."""
+    /slots one slot per model with its state, ?fail_on_no_slot=1 is 200 while it is idle, a non-integer 400."""
     with anyio.fail_after(100):
         async with _serving(tmp_path) as (model, _sup, http):
             props = (await http.get("/props")).json()
@@ -275,6 +275,8 @@ async def test_props_and_slots_describe_the_model_read_only(tmp_path: Path) -> N
             assert slots[0]["id"] == 0 and slots[0]["model"] == MODEL_ID and slots[0]["state"] == "ready"
             assert slots[0]["is_processing"] is False and slots[0]["n_ctx"] == model.info.n_ctx
             assert (await http.get("/slots", params={"fail_on_no_slot": 1})).status_code == 200
+            bad = await http.get("/slots", params={"fail_on_no_slot": "yes"})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "fail_on_no_slot"
             assert (await http.post("/slots", json={})).status_code == 405  # read only
 
 

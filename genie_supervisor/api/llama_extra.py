@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from engine import Model, SamplingParams
 from engine.tool_calls import template_supports_tools
 
-from ..errors import BackendUnavailable, UpstreamError
+from ..errors import BackendUnavailable, BadRequest, UpstreamError
 from ..llm.managed_model import ManagedModel
 from .deps import ApiDeps, get_deps
 from .llama_routes import generation_settings
@@ -170,11 +170,14 @@ def _slot(deps: ApiDeps, index: int, m: ManagedModel) -> dict[str, Any]:
     }
 
 
+# The query parameters are read from the request, not declared: FastAPI's analysis of a declared one
+# imports pydantic.v1 (about 20 ms and 30 modules of the daemon's start; tests/test_import_cost.py).
 @router.get("/props")
-async def props(request: Request, model: str | None = None) -> JSONResponse:
-    """The model's properties as llama-server's ``/props`` gives them (read only: nothing is loaded)."""
+async def props(request: Request) -> JSONResponse:
+    """The model's properties as llama-server's ``/props`` gives them (read only: nothing is loaded);
+    ``?model=`` names the model (an id or a role)."""
     deps = get_deps(request)
-    m = deps.models.resolve(model, fallback=True)
+    m = deps.models.resolve(request.query_params.get("model"), fallback=True)
     if m.kind == "llama_cpp" and m.state == "ready" and not m.draining:
         async with deps.models.lease(m):
             return await _forward(m, "GET", "/props")
@@ -200,8 +203,12 @@ async def props(request: Request, model: str | None = None) -> JSONResponse:
 
 
 @router.get("/slots")
-async def slots(request: Request, fail_on_no_slot: int = 0) -> JSONResponse:
+async def slots(request: Request) -> JSONResponse:
     """One slot per configured model with its state (read only); ``?fail_on_no_slot=1``: 503 when all are busy."""
+    try:
+        fail_on_no_slot = int(request.query_params.get("fail_on_no_slot", "0"))
+    except ValueError:
+        raise BadRequest("fail_on_no_slot must be an integer", "fail_on_no_slot") from None
     deps = get_deps(request)
     out = [_slot(deps, i, m) for i, m in enumerate(deps.models.models.values())]
     if fail_on_no_slot and all(s["is_processing"] for s in out):

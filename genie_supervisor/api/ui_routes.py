@@ -54,8 +54,10 @@ def ui_page() -> HTMLResponse:
 
 
 @router.get("/ui/static/{path:path}")
-def ui_static(path: str) -> Response:
-    """A file of the page (script, stylesheet, the charting library); read in a worker thread, as ui_page."""
+def ui_static(request: Request) -> Response:
+    """A file of the page (script, stylesheet, the charting library); read in a worker thread, as ui_page
+    (`path` read from the request, not declared: see api.llama_extra's /props)."""
+    path: str = request.path_params["path"]
     body = static_file(path)
     kind = TYPES.get(path[path.rfind(".") :]) if "." in path else None
     if body is None or kind is None:

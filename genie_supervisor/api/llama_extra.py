@@ -35,7 +35,7 @@ MAX_TOKENS = 1_048_576
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False, defer_build=True)  # as api.schemas
 
     model: str | None = Field(None, max_length=NAME_CHARS, description="model id or role (an extension)")
 

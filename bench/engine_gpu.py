@@ -92,8 +92,15 @@ def time_prefill(tf, ops, prompt: list[int], modes: list[str], runs: int, cp, gr
     prefill (SmolLM2's shape) it adds to whichever op runs - the likely cause of v4b's single-run
     fp16 profile showing attention at 24 ms instead of 6 (no op there depends on the tiles)."""
     times: dict[str, list[float]] = {m: [] for m in modes}
+    mmq = getattr(ops, "mmq", False)
+
+    def use(mode: str) -> None:  # "<dtype>-tiles": that precision with mmq_h_<T> off (the old path)
+        ops.prefill_dtype = mode.removesuffix("-tiles")
+        if hasattr(ops, "mmq"):
+            ops.mmq = mmq and not mode.endswith("-tiles")
+
     for mode in modes:  # warm-up: tile buffer, cuBLAS heuristics for this mode's shapes
-        ops.prefill_dtype = mode
+        use(mode)
         tf.forward(prompt, 0, last_n=1, graph=graph)
     cp.cuda.Device().synchronize()
     gc.collect()
@@ -101,14 +108,14 @@ def time_prefill(tf, ops, prompt: list[int], modes: list[str], runs: int, cp, gr
     try:
         for _ in range(runs):
             for mode in modes:
-                ops.prefill_dtype = mode
+                use(mode)
                 t0 = time.perf_counter()
                 ops.argmax(tf.forward(prompt, 0, last_n=1, graph=graph))
                 cp.cuda.Device().synchronize()
                 times[mode].append(time.perf_counter() - t0)
     finally:
         gc.enable()
-        ops.prefill_dtype = "auto"
+        use("auto")
     return {m: float(np.median(v)) for m, v in times.items()}
 
 
@@ -147,6 +154,7 @@ PREFILL_OPS = (
     "rms_norm",
     "act_quant",
     "matmul",
+    "_mmq",
     "dequant_f16",
     "dequant_f32",
     "_gemm",
@@ -300,19 +308,26 @@ def bench_model(
     gf = read_gguf(path)
     llama = llama_cpp_memory(gf, read_spec(gf), 4096, 512)
     # the same prefill with fp32 and fp16 tiles everywhere
-    by_mode = time_prefill(tf, ops, prompt, ["auto", "float32", "float16"], runs, cp)
+    # (and the default precision with dequantized tiles + cuBLAS instead of mmq_h_<T>: the version
+    # before the fused GEMMs, same run)
+    by_mode = time_prefill(tf, ops, prompt, ["auto", "auto-tiles", "float32", "float16"], runs, cp)
     # the same pass launched op by op (the version before first-chunk graphs), same run
     eager_s = time_prefill(tf, ops, prompt, ["auto"], runs, cp, graph=False)["auto"]
     weights = tf.weights_bytes
     if profile_out is not None:  # prefill phases (each tile precision)
         profile_out.append(f"\n== {key}: prefill phases (garbage collector off)")
-        for dt in ("float32", "float16", "auto"):
-            ops.prefill_dtype = dt
+        mmq = getattr(ops, "mmq", False)
+        for dt in ("float32", "float16-tiles", "auto"):
+            ops.prefill_dtype = dt.removesuffix("-tiles")
+            if hasattr(ops, "mmq"):
+                ops.mmq = mmq and not dt.endswith("-tiles")
             tf.forward(prompt, 0, last_n=1, graph=False)
             for ln in prefill_profile(tf, ops, prompt, cp, dt):
                 print(ln, flush=True)
                 profile_out.append(ln)
         ops.prefill_dtype = "auto"
+        if hasattr(ops, "mmq"):
+            ops.mmq = mmq
     if profile_out is not None and dec is not None:  # per-launch times (bench/decode_profile.py)
         from bench.decode_profile import profile_model
 
@@ -352,6 +367,9 @@ def bench_model(
         "prefill_auto_tok_s": round(prompt_len / by_mode["auto"], 1),
         "prefill_f32_tok_s": round(prompt_len / by_mode["float32"], 1),
         "prefill_f16_tok_s": round(prompt_len / by_mode["float16"], 1),
+        "prefill_mmq": bool(getattr(ops, "mmq", False)),
+        "prefill_tiles_tok_s": round(prompt_len / by_mode["auto-tiles"], 1),
+        "prefill_vs_tiles": round(by_mode["auto-tiles"] / by_mode["auto"], 3),
         "decode_vs_llama_cpp": round(gen_tps / ref["decode"], 3),
         "replay_loop_vs_llama_cpp": round(decode_tps / ref["decode"], 3),
         "prefill_vs_llama_cpp": round(prefill_tps / ref["prefill"], 3),
@@ -470,8 +488,9 @@ def main() -> int:
             f"(device loop {r['generate_device_loop_vs_stepwise']:.3f}x); decoder {r['decoder']}"
         )
         print(
-            f"  prefill (median of {r['prefill_runs']}): auto {r['prefill_auto_tok_s']}, fp32 tiles "
-            f"{r['prefill_f32_tok_s']}, fp16 tiles {r['prefill_f16_tok_s']} tok/s; via Model.generate "
+            f"  prefill (median of {r['prefill_runs']}): auto {r['prefill_auto_tok_s']} (mmq {r['prefill_mmq']}; "
+            f"auto with dequantized tiles + cuBLAS, same run: {r['prefill_tiles_tok_s']}, "
+            f"{r['prefill_vs_tiles']:.2f}x), fp32 {r['prefill_f32_tok_s']}, fp16 {r['prefill_f16_tok_s']} tok/s; via Model.generate "
             f"({r['generate_prefill_chunk']}-token chunks) {r['generate_prefill_tok_s']} tok/s"
         )
         print_memory(r)
@@ -514,7 +533,7 @@ def main() -> int:
         "copy_bandwidth_Bps": bw,
         "prompt": a.prompt,
         "decode": a.decode,
-        "version": "cupy-v8 (decode loop on the device: Model.generate chains steps, the next reading the previous one's token from device memory, one step queued ahead, tokens read one step behind) over cupy-v7 (decode: programmatic dependent launch between the step's kernels, GEMVs load their first weights and attention asks for its K/V rows before waiting; prefill: a prompt's first chunk replayed from a CUDA graph for models < 1 GiB (op by op measured in the same run); integer GEMV unroll 2 (GLU 1) and threads a row chosen with weights from DRAM; the plain-launch step measured in the same run) over cupy-v5 (decode: attention with q in registers, one-ahead prefetch, parallel merge, O-projection rounding fused (no qprep), int8 KV option; prefill: auto tiles (fp16 for matrices >= 4M values), attention in query blocks by strided-batched GEMMs, 512-token chunks in generate; memory plan of the GPU backend; device sampling)",
+        "version": "cupy-v9 (prefill: fp16 GEMMs read the GGUF blocks, mmq_h_<T>, no dequantized tiles; the tile path measured in the same run) over cupy-v8 (decode loop on the device: Model.generate chains steps, the next reading the previous one's token from device memory, one step queued ahead, tokens read one step behind) over cupy-v7 (decode: programmatic dependent launch between the step's kernels, GEMVs load their first weights and attention asks for its K/V rows before waiting; prefill: a prompt's first chunk replayed from a CUDA graph for models < 1 GiB (op by op measured in the same run); integer GEMV unroll 2 (GLU 1) and threads a row chosen with weights from DRAM; the plain-launch step measured in the same run) over cupy-v5 (decode: attention with q in registers, one-ahead prefetch, parallel merge, O-projection rounding fused (no qprep), int8 KV option; prefill: auto tiles (fp16 for matrices >= 4M values), attention in query blocks by strided-batched GEMMs, 512-token chunks in generate; memory plan of the GPU backend; device sampling)",
         "rows": rows,
     }
     tag = f"-{a.tag}" if a.tag else ""

@@ -101,7 +101,7 @@ def test_prefill_gemm_tiles_write_in_place(dtype: str, monkeypatch: pytest.Monke
     rng = _rng()
     a, wa = _tensor("Q4_K", 97, 512, rng)
     b, wb = _tensor("Q6_K", 45, 512, rng)
-    ops = CupyOps(prefill_dtype=dtype)
+    ops = CupyOps(prefill_dtype=dtype, options=EngineOptions(cupy_mmq=False))  # tiles, not mmq_h_<T>
     w = ops.concat_rows([ops.weight(a), ops.weight(b)])
     x = rng.standard_normal((9, 512), dtype=np.float32)
     bias = rng.standard_normal(142, dtype=np.float32)

@@ -60,7 +60,7 @@ def test_defaults_are_the_engines_and_the_value_is_frozen() -> None:
         32,
         0,
     )
-    assert o.cupy_device_loop is True
+    assert o.cupy_device_loop is True and o.cupy_mmq is True
     with pytest.raises(FrozenInstanceError):
         o.threads = 3  # type: ignore[misc]
 
@@ -78,6 +78,7 @@ def test_from_env_parses_every_variable() -> None:
         "GENIE_CUPY_PREFILL_GRAPH": "1",
         "GENIE_CUPY_DECODER": "eager",
         "GENIE_CUPY_DEVICE_LOOP": "0",
+        "GENIE_CUPY_MMQ": "0",
         "GENIE_CUPY_ATTN_CHUNK": "64",
         "GENIE_CUPY_ATTN_WARPS": "8",
     }
@@ -91,6 +92,7 @@ def test_from_env_parses_every_variable() -> None:
         cupy_prefill_graph=True,
         cupy_decoder="eager",
         cupy_device_loop=False,
+        cupy_mmq=False,
         attn_chunk=64,
         attn_warps=8,
     )
@@ -162,8 +164,8 @@ def test_options_reach_the_native_backend(tmp_path: Path, monkeypatch: pytest.Mo
 
 
 def test_cupy_memory_plan_follows_the_prefill_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The GPU plan counts first-chunk graphs and tile precision as the options say (the
-    environment's when none are given, as load_model)."""
+    """The GPU plan counts first-chunk graphs, tile precision and the tile-free mmq GEMMs as the
+    options say (the environment's when none are given, as load_model)."""
     gf = read_gguf(_model(tmp_path))
     spec = read_spec(gf)
 
@@ -175,8 +177,12 @@ def test_cupy_memory_plan_follows_the_prefill_options(tmp_path: Path, monkeypatc
     monkeypatch.setenv("GENIE_CUPY_PREFILL_GRAPH", "0")
     assert graphs() == 0
     f32 = plan_memory(gf, spec, 512, "f16", backend="cupy", options=EngineOptions(cupy_prefill="float32"))
-    f16 = plan_memory(gf, spec, 512, "f16", backend="cupy", options=EngineOptions(cupy_prefill="float16"))
-    assert dict(f32.parts)["prefill_tiles"] == 2 * dict(f16.parts)["prefill_tiles"]
+    opts = EngineOptions(cupy_prefill="float16", cupy_mmq=False)
+    f16 = plan_memory(gf, spec, 512, "f16", backend="cupy", options=opts)
+    assert dict(f32.parts)["prefill_tiles"] == 2 * dict(f16.parts)["prefill_tiles"] > 0
+    mmq = plan_memory(gf, spec, 512, "f16", backend="cupy", options=EngineOptions(cupy_prefill="float16"))
+    assert dict(mmq.parts)["prefill_tiles"] == 0  # every matrix multiplied by mmq_h_<T>: no tile
+    assert mmq.total == f16.total - dict(f16.parts)["prefill_tiles"]
     with pytest.raises(ValueError, match="prefill_dtype"):
         plan_memory(gf, spec, 512, "f16", backend="cupy", options=EngineOptions(cupy_prefill="bf16"))
 

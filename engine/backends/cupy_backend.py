@@ -22,6 +22,7 @@ import numpy as np
 
 from .. import kernels
 from ..gguf_file import TensorInfo
+from ..kernels.mmq_src import MMQ_BM, MMQ_BN
 from ..kv_cache import QBLOCK, Int8Rows, kv_write
 from ..options import DEFAULT_OPTIONS, EngineOptions
 from ..quants import dequantize, dequantize_rows
@@ -71,6 +72,11 @@ def _null() -> np.uint64:
     return np.uint64(0)
 
 
+def mmq_capable() -> bool:
+    """Whether this GPU has `mma.sync` for fp16 (compute capability 8.0+: Ampere, Orin, Hopper)."""
+    return int(cp.cuda.Device().compute_capability) >= 80
+
+
 class CupyOps:
     """The ops of `engine.model.Transformer` on CUDA (same interface as NumpyOps)."""
 
@@ -101,6 +107,10 @@ class CupyOps:
         self._attn: AttnBuffers | None = None
         self._gemm_ok: dict[bool, bool] = {}  # per fp16/fp32: GemmEx checked against cp.matmul
         self.prefill_graphs: Any = None  # first-chunk graphs (cupy_prefill_graph), set per model
+        self.mmq = self.options.cupy_mmq and mmq_capable()
+        """fp16-precision matrices multiply with `mmq_h_<T>` (no tiles); False: tiles + cuBLAS."""
+        if self.mmq:
+            kernels.mmq_module()  # compiled with the rest, before the first prefill
         self._uploader: Uploader | None = None  # weight transfers in flight (`weight`)
 
     # --- weights -------------------------------------------------------------------------
@@ -123,7 +133,12 @@ class CupyOps:
         """Stack weights by rows: one buffer when the types agree, else a list of pieces."""
         cols = parts[0].shape[1]
         rows = sum(p.shape[0] for p in parts)
-        self._max_elems = max(self._max_elems, rows * cols)
+        if not (
+            self.mmq
+            and tile_dtype(self.prefill_dtype, {q.type_name for p in parts for q in p.pieces()}, rows, cols)
+            == "float16"
+        ):
+            self._max_elems = max(self._max_elems, rows * cols)  # a matrix that prefills through tiles
         if len({p.type_name for p in parts}) == 1 and all(not p.parts for p in parts):
             raw = cp.concatenate([p.raw for p in parts], axis=0)
             for p in parts:
@@ -247,12 +262,47 @@ class CupyOps:
             self._scratch = cp.empty(need, dtype=cp.uint8)
         return self._scratch
 
+    def uses_mmq(self, w: QWeight) -> bool:
+        """Whether `matmul` multiplies `w` with `mmq_h_<T>` (fp16 precision, sm_80+, option on)."""
+        return self.mmq and self.tile_dtype(w) == "float16"
+
+    @staticmethod
+    def _mmq(p: QWeight, xs: cp.ndarray, y: cp.ndarray, col0: int) -> None:
+        """y[:, col0 : col0 + rows] = xs @ W.T for one piece, its GGUF blocks decoded in the GEMM."""
+        rows, cols = p.shape
+        t = xs.shape[0]
+        assert p.raw is not None  # a piece holds its bytes
+        kernels.mmq_kernel(f"mmq_h_{p.type_name}")(
+            (-(-t // MMQ_BN), -(-rows // MMQ_BM)),
+            (256,),
+            (
+                p.raw,
+                np.int64(p.raw.shape[1]),
+                xs,
+                np.uint64(y.data.ptr + col0 * 4),
+                np.int32(y.shape[1]),
+                np.int32(rows),
+                np.int32(cols),
+                np.int32(t),
+            ),
+        )
+
     def matmul(self, w: QWeight, x: cp.ndarray, bias: cp.ndarray | None) -> cp.ndarray:
-        """[T, in] x W.T for T > 1: tiles of W decoded into the tile buffer, one cuBLAS GemmEx
-        per tile straight into the fp32 output (fp32 accumulation for fp16 tiles too)."""
+        """[T, in] x W.T for T > 1: with `mmq_h_<T>` (fp16 precision on sm_80+: `uses_mmq`) one
+        kernel per piece reading the GGUF blocks; else tiles of W decoded into the tile buffer,
+        one cuBLAS GemmEx per tile straight into the fp32 output (fp32 accumulation either way)."""
         t = x.shape[0]
         rows, cols = w.shape
         y = cp.empty((t, rows), dtype=cp.float32)
+        if self.uses_mmq(w):
+            xs = cp.ascontiguousarray(x.astype(cp.float16))
+            base = 0
+            for p in w.pieces():
+                self._mmq(p, xs, y, base)
+                base += p.shape[0]
+            if bias is not None:
+                y += bias
+            return y
         half = self.tile_dtype(w) == "float16"
         dt = np.dtype(np.float16 if half else np.float32)
         xs = cp.ascontiguousarray(x.astype(cp.float16) if half else x)

@@ -11,12 +11,14 @@ Parts (bytes):
 - kv: `kv_cache.kv_bytes`;
 - tables: RoPE cos/sin, float32 [n_ctx, rope_dim / 2] per distinct RoPE base;
 - decode scratch: the decode step's fixed buffers (`decode_scratch_bytes`);
-- prefill scratch: the tile buffer, the attention buffers (float32 K/V rows for a non-f32 cache,
+- prefill scratch: the tile buffer (sized by the matrices that prefill through tiles: none where
+  `mmq_h_<T>` multiplies every matrix in fp16, `mmq_device`), the attention buffers (float32 K/V rows for a non-f32 cache,
   the score block) and the activations of one chunk (`prefill_activation_bytes`).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -232,6 +234,19 @@ class GpuPlan:
         return self.tiles + self.kv_rows + self.scores + self.activations + self.graphs
 
 
+def mmq_device() -> bool:
+    """Whether the GPU runs `mmq_h_<T>` (sm_80+) where CuPy is already loaded with a device;
+    True otherwise: a plan made from the header alone (`models plan`) is for the target box
+    (Orin: sm_87)."""
+    cp = sys.modules.get("cupy")
+    if cp is None:
+        return True
+    try:
+        return int(cp.cuda.Device().compute_capability) >= 80
+    except Exception:  # no device or no driver here: plan for the target
+        return True
+
+
 def plan(
     gf: GGUFFile,
     spec: ModelSpec,
@@ -247,9 +262,12 @@ def plan(
     environment's, as `engine.load_model` without options); `prefill_dtype` overrides theirs."""
     opts = options if options is not None else EngineOptions.from_env()
     mode = resolve_prefill_dtype(prefill_dtype, opts.cupy_prefill)
-    dts = {tile_dtype(mode, m.types, m.rows, m.cols) for m in matrices(gf, spec) if m.name != "output" or last_n > 1}
+    used = [m for m in matrices(gf, spec) if m.name != "output" or last_n > 1]
+    dts = {tile_dtype(mode, m.types, m.rows, m.cols) for m in used}
     itemsize = 4 if "float32" in dts else 2
-    elems = min(SCRATCH_ELEMS, max(m.rows * m.cols for m in matrices(gf, spec) if m.name != "output" or last_n > 1))
+    if opts.cupy_mmq and mmq_device():  # fp16 matrices: `mmq_h_<T>`, no tile
+        used = [m for m in used if tile_dtype(mode, m.types, m.rows, m.cols) == "float32"]
+    elems = min(SCRATCH_ELEMS, max((m.rows * m.cols for m in used), default=0))
     kv_rows, scores = attention_buffer_bytes(spec, n_ctx, kv_dtype)
     t = min(chunk, n_ctx)
     act = prefill_activation_bytes(spec, t, last_n, half="float16" in dts)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from functools import cache, lru_cache
 from typing import Any
 
-from . import ops_src, quant_units
+from . import mmq_src, ops_src, quant_units
 
 TYPES = quant_units.TYPES
 
@@ -31,6 +31,26 @@ def module() -> Any:
 
 def kernel(name: str) -> Any:
     return _kernel(name)
+
+
+def mmq_source() -> str:
+    """The prefill GEMMs' translation unit (`mmq_src`, after the unit decoders): its own module,
+    so a GPU below sm_80 (no mma.sync), which never launches them, never compiles them either."""
+    return quant_units.UNITS + mmq_src.source()
+
+
+@lru_cache(maxsize=1)
+def mmq_module() -> Any:
+    """The compiled `mmq_src` module (once per process, cached on disk by CuPy)."""
+    import cupy as cp
+
+    return cp.RawModule(code=mmq_source(), options=("--std=c++17",))
+
+
+@cache
+def mmq_kernel(name: str) -> Any:
+    """`mmq_h_<T>` from `mmq_module`."""
+    return mmq_module().get_function(name)
 
 
 @cache

@@ -1,0 +1,145 @@
+"""CUDA C: prefill GEMMs that read the GGUF blocks themselves (`mmq_h_<T>`), fp16 tensor cores.
+
+Y[t, m] = sum_k X[t, k] W[m, k] for a prompt chunk X [T, K] (fp16, row-major) and a weight W
+[M, K] in its stored block layout (`QWeight.raw`, row stride `row_bytes`), written as fp32 into
+Y (row stride `ldy`: a column slice of a wider output). No dequantized copy of W exists anywhere:
+each block decodes its weight tile with the type's unit decoder (`quant_units`: 32 values at a
+time) straight into shared memory as fp16, while the chunk's tile is loaded beside it, and the
+warps multiply the two with `mma.sync.m16n8k16` (fp16 inputs, fp32 accumulation: the numbers of
+the old dequantize-then-cuBLAS path, summed in another order).
+
+Tiles: 128 weight rows x 64 tokens x 64 values of K a step, 256 threads (8 warps of 32 x 32
+outputs, ldmatrix fragments). Each thread decodes one 32-value unit of the next step into
+registers while the warps multiply the current step from shared memory (one buffer, two barriers
+a step). Shared rows are padded to 72 halves, which keeps the ldmatrix phases conflict-free.
+Blocks run token tiles fastest (grid.x), so the token tiles of one weight tile run side by side
+and the weight bytes come from L2 after the first. mma.sync needs sm_80+ (Orin is sm_87);
+`engine.backends.cupy_backend` uses the tile path below that.
+"""
+
+from .quant_units import TYPES
+
+MMQ_BM, MMQ_BN, MMQ_BK = 128, 64, 64
+"""Weight rows, tokens and K values of one block's tile (the launch grid follows from them)."""
+
+_COMMON = r"""
+#define MMQ_BM 128
+#define MMQ_BN 64
+#define MMQ_LDS 72
+__device__ __forceinline__ void mmq_ldsm_x4(unsigned int* r, const unsigned short* p) {
+#if __CUDA_ARCH__ >= 800
+    unsigned int a = (unsigned int)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+#endif
+}
+__device__ __forceinline__ void mmq_mma(float* c, const unsigned int* a, unsigned int b0, unsigned int b1) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+__device__ __forceinline__ unsigned int mmq_pack(float a, float b) {
+    return (unsigned int)f2h(a) | ((unsigned int)f2h(b) << 16);
+}
+"""
+
+_PER_TYPE = r"""
+// The weight unit this thread decodes for K step `ks` (row m0 + tid / 2, unit 2 ks + tid % 2) as
+// 16 fp16 pairs in w[] (zeros past the last row or unit), and its 2 x 8 chunk values in x[].
+__device__ __forceinline__ void mmq_load_{T}(const unsigned char* wrow, bool row_ok, int ks, int nu,
+                                           const unsigned short* X, int K, int T, int n0, int tid,
+                                           uint4* w, uint4* x) {
+    int u = 2 * ks + (tid & 1);
+    if (row_ok && u < nu) {
+        float v[32];
+        unit_{T}(wrow, u, v);
+        #pragma unroll
+        for (int q = 0; q < 4; q++)
+            w[q] = make_uint4(mmq_pack(v[8*q], v[8*q+1]), mmq_pack(v[8*q+2], v[8*q+3]),
+                              mmq_pack(v[8*q+4], v[8*q+5]), mmq_pack(v[8*q+6], v[8*q+7]));
+    } else {
+        #pragma unroll
+        for (int q = 0; q < 4; q++) w[q] = make_uint4(0, 0, 0, 0);
+    }
+    #pragma unroll
+    for (int i = 0; i < 2; i++) {
+        int idx = tid + 256 * i, r = idx >> 3, k = ks * 64 + (idx & 7) * 8;
+        x[i] = (n0 + r < T && k < K) ? *(const uint4*)(X + (long long)(n0 + r) * K + k) : make_uint4(0, 0, 0, 0);
+    }
+}
+extern "C" __global__ void __launch_bounds__(256, 2) mmq_h_{T}(
+        const unsigned char* W, long long row_bytes, const unsigned short* X, float* Y,
+        int ldy, int M, int K, int T) {
+#if __CUDA_ARCH__ >= 800
+    __shared__ __align__(16) unsigned short As[MMQ_BM * MMQ_LDS];
+    __shared__ __align__(16) unsigned short Bs[MMQ_BN * MMQ_LDS];
+    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    int n0 = blockIdx.x * MMQ_BN, m0 = blockIdx.y * MMQ_BM;
+    int nu = K >> 5, steps = (nu + 1) >> 1;
+    int ar = tid >> 1;
+    bool row_ok = m0 + ar < M;
+    const unsigned char* wrow = W + (long long)(row_ok ? m0 + ar : 0) * row_bytes;
+    uint4* a_dst = (uint4*)(As + ar * MMQ_LDS + (tid & 1) * 32);
+    int wm = (warp & 3) * 32, wn = (warp >> 2) * 32;
+    float acc[2][4][4];
+    #pragma unroll
+    for (int i = 0; i < 2; i++)
+        #pragma unroll
+        for (int j = 0; j < 4; j++)
+            #pragma unroll
+            for (int c = 0; c < 4; c++) acc[i][j][c] = 0.f;
+    uint4 w[4], x[2];
+    mmq_load_{T}(wrow, row_ok, 0, nu, X, K, T, n0, tid, w, x);
+    for (int ks = 0; ks < steps; ks++) {
+        #pragma unroll
+        for (int q = 0; q < 4; q++) a_dst[q] = w[q];
+        #pragma unroll
+        for (int i = 0; i < 2; i++) {
+            int idx = tid + 256 * i;
+            *(uint4*)(Bs + (idx >> 3) * MMQ_LDS + (idx & 7) * 8) = x[i];
+        }
+        __syncthreads();
+        if (ks + 1 < steps) mmq_load_{T}(wrow, row_ok, ks + 1, nu, X, K, T, n0, tid, w, x);
+        #pragma unroll
+        for (int kk = 0; kk < 4; kk++) {
+            unsigned int a[2][4], b[4][2];
+            #pragma unroll
+            for (int i = 0; i < 2; i++)
+                mmq_ldsm_x4(a[i], As + (wm + 16 * i + (lane & 15)) * MMQ_LDS + kk * 16 + (lane >> 4) * 8);
+            #pragma unroll
+            for (int p = 0; p < 2; p++) {
+                unsigned int r[4];
+                mmq_ldsm_x4(r, Bs + (wn + 16 * p + (lane & 7) + ((lane >> 4) << 3)) * MMQ_LDS
+                                   + kk * 16 + ((lane >> 3) & 1) * 8);
+                b[2*p][0] = r[0]; b[2*p][1] = r[1]; b[2*p+1][0] = r[2]; b[2*p+1][1] = r[3];
+            }
+            #pragma unroll
+            for (int i = 0; i < 2; i++)
+                #pragma unroll
+                for (int j = 0; j < 4; j++) mmq_mma(acc[i][j], a[i], b[j][0], b[j][1]);
+        }
+        __syncthreads();
+    }
+    int g = lane >> 2, t4 = lane & 3;
+    #pragma unroll
+    for (int i = 0; i < 2; i++)
+        #pragma unroll
+        for (int j = 0; j < 4; j++) {
+            int m = m0 + wm + 16 * i + g, n = n0 + wn + 8 * j + 2 * t4;
+            #pragma unroll
+            for (int c = 0; c < 4; c++) {
+                int mm = m + (c >> 1) * 8, nn = n + (c & 1);
+                if (mm < M && nn < T) Y[(long long)nn * ldy + mm] = acc[i][j][c];
+            }
+        }
+#endif
+}
+"""
+
+
+def source() -> str:
+    """The shared helpers and one `mmq_h_<T>` kernel per tensor type (needs `quant_units`' UNITS
+    in front: the unit decoders and `f2h`)."""
+    return _COMMON + "".join(_PER_TYPE.replace("{T}", t) for t in TYPES)

@@ -1,0 +1,83 @@
+"""CuPy prefill GEMMs that read the GGUF blocks (`mmq_h_<T>`): W @ x of every stored type equals
+the float64 product of the fp16-rounded weights and inputs, for ragged rows, tokens and K; the
+backend's matmul with them equals the dequantized-tiles + cuBLAS path and allocates no tile.
+
+Runs only where CuPy and a CUDA device of compute capability 8.0+ work; skipped cleanly elsewhere.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.gpu import require_cuda
+
+cp = require_cuda()
+
+from engine.backends.cupy_backend import CupyOps, QWeight, mmq_capable  # noqa: E402
+from engine.gguf_file import TensorInfo  # noqa: E402
+from engine.kernels.quant_units import TYPES  # noqa: E402
+from engine.options import EngineOptions  # noqa: E402
+from engine.quants import dequantize  # noqa: E402
+from engine.quants_encode import quantize  # noqa: E402
+from tests.cupy_helpers import rel  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not mmq_capable(), reason="mma.sync needs sm_80+")]
+
+K_QUANTS = {"Q4_K", "Q5_K", "Q6_K"}
+
+
+def _weight(rng: np.random.Generator, t: str, rows: int, cols: int) -> np.ndarray:
+    """A random [rows, cols] weight as the GGUF reader hands it over (float types as their dtype)."""
+    raw = quantize(rng.standard_normal((rows, cols), dtype=np.float32) / np.sqrt(cols), t)
+    view = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}.get(t)
+    return raw.view(view) if view is not None else raw
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("t", TYPES)
+def test_mmq_equals_the_fp16_product_for_every_type(t: str) -> None:
+    """For every stored type, `mmq_h_<T>` over ragged shapes (rows not a multiple of 128, tokens
+    not of 64, K with an odd number of 32-value units where the type allows it) writes the float64
+    product of the fp16-rounded weights and inputs into its column slice, within fp32 summation."""
+    rng = np.random.default_rng(11)
+    ops = CupyOps(prefill_dtype="float16")
+    for rows, cols, n in [(200, 512, 70), (128, 256, 64), (37, 1024, 130), (300, 256, 2)]:
+        if t not in K_QUANTS and cols == 256:
+            cols = 96  # three units: the last K step holds one unit and zeros
+        raw = _weight(rng, t, rows, cols)
+        w = ops.weight(TensorInfo("w", t, (rows, cols), raw))
+        ops.finish_uploads()
+        assert isinstance(w, QWeight)
+        x = rng.standard_normal((n, cols), dtype=np.float32)
+        wf = dequantize(raw, t, (rows, cols)).astype(np.float16).astype(np.float64)
+        ref = x.astype(np.float16).astype(np.float64) @ wf.T
+        y = cp.full((n, rows + 5), np.nan, dtype=cp.float32)  # wider: only columns 3..3+rows written
+        ops._mmq(w, cp.asarray(x.astype(np.float16)), y, 3)
+        got = cp.asnumpy(y)
+        assert np.isnan(got[:, :3]).all() and np.isnan(got[:, 3 + rows :]).all()
+        assert rel(got[:, 3 : 3 + rows], ref) < 1e-5, (t, rows, cols, n, rel(got[:, 3 : 3 + rows], ref))
+
+
+@pytest.mark.timeout(120)
+def test_matmul_with_mmq_equals_tiles_and_allocates_no_tile() -> None:
+    """`CupyOps.matmul` on fp16 precision gives the same product with `mmq_h_<T>` as with
+    dequantized tiles and cuBLAS (mixed-type pieces and a bias included), and the mmq path never
+    allocates the tile buffer."""
+    rng = np.random.default_rng(5)
+    on = CupyOps(prefill_dtype="float16")
+    off = CupyOps(prefill_dtype="float16", options=EngineOptions(cupy_mmq=False))
+    assert on.mmq and not off.mmq
+    parts = [("Q4_K", 1024), ("Q6_K", 256), ("Q8_0", 320)]
+    raws = [(_weight(rng, t, r, 1024), t, r) for t, r in parts]
+    bias = rng.standard_normal(1600, dtype=np.float32)
+    x = cp.asarray(rng.standard_normal((77, 1024), dtype=np.float32))
+    outs = []
+    for ops in (on, off):
+        pieces = [ops.weight(TensorInfo("w", t, (r, 1024), raw)) for raw, t, r in raws]
+        w = ops.concat_rows([p for p in pieces if isinstance(p, QWeight)])
+        ops.finish_uploads()
+        assert w.type_name == "mixed" and ops.uses_mmq(w) is ops.mmq
+        outs.append(cp.asnumpy(ops.matmul(w, x, cp.asarray(bias))))
+    assert rel(outs[0], outs[1]) < 1e-5
+    assert on._scratch is None and off._scratch is not None

@@ -180,7 +180,9 @@ def test_cupy_memory_plan_follows_the_prefill_options(tmp_path: Path, monkeypatc
     opts = EngineOptions(cupy_prefill="float16", cupy_mmq=False)
     f16 = plan_memory(gf, spec, 512, "f16", backend="cupy", options=opts)
     assert dict(f32.parts)["prefill_tiles"] == 2 * dict(f16.parts)["prefill_tiles"] > 0
-    mmq = plan_memory(gf, spec, 512, "f16", backend="cupy", options=EngineOptions(cupy_prefill="float16", cupy_mmq=True))
+    mmq = plan_memory(
+        gf, spec, 512, "f16", backend="cupy", options=EngineOptions(cupy_prefill="float16", cupy_mmq=True)
+    )
     assert dict(mmq.parts)["prefill_tiles"] == 0  # every matrix multiplied by mmq_h_<T>: no tile
     assert mmq.total == f16.total - dict(f16.parts)["prefill_tiles"]
     with pytest.raises(ValueError, match="prefill_dtype"):

@@ -9,7 +9,7 @@ environment by `EngineOptions.from_env` (the only place the engine reads these v
 | `qgemv_unroll_glu` | `GENIE_QGEMV_UNROLL_GLU` | 1 | the same for each row of `qgemv_glu_<T>` |
 | `cupy_pdl` | `GENIE_CUPY_PDL` (`0`: off) | True | programmatic dependent launch in the decode step |
 | `cupy_prefill` | `GENIE_CUPY_PREFILL` | "auto" | prefill tile precision: auto, float16, float32 |
-| `cupy_mmq` | `GENIE_CUPY_MMQ` (`1`: on) | False | fp16 prefill GEMMs read the GGUF blocks (`mmq_h_<T>`, sm_80+) instead of dequantized tiles + cuBLAS |
+| `cupy_mmq` | `GENIE_CUPY_MMQ` (`0`: off) | True | fp16 prefill GEMMs read the GGUF blocks (`mmq_h_<T>`, sm_80+) instead of dequantized tiles + cuBLAS |
 | `cupy_prefill_graph` | `GENIE_CUPY_PREFILL_GRAPH` (`0`/`1`) | None (by model size) | first-chunk prefill graphs |
 | `cupy_decoder` | `GENIE_CUPY_DECODER` | "graph" | one-token steps: graph, eager or off |
 | `cupy_device_loop` | `GENIE_CUPY_DEVICE_LOOP` (`0`: off) | True | decode steps chained on the device, tokens read one step behind |
@@ -41,7 +41,7 @@ class EngineOptions:
     """Whether the CUDA decode step uses programmatic dependent launch where the device has it."""
     cupy_prefill: str = "auto"
     """CuPy prefill tile precision: "auto", "float16" or "float32" (checked when used)."""
-    cupy_mmq: bool = False
+    cupy_mmq: bool = True
     """Whether CuPy prefill multiplies fp16-precision matrices with `mmq_h_<T>` (the GGUF blocks
     decoded inside the GEMM, sm_80+) rather than dequantized tiles and cuBLAS."""
     cupy_prefill_graph: bool | None = None
@@ -74,7 +74,7 @@ class EngineOptions:
             qgemv_unroll_glu=int(env.get("GENIE_QGEMV_UNROLL_GLU", "1")),
             cupy_pdl=env.get("GENIE_CUPY_PDL", "1") != "0",
             cupy_prefill=env.get("GENIE_CUPY_PREFILL", "auto"),
-            cupy_mmq=env.get("GENIE_CUPY_MMQ", "0") == "1",
+            cupy_mmq=env.get("GENIE_CUPY_MMQ", "1") != "0",
             cupy_prefill_graph={"0": False, "1": True}.get(graph),
             cupy_decoder=env.get("GENIE_CUPY_DECODER", "graph"),
             cupy_device_loop=env.get("GENIE_CUPY_DEVICE_LOOP", "1") != "0",

@@ -65,7 +65,7 @@ def test_matmul_with_mmq_equals_tiles_and_allocates_no_tile() -> None:
     dequantized tiles and cuBLAS (mixed-type pieces and a bias included), and the mmq path never
     allocates the tile buffer."""
     rng = np.random.default_rng(5)
-    on = CupyOps(prefill_dtype="float16", options=EngineOptions(cupy_mmq=True))
+    on = CupyOps(prefill_dtype="float16")
     off = CupyOps(prefill_dtype="float16", options=EngineOptions(cupy_mmq=False))
     assert on.mmq and not off.mmq
     parts = [("Q4_K", 1024), ("Q6_K", 256), ("Q8_0", 320)]

@@ -60,7 +60,7 @@ def test_defaults_are_the_engines_and_the_value_is_frozen() -> None:
         32,
         0,
     )
-    assert o.cupy_device_loop is True and o.cupy_mmq is False
+    assert o.cupy_device_loop is True and o.cupy_mmq is True
     with pytest.raises(FrozenInstanceError):
         o.threads = 3  # type: ignore[misc]
 
@@ -78,7 +78,7 @@ def test_from_env_parses_every_variable() -> None:
         "GENIE_CUPY_PREFILL_GRAPH": "1",
         "GENIE_CUPY_DECODER": "eager",
         "GENIE_CUPY_DEVICE_LOOP": "0",
-        "GENIE_CUPY_MMQ": "1",
+        "GENIE_CUPY_MMQ": "0",
         "GENIE_CUPY_ATTN_CHUNK": "64",
         "GENIE_CUPY_ATTN_WARPS": "8",
     }
@@ -92,7 +92,7 @@ def test_from_env_parses_every_variable() -> None:
         cupy_prefill_graph=True,
         cupy_decoder="eager",
         cupy_device_loop=False,
-        cupy_mmq=True,
+        cupy_mmq=False,
         attn_chunk=64,
         attn_warps=8,
     )
@@ -180,9 +180,7 @@ def test_cupy_memory_plan_follows_the_prefill_options(tmp_path: Path, monkeypatc
     opts = EngineOptions(cupy_prefill="float16", cupy_mmq=False)
     f16 = plan_memory(gf, spec, 512, "f16", backend="cupy", options=opts)
     assert dict(f32.parts)["prefill_tiles"] == 2 * dict(f16.parts)["prefill_tiles"] > 0
-    mmq = plan_memory(
-        gf, spec, 512, "f16", backend="cupy", options=EngineOptions(cupy_prefill="float16", cupy_mmq=True)
-    )
+    mmq = plan_memory(gf, spec, 512, "f16", backend="cupy", options=EngineOptions(cupy_prefill="float16"))
     assert dict(mmq.parts)["prefill_tiles"] == 0  # every matrix multiplied by mmq_h_<T>: no tile
     assert mmq.total == f16.total - dict(f16.parts)["prefill_tiles"]
     with pytest.raises(ValueError, match="prefill_dtype"):

@@ -91,7 +91,7 @@ def test_cupy_plan_of_a_4b_shape_is_gpu_sized() -> None:
     assert plan.kv == 576 * mib
     assert 3.0e9 < plan.total < 3.6e9 and cpu.total > 15e9
     parts = dict(plan.parts)
-    assert parts["prefill_tiles"] == 32 * mib  # every matrix >= 4M values: fp16 tiles only (mmq_h_<T> off)
+    assert parts["prefill_tiles"] == 0  # every matrix >= 4M values: fp16, multiplied by mmq_h_<T> (no tile)
     assert parts["prefill_scores"] == cupy_plan.ATTN_SCORES_BYTES
     assert parts["prefill_kv_rows"] == 32 * mib  # f16 cache: one layer's K/V as float32
 

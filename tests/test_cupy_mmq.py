@@ -14,7 +14,8 @@ from tests.gpu import require_cuda
 
 cp = require_cuda()
 
-from engine.backends.cupy_backend import CupyOps, QWeight, mmq_capable  # noqa: E402
+from engine.backends.cupy_backend import CupyOps, QWeight  # noqa: E402
+from engine.backends.cupy_plan import mmq_device  # noqa: E402
 from engine.gguf_file import TensorInfo  # noqa: E402
 from engine.kernels.quant_units import TYPES  # noqa: E402
 from engine.options import EngineOptions  # noqa: E402
@@ -22,7 +23,7 @@ from engine.quants import dequantize  # noqa: E402
 from engine.quants_encode import quantize  # noqa: E402
 from tests.cupy_helpers import rel  # noqa: E402
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not mmq_capable(), reason="mma.sync needs sm_80+")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not mmq_device(), reason="mma.sync needs sm_80+")]
 
 K_QUANTS = {"Q4_K", "Q5_K", "Q6_K"}
 

@@ -28,7 +28,7 @@ from ..options import DEFAULT_OPTIONS, EngineOptions
 from ..quants import dequantize, dequantize_rows
 from .cupy_attention import AttnBuffers, decode_attention, prefill_attention
 from .cupy_blas import CUDA_R_16F, CUDA_R_32F, OP_N, OP_T, gemm
-from .cupy_plan import PREFILL_CHUNK, SCRATCH_ELEMS, resolve_prefill_dtype, tile_dtype
+from .cupy_plan import PREFILL_CHUNK, SCRATCH_ELEMS, mmq_device, resolve_prefill_dtype, tile_dtype
 from .cupy_upload import Uploader
 from .ops import Ops
 
@@ -72,11 +72,6 @@ def _null() -> np.uint64:
     return np.uint64(0)
 
 
-def mmq_capable() -> bool:
-    """Whether this GPU has `mma.sync` for fp16 (compute capability 8.0+: Ampere, Orin, Hopper)."""
-    return int(cp.cuda.Device().compute_capability) >= 80
-
-
 class CupyOps:
     """The ops of `engine.model.Transformer` on CUDA (same interface as NumpyOps)."""
 
@@ -107,7 +102,7 @@ class CupyOps:
         self._attn: AttnBuffers | None = None
         self._gemm_ok: dict[bool, bool] = {}  # per fp16/fp32: GemmEx checked against cp.matmul
         self.prefill_graphs: Any = None  # first-chunk graphs (cupy_prefill_graph), set per model
-        self.mmq = self.options.cupy_mmq and mmq_capable()
+        self.mmq = self.options.cupy_mmq and mmq_device()
         """fp16-precision matrices multiply with `mmq_h_<T>` (no tiles); False: tiles + cuBLAS."""
         if self.mmq:
             kernels.mmq_module()  # compiled with the rest, before the first prefill
@@ -133,12 +128,6 @@ class CupyOps:
         """Stack weights by rows: one buffer when the types agree, else a list of pieces."""
         cols = parts[0].shape[1]
         rows = sum(p.shape[0] for p in parts)
-        if not (
-            self.mmq
-            and tile_dtype(self.prefill_dtype, {q.type_name for p in parts for q in p.pieces()}, rows, cols)
-            == "float16"
-        ):
-            self._max_elems = max(self._max_elems, rows * cols)  # a matrix that prefills through tiles
         if len({p.type_name for p in parts}) == 1 and all(not p.parts for p in parts):
             raw = cp.concatenate([p.raw for p in parts], axis=0)
             for p in parts:
@@ -146,9 +135,12 @@ class CupyOps:
             # ...and give them back to CUDA now: cached, they would be split by the next small
             # allocations and stay in the pool as fragments (the plan counts no load leftovers)
             cp.get_default_memory_pool().free_all_blocks()
-            return QWeight(raw, parts[0].type_name, (rows, cols))
-        pieces = [q for p in parts for q in p.pieces()]
-        return QWeight(None, "mixed", (rows, cols), pieces)
+            out = QWeight(raw, parts[0].type_name, (rows, cols))
+        else:
+            out = QWeight(None, "mixed", (rows, cols), [q for p in parts for q in p.pieces()])
+        if not self.uses_mmq(out):  # a matrix that prefills through tiles sizes the tile buffer
+            self._max_elems = max(self._max_elems, rows * cols)
+        return out
 
     def embed_rows(self, table: QWeight | TensorInfo, ids: np.ndarray, cols: int) -> cp.ndarray:
         """Rows of the embedding table [T] -> [T, E]; a host-side table is decoded on the host."""

@@ -235,9 +235,10 @@ class GpuPlan:
 
 
 def mmq_device() -> bool:
-    """Whether the GPU runs `mmq_h_<T>` (sm_80+) where CuPy is already loaded with a device;
-    True otherwise: a plan made from the header alone (`models plan`) is for the target box
-    (Orin: sm_87)."""
+    """Whether the GPU runs `mmq_h_<T>` (`mma.sync` for fp16: compute capability 8.0+, Ampere,
+    Orin sm_87, Hopper) where CuPy is already loaded with a device (the backend's own test, so the
+    plan and `CupyOps.mmq` agree); True otherwise: a plan made from the header alone (`models
+    plan`) is for the target box."""
     cp = sys.modules.get("cupy")
     if cp is None:
         return True

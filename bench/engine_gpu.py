@@ -85,6 +85,14 @@ def cuda_used(cp) -> int:  # type: ignore[no-untyped-def]
     return int(total - free)
 
 
+def use_prefill_mode(ops, mode: str, mmq: bool) -> None:  # type: ignore[no-untyped-def]
+    """Set the prefill precision `mode`; "<dtype>-tiles" is that precision with `mmq_h_<T>` off
+    (dequantized tiles + cuBLAS, the path before it); `mmq`: what the backend chose at load."""
+    ops.prefill_dtype = mode.removesuffix("-tiles")
+    if hasattr(ops, "mmq"):
+        ops.mmq = mmq and not mode.endswith("-tiles")
+
+
 def time_prefill(tf, ops, prompt: list[int], modes: list[str], runs: int, cp, graph: bool = True) -> dict[str, float]:  # type: ignore[no-untyped-def]
     """Median seconds of one forward pass over `prompt` per prefill tile precision: `runs` rounds,
     each mode once per round (alternating, so drift hits all alike), garbage collector off: a
@@ -94,13 +102,8 @@ def time_prefill(tf, ops, prompt: list[int], modes: list[str], runs: int, cp, gr
     times: dict[str, list[float]] = {m: [] for m in modes}
     mmq = getattr(ops, "mmq", False)
 
-    def use(mode: str) -> None:  # "<dtype>-tiles": that precision with mmq_h_<T> off (the old path)
-        ops.prefill_dtype = mode.removesuffix("-tiles")
-        if hasattr(ops, "mmq"):
-            ops.mmq = mmq and not mode.endswith("-tiles")
-
     for mode in modes:  # warm-up: tile buffer, cuBLAS heuristics for this mode's shapes
-        use(mode)
+        use_prefill_mode(ops, mode, mmq)
         tf.forward(prompt, 0, last_n=1, graph=graph)
     cp.cuda.Device().synchronize()
     gc.collect()
@@ -108,14 +111,14 @@ def time_prefill(tf, ops, prompt: list[int], modes: list[str], runs: int, cp, gr
     try:
         for _ in range(runs):
             for mode in modes:
-                use(mode)
+                use_prefill_mode(ops, mode, mmq)
                 t0 = time.perf_counter()
                 ops.argmax(tf.forward(prompt, 0, last_n=1, graph=graph))
                 cp.cuda.Device().synchronize()
                 times[mode].append(time.perf_counter() - t0)
     finally:
         gc.enable()
-        use("auto")
+        use_prefill_mode(ops, "auto", mmq)
     return {m: float(np.median(v)) for m, v in times.items()}
 
 
@@ -318,16 +321,12 @@ def bench_model(
         profile_out.append(f"\n== {key}: prefill phases (garbage collector off)")
         mmq = getattr(ops, "mmq", False)
         for dt in ("float32", "float16-tiles", "auto"):
-            ops.prefill_dtype = dt.removesuffix("-tiles")
-            if hasattr(ops, "mmq"):
-                ops.mmq = mmq and not dt.endswith("-tiles")
+            use_prefill_mode(ops, dt, mmq)
             tf.forward(prompt, 0, last_n=1, graph=False)
             for ln in prefill_profile(tf, ops, prompt, cp, dt):
                 print(ln, flush=True)
                 profile_out.append(ln)
-        ops.prefill_dtype = "auto"
-        if hasattr(ops, "mmq"):
-            ops.mmq = mmq
+        use_prefill_mode(ops, "auto", mmq)
     if profile_out is not None and dec is not None:  # per-launch times (bench/decode_profile.py)
         from bench.decode_profile import profile_model
 

@@ -63,7 +63,8 @@ def _class_ranges(majors: np.ndarray, letter: str) -> str:
 def unicode_classes() -> dict[str, str]:
     """Class bodies for ``L`` (letters), ``N`` (numbers), ``P`` (punctuation), ``W`` (whitespace)."""
     category = unicodedata.category  # the major class letter of every code point, as one byte string
-    majors = np.frombuffer("".join(c[0] for c in map(category, map(chr, range(_SCAN_LIMIT)))).encode(), np.uint8)
+    # categories are two ASCII letters: every other byte of their concatenation is the major class
+    majors = np.frombuffer("".join(map(category, map(chr, range(_SCAN_LIMIT)))).encode("ascii")[::2], np.uint8)
     classes = {k: _class_ranges(majors, k) for k in ("L", "N", "P")}
     classes["W"] = _ranges(_WHITESPACE)
     return classes

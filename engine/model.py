@@ -359,12 +359,10 @@ class Transformer:
         q = qkv[:, : nh * hd].reshape(t, nh, hd)
         k = qkv[:, nh * hd : (nh + nkv) * hd].reshape(t, nkv, hd)
         v = qkv[:, (nh + nkv) * hd :].reshape(t, nkv, vd)
-        if lw.q_norm is not None:
-            q = ops.rms_norm(q, lw.q_norm, s.norm_eps)
-            k = ops.rms_norm(k, lw.k_norm, s.norm_eps)
         cos, sin = self.rope[s.layer_rope_base(i)]
-        q = ops.rope(q, cos[start : start + t], sin[start : start + t], s.traits.rope_style)
-        k = ops.rope(k, cos[start : start + t], sin[start : start + t], s.traits.rope_style)
+        cos, sin, style = cos[start : start + t], sin[start : start + t], s.traits.rope_style
+        q = ops.norm_rope(q, lw.q_norm, s.norm_eps, cos, sin, style)  # Q/K norm (where the model has it), RoPE
+        k = ops.norm_rope(k, lw.k_norm, s.norm_eps, cos, sin, style)
         ops.kv_store(self.kv.k[i], start, k)
         ops.kv_store(self.kv.v[i], start, v)
         window = s.sliding_window if s.is_swa_layer(i) else 0

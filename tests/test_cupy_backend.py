@@ -130,6 +130,10 @@ def test_act_quant_matches_numpy(ops: CupyOps, kind: str) -> None:
     got = cp.asnumpy(ops.act_quant(cp.asarray(x), kind))
     ref = NumpyOps.act_quant(x, kind)
     assert np.mean(np.abs(got - ref) > 1e-6) < 1e-3  # a rare tie may round the other way
+    half = ops.act_quant(cp.asarray(x), kind, half=True)  # rounded and converted in one launch
+    assert half.dtype == cp.float16 and half.flags.c_contiguous
+    assert np.array_equal(cp.asnumpy(half), cp.asnumpy(ops.act_quant(cp.asarray(x), kind).astype(cp.float16)))
+    assert np.array_equal(cp.asnumpy(ops.act_quant(cp.asarray(x), None, half=True)), x.astype(np.float16))
 
 
 @pytest.mark.parametrize("n", [64, 576, 2560, 77 * 32])
@@ -150,6 +154,29 @@ def test_rope(ops: CupyOps, style: str, dim: int) -> None:
     ccos, csin = ops.rope_tables(50, dim, 10000.0, 1.0)
     got = cp.asnumpy(ops.rope(cp.asarray(x), ccos[40:47], csin[40:47], style))
     np.testing.assert_allclose(got, NumpyOps.rope(x, cos[40:47], sin[40:47], style), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("style", ["neox", "interleaved"])
+@pytest.mark.parametrize("dim,norm", [(128, True), (64, True), (128, False)])
+def test_norm_rope_reads_the_qkv_columns_in_place(ops: CupyOps, style: str, dim: int, norm: bool) -> None:
+    """`norm_rope` on the key heads of a fused QKV output (a strided view) gives exactly what
+    `rms_norm` then `rope` give on a copy (same arithmetic: equal to float rounding), with and
+    without the norm, for partial rotation too."""
+    rng = _rng()
+    t, nh, nkv, d = 9, 4, 2, 128
+    qkv = cp.asarray(rng.standard_normal((t, (nh + 2 * nkv) * d), dtype=np.float32))
+    k = qkv[:, nh * d : (nh + nkv) * d].reshape(t, nkv, d)
+    w = cp.asarray(rng.standard_normal(d, dtype=np.float32)) if norm else None
+    cos, sin = ops.rope_tables(64, dim, 10000.0, 1.0)
+    c, s = cos[30 : 30 + t], sin[30 : 30 + t]
+    got = ops.norm_rope(k, w, 1e-6, c, s, style)
+    want = ops.rope(k if w is None else ops.rms_norm(k, w, 1e-6), c, s, style)
+    assert got.shape == (t, nkv, d) and got.flags.c_contiguous
+    np.testing.assert_allclose(cp.asnumpy(got), cp.asnumpy(want), rtol=1e-6, atol=1e-7)
+    ref = NumpyOps.norm_rope(
+        NumpyOps(), cp.asnumpy(k), None if w is None else cp.asnumpy(w), 1e-6, cp.asnumpy(c), cp.asnumpy(s), style
+    )
+    np.testing.assert_allclose(cp.asnumpy(got), ref, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("kv_dtype", ["float32", "float16"])

@@ -106,7 +106,7 @@ def test_blocked_prefill_attention_matches_numpy(
     got = ops.attention(cp.asarray(q), kc, vc, start, window, 0.125)
     ref = NumpyOps.attention(q, kr, vr, start, window, 0.125)
     np.testing.assert_allclose(cp.asnumpy(got), ref, rtol=1e-4, atol=1e-5)
-    assert ops._attn is not None and ops._attn.scores.size == cupy_plan.score_elems(2, n_ctx)
+    assert ops._attn is not None and ops._attn.scores.size == cupy_plan.score_elems(2, n_ctx, 3)
 
 
 def test_first_chunk_graph_matches_eager_prefill(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

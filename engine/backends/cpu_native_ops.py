@@ -190,6 +190,12 @@ class NativeOps:
         self.lib.qg_rope_cache(0, n_ctx, dim, float(base), float(1.0 / scale), cos.ctypes.data, sin.ctypes.data)
         return cos, sin
 
+    def norm_rope(
+        self, x: np.ndarray, w: np.ndarray | None, eps: float, cos: np.ndarray, sin: np.ndarray, style: str
+    ) -> np.ndarray:
+        """`rope(rms_norm(x, w, eps))` (no norm where `w` is None): the two ops in turn."""
+        return self.rope(x if w is None else self.rms_norm(x, w, eps), cos, sin, style)
+
     def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str) -> np.ndarray:
         """Rotate [T, heads, D] with ggml's rounding (one fused multiply-add per output)."""
         out = np.array(x, dtype=np.float32, order="C")

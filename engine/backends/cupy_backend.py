@@ -183,17 +183,17 @@ class CupyOps:
 
     # --- matrices ------------------------------------------------------------------------
     @staticmethod
-    def act_quant(x: cp.ndarray, kind: str | None) -> cp.ndarray:
-        """llama.cpp's activation rounding on the device (NumpyOps.act_quant's twin)."""
+    def act_quant(x: cp.ndarray, kind: str | None, half: bool = False) -> cp.ndarray:
+        """llama.cpp's activation rounding on the device (NumpyOps.act_quant's twin); `half`: the
+        result as float16 (what `astype(float16)` of it gives, rounded and converted in one launch)."""
         if kind is None:
-            return x
+            return cp.ascontiguousarray(x.astype(cp.float16)) if half else x
         x = cp.ascontiguousarray(x, dtype=cp.float32)
-        y = cp.empty_like(x)
+        y = cp.empty(x.shape, dtype=cp.float16 if half else cp.float32)
         groups = x.size // (32 if kind == "q8_0" else 256)
         per_block = 8
-        kernels.kernel("act_q8_0" if kind == "q8_0" else "act_q8_k")(
-            ((groups + per_block - 1) // per_block,), (32 * per_block,), (x, y, np.int32(groups))
-        )
+        name = ("act_q8_0" if kind == "q8_0" else "act_q8_k") + ("_h" if half else "")
+        kernels.kernel(name)(((groups + per_block - 1) // per_block,), (32 * per_block,), (x, y, np.int32(groups)))
         return y
 
     def gemv(self, w: QWeight, x: cp.ndarray, y: cp.ndarray, bias: cp.ndarray | None) -> None:
@@ -279,15 +279,16 @@ class CupyOps:
             ),
         )
 
-    def matmul(self, w: QWeight, x: cp.ndarray, bias: cp.ndarray | None) -> cp.ndarray:
+    def matmul(self, w: QWeight, x: cp.ndarray, bias: cp.ndarray | None, aq: str | None = None) -> cp.ndarray:
         """[T, in] x W.T for T > 1: with `mmq_h_<T>` (fp16 precision on sm_80+: `uses_mmq`) one
         kernel per piece reading the GGUF blocks; else tiles of W decoded into the tile buffer,
-        one cuBLAS GemmEx per tile straight into the fp32 output (fp32 accumulation either way)."""
+        one cuBLAS GemmEx per tile straight into the fp32 output (fp32 accumulation either way).
+        `aq`: x is rounded first as llama.cpp does (`act_quant`), into fp16 where the product is."""
         t = x.shape[0]
         rows, cols = w.shape
         y = cp.empty((t, rows), dtype=cp.float32)
         if self.uses_mmq(w):
-            xs = cp.ascontiguousarray(x.astype(cp.float16))
+            xs = self.act_quant(x, aq, half=True)
             base = 0
             for p in w.pieces():
                 self._mmq(p, xs, y, base)
@@ -297,7 +298,7 @@ class CupyOps:
             return y
         half = self.tile_dtype(w) == "float16"
         dt = np.dtype(np.float16 if half else np.float32)
-        xs = cp.ascontiguousarray(x.astype(cp.float16) if half else x)
+        xs = cp.ascontiguousarray(self.act_quant(x, aq, half=half))
         buf = self._tiles(dt.itemsize, rows * cols)
         tile = max(1, buf.nbytes // dt.itemsize // cols)
         base = 0
@@ -326,9 +327,10 @@ class CupyOps:
 
     def linear(self, x: cp.ndarray, w: QWeight, b: cp.ndarray | None = None, aq: str | None = None) -> cp.ndarray:
         """[T, in] x [out, in] -> [T, out] (+ bias); `aq` rounds x as llama.cpp does."""
-        x = self.act_quant(cp.ascontiguousarray(x, dtype=cp.float32), aq)
+        x = cp.ascontiguousarray(x, dtype=cp.float32)
         if x.shape[0] != 1:
-            return self.matmul(w, x, b)
+            return self.matmul(w, x, b, aq)
+        x = self.act_quant(x, aq)
         y = cp.empty((1, w.shape[0]), dtype=cp.float32)
         self.gemv(w, x, y[0], b)
         return y
@@ -368,6 +370,39 @@ class CupyOps:
         return out
 
     @staticmethod
+    def norm_rope(
+        x: cp.ndarray, w: cp.ndarray | None, eps: float, cos: cp.ndarray, sin: cp.ndarray, style: str
+    ) -> cp.ndarray:
+        """`rope(rms_norm(x, w, eps))` (no norm where `w` is None) in one launch (`norm_rope`):
+        heads [T, H, D] read in place from a view whose heads are contiguous rows of D values
+        (the QKV output's columns), into a new contiguous float32 [T, H, D]."""
+        t, h, d = x.shape
+        if d > 1024:  # the kernel keeps a row in shared memory
+            return CupyOps.rope(x if w is None else CupyOps.rms_norm(x, w, eps), cos, sin, style)
+        if x.dtype != cp.float32 or x.strides[2] != 4 or x.strides[1] != 4 * d or x.strides[0] % 4:
+            x = cp.ascontiguousarray(x, dtype=cp.float32)
+        out = cp.empty((t, h, d), dtype=cp.float32)
+        cos, sin = cp.ascontiguousarray(cos), cp.ascontiguousarray(sin)
+        kernels.kernel("norm_rope")(
+            (t * h,),
+            (min(256, max(32, (d + 31) // 32 * 32)),),
+            (
+                x,
+                np.int64(x.strides[0] // 4),
+                _null() if w is None else w,
+                out,
+                np.int32(h),
+                np.int32(d),
+                np.float32(eps),
+                cos,
+                sin,
+                np.int32(cos.shape[-1]),
+                np.int32(style == "neox"),
+            ),
+        )
+        return out
+
+    @staticmethod
     def kv_store(cache: Any, start: int, x: cp.ndarray) -> None:
         """Write [T, KV, D] into the cache [KV, n_ctx, D] at positions start..start+T-1
         (an int8 cache: rounded by one kernel, `kv_store_int8`, the rule of engine.kv_cache)."""
@@ -393,12 +428,12 @@ class CupyOps:
         scale: float,
     ) -> cp.ndarray:
         """Causal (optionally sliding-window) GQA attention -> [T, H*Dv]; decode uses a kernel."""
-        t, _, d = q.shape
+        t, h, d = q.shape
         kv, n_ctx, dv = v_cache.shape
         if t == 1 and d <= 512 and not isinstance(k_cache, Int8Rows):
             return decode_attention(q, k_cache, v_cache, start, window, scale)
         convert = k_cache.dtype != cp.float32  # f16 and int8 caches are converted into buffers
-        key = (kv, n_ctx, d, dv, convert)
+        key = (kv, n_ctx, d, dv, convert, h // kv)
         if self._attn is None or self._attn.key != key:
             self._attn = None  # give the old buffers back first
             self._attn = AttnBuffers(*key)

@@ -186,12 +186,13 @@ def attention_buffer_bytes(spec: ModelSpec, n_ctx: int, kv_dtype: str) -> tuple[
     int8 (converted / dequantized into it) - and the score block (`score_elems`)."""
     rows = 4 * spec.n_kv_heads * n_ctx * (spec.head_dim + spec.v_head_dim)
     rows *= 0 if kv_dtype == "f32" else 1
-    return rows, 4 * score_elems(spec.n_kv_heads, n_ctx)
+    return rows, 4 * score_elems(spec.n_kv_heads, n_ctx, spec.n_heads // spec.n_kv_heads)
 
 
-def score_elems(n_kv: int, n_ctx: int) -> int:
-    """Values of the prefill attention score block (see ATTN_SCORES_BYTES)."""
-    return max(n_kv * n_ctx, min(ATTN_SCORES_BYTES // 4, n_kv * n_ctx * n_ctx))
+def score_elems(n_kv: int, n_ctx: int, group: int = 1) -> int:
+    """Values of the prefill attention score block (see ATTN_SCORES_BYTES); at least one query
+    row of every head of a GQA group of `group` over n_ctx keys."""
+    return max(n_kv * group * n_ctx, min(ATTN_SCORES_BYTES // 4, n_kv * n_ctx * n_ctx))
 
 
 GRAPH_MAX_WEIGHTS = 1 << 30

@@ -109,6 +109,12 @@ class NumpyOps:
         ang = np.outer(np.arange(n_ctx, dtype=np.float64) / scale, inv)
         return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
+    def norm_rope(
+        self, x: np.ndarray, w: np.ndarray | None, eps: float, cos: np.ndarray, sin: np.ndarray, style: str
+    ) -> np.ndarray:
+        """`rope(rms_norm(x, w, eps))` (no norm where `w` is None): the two ops in turn."""
+        return self.rope(x if w is None else self.rms_norm(x, w, eps), cos, sin, style)
+
     @staticmethod
     def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str) -> np.ndarray:
         """Rotate [T, heads, D] by per-position [T, d/2] tables; d <= D dims rotate."""

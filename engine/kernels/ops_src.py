@@ -2,7 +2,11 @@
 
 OPS = r"""
 // llama.cpp's activation rounding (NumpyOps.act_quant): q8_0 groups of 32, one warp per group.
-extern "C" __global__ void act_q8_0(const float* x, float* y, int n_groups) {
+// The `_h` kernels store the rounded values as fp16 (cvt.rn, what `astype(float16)` gives) for the
+// fp16 prefill GEMMs: rounding and conversion in one launch.
+__device__ __forceinline__ void act_store(float* p, float v) { *p = v; }
+__device__ __forceinline__ void act_store(unsigned short* p, float v) { *p = f2h(v); }
+template <typename Y> __device__ __forceinline__ void act_q8_0_body(const float* x, Y* y, int n_groups) {
     int g = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (g >= n_groups) return;
     float v = x[(long long)g * 32 + lane], a = fabsf(v);
@@ -10,7 +14,11 @@ extern "C" __global__ void act_q8_0(const float* x, float* y, int n_groups) {
     for (int o = 16; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
     float d = a / 127.0f;
     float inv = d != 0.f ? 1.0f / d : 0.f;
-    y[(long long)g * 32 + lane] = rintf(v * inv) * d;
+    act_store(y + (long long)g * 32 + lane, rintf(v * inv) * d);
+}
+extern "C" __global__ void act_q8_0(const float* x, float* y, int n_groups) { act_q8_0_body(x, y, n_groups); }
+extern "C" __global__ void act_q8_0_h(const float* x, unsigned short* y, int n_groups) {
+    act_q8_0_body(x, y, n_groups);
 }
 // int8 KV cache write (engine.kv_cache rule, as the decode step's qkv_post): x [T, KV, D] float
 // into values q [KV, n_ctx, D] and fp16 scales d [KV, n_ctx, D/32] at positions start..;
@@ -30,7 +38,7 @@ extern "C" __global__ void kv_store_int8(const float* x, signed char* q, unsigne
     if (lane == 0) d[row * nb + j] = f2h(s);
 }
 // q8_k: groups of 256, one warp per group; scale from the first value of largest magnitude.
-extern "C" __global__ void act_q8_k(const float* x, float* y, int n_groups) {
+template <typename Y> __device__ __forceinline__ void act_q8_k_body(const float* x, Y* y, int n_groups) {
     int g = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (g >= n_groups) return;
     const float* xg = x + (long long)g * 256;
@@ -42,7 +50,11 @@ extern "C" __global__ void act_q8_k(const float* x, float* y, int n_groups) {
     float iscale = q8k_iscale(mx);
     float d = iscale != 0.f ? 1.0f / iscale : 0.f;
     #pragma unroll
-    for (int k = 0; k < 8; k++) y[(long long)g * 256 + lane + 32*k] = fminf(rintf(v[k] * iscale), 127.f) * d;
+    for (int k = 0; k < 8; k++) act_store(y + (long long)g * 256 + lane + 32*k, fminf(rintf(v[k] * iscale), 127.f) * d);
+}
+extern "C" __global__ void act_q8_k(const float* x, float* y, int n_groups) { act_q8_k_body(x, y, n_groups); }
+extern "C" __global__ void act_q8_k_h(const float* x, unsigned short* y, int n_groups) {
+    act_q8_k_body(x, y, n_groups);
 }
 // RMSNorm of each row of n values, one block per row.
 extern "C" __global__ void rms_norm(const float* x, const float* w, float* y, int n, float eps) {
@@ -113,6 +125,74 @@ extern "C" __global__ void rope(float* x, const float* cs, const float* sn, int 
     float x0 = r[i0], x1 = r[i1];
     r[i0] = x0 * c - x1 * s;
     r[i1] = x0 * s + x1 * c;
+}
+// A prefill pass's query or key heads made ready for attention in one launch: row r = (t, h) of
+// x (row t at x + t * ld, head h at + h * D: the heads' columns of the fused QKV output, read in
+// place) RMS-normalised by w when w is given (Qwen3's per-head Q/K norm: `rms_norm`'s arithmetic
+// and reduction order, its block size min(256, max(32, D rounded up to 32))), then rotated as
+// `rope` rotates (tables cs/sn [T, half] from the pass's first position), into y [T, H, D]
+// (contiguous). One block per row; D <= 1024.
+extern "C" __global__ void norm_rope(const float* x, long long ld, const float* w, float* y, int H, int D,
+                                     float eps, const float* cs, const float* sn, int half, int neox) {
+    __shared__ float part[32];
+    __shared__ float row[1024];
+    long long r = blockIdx.x;
+    int t = (int)(r / H), h = (int)(r % H);
+    const float* xr = x + (long long)t * ld + (long long)h * D;
+    float* yr = y + r * D;
+    if (w != nullptr) {
+        float s = 0.f;
+        for (int i = threadIdx.x; i < D; i += blockDim.x) s += xr[i] * xr[i];
+        #pragma unroll
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = s;
+        __syncthreads();
+        if (threadIdx.x < 32) {
+            s = threadIdx.x < (blockDim.x >> 5) ? part[threadIdx.x] : 0.f;
+            #pragma unroll
+            for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+            if (threadIdx.x == 0) part[0] = s;
+        }
+        __syncthreads();
+        float rr = sqrtf(part[0] / (float)D + eps);
+        for (int i = threadIdx.x; i < D; i += blockDim.x) row[i] = xr[i] / rr * w[i];
+    } else {
+        for (int i = threadIdx.x; i < D; i += blockDim.x) row[i] = xr[i];
+    }
+    __syncthreads();
+    const float* ct = cs + (long long)t * half;
+    const float* st = sn + (long long)t * half;
+    for (int j = threadIdx.x; j < D; j += blockDim.x) {
+        float out = row[j];
+        if (j < 2 * half) {
+            int i, i0, i1;
+            if (neox) { i = j < half ? j : j - half; i0 = i; i1 = i + half; }
+            else { i = j >> 1; i0 = 2 * i; i1 = 2 * i + 1; }
+            float c = ct[i], s = st[i], x0 = row[i0], x1 = row[i1];
+            out = j == i0 ? x0 * c - x1 * s : x0 * s + x1 * c;
+        }
+        yr[j] = out;
+    }
+}
+// The prompt cache's device checksum (`engine.kv_file.device_sums`, host twin `host_sum`): over the
+// 16-bit units of rows 0..n-1 of one KV array [KV, n_ctx, D] in file order (unit i of head h at
+// a + h * pitch + i % width), the sum mod 2^64 of a mix of each unit and its index, so any changed,
+// moved or missing unit changes it; one atomic add per warp into out[slot].
+extern "C" __global__ void kv_sum16(const unsigned short* a, long long pitch, long long width, long long n,
+                                    unsigned long long* out, int slot) {
+    unsigned long long acc = 0ull;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        long long h = i / width;
+        unsigned long long x = (unsigned long long)a[h * pitch + (i - h * width)] + (unsigned long long)i * 0x9E3779B97F4A7C15ull;
+        x *= 0xBF58476D1CE4E5B9ull;
+        x ^= x >> 31;
+        x *= 0x94D049BB133111EBull;
+        x ^= x >> 29;
+        acc += x;
+    }
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    if ((threadIdx.x & 31) == 0) atomicAdd(out + slot, acc);
 }
 // Greedy sampling on the device: index of the largest value (first one on ties), one block.
 extern "C" __global__ void argmax(const float* x, int n, long long* out) {

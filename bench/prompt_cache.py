@@ -8,7 +8,7 @@ Model.generate (one token, greedy), in one run per model:
 - cold: the KV cache empty, no prompt cache: the whole prompt is prefilled;
 - then the system prompt's K/V is saved (`ModelCache.offer`, the file's size and write time shown);
 - restored: a new store attached as after a restart (key and index read from disk), the KV cache
-  empty again: the prefix comes from the file (read, CRC-checked, copied into the KV buffers) and
+  empty again: the prefix comes from the file (read, checked, copied into the KV buffers) and
   only the question is prefilled; once with the file in the page cache and once evicted from it
   (``posix_fadvise DONTNEED``, that file only).
 Prints the medians and restored / cold (the target: <= 0.20). CPU: the real SmolLM2 (native kernels);
@@ -179,7 +179,8 @@ def _write(rows: list[dict[str, Any]], out: Path, command: str) -> Path:
         "",
         f"`{command}`: a ~2,000-token system prompt + a short question, one greedy token through Model.generate "
         "from an empty KV cache; cold = whole prompt prefilled, restored = the system prompt's K/V read from its "
-        "cache file (a new store attached as after a restart; CRC-checked, copied into the KV buffers) and the "
+        "cache file (a new store attached as after a restart; checked: CRC-32 on the host, the device checksum on a "
+        "GPU; copied into the KV buffers) and the "
         "question prefilled; 'evicted' = the file dropped from the page cache first. Medians; restored / cold in "
         f"the same run. Load average {load}.",
         "",

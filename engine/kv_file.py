@@ -9,11 +9,16 @@ Layout (little-endian)::
         data: each array's rows [KV, n, D] C-contiguous, in the header's order
 
 Every array of the model's KV cache (per layer K and V; an int8 layer's values and scales apart)
-is listed by name, dtype, shape, offset in the data and CRC-32. A file is used only when the
+is listed by name, dtype, shape, offset in the data and CRC-32, and - in a file written from a
+GPU's cache - its device checksum (`dsum`: `device_sums`, a sum mod 2^64 of a mix of every 16-bit
+unit with its index, computed by one kernel launch per array). A file is used only when the
 header's checksum holds, every field of its `CacheKey` equals the loaded model's, its token ids
 are in the vocabulary and fit the context, its arrays are exactly the ones the model's cache has,
-the file is exactly as long as the header says, and (while it is read) every array's CRC-32
-holds; anything else is a `Rejected` with a short reason. A file is written to a temporary name
+the file is exactly as long as the header says, and every array's checksum holds: on the host the
+CRC-32 while it is read; into a GPU's cache the device checksum of the rows once they are on the
+device (the CRC-32 of 280 MB costs ~20 ms of eight threads; the device checksum well under one),
+so nothing is trusted before every array checked out. Anything else is a `Rejected` with a short
+reason. A file is written to a temporary name
 in its directory, synced and renamed, so a reader sees a whole file or none.
 """
 
@@ -214,21 +219,65 @@ def host_buffers(a: Any) -> Callable[[int], np.ndarray]:
     return lambda n: cupyx.empty_pinned((n,), dtype=np.uint8)
 
 
-def rows_from_host(a: Any, host: np.ndarray) -> None:
+def rows_from_host(a: Any, host: np.ndarray, wait: bool = True) -> Any:
     """Write host rows [KV, n, D] into positions 0..n-1 of `a` in place (buffers keep their
     addresses, so captured CUDA graphs stay valid); a device array in one 2-D copy, finished when
-    this returns (the host buffer may be reused)."""
+    this returns (the host buffer may be reused) - or, with `wait` False, queued on the current
+    stream: returns an event that passes once `host` has been read (None for a host array)."""
     n = host.shape[1]
     if isinstance(a, np.ndarray):
         a[:, :n, :] = host
-        return
+        return None
     import cupy as cp
 
     host = np.ascontiguousarray(host)
     width, pitch = _pitches(a, n)
     stream, rt = cp.cuda.get_current_stream(), cp.cuda.runtime
     rt.memcpy2DAsync(a.data.ptr, pitch, host.ctypes.data, width, width, a.shape[0], rt.memcpyHostToDevice, stream.ptr)
-    stream.synchronize()
+    if wait:
+        stream.synchronize()
+        return None
+    ev = cp.cuda.Event(disable_timing=True)
+    ev.record(stream)
+    return ev
+
+
+_MASK = (1 << 64) - 1
+_SUM_K = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)  # the kernel `kv_sum16`'s constants
+
+
+def device_sums(arrays: list[tuple[str, Any]], n: int) -> dict[str, int]:
+    """The device checksum of positions 0..n-1 of each device array [KV, n_ctx, D] (name ->
+    value): one `kv_sum16` launch per array on the current stream, one read back."""
+    import cupy as cp
+
+    from .kernels import kernel
+
+    out = cp.zeros(len(arrays), dtype=cp.uint64)
+    for slot, (_, a) in enumerate(arrays):
+        width, pitch = _pitches(a, n)
+        assert width % 2 == 0 and pitch % 2 == 0  # head rows hold whole 16-bit units (D % 32 == 0)
+        units = int(a.shape[0]) * width // 2
+        blocks = max(1, min(1024, -(-units // 256)))
+        kernel("kv_sum16")(
+            (blocks,), (256,), (a, np.int64(pitch // 2), np.int64(width // 2), np.int64(units), out, np.int32(slot))
+        )
+    return {name: int(v) for (name, _), v in zip(arrays, cp.asnumpy(out).tolist(), strict=True)}
+
+
+def host_sum(rows: np.ndarray) -> int:
+    """`device_sums`' value of host rows [KV, n, D] (its twin, in NumPy: the tests' reference)."""
+    units = np.ascontiguousarray(rows).reshape(-1).view(np.uint8).view("<u2")
+    k1, k2, k3 = (np.uint64(k) for k in _SUM_K)
+    acc, step = 0, 1 << 22
+    for lo in range(0, units.size, step):
+        x = units[lo : lo + step].astype(np.uint64) + np.arange(lo, min(lo + step, units.size), dtype=np.uint64) * k1
+        x *= k2
+        x ^= x >> np.uint64(31)
+        x *= k3
+        x ^= x >> np.uint64(29)
+        acc = (acc + int(x.sum(dtype=np.uint64))) & _MASK
+    return acc
 
 
 @dataclass(frozen=True)
@@ -241,6 +290,8 @@ class ArraySpec:
     offset: int
     """From the start of the data section."""
     crc32: int
+    dsum: int | None = None
+    """The device checksum (`device_sums`) where the file was written from a GPU's cache."""
 
     @property
     def nbytes(self) -> int:
@@ -264,14 +315,24 @@ def tokens_name(tokens: Sequence[int]) -> str:
     return hashlib.sha256(np.asarray(tokens, dtype=np.int32).tobytes()).hexdigest()[:32] + SUFFIX
 
 
-def write(directory: Path, key: CacheKey, tokens: Sequence[int], arrays: list[tuple[str, np.ndarray]]) -> Path:
-    """Write one file atomically (temporary name, fsync, rename); returns its path."""
+def write(
+    directory: Path,
+    key: CacheKey,
+    tokens: Sequence[int],
+    arrays: list[tuple[str, np.ndarray]],
+    sums: dict[str, int] | None = None,
+) -> Path:
+    """Write one file atomically (temporary name, fsync, rename); returns its path. `sums`: the
+    arrays' device checksums (`device_sums` of the device rows they were copied from), if any."""
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    specs, offset = [], 0
+    specs: list[dict[str, Any]] = []
+    offset = 0
     for name, a in arrays:
         a = np.ascontiguousarray(a)
         specs.append({"name": name, "dtype": str(a.dtype), "shape": list(a.shape), "offset": offset})
         specs[-1]["crc32"] = zlib.crc32(a.data.cast("B"))
+        if sums is not None:
+            specs[-1]["dsum"] = int(sums[name])
         offset += a.nbytes
     body = {"key": dataclasses.asdict(key), "tokens": [int(t) for t in tokens], "arrays": specs, "data_bytes": offset}
     header = json.dumps(body, separators=(",", ":")).encode()
@@ -331,7 +392,14 @@ def read_header(path: str | os.PathLike[str], key: CacheKey, expect: list[tuple[
         diff = key.first_difference(body["key"])
         tokens = tuple(int(t) for t in body["tokens"])
         arrays = tuple(
-            ArraySpec(str(a["name"]), str(a["dtype"]), _shape3(a["shape"]), int(a["offset"]), int(a["crc32"]))
+            ArraySpec(
+                str(a["name"]),
+                str(a["dtype"]),
+                _shape3(a["shape"]),
+                int(a["offset"]),
+                int(a["crc32"]),
+                None if a.get("dsum") is None else int(a["dsum"]) & _MASK,
+            )
             for a in body["arrays"]
         )
         data_bytes = int(body["data_bytes"])
@@ -359,11 +427,12 @@ def read_header(path: str | os.PathLike[str], key: CacheKey, expect: list[tuple[
 
 
 def read_arrays(
-    header: Header, pool: Executor, empty: Callable[[int], np.ndarray] | None = None
+    header: Header, pool: Executor, empty: Callable[[int], np.ndarray] | None = None, crc: bool = True
 ) -> Iterator[tuple[ArraySpec, np.ndarray]]:
     """Each array of a checked header, read and CRC-checked in `pool` (a few ahead, in order) into
     buffers from `empty(nbytes)` (default: host memory; see `host_buffers`); raises Rejected on a
-    checksum or read failure."""
+    checksum or read failure. `crc` False: not CRC-checked (the caller checks the device checksum
+    of what it copied, `device_sums`, before trusting any of it)."""
     new = empty or (lambda n: np.empty(n, dtype=np.uint8))
     try:
         fd = os.open(header.path, os.O_RDONLY)
@@ -378,7 +447,7 @@ def read_arrays(
             if got <= 0:
                 raise Rejected("truncated", f"{spec.name} ends early")
             done += got
-        if zlib.crc32(view) != spec.crc32:
+        if crc and zlib.crc32(view) != spec.crc32:
             raise Rejected("checksum", f"{spec.name} does not match its checksum")
         return buf.view(np.dtype(spec.dtype)).reshape(spec.shape)
 

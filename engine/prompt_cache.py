@@ -193,7 +193,7 @@ class PromptCache:
         t0 = time.perf_counter()
         try:
             assert cache.key is not None and cache.directory is not None
-            path = kv_file.write(cache.directory, cache.key, job.tokens, job.arrays)
+            path = kv_file.write(cache.directory, cache.key, job.tokens, job.arrays, job.sums)
             size = path.stat().st_size
         except (OSError, AssertionError) as exc:
             self.event("prompt_cache_save_failed", model=cache.name, error=f"{type(exc).__name__}: {exc}")

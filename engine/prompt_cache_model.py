@@ -7,7 +7,7 @@ import json
 import os
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from .prompt_cache import PromptCache
 
 READY_WAIT_S = 60.0
+COPIES_AHEAD = 4
+"""Host-to-device copies of a restore in flight at once (each keeps its page-locked buffer)."""
 """Longest a request waits for a just-attached cache's key and index (made once per load)."""
 SYSTEM_ROLES = ("system", "developer")
 
@@ -43,6 +45,8 @@ class SaveJob:
     cache: ModelCache
     tokens: tuple[int, ...]
     arrays: list[tuple[str, np.ndarray]]
+    sums: dict[str, int] | None = None
+    """The arrays' device checksums (a GPU's cache), written with them."""
 
 
 def _shared(a: np.ndarray, b: np.ndarray) -> int:
@@ -169,19 +173,35 @@ class ModelCache:
             ops = self.model.transformer.ops
             ops.synchronize()
             kv.tokens = []  # nothing of it is trusted until every array has checked out
-            arrays = dict(kv_file.kv_arrays(kv))
-            empty = kv_file.host_buffers(kv_file.kv_arrays(kv)[0][1])
+            pairs = kv_file.kv_arrays(kv)
+            arrays = dict(pairs)
+            # into a GPU's cache: copies queued (a few in flight, each holding its host buffer) and
+            # the device checksum of what arrived checked at the end, instead of a CRC per read
+            device = not isinstance(pairs[0][1], np.ndarray) and all(s.dsum is not None for s in header.arrays)
+            inflight: deque[Any] = deque()
             try:
                 t = time.perf_counter()
-                for spec, rows in kv_file.read_arrays(header, pool, empty):
+                for spec, rows in kv_file.read_arrays(header, pool, kv_file.host_buffers(pairs[0][1]), crc=not device):
                     t1 = time.perf_counter()
-                    kv_file.rows_from_host(arrays[spec.name], rows)
+                    inflight.append((rows, kv_file.rows_from_host(arrays[spec.name], rows, wait=not device)))
+                    while len(inflight) > COPIES_AHEAD:
+                        ev = inflight.popleft()[1]
+                        if ev is not None:
+                            ev.synchronize()
                     t2 = time.perf_counter()
                     waits[0] += t1 - t
                     waits[1] += t2 - t1
                     t = t2
             finally:
                 ops.synchronize()
+                inflight.clear()
+            if device:
+                t1 = time.perf_counter()
+                got = kv_file.device_sums(pairs, len(header.tokens))
+                waits[1] += time.perf_counter() - t1
+                bad = next((s.name for s in header.arrays if got[s.name] != s.dsum), None)
+                if bad is not None:
+                    raise Rejected("checksum", f"{bad} does not match its checksum")
             kv.tokens = list(header.tokens)
             return kv.common_prefix(list(ids))
 
@@ -238,18 +258,21 @@ class ModelCache:
             store.event("prompt_cache_skipped", model=self.name, tokens=n, reason="larger than max_bytes")
             return False
 
-        def copy(kv: KVCache) -> list[tuple[str, np.ndarray]] | None:
+        def copy(kv: KVCache) -> tuple[list[tuple[str, np.ndarray]], dict[str, int] | None] | None:
             if kv.common_prefix(list(tokens)) < n:
                 return None
             self.model.transformer.ops.synchronize()
-            return [(a_name, kv_file.rows_to_host(a, n)) for a_name, a in kv_file.kv_arrays(kv)]
+            pairs = kv_file.kv_arrays(kv)
+            sums = None if isinstance(pairs[0][1], np.ndarray) else kv_file.device_sums(pairs, n)
+            return [(a_name, kv_file.rows_to_host(a, n)) for a_name, a in pairs], sums
 
-        arrays = self.model.with_kv(copy)
-        if arrays is None:
+        copied = self.model.with_kv(copy)
+        if copied is None:
             return False
+        arrays, sums = copied
         with self._lock:
             self._pending.add(name)
-        if not store.enqueue(SaveJob(self, tokens, arrays)):
+        if not store.enqueue(SaveJob(self, tokens, arrays, sums)):
             self.done(name, None)
             store.event("prompt_cache_skipped", model=self.name, tokens=n, reason="writer busy")
             return False

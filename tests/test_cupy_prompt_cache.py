@@ -72,3 +72,39 @@ def test_restore_into_cupy_kv_buffers_keeps_addresses_logits_and_graph_decode(tm
     _wipe(second)
     tokens, disk = anyio.run(_greedy, second, ids, restored)
     assert (tokens, disk) == (expected, 96)
+
+
+@pytest.mark.parametrize("kv", ["f16", "int8"])
+def test_a_gpu_file_carries_device_checksums_and_a_flipped_byte_is_rejected(tmp_path: Path, kv: str) -> None:
+    """A file written from a CuPy cache lists each array's device checksum, equal to the NumPy
+    twin's over the file's bytes; restored, the arrays are checked by it (no CRC): a flipped data
+    byte is refused as "checksum", the file deleted, and no token of the cache is trusted."""
+    from engine import kv_file
+
+    path = write_synthetic_gguf(tmp_path / "m.gguf", "qwen3", weight_type="Q4_K", head_dim=128, **SHAPE)
+    model = load_model(path, backend="cupy", n_ctx=512, kv_dtype=kv)
+    ids = [int(t) for t in np.random.default_rng(1).integers(3, SHAPE["n_vocab"], 100)]
+    store = PromptCache(tmp_path / "pc", 1 << 30, 16)
+    cache = store.attach(model)
+    assert cache.wait_ready(60), cache.error
+    model.with_kv(lambda kv_: kv_.tokens.clear())
+    model.step_logits(ids[:80], 0)
+    assert cache.offer(ids[:80]) and store.flush(60)
+    (entry,) = cache.entries
+    assert cache.key is not None
+    header = kv_file.read_header(entry.path, cache.key, kv_file.kv_arrays(model.transformer.kv), SHAPE["n_vocab"])
+    data = np.fromfile(entry.path, dtype=np.uint8)[header.data_start :]
+    for spec in header.arrays:
+        rows = data[spec.offset : spec.offset + spec.nbytes]
+        assert spec.dsum is not None and spec.dsum == kv_file.host_sum(rows), spec.name
+    _wipe(model)
+    assert cache.restore(ids, 0) == (80, 80)
+
+    raw = bytearray(entry.path.read_bytes())
+    raw[header.data_start + header.arrays[-1].offset + 7] ^= 0x10  # one byte of the last array
+    entry.path.write_bytes(bytes(raw))
+    _wipe(model)
+    assert cache.restore(ids, 0) == (0, 0)
+    assert not entry.path.exists()
+    assert store.stats().reject_reasons == {"checksum": 1}
+    assert model.with_kv(lambda kv_: list(kv_.tokens)) == []

@@ -353,3 +353,21 @@ def test_a_file_deleted_by_another_process_is_forgotten_not_refused(tmp_path: Pa
     assert cache.restore(ids + [5], 0) == (0, 0)
     assert cache.entries == [] and store.stats().rejects == 0
     assert "prompt_cache_rejected" not in events.names()
+
+
+def test_the_device_checksum_twin_sees_every_changed_or_moved_unit() -> None:
+    """`kv_file.host_sum` (the reference of the GPU restore's checksum) changes when any one byte
+    changes or two 16-bit units swap places, and is the same for the same bytes."""
+    from engine import kv_file
+
+    rows = np.random.default_rng(5).integers(0, 256, size=(2, 7, 64), dtype=np.uint8)
+    base = kv_file.host_sum(rows)
+    assert kv_file.host_sum(rows.copy()) == base
+    flat = rows.reshape(-1)
+    for i in (0, 1, 500, flat.size - 1):
+        other = flat.copy()
+        other[i] ^= 1
+        assert kv_file.host_sum(other.reshape(rows.shape)) != base
+    swapped = flat.view("<u2").copy()
+    swapped[[3, 4]] = swapped[[4, 3]]
+    assert swapped[3] != swapped[4] and kv_file.host_sum(swapped.view(np.uint8).reshape(rows.shape)) != base

@@ -109,6 +109,7 @@ class Model:
         kv_dtype: str,
         threads: int | None = None,
         options: EngineOptions | None = None,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
         opts = options or DEFAULT_OPTIONS
         self.options = opts
@@ -118,7 +119,7 @@ class Model:
         lap = _Laps(self.load_phases)
         self.path = gf.path
         self.spec: ModelSpec = read_spec(gf)
-        self.tokenizer = Tokenizer.from_gguf(gf)
+        self.tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_gguf(gf)
         lap("tokenizer")
         self.chat_template: str | None = gf.get("tokenizer.chat_template")
         if self.chat_template is not None:  # untrusted: refuse one that cannot render a small chat
@@ -461,6 +462,7 @@ def load_model(
     threads: int | None = None,
     options: EngineOptions | None = None,
     gguf: GGUFFile | None = None,
+    tokenizer: Tokenizer | None = None,
 ) -> Model:
     """Load a GGUF model. `backend`: "auto" (CuPy when CUDA works, else the native CPU kernels
     when a C compiler builds them, else NumPy), "numpy" (pure NumPy reference), "native", "cupy".
@@ -469,12 +471,15 @@ def load_model(
     environment once, here, by `EngineOptions.from_env`).
     `kv_dtype`: KV cache elements, "f16" (the default, as llama.cpp's), "f32" or "int8" (int8
     values + one float16 scale per 32, about 53 % of f16's bytes; see engine.kv_cache).
-    `gguf`: the header of `path` already read by `open_model_file` (not read again)."""
+    `gguf`: the header of `path` already read by `open_model_file` (not read again); `tokenizer`:
+    `Tokenizer.from_gguf(gguf)` already built (with `gguf` only)."""
     from .backends import resolve_backend
 
     opts = options or EngineOptions.from_env()
     if gguf is not None and (gguf.path != os.fspath(path) or not gguf.loadable):
         raise ValueError(f"gguf: a header of {gguf.path}, read header_only={not gguf.loadable}, not one to load {path}")
+    if tokenizer is not None and gguf is None:
+        raise ValueError("tokenizer: only with the gguf header it was built from")
     t0 = time.perf_counter()
     gf = gguf if gguf is not None else read_gguf(path)
     header_s = time.perf_counter() - t0
@@ -486,7 +491,7 @@ def load_model(
     t1 = time.perf_counter()
     name = resolve_backend(backend, opts)
     resolve_s = time.perf_counter() - t1
-    model = Model(gf, name, ctx, kv_dtype, threads, opts)
+    model = Model(gf, name, ctx, kv_dtype, threads, opts, tokenizer)
     model.load_phases = {"header": round(header_s, 4), "backend": round(resolve_s, 4), **model.load_phases}
     return model
 

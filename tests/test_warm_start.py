@@ -4,6 +4,7 @@ its process start to ready (a real daemon process on SmolLM2, native CPU kernels
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import anyio
 import httpx
@@ -65,6 +66,43 @@ def test_early_load_only_within_the_budget_and_handed_over_once() -> None:
     model = rec.take("numpy", options, path, 512, "f16", None)
     assert model is not None and model.info.n_ctx == 512 and model.memory_plan.chunk == 16
     assert rec.take("numpy", options, path, 512, "f16", None) is None  # once
+
+
+@pytest.mark.timeout(120)
+def test_the_early_load_uses_the_header_and_tokenizer_read_beside_the_prewarm(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The prewarm thread's early model has the tokenizer its header thread built (built once, the
+    same tokens as a plain load), a tokenizer without its header is refused, and a file that is
+    not a GGUF leaves no early model but the reason."""
+    from engine import load_model
+    from engine.options import EngineOptions
+    from engine.prewarm import EarlyLoad, start_prewarm
+    from engine.tokenizer import Tokenizer
+
+    built: list[str] = []
+    build = Tokenizer.from_gguf.__func__  # type: ignore[attr-defined]
+
+    def counted(cls: type[Tokenizer], gf: Any) -> Tokenizer:
+        built.append(gf.path)
+        return build(cls, gf)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(Tokenizer, "from_gguf", classmethod(counted))
+    path = str(require(SMOLLM2))
+    options = EngineOptions(prefill_chunk=16)
+    rec = start_prewarm("numpy", options, EarlyLoad(path, 256, "f16", None, budget_bytes=4 << 30))
+    model = rec.take("numpy", options, path, 256, "f16", None)
+    assert built == [path]
+    plain = load_model(path, backend="numpy", n_ctx=256)
+    text = "Turn on the kitchen lights at 7:30, please."
+    assert model is not None and model.tokenizer.encode(text) == plain.tokenizer.encode(text)
+    with pytest.raises(ValueError, match="tokenizer"):
+        load_model(path, backend="numpy", n_ctx=256, tokenizer=plain.tokenizer)
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf at all")
+    broken = start_prewarm("numpy", options, EarlyLoad(str(bad), 256, "f16", None, budget_bytes=4 << 30))
+    assert broken.done.wait(60) and broken.model is None
+    assert broken.skipped is not None and "ModelFormatError" in broken.skipped
 
 
 async def test_the_daemon_takes_over_the_model_loaded_at_process_start(tmp_path: Path) -> None:

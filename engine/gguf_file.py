@@ -1,8 +1,11 @@
 """Open a GGUF file: metadata as plain Python values, tensors memory-mapped (never copied here).
 
-The `gguf` package supplies the format's constants (value types, ggml tensor types and their block
-sizes). Its `GGUFReader` builds a Python object per array element, which takes ~10 s on Gemma's
-262k-token vocabulary, so the header is walked here with `struct` and `numpy.frombuffer` instead.
+The format's constants (value types, ggml tensor types and their block sizes) are written out
+below as the `gguf` package defines them (`tests/test_synth_models.py` checks they agree): importing
+that package costs ~30 ms (its metadata, vocabulary and writer modules, PyYAML), and a daemon's
+start waits for the engine's imports. Its `GGUFReader` builds a Python object per array element,
+which takes ~10 s on Gemma's 262k-token vocabulary, so the header is walked here with `struct` and
+`numpy.frombuffer` instead.
 """
 
 from __future__ import annotations
@@ -11,12 +14,69 @@ import math
 import os
 import struct
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from .errors import ModelFormatError, cap_text
+
+
+class GGUFValueType(IntEnum):
+    """Metadata value types (gguf's `GGUFValueType`)."""
+
+    UINT8 = 0
+    INT8 = 1
+    UINT16 = 2
+    INT16 = 3
+    UINT32 = 4
+    INT32 = 5
+    FLOAT32 = 6
+    BOOL = 7
+    STRING = 8
+    ARRAY = 9
+    UINT64 = 10
+    INT64 = 11
+    FLOAT64 = 12
+
+
+GGML_TYPES: dict[int, tuple[str, int, int]] = {
+    0: ("F32", 1, 4),
+    1: ("F16", 1, 2),
+    2: ("Q4_0", 32, 18),
+    3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24),
+    8: ("Q8_0", 32, 34),
+    9: ("Q8_1", 32, 40),
+    10: ("Q2_K", 256, 84),
+    11: ("Q3_K", 256, 110),
+    12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176),
+    14: ("Q6_K", 256, 210),
+    15: ("Q8_K", 256, 292),
+    16: ("IQ2_XXS", 256, 66),
+    17: ("IQ2_XS", 256, 74),
+    18: ("IQ3_XXS", 256, 98),
+    19: ("IQ1_S", 256, 50),
+    20: ("IQ4_NL", 32, 18),
+    21: ("IQ3_S", 256, 110),
+    22: ("IQ2_S", 256, 82),
+    23: ("IQ4_XS", 256, 136),
+    24: ("I8", 1, 1),
+    25: ("I16", 1, 2),
+    26: ("I32", 1, 4),
+    27: ("I64", 1, 8),
+    28: ("F64", 1, 8),
+    29: ("IQ1_M", 256, 56),
+    30: ("BF16", 1, 2),
+    34: ("TQ1_0", 256, 54),
+    35: ("TQ2_0", 256, 66),
+    39: ("MXFP4", 32, 17),
+    40: ("NVFP4", 64, 36),
+    41: ("Q1_0", 128, 18),
+}
+"""ggml tensor type id -> (name, values a block, bytes a block), as gguf's `GGML_QUANT_SIZES`."""
 
 GGUF_MAGIC = b"GGUF"
 MAX_DIMS = 4
@@ -247,14 +307,10 @@ def read_gguf(path: str | os.PathLike[str], header_only: bool = False) -> GGUFFi
     data_start = (cur.pos + align - 1) // align * align
     tensors: dict[str, TensorInfo] = {}
     for name, dims, ttype, offset in infos:
-        try:
-            qtype = GGMLQuantizationType(ttype)
-        except ValueError:
-            raise ModelFormatError(p, name, f"unknown tensor type id {ttype}") from None
+        if ttype not in GGML_TYPES:
+            raise ModelFormatError(p, name, f"unknown tensor type id {ttype}")
+        type_name, block, type_size = GGML_TYPES[ttype]
         shape = tuple(int(d) for d in reversed(dims))  # ggml lists the fastest dimension first
-        if qtype not in GGML_QUANT_SIZES:
-            raise ModelFormatError(p, name, f"tensor type {qtype.name} has no known block size")
-        block, type_size = GGML_QUANT_SIZES[qtype]
         n_elems = math.prod(shape)  # Python ints: no int64 overflow that could make a huge tensor look small
         cols = shape[-1] if shape else 1
         if cols % block:
@@ -263,7 +319,7 @@ def read_gguf(path: str | os.PathLike[str], header_only: bool = False) -> GGUFFi
         start = data_start + int(offset)
         if not header_only and start + nbytes > size:
             raise ModelFormatError(p, name, f"file is truncated: tensor ends at byte {start + nbytes}, file has {size}")
-        dtype, view = _VIEWS.get(qtype.name, (np.dtype(np.uint8), None))
+        dtype, view = _VIEWS.get(type_name, (np.dtype(np.uint8), None))
         if view is None:  # block-quantized: bytes per row
             rows = n_elems // cols if cols else 0
             view = (rows, cols // block * type_size)
@@ -273,5 +329,5 @@ def read_gguf(path: str | os.PathLike[str], header_only: bool = False) -> GGUFFi
             arr: np.ndarray = np.broadcast_to(np.zeros(1, dtype), view)
         else:
             arr = buf[start : start + nbytes].view(dtype).reshape(view)
-        tensors[name] = TensorInfo(name, qtype.name, shape, arr)
+        tensors[name] = TensorInfo(name, type_name, shape, arr)
     return GGUFFile(p, metadata, tensors, loadable=not header_only)

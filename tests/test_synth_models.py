@@ -110,3 +110,15 @@ def test_unknown_architecture_is_refused_by_name(tmp_path: Path) -> None:
     with pytest.raises(ModelFormatError) as err:
         load_model(p, backend="numpy")
     assert "lxama" in str(err.value) and err.value.key == "general.architecture"
+
+
+def test_the_engines_gguf_constants_agree_with_the_gguf_package() -> None:
+    """The value types and ggml tensor types `engine.gguf_file` writes out (so a start does not
+    import the `gguf` package) have the package's ids, names and block sizes, every one of them."""
+    import gguf
+
+    from engine import gguf_file
+
+    assert {t.name: int(t) for t in gguf_file.GGUFValueType} == {t.name: int(t) for t in gguf.GGUFValueType}
+    package = {int(t): (t.name, *size) for t, size in gguf.GGML_QUANT_SIZES.items()}
+    assert gguf_file.GGML_TYPES == package

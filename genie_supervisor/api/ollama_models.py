@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import numpy as np
-from gguf import LlamaFileType
 
 from engine.errors import EngineError
 from engine.gguf_file import read_gguf
@@ -107,6 +106,8 @@ def human_count(n: int) -> str:
 
 
 def _quantization(file_type: Any) -> str:
+    from gguf import LlamaFileType  # here: the package costs the daemon's start ~30 ms of imports
+
     try:
         name = LlamaFileType(int(file_type)).name
     except (TypeError, ValueError):

@@ -34,6 +34,18 @@ def _wipe(model: Model) -> None:
     model.with_kv(zero)
 
 
+def _save_prefix(model: Model, directory: Path, ids: list[int]) -> tuple[PromptCache, ModelCache]:
+    """Prefill `ids` from an empty KV cache and write them to a new prompt cache in `directory`."""
+    store = PromptCache(directory, 1 << 30, 16)
+    cache = store.attach(model)
+    assert cache.wait_ready(60), cache.error
+    model.with_kv(lambda kv_: kv_.tokens.clear())
+    model.step_logits(ids, 0)
+    assert cache.offer(ids)
+    assert store.flush(60)
+    return store, cache
+
+
 async def _greedy(model: Model, ids: list[int], cache: ModelCache | None) -> tuple[list[int], int]:
     gen = model.generate(ids, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), prompt_cache=cache)
     return [t.id async for t in gen], gen.stats.disk_tokens
@@ -49,14 +61,7 @@ def test_restore_into_cupy_kv_buffers_keeps_addresses_logits_and_graph_decode(tm
     first = load_model(path, backend="cupy", n_ctx=512, kv_dtype=kv)
     second = load_model(path, backend="cupy", n_ctx=512, kv_dtype=kv)
     ids = [int(t) for t in np.random.default_rng(0).integers(3, SHAPE["n_vocab"], 120)]
-    store = PromptCache(tmp_path / "pc", 1 << 30, 16)
-    cache = store.attach(first)
-    assert cache.wait_ready(60), cache.error
-
-    first.with_kv(lambda kv_: kv_.tokens.clear())
-    first.step_logits(ids[:96], 0)
-    assert cache.offer(ids[:96])
-    assert store.flush(60)
+    _save_prefix(first, tmp_path / "pc", ids[:96])
     reference = first.step_logits(ids[96:], 96)
     first.with_kv(lambda kv_: kv_.tokens.__delitem__(slice(96, None)))
     expected, _ = anyio.run(_greedy, first, ids, None)  # from the in-memory prefix, the same chunks
@@ -84,12 +89,7 @@ def test_a_gpu_file_carries_device_checksums_and_a_flipped_byte_is_rejected(tmp_
     path = write_synthetic_gguf(tmp_path / "m.gguf", "qwen3", weight_type="Q4_K", head_dim=128, **SHAPE)
     model = load_model(path, backend="cupy", n_ctx=512, kv_dtype=kv)
     ids = [int(t) for t in np.random.default_rng(1).integers(3, SHAPE["n_vocab"], 100)]
-    store = PromptCache(tmp_path / "pc", 1 << 30, 16)
-    cache = store.attach(model)
-    assert cache.wait_ready(60), cache.error
-    model.with_kv(lambda kv_: kv_.tokens.clear())
-    model.step_logits(ids[:80], 0)
-    assert cache.offer(ids[:80]) and store.flush(60)
+    store, cache = _save_prefix(model, tmp_path / "pc", ids[:80])
     (entry,) = cache.entries
     assert cache.key is not None
     header = kv_file.read_header(entry.path, cache.key, kv_file.kv_arrays(model.transformer.kv), SHAPE["n_vocab"])

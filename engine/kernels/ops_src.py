@@ -57,10 +57,9 @@ extern "C" __global__ void act_q8_k_h(const float* x, unsigned short* y, int n_g
     act_q8_k_body(x, y, n_groups);
 }
 // RMSNorm of each row of n values, one block per row.
-extern "C" __global__ void rms_norm(const float* x, const float* w, float* y, int n, float eps) {
-    __shared__ float part[32];
-    const float* xr = x + (long long)blockIdx.x * n;
-    float* yr = y + (long long)blockIdx.x * n;
+// The sum of squares of xr[0..n) over the block (`part`: 32 floats of shared memory), in one
+// order: what rms_norm and norm_rope divide by.
+__device__ __forceinline__ float block_sumsq(const float* xr, int n, float* part) {
     float s = 0.f;
     for (int i = threadIdx.x; i < n; i += blockDim.x) s += xr[i] * xr[i];
     #pragma unroll
@@ -74,7 +73,13 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, float* y, in
         if (threadIdx.x == 0) part[0] = s;
     }
     __syncthreads();
-    float r = sqrtf(part[0] / (float)n + eps);
+    return part[0];
+}
+extern "C" __global__ void rms_norm(const float* x, const float* w, float* y, int n, float eps) {
+    __shared__ float part[32];
+    const float* xr = x + (long long)blockIdx.x * n;
+    float* yr = y + (long long)blockIdx.x * n;
+    float r = sqrtf(block_sumsq(xr, n, part) / (float)n + eps);
     for (int i = threadIdx.x; i < n; i += blockDim.x) yr[i] = xr[i] / r * w[i];
 }
 // Prefill attention's softmax, in place on scores [KV, T, G, L] (L = end - lo key positions from
@@ -141,20 +146,7 @@ extern "C" __global__ void norm_rope(const float* x, long long ld, const float* 
     const float* xr = x + (long long)t * ld + (long long)h * D;
     float* yr = y + r * D;
     if (w != nullptr) {
-        float s = 0.f;
-        for (int i = threadIdx.x; i < D; i += blockDim.x) s += xr[i] * xr[i];
-        #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-        if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = s;
-        __syncthreads();
-        if (threadIdx.x < 32) {
-            s = threadIdx.x < (blockDim.x >> 5) ? part[threadIdx.x] : 0.f;
-            #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-            if (threadIdx.x == 0) part[0] = s;
-        }
-        __syncthreads();
-        float rr = sqrtf(part[0] / (float)D + eps);
+        float rr = sqrtf(block_sumsq(xr, D, part) / (float)D + eps);
         for (int i = threadIdx.x; i < D; i += blockDim.x) row[i] = xr[i] / rr * w[i];
     } else {
         for (int i = threadIdx.x; i < D; i += blockDim.x) row[i] = xr[i];

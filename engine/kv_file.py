@@ -362,8 +362,9 @@ def _shape3(x: Any) -> tuple[int, int, int]:
 
 def read_header(path: str | os.PathLike[str], key: CacheKey, expect: list[tuple[str, Any]], n_vocab: int) -> Header:
     """Open and check a file's header against the model (`key`, its cache's arrays `expect`);
-    raises Rejected (FileNotFoundError when it is gone). The arrays' bytes are checked while they
-    are read (`read_arrays`)."""
+    raises Rejected (FileNotFoundError when it is gone). The arrays' bytes are checked later: by
+    their CRC-32 while they are read (`read_arrays`), or into a GPU's cache by their device
+    checksums once copied (`device_sums`)."""
     p = os.fspath(path)
     try:
         with open(p, "rb") as fh:

@@ -24,9 +24,9 @@ if TYPE_CHECKING:
     from .prompt_cache import PromptCache
 
 READY_WAIT_S = 60.0
+"""Longest a request waits for a just-attached cache's key and index (made once per load)."""
 COPIES_AHEAD = 4
 """Host-to-device copies of a restore in flight at once (each keeps its page-locked buffer)."""
-"""Longest a request waits for a just-attached cache's key and index (made once per load)."""
 SYSTEM_ROLES = ("system", "developer")
 
 

@@ -172,7 +172,7 @@ def prefill_activation_bytes(spec: ModelSpec, chunk: int, last_n: int = 1, half:
     widest = max(
         (1 + xh) * e + r,  # QKV projection (rounded + fp16 input, output)
         q,  # Q norm / RoPE copies
-        r + q + kvd + (2 + xh) * a,  # attention: qkv, rotated q and k, output, o-projection inputs
+        r + 2 * q + kvd + 2 * a,  # attention: qkv, rotated q and k, q laid out by KV head, output twice
         (1 + xh) * e + 3 * f,  # gate+up projection, then the GLU output beside it
         (1 + xh) * f + e,  # down projection
     )

@@ -56,9 +56,9 @@ extern "C" __global__ void act_q8_k(const float* x, float* y, int n_groups) { ac
 extern "C" __global__ void act_q8_k_h(const float* x, unsigned short* y, int n_groups) {
     act_q8_k_body(x, y, n_groups);
 }
-// RMSNorm of each row of n values, one block per row.
 // The sum of squares of xr[0..n) over the block (`part`: 32 floats of shared memory), in one
-// order: what rms_norm and norm_rope divide by.
+// order: what rms_norm and norm_rope divide by. Ends without a barrier after reading part[0]: a
+// kernel calling it twice must __syncthreads() between the calls.
 __device__ __forceinline__ float block_sumsq(const float* xr, int n, float* part) {
     float s = 0.f;
     for (int i = threadIdx.x; i < n; i += blockDim.x) s += xr[i] * xr[i];
@@ -75,6 +75,7 @@ __device__ __forceinline__ float block_sumsq(const float* xr, int n, float* part
     __syncthreads();
     return part[0];
 }
+// RMSNorm of each row of n values, one block per row.
 extern "C" __global__ void rms_norm(const float* x, const float* w, float* y, int n, float eps) {
     __shared__ float part[32];
     const float* xr = x + (long long)blockIdx.x * n;

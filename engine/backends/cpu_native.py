@@ -31,23 +31,15 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from ..gguf_file import GGML_TYPES
 from ..options import DEFAULT_OPTIONS, EngineOptions
 
 SOURCE = Path(__file__).resolve().parents[1] / "kernels" / "cpu" / "qgemv.c"
 
-# ggml type ids (GGMLQuantizationType) of the block types the kernel handles
-GGML_TYPE = {
-    "Q4_0": 2,
-    "Q4_1": 3,
-    "Q5_0": 6,
-    "Q5_1": 7,
-    "Q8_0": 8,
-    "Q4_K": 12,
-    "Q5_K": 13,
-    "Q6_K": 14,
-}
 ACT_KIND = {"Q4_0": 0, "Q5_0": 0, "Q8_0": 0, "Q4_1": 0, "Q5_1": 0, "Q4_K": 1, "Q5_K": 1, "Q6_K": 1}
 """Activation blocks per weight type: 0 = 32 (Q8_0, with Q8_1's sum term), 1 = 256 (Q8_K)."""
+GGML_TYPE = {name: i for i, (name, _, _) in GGML_TYPES.items() if name in ACT_KIND}
+"""ggml type ids of the block types the kernel handles (`gguf_file.GGML_TYPES`)."""
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {}

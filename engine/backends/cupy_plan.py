@@ -264,12 +264,13 @@ def plan(
     environment's, as `engine.load_model` without options); `prefill_dtype` overrides theirs."""
     opts = options if options is not None else EngineOptions.from_env()
     mode = resolve_prefill_dtype(prefill_dtype, opts.cupy_prefill)
-    used = [m for m in matrices(gf, spec) if m.name != "output" or last_n > 1]
-    dts = {tile_dtype(mode, m.types, m.rows, m.cols) for m in used}
+    typed = [
+        (m, tile_dtype(mode, m.types, m.rows, m.cols)) for m in matrices(gf, spec) if m.name != "output" or last_n > 1
+    ]
+    dts = {dt for _, dt in typed}
     itemsize = 4 if "float32" in dts else 2
-    if opts.cupy_mmq and mmq_device():  # fp16 matrices: `mmq_h_<T>`, no tile
-        used = [m for m in used if tile_dtype(mode, m.types, m.rows, m.cols) == "float32"]
-    elems = min(SCRATCH_ELEMS, max((m.rows * m.cols for m in used), default=0))
+    mmq = opts.cupy_mmq and mmq_device()  # fp16 matrices: `mmq_h_<T>`, no tile
+    elems = min(SCRATCH_ELEMS, max((m.rows * m.cols for m, dt in typed if not mmq or dt == "float32"), default=0))
     kv_rows, scores = attention_buffer_bytes(spec, n_ctx, kv_dtype)
     t = min(chunk, n_ctx)
     act = prefill_activation_bytes(spec, t, last_n, half="float16" in dts)

@@ -66,7 +66,9 @@ async def test_sigterm_exits_within_bound_while_a_worker_thread_is_stuck(tmp_pat
                 pass  # the connection goes with the process
 
         tg.start_soon(request)
-        await _wait_status(d, lambda s: s["engine"]["state"] == "prefill")
+        # the gate counts a prefill step just before the step's worker thread starts ("prefill"
+        # alone is the state from admission on: the lock and the prompt-cache lookup come first)
+        await _wait_status(d, lambda s: s["gate"]["steps_total"].get("prefill", 0) >= 1)
         t0 = time.monotonic()
         d.signal(signal.SIGTERM)
         rc = await d.wait(within_s=3 + 2)

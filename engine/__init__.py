@@ -25,7 +25,7 @@ from .decode_chain import DecodeChain
 from .errors import ContextOverflowError, EngineError, GrammarError, ModelFormatError, TemplateError
 from .gate import Gate, OpenGate
 from .generate import Generation, GenerationStats, TokenEvent
-from .gguf_file import GGUFFile, read_gguf
+from .gguf_file import GGUFFile, GGUFIndex, read_gguf
 from .kv_cache import KVCache, KVSnapshot, check_kv_dtype, kv_bytes
 from .lock import PriorityLock
 from .model import MemoryPlan, Pass, Transformer, plan_memory
@@ -118,6 +118,8 @@ class Model:
         """Seconds each step of this load took (tokenizer, template, ops, weights, decoder), in order."""
         lap = _Laps(self.load_phases)
         self.path = gf.path
+        self.gguf_index = GGUFIndex.of(gf)
+        """Where the file's metadata records and tensors lie (the prompt cache's key hashes them)."""
         self.spec: ModelSpec = read_spec(gf)
         self.tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_gguf(gf)
         lap("tokenizer")

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .gguf_file import read_gguf
+from .errors import ModelFormatError
 from .kv_cache import Int8Rows, KVCache
 
 if TYPE_CHECKING:
@@ -79,12 +79,12 @@ class CacheKey:
     format: int
     """`FORMAT` of the file layout."""
     model: str
-    """sha256 of the GGUF's metadata (tokenizer and template apart), tensor table, file size and
-    the first and last 256 bytes of every tensor."""
+    """sha256 of the GGUF's metadata records as stored (tokenizer and template apart), tensor
+    table, file size and the first and last 256 bytes of every tensor."""
     tokenizer: str
-    """sha256 of the ``tokenizer.*`` metadata (vocabulary, merges, types, special ids)."""
+    """sha256 of the ``tokenizer.*`` metadata records (vocabulary, merges, types, special ids)."""
     template: str
-    """sha256 of the chat template(s)."""
+    """sha256 of the chat template records."""
     kv_dtype: str
     """KV element type: f32, f16 or int8."""
     layout: str
@@ -106,16 +106,6 @@ class CacheKey:
             if other.get(f.name) != getattr(self, f.name):
                 return f.name
         return None
-
-
-def _hash_value(h: Any, value: Any) -> None:
-    if isinstance(value, np.ndarray):
-        h.update(str(value.dtype).encode())
-        h.update(np.ascontiguousarray(value).tobytes())
-    elif isinstance(value, list):
-        h.update(json.dumps(value, default=repr).encode())
-    else:
-        h.update(repr(value).encode())
 
 
 @functools.lru_cache(maxsize=1)
@@ -148,19 +138,30 @@ def _device(backend: str) -> str:
 
 
 def cache_key(model: Model) -> CacheKey:
-    """The key of a loaded model (blocking: reads the GGUF's header and a few bytes per tensor)."""
-    gf = read_gguf(model.path)
+    """The key of a loaded model (blocking: reads the bytes of the GGUF's metadata records and a
+    few bytes per tensor, where `model.gguf_index` says they lie; the header is not parsed again).
+    Raises ModelFormatError when the file is no longer the one the model was loaded from."""
+    idx = model.gguf_index
     h_model, h_tok, h_tpl = hashlib.sha256(), hashlib.sha256(), hashlib.sha256()
-    for name in sorted(gf.metadata):
-        h = h_tpl if name.startswith("tokenizer.chat_template") else h_tok if name.startswith("tokenizer.") else h_model
-        h.update(name.encode() + b"\0")
-        _hash_value(h, gf.metadata[name])
-    h_model.update(str(os.path.getsize(model.path)).encode())
-    for name in sorted(gf.tensors):
-        t = gf.tensors[name]
-        raw = t.raw.reshape(-1).view(np.uint8)
-        h_model.update(f"{name}:{t.type_name}:{t.shape}".encode())
-        h_model.update(raw[:256].tobytes() + raw[-256:].tobytes())
+    with open(idx.path, "rb") as fh:
+        fd = fh.fileno()
+        st = os.fstat(fd)
+        if idx.identity != (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns):
+            raise ModelFormatError(idx.path, "file", "changed on disk since the model was loaded")
+        end = max((e for _, e in idx.spans.values()), default=0)
+        head = memoryview(os.pread(fd, end, 0))
+        if len(head) != end:
+            raise ModelFormatError(idx.path, "file", f"is {st.st_size} bytes, the header needs {end}")
+        for name in sorted(idx.spans):
+            tok = name.startswith("tokenizer.")
+            h = h_tpl if name.startswith("tokenizer.chat_template") else h_tok if tok else h_model
+            start, stop = idx.spans[name]
+            h.update(head[start:stop])  # the record as stored: key, value type and value
+        h_model.update(str(st.st_size).encode())
+        for name, type_name, shape, offset, nbytes in idx.tensors:
+            h_model.update(f"{name}:{type_name}:{shape}".encode())
+            n = min(256, nbytes)
+            h_model.update(os.pread(fd, n, offset) + os.pread(fd, n, offset + nbytes - n))
     s, tf = model.spec, model.transformer
     opts = json.dumps(dataclasses.asdict(model.options), sort_keys=True, default=repr)
     return CacheKey(

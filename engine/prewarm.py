@@ -89,6 +89,25 @@ class Prewarm:
     disowned: str | None = None
     """Why nobody may take the early model (set by `disown`): it is dropped instead."""
 
+    reader: _Reader | None = None
+    """The early model's header and tokenizer being made (None: no early load)."""
+    reader_known: threading.Event = field(default_factory=threading.Event)
+    """Set once the thread has started its reader (or decided on none)."""
+
+    def header(self, path: str) -> Any:
+        """The early load's GGUF header of `path` (waiting for its reader), once, so that the
+        daemon's plan at start does not parse the header again; None for another file, a file
+        changed since it was read, a second call, or when reading it failed."""
+        self.reader_known.wait()
+        r, self.reader = self.reader, None
+        if r is None or self.early is None or os.fspath(path) != self.early.path:
+            return None
+        try:
+            header = r.result()[0]
+        except BaseException:  # noqa: BLE001 - the caller reads the header itself and reports why
+            return None
+        return header if r.stat is not None and _identity(self.early.path) == r.stat else None
+
     def disown(self, why: str) -> None:
         """Refuse the early model to every `take` (e.g. the full config asks for another load) and
         drop it, now or when its load ends."""
@@ -117,12 +136,23 @@ def prewarm(backend: str = "auto", options: EngineOptions | None = None) -> str:
     return name
 
 
+def _identity(path: str) -> tuple[int, int, int, int] | None:
+    """(device, inode, size, mtime in ns) of `path`; None when it cannot be read."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
 class _Reader:
     """The early model's header and tokenizer, made in a thread of their own while the prewarm
     creates the CUDA context and loads the kernels (driver calls that release the GIL): the
     GGUF's vocabulary and the tokenizer are ~0.2 s of Python for a 150k-token vocabulary."""
 
     def __init__(self, path: str) -> None:
+        self.stat = _identity(path)
+        """The file's identity when the reading began (a header handed out later must be of it)."""
         self.header: Any = None
         self.tokenizer: Any = None
         self.error: BaseException | None = None
@@ -193,6 +223,8 @@ def run_prewarm(rec: Prewarm) -> None:
     t0 = time.perf_counter()
     try:
         reader = _Reader(rec.early.path) if rec.early is not None and rec.disowned is None else None
+        rec.reader = reader
+        rec.reader_known.set()
         rec.backend = prewarm(rec.backend_asked, rec.options)
         rec.seconds = time.perf_counter() - t0
         if rec.early is not None and rec.disowned is None:
@@ -200,6 +232,7 @@ def run_prewarm(rec: Prewarm) -> None:
     except Exception as exc:  # the daemon's own load repeats the work and raises it where it is handled
         rec.error = rec.skipped = f"{type(exc).__name__}: {exc}"
     finally:
+        rec.reader_known.set()
         if rec.seconds is None:
             rec.seconds = time.perf_counter() - t0
         rec.done.set()

@@ -156,6 +156,15 @@ class PromptCache:
                 self._stats.files -= 1
         self.event("prompt_cache_rejected", model=model, file=path.name, reason=exc.reason, detail=exc.detail)
 
+    def close(self) -> None:
+        """End the read threads (idle ones exit now; a read under way finishes first). The pool's
+        threads are not daemon threads: left running they hold the process's exit until its
+        shutdown bound forces it. A later restore starts a new pool."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
     def read_pool(self) -> ThreadPoolExecutor:
         with self._lock:
             if self._pool is None:

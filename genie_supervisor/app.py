@@ -400,6 +400,8 @@ class Supervisor(SupervisorControls):
             if self.prompt_cache is not None:  # a prompt cache file still being written is finished
                 flush = self.prompt_cache.flush
                 await anyio.to_thread.run_sync(flush, budget * 0.3, abandon_on_cancel=True)
+        if self.prompt_cache is not None:  # its read threads would hold the exit until forced
+            self.prompt_cache.close()
         log.info("supervisor_drained", seconds=round(time.monotonic() - t0, 3))
 
     def _create_source(self) -> TelemetrySource:

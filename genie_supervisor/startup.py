@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import psutil
 
 if TYPE_CHECKING:
+    from engine.gguf_file import GGUFFile
     from engine.options import EngineOptions
     from engine.prewarm import EarlyLoad, Prewarm
 
@@ -145,6 +146,13 @@ def take_early(backend: str, options: EngineOptions, path: str, n_ctx: int, kv: 
     """The model loaded early for a load of exactly these parameters (once), else None."""
     pre = PREWARM
     return None if pre is None else pre.take(backend, options, path, n_ctx, kv, threads)
+
+
+def early_header(path: str) -> GGUFFile | None:
+    """The GGUF header the early load read of `path` (once; None: none, another file, or changed
+    since), so that the daemon's plan at start does not parse a 150k-token vocabulary again."""
+    pre = PREWARM
+    return None if pre is None or pre.disowned is not None else pre.header(path)
 
 
 def release_early() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +38,22 @@ class Events:
         return [n for n, _ in self.seen]
 
 
+_OPEN: list[PromptCache] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_stores() -> Iterator[None]:
+    """Each test's stores end their read threads (left running, they outlive the test)."""
+    yield
+    while _OPEN:
+        _OPEN.pop().close()
+
+
 def store_at(path: Path, max_bytes: int = 1 << 30, min_tokens: int = 8) -> tuple[PromptCache, Events]:
     events = Events()
-    return PromptCache(path, max_bytes, min_tokens, on_event=events), events
+    store = PromptCache(path, max_bytes, min_tokens, on_event=events)
+    _OPEN.append(store)
+    return store, events
 
 
 def attach(store: PromptCache, model: Model) -> ModelCache:
@@ -198,6 +211,44 @@ def test_a_file_of_another_model_tokenizer_template_or_kv_type_is_rejected(
     assert ("prompt_cache_rejected", f"key:{field}") in [(n, f.get("reason")) for n, f in events.seen]
     wipe(second)
     assert other.restore(ids + [5], 0) == (0, 0)
+
+
+def test_the_key_hashes_the_loaded_files_records_and_refuses_a_changed_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The key is made from the bytes of the metadata records where the load found them (the
+    header is not parsed again: the same key with the parser broken), a change to one record's
+    bytes changes its part of the key, and a file changed on disk since the load gets no key."""
+    import os
+
+    import engine.gguf_file
+    from engine.errors import ModelFormatError
+
+    path = synth_model(tmp_path)
+    model = load(path)
+    key = cache_key(model)
+
+    def no_parsing(*_args: Any) -> Any:
+        raise AssertionError("the header was parsed again")
+
+    with monkeypatch.context() as m:
+        m.setattr(engine.gguf_file._Cursor, "strings", no_parsing)
+        m.setattr(engine.gguf_file._Cursor, "value", no_parsing)
+        assert cache_key(model) == key
+
+    start, end = model.gguf_index.spans["tokenizer.ggml.tokens"]
+    data = bytearray(path.read_bytes())
+    data[end - 1] ^= 0x01  # the last byte of the last token's text
+    other = tmp_path / "other.gguf"
+    other.write_bytes(bytes(data))
+    changed = cache_key(load(other))
+    assert changed.first_difference(dataclasses.asdict(key)) == "tokenizer"
+    assert (changed.model, changed.template) == (key.model, key.template)
+
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    with pytest.raises(ModelFormatError, match="changed on disk"):
+        cache_key(model)
 
 
 def _flip(offset: Callable[[int], int]) -> Callable[[Path], None]:

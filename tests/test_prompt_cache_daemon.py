@@ -3,15 +3,19 @@ to disk, and the next daemon serves its first request with that prefix restored 
 
 from __future__ import annotations
 
+import signal
+import time
 from pathlib import Path
 
 import anyio
+import httpx
 import pytest
 
 from genie_supervisor.config import PromptCacheConfig
 from genie_supervisor.llm.prompt_cache import default_dir, open_prompt_cache
 from tests.apitools import http, oai
 from tests.daemon import make_supervisor
+from tests.daemon_process import DaemonProcess
 from tests.models import SMOLLM2, require
 
 pytestmark = pytest.mark.timeout(300)
@@ -53,6 +57,27 @@ async def test_a_restarted_daemon_serves_the_first_request_from_the_disk_cache(t
             metrics = (await client.get("/metrics")).text
             assert 'genie_prompt_cache_events_total{event="hit"} 1.0' in metrics
             assert f"genie_prompt_cache_restored_tokens_total {float(cached)}" in metrics
+
+
+async def test_a_daemon_that_restored_from_disk_exits_at_once_on_sigterm(tmp_path: Path) -> None:
+    """The disk cache's read threads end at shutdown: a daemon process that served a request from
+    a restored file exits 0 on SIGTERM without a forced exit (no thread left to wait for)."""
+    model = require(SMOLLM2)
+    extra = f"prompt_cache: {{dir: {tmp_path / 'pc'}, min_tokens: 16}}\napi: {{warmup: false, shutdown_timeout_s: 8}}"
+    system = {"role": "system", "content": SYSTEM}
+    for run in ("one", "two"):
+        (tmp_path / run).mkdir()
+        async with DaemonProcess(tmp_path / run, model=model, backend="native", extra=extra) as d:
+            async with httpx.AsyncClient(base_url=d.url, timeout=60) as api:
+                chat = {"messages": [system, {"role": "user", "content": f"Hi from {run}"}], "max_tokens": 2}
+                got = (await api.post("/v1/chat/completions", json=chat)).json()
+            t0 = time.monotonic()
+            d.signal(signal.SIGTERM)
+            assert await d.wait(within_s=12) == 0
+            elapsed = time.monotonic() - t0
+            forced = [x for x in d.lines().splitlines() if "shutdown_forced" in x]
+            assert not forced and elapsed < 4, (elapsed, forced)
+    assert got["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16  # the second run restored
 
 
 def test_the_default_directory_follows_the_environment_and_disabled_means_none() -> None:

@@ -105,6 +105,34 @@ def test_the_early_load_uses_the_header_and_tokenizer_read_beside_the_prewarm(
     assert broken.skipped is not None and "ModelFormatError" in broken.skipped
 
 
+@pytest.mark.timeout(120)
+def test_the_early_header_is_handed_out_once_for_the_same_unchanged_file(tmp_path: Path) -> None:
+    """The daemon's plan at start gets the header the early load read (the same object, parsed
+    once), only for that file, only once, and not after the file changed."""
+    import os
+    import shutil
+
+    from engine.options import EngineOptions
+    from engine.prewarm import EarlyLoad, start_prewarm
+
+    path = str(tmp_path / "m.gguf")
+    shutil.copyfile(require(SMOLLM2), path)
+    options = EngineOptions(prefill_chunk=16)
+    rec = start_prewarm("numpy", options, EarlyLoad(path, 256, "f16", None, budget_bytes=4 << 30))
+    assert rec.header(path + ".other") is None
+    rec = start_prewarm("numpy", options, EarlyLoad(path, 256, "f16", None, budget_bytes=4 << 30))
+    header = rec.header(path)
+    assert header is not None and header.path == path and header.loadable
+    assert rec.header(path) is None  # once
+    assert rec.done.wait(60) and rec.model is not None  # the early load went on with its own reference
+
+    changed = start_prewarm("numpy", options, EarlyLoad(path, 256, "f16", None, budget_bytes=4 << 30))
+    assert changed.done.wait(60)
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    assert changed.header(path) is None
+
+
 async def test_the_daemon_takes_over_the_model_loaded_at_process_start(tmp_path: Path) -> None:
     """With one model to load at the start, `run` loads it in the prewarm thread while the daemon
     imports and starts; the model manager takes it over (model_loaded says early) and it serves."""

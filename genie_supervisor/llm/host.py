@@ -43,7 +43,7 @@ from ..arbiter import Arbiter, DecodeGate
 from ..errors import AdmissionError as AdmissionError  # re-export
 from ..errors import ContextTooLong, EngineUnavailable, RequestRefused
 from ..events import EngineStats, Observation
-from ..startup import take_early
+from ..startup import early_header, take_early
 from .extras import prepare
 from .generation import HostedGeneration as HostedGeneration  # re-export
 from .serving import NO_EXTRAS, RequestExtras, plan_parts_mb
@@ -334,7 +334,7 @@ class EngineHost:
         return replace(EngineOptions.from_env(), prefill_chunk=chunk)
 
     def _plan(self, path: str, chunk: int) -> MemoryPlan:
-        gf = open_model_file(path)
+        gf = (early_header(path) if self._loader is load_model else None) or open_model_file(path)
         self._header = gf  # the load takes it instead of reading the header again
         return plan_on(gf, self._n_ctx, self._kv_dtype, resolve_backend(self._backend), self._options(chunk))
 

@@ -25,9 +25,11 @@ grammar accepts, so a constrained generation ends when the grammar does or the m
 from __future__ import annotations
 
 import json
+import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -55,7 +57,39 @@ JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{1,24}"
 indentation), not llguidance's unbounded default, so a small model cannot pad forever. A schema's
 own top-level ``"x-guidance"`` key overrides it."""
 
-_FILLER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mask")
+class _Worker:
+    """One daemon thread running the calls submitted to it in order. (A ThreadPoolExecutor's
+    threads are not daemon threads: once used, its idle thread held the daemon's exit until the
+    shutdown bound forced it.)"""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        """`fn(*args)` in the worker thread; the future holds its result or exception."""
+        fut: Future[Any] = Future()
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+        self._jobs.put((fut, fn, args))
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            fut, fn, args = self._jobs.get()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+                fut.set_exception(exc)
+
+
+_FILLER = _Worker("mask")
 """Where `Constraint.fill_async` computes masks (llguidance drops the GIL while it does)."""
 
 SPECIAL_PREFIX = b"\xff"

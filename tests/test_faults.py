@@ -79,6 +79,25 @@ async def test_sigterm_exits_within_bound_while_a_worker_thread_is_stuck(tmp_pat
     assert forced["bound_s"] == 3
 
 
+async def test_a_daemon_that_served_constrained_output_exits_at_once_on_sigterm(tmp_path: Path) -> None:
+    """The thread that computes grammar masks does not hold the exit: after a JSON-mode answer the
+    daemon exits 0 on SIGTERM without a forced exit."""
+    daemon = DaemonProcess(tmp_path, model=require(SMOLLM2), extra="api: {warmup: false, shutdown_timeout_s: 8}")
+    async with daemon as d, httpx.AsyncClient(base_url=d.url, timeout=60) as api:
+        body = {
+            "messages": [{"role": "user", "content": "Give me a JSON object with a key 'on'."}],
+            "max_tokens": 8,
+            "response_format": {"type": "json_object"},
+        }
+        assert (await api.post("/v1/chat/completions", json=body)).status_code == 200
+        t0 = time.monotonic()
+        d.signal(signal.SIGTERM)
+        rc = await d.wait(within_s=12)
+        elapsed = time.monotonic() - t0
+    forced = [x for x in d.lines().splitlines() if "shutdown_forced" in x]
+    assert rc == 0 and not forced and elapsed < 4, (elapsed, forced)
+
+
 async def test_sigterm_mid_generation_ends_streams_with_a_finish_reason(tmp_path: Path) -> None:
     """SIGTERM while the official openai client streams one answer and waits for another: the stream
     ends with a finish_reason chunk and [DONE], the waiting request gets a 503 JSON, exit 0 within bound."""

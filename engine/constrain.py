@@ -57,6 +57,7 @@ JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{1,24}"
 indentation), not llguidance's unbounded default, so a small model cannot pad forever. A schema's
 own top-level ``"x-guidance"`` key overrides it."""
 
+
 class _Worker:
     """One daemon thread running the calls submitted to it in order. (A ThreadPoolExecutor's
     threads are not daemon threads: once used, its idle thread held the daemon's exit until the

@@ -98,6 +98,76 @@ async def test_a_daemon_that_served_constrained_output_exits_at_once_on_sigterm(
     assert rc == 0 and not forced and elapsed < 4, (elapsed, forced)
 
 
+@needs_broker
+@pytest.mark.timeout(180)
+async def test_a_daemon_that_used_every_api_exits_at_once_on_sigterm(tmp_path: Path) -> None:
+    """After the OpenAI, Ollama and llama-server routes, a tool call, JSON mode, the prompt cache
+    written and read back and MQTT, nothing the daemon started holds its exit: SIGTERM ends it
+    with status 0 within a second or two and no forced exit."""
+    broker = Mosquitto(tmp_path)
+    await broker.start()
+    extra = (
+        f"mqtt: {{url: '{broker.url}'}}\n"
+        f"prompt_cache: {{dir: {tmp_path / 'pc'}, min_tokens: 16}}\n"
+        "api: {warmup: true, shutdown_timeout_s: 8}"
+    )
+    system = {"role": "system", "content": "You run the lights of a small house. Answer in one short sentence."}
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "light_on",
+            "description": "Turn a light on",
+            "parameters": {"type": "object", "properties": {"room": {"type": "string"}}, "required": ["room"]},
+        },
+    }
+    try:
+        async with (
+            DaemonProcess(tmp_path, model=require(SMOLLM2), backend="native", extra=extra) as d,
+            httpx.AsyncClient(base_url=d.url, timeout=60) as api,
+        ):
+            await d.event("mqtt_online")
+            few: dict[str, Any] = {"max_tokens": 3, "temperature": 0}
+            chats = [
+                {"messages": [system, {"role": "user", "content": "Hi"}], **few},
+                {"messages": [system, {"role": "user", "content": "Hi again"}], "stream": True, **few},
+                {
+                    "messages": [{"role": "user", "content": "JSON please"}],
+                    "response_format": {"type": "json_object"},
+                    **few,
+                },
+                {
+                    "messages": [{"role": "user", "content": "Kitchen light on"}],
+                    "tools": [tool],
+                    "tool_choice": "required",
+                    **few,
+                },
+            ]
+            for body in chats:
+                assert (await api.post("/v1/chat/completions", json=body)).status_code == 200, body
+            ollama = {"model": "default", "stream": False, "options": {"num_predict": 2}}
+            msgs = [system, {"role": "user", "content": "Hello"}]
+            calls = [
+                ("/v1/completions", {"prompt": "The porch light", **few}),
+                ("/api/chat", {**ollama, "messages": msgs}),
+                ("/api/generate", {**ollama, "prompt": "The porch light"}),
+                ("/completion", {"prompt": "The porch light", "n_predict": 2}),
+                ("/tokenize", {"content": "The porch light"}),
+                ("/api/show", {"model": "default"}),
+            ]
+            for path, body in calls:
+                assert (await api.post(path, json=body)).status_code == 200, path
+            for path in ("/status", "/metrics", "/health", "/v1/models", "/api/tags", "/api/ps"):
+                assert (await api.get(path)).status_code == 200, path
+            t0 = time.monotonic()
+            d.signal(signal.SIGTERM)
+            rc = await d.wait(within_s=12)
+            elapsed = time.monotonic() - t0
+    finally:
+        await broker.stop()
+    forced = [x for x in d.lines().splitlines() if "shutdown_forced" in x]
+    assert rc == 0 and not forced and elapsed < 4, (elapsed, forced)
+
+
 async def test_sigterm_mid_generation_ends_streams_with_a_finish_reason(tmp_path: Path) -> None:
     """SIGTERM while the official openai client streams one answer and waits for another: the stream
     ends with a finish_reason chunk and [DONE], the waiting request gets a 503 JSON, exit 0 within bound."""

@@ -30,7 +30,7 @@ import anyio.to_thread
 import structlog
 from anyio.abc import TaskGroup, TaskStatus
 
-from . import __version__
+from . import __version__, gc_start
 from .arbiter import Arbiter, DecodeGate
 from .config import Config, parse_hostport
 from .controls import SupervisorControls
@@ -308,6 +308,8 @@ class Supervisor(SupervisorControls):
                     tg.cancel_scope.cancel()
                 await self._start_all(tg, source, sock)
                 self.ready = True
+                release_early()  # a model loaded at process start that nobody took (before the freeze)
+                gc_start.release()  # `run` held the collector off until now
                 self.notifier.ready(
                     f"serving on {self.http.address if self.http else '-'}; "
                     f"policy {self.policy.name}; engine {self.engine.state}"
@@ -322,7 +324,6 @@ class Supervisor(SupervisorControls):
                     policy=self.policy.name,
                     platform=source.name,
                 )
-                release_early()  # a model loaded at process start that nobody took
                 task_status.started(self)
                 await self._stop.wait()
                 await self._shutdown()

@@ -22,8 +22,9 @@ OVERRIDES = ("model", "policy", "mqtt", "listen", "platform")
 def start_early(args: argparse.Namespace) -> None:
     """`boot.start` for these arguments: the first thing ``genie-supervisor run`` does, before any
     heavy import (this module imports nothing else at its top for that reason)."""
-    from . import boot
+    from . import boot, gc_start
 
+    gc_start.hold()  # until supervisor_ready: the start makes almost no cyclic garbage
     boot.start(args.config, {k: getattr(args, k, None) for k in OVERRIDES})
 
 

@@ -13,6 +13,7 @@ when the builtin backend serves a model. `since_process_start()` is the start-to
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from dataclasses import replace
@@ -163,7 +164,8 @@ def release_early() -> None:
 
 def startup_status(models: ModelManager) -> dict[str, Any]:
     """The start's timing for /status and the ``supervisor_ready`` line: process start to ready
-    (the resident models loaded), each model's load, the prewarm thread."""
+    (the resident models loaded), each model's load, the prewarm thread, and the objects the
+    start left frozen out of the garbage collector's walks (`gc_start`: 0 when it was not held)."""
     pre = PREWARM
     done = pre is not None and pre.done.is_set()
     return {
@@ -174,4 +176,5 @@ def startup_status(models: ModelManager) -> dict[str, Any]:
         "early_load_s": round(pre.load_s, 3) if done and pre is not None and pre.load_s is not None else None,
         "early_skipped": pre.skipped if done and pre is not None else None,
         "kernel_cache_dir": str(KERNELS) if KERNELS is not None else None,
+        "gc_frozen": gc.get_freeze_count(),
     }

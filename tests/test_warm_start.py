@@ -45,7 +45,57 @@ async def test_daemon_keeps_kernels_under_the_cache_directory_and_reports_start_
         assert loaded["plan"]["prefill_chunk"] == 16 and loaded["plan"]["kv_dtype"] == "f16"
         startup = (await api.get("/status")).json()["startup"]
         assert startup["start_to_ready_s"] == ready["start_to_ready_s"]
+        assert ready["gc_frozen"] > 10_000  # the collector was held off to ready, the start frozen
     assert list((cache / "kernels" / "native").glob("qgemv-*.so"))
+
+
+def test_the_collector_is_held_off_once_until_ready_or_the_limit() -> None:
+    """`gc_start.hold` disables the cyclic collector once per process; `release` freezes what is
+    alive and enables it (once), the limit releases it when ready never comes, and a model
+    unload collects a frozen object in a reference cycle."""
+    import subprocess
+    import sys
+
+    code = """
+import gc, time
+from genie_supervisor import gc_start
+gc_start.hold()
+assert not gc.isenabled() and gc_start.held()
+junk = [[i] for i in range(50_000)]
+assert gc_start.release() and gc.isenabled() and gc.get_freeze_count() >= 50_000
+assert not gc_start.release()
+gc_start.hold()
+assert gc.isenabled(), "held twice"
+"""
+    limit = """
+import gc, time
+from genie_supervisor import gc_start
+gc_start.hold(limit_s=0.05)
+deadline = time.monotonic() + 10
+while not gc.isenabled() and time.monotonic() < deadline:
+    time.sleep(0.01)
+assert gc.isenabled() and not gc_start.held()
+"""
+    unload = """
+import gc, weakref
+from genie_supervisor import gc_start
+from genie_supervisor.llm.host import release_freed_memory
+class Model:
+    pass
+gc_start.hold()
+m = Model()
+m.me = m  # a reference cycle, as a loaded model may hold
+alive = weakref.ref(m)
+gc_start.release()
+del m
+gc.collect()
+assert alive() is not None  # frozen at ready: a collection does not see it
+release_freed_memory()
+assert alive() is None, "an unload must collect what the start froze"
+"""
+    for src in (code, limit, unload):
+        done = subprocess.run([sys.executable, "-c", src], capture_output=True, text=True, timeout=60, check=False)
+        assert done.returncode == 0, done.stderr
 
 
 def test_early_load_only_within_the_budget_and_handed_over_once() -> None:

@@ -56,8 +56,11 @@ def release_freed_memory() -> None:
 
     Without it the worker threads' malloc arenas keep a model's freed scratch: measured, six
     load/unload cycles of SmolLM2 and Gemma 3 left 145-225 MiB resident unloaded, with it 82-115.
-    A no-op where the C library has no ``malloc_trim`` (musl, macOS).
+    A no-op where the C library has no ``malloc_trim`` (musl, macOS). Objects the start froze
+    (`gc_start`: the model loaded at start among them) are unfrozen first, or a model in a
+    reference cycle would never be collected.
     """
+    gc.unfreeze()
     gc.collect()
     try:
         trim = ctypes.CDLL(None).malloc_trim

@@ -13,7 +13,6 @@ refers to itself, or that nests deeper than ``MAX_DEPTH`` is refused before it i
 
 from __future__ import annotations
 
-import difflib
 import os
 import stat
 import types
@@ -284,6 +283,8 @@ def _issue(model: type[BaseModel], err: Any, data: Any, lines: LineMap, path: st
         allowed = _allowed_keys(model, real[:-1])
         msg = "unknown key"
         if allowed:
+            import difflib  # only for a config with a typo: not on every start's import path
+
             close = difflib.get_close_matches(str(real[-1]), allowed, n=1)
             msg += f" (did you mean '{close[0]}'?)" if close else ""
             msg += f"; expected one of: {', '.join(allowed)}"

@@ -29,6 +29,7 @@ LATER = (
     "genie_supervisor.doctor",
     "pydantic.v1",  # FastAPI's analysis of a declared query or path parameter (api.llama_extra's /props)
     "gguf",  # the file-type names of /api/show (the engine writes out the format's constants itself)
+    "difflib",  # the did-you-mean of a config error
 )
 """Modules a start with no services, no MQTT and the builtin backend must not import."""
 

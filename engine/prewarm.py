@@ -102,11 +102,13 @@ class Prewarm:
         r, self.reader = self.reader, None
         if r is None or self.early is None or os.fspath(path) != self.early.path:
             return None
+        from .gguf_file import file_identity
+
         try:
             header = r.result()[0]
+            return header if header.identity == file_identity(self.early.path) else None
         except BaseException:  # noqa: BLE001 - the caller reads the header itself and reports why
             return None
-        return header if r.stat is not None and _identity(self.early.path) == r.stat else None
 
     def disown(self, why: str) -> None:
         """Refuse the early model to every `take` (e.g. the full config asks for another load) and
@@ -136,23 +138,12 @@ def prewarm(backend: str = "auto", options: EngineOptions | None = None) -> str:
     return name
 
 
-def _identity(path: str) -> tuple[int, int, int, int] | None:
-    """(device, inode, size, mtime in ns) of `path`; None when it cannot be read."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
-
-
 class _Reader:
     """The early model's header and tokenizer, made in a thread of their own while the prewarm
     creates the CUDA context and loads the kernels (driver calls that release the GIL): the
     GGUF's vocabulary and the tokenizer are ~0.2 s of Python for a 150k-token vocabulary."""
 
     def __init__(self, path: str) -> None:
-        self.stat = _identity(path)
-        """The file's identity when the reading began (a header handed out later must be of it)."""
         self.header: Any = None
         self.tokenizer: Any = None
         self.error: BaseException | None = None

@@ -11,6 +11,12 @@ Every sample is a fresh process, timed by this parent from just before it is spa
 - with ``--against DIR``, the daemon of another checkout (e.g. ``git worktree add /tmp/old HEAD~3``)
   in the same rounds, alternating, so both see the same page cache and machine load.
 
+With ``--first-reply``, each daemon also gets a prompt cache (a folder per checkout, kept across
+the run's processes) and, once ready, one chat request with a ~2,000-token system prompt (sized
+with the model's own tokenizer) and a short question (max_tokens 1): the first reply after a restart, what a Home Assistant user waits
+for. Its time from the spawn and from ready, and the prompt tokens restored from the disk cache
+(the warm-up round writes the file) are kept.
+
 One unmeasured round first fills the page cache, the kernel cache (a folder shared by every
 process of the run: CUPY_CACHE_DIR, GENIE_KERNEL_CACHE_DIR) and Python's bytecode cache (the
 children never inherit PYTHONDONTWRITEBYTECODE: an installed package has its .pyc files, and
@@ -19,6 +25,7 @@ without them every import compiles its source, ~3x the import time), so the roun
 
     python -m bench.warm_start --preset qwen3-4b-q4_k_m --backend cupy --rounds 5
     python -m bench.warm_start --model m.gguf --backend native --against /tmp/old
+    python -m bench.warm_start --model m.gguf --backend native --first-reply
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,19 +70,60 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def daemon_config(folder: Path, model: str, backend: str, n_ctx: int, kv: str, policy: str) -> Path:
-    """A daemon config for `model`: loopback HTTP on a free port, no MQTT, no services."""
+def system_prompt(model: str, n_tokens: int = 2000) -> str:
+    """A system prompt shaped like Home Assistant's exposed-entities list, as many lines as make
+    about `n_tokens` tokens of `model`'s tokenizer (read here, from the file's header alone)."""
+    from engine import open_model_file
+    from engine.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(open_model_file(model, header_only=True))
+    text, used, i = "You run the lights, blinds and heating of a small house. Answer in one short sentence.\n", 0, 0
+    while used < n_tokens:
+        line = f"- light.room_{i}: the ceiling light of room {i}, state off, brightness 0, area floor {i % 3}\n"
+        used += len(tok.encode(line))
+        text, i = text + line, i + 1
+    return text
+
+
+def first_reply(url: str, system: str, t0: float) -> dict[str, Any]:
+    """One chat request (the system prompt, a question, max_tokens 1): seconds from the spawn
+    (`t0`) to its answer, and the prompt and restored tokens its usage reports."""
+    import httpx
+
+    body = {
+        "model": "default",
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": "Is the porch light on?"}],
+        "max_tokens": 1,
+        "temperature": 0,
+    }
+    resp = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300)
+    resp.raise_for_status()
+    usage = resp.json()["usage"]
+    return {
+        "first_reply_s": round(time.perf_counter() - t0, 3),
+        "prompt_tokens": usage.get("prompt_tokens"),
+        "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
+    }
+
+
+def daemon_config(
+    folder: Path, model: str, backend: str, n_ctx: int, kv: str, policy: str, cache: Path | None = None
+) -> tuple[Path, str]:
+    """A daemon config for `model`: loopback HTTP on a free port, no MQTT, no services; a prompt
+    cache in `cache` when given. Returns the file and the API's base URL."""
     path = folder / "supervisor.yaml"
+    port = free_port()
     path.write_text(
         "node_id: warmstart\n"
         "log: {level: info, format: json}\n"
-        f"http: {{listen: '127.0.0.1:{free_port()}'}}\n"
+        f"http: {{listen: '127.0.0.1:{port}'}}\n"
         "api: {warmup: false}\n"
         f"engine: {{model: {json.dumps(model)}, backend: {backend}, n_ctx: {n_ctx}, kv_dtype: {kv}}}\n"
         f"policy: {{path: {json.dumps(policy)}, watch: false}}\n"
         "telemetry: {platform: simulated}\n"
+        + (f"prompt_cache: {{dir: {json.dumps(str(cache))}, min_tokens: 16}}\n" if cache is not None else "")
     )
-    return path
+    return path, f"http://127.0.0.1:{port}"
 
 
 def child_env(code: Path, kernels: Path) -> dict[str, str]:
@@ -88,11 +137,17 @@ def child_env(code: Path, kernels: Path) -> dict[str, str]:
 
 
 def time_until(
-    cmd: list[str], env: dict[str, str], marker: str, cwd: Path, stop: bool, events: dict[str, float] | None = None
+    cmd: list[str],
+    env: dict[str, str],
+    marker: str,
+    cwd: Path,
+    stop: bool,
+    events: dict[str, float] | None = None,
+    then: Callable[[float], dict[str, Any]] | None = None,
 ) -> tuple[float, str]:
     """Seconds from spawning `cmd` to its first stdout line holding `marker` (that line too); the
-    arrival of each TIMELINE event goes into `events`; the process is then stopped (SIGTERM) when
-    `stop`, else awaited."""
+    arrival of each TIMELINE event goes into `events`; `then(t0)` runs next, its fields going into
+    `events` too; the process is then stopped (SIGTERM) when `stop`, else awaited."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
@@ -108,7 +163,10 @@ def time_until(
                             events["phases"] = loaded.get("phases_s")  # type: ignore[assignment]
                             events["early"] = loaded.get("early")  # type: ignore[assignment]
             if marker in line:
-                return time.perf_counter() - t0, line
+                s = time.perf_counter() - t0
+                if then is not None and events is not None:
+                    events.update(then(t0))
+                return s, line
             seen.append(line)
         raise RuntimeError(f"{cmd[:3]} ended before {marker}:\n" + "".join(seen[-30:]))
     finally:
@@ -123,14 +181,16 @@ def time_until(
 
 def sample(kind: str, code: Path, a: argparse.Namespace, folder: Path, kernels: Path) -> dict[str, Any]:
     env = child_env(code, kernels)
-    cfg = daemon_config(folder, a.model, a.backend, a.n_ctx, a.kv, a.policy)
+    cache = folder / f"prompt-cache-{abs(hash(str(code)))}" if a.first_reply else None
+    cfg, url = daemon_config(folder, a.model, a.backend, a.n_ctx, a.kv, a.policy, cache)
     if kind == "engine":
         cmd = [sys.executable, "-c", ENGINE_CHILD, a.model, a.backend, str(a.n_ctx), a.kv]
         s, line = time_until(cmd, env, "LOADED", code, stop=False)
         return {"s": s, "phases": json.loads(line.split(" ", 1)[1])}
     cmd = [sys.executable, "-m", "genie_supervisor", "run", "--config", str(cfg)]
     events: dict[str, float] = {}
-    s, line = time_until(cmd, env, READY_EVENT, code, stop=True, events=events)
+    then = (lambda t0: first_reply(url, a.system, t0)) if a.first_reply else None
+    s, line = time_until(cmd, env, READY_EVENT, code, stop=True, events=events, then=then)
     event = json.loads(line)
     return {
         "s": s,
@@ -176,6 +236,11 @@ def main() -> None:
     ap.add_argument("--out", default=str(RESULTS), help="folder of the result files")
     ap.add_argument("--tag", default="", help="suffix of the result file names")
     ap.add_argument("--components", action="store_true", help="also time a bare process's imports and CUDA start")
+    ap.add_argument(
+        "--first-reply",
+        action="store_true",
+        help="also time each daemon's first chat reply (~2,000-token system prompt) with a prompt cache on disk",
+    )
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="warm-start-") as tmp:
         folder = Path(tmp)
@@ -186,6 +251,7 @@ def main() -> None:
             t0 = time.perf_counter()
             write_config(a.model, preset_config(a.preset, fast=True))
             print(f"generated {a.preset} ({os.path.getsize(a.model) / 1e9:.2f} GB) in {time.perf_counter() - t0:.1f} s")
+        a.system = system_prompt(a.model) if a.first_reply else ""
         kernels = folder / "kernels"
         codes = {"daemon": ROOT, "engine": ROOT}
         if a.against:
@@ -221,6 +287,18 @@ def report(a: argparse.Namespace, runs: dict[str, list[dict[str, Any]]], parts: 
     if "daemon_before" in med:
         lines.append(f"daemon after / before: {med['daemon'] / med['daemon_before']:.2f}x")
         figures["daemon_before_s"] = (round(med["daemon_before"], 3), "s")
+    for kind in [k for k in runs if k != "engine" and all("first_reply_s" in x["events"] for x in runs[k])]:
+        ev = [x["events"] for x in runs[kind]]
+        reply = statistics.median(e["first_reply_s"] for e in ev)
+        after = statistics.median(e["first_reply_s"] - e["supervisor_ready"] for e in ev)
+        cached = sorted({e.get("cached_tokens") for e in ev}, key=str)
+        prompt = sorted({e.get("prompt_tokens") for e in ev}, key=str)
+        lines.append(
+            f"{kind:14s} first reply median {reply:.3f} s from the spawn, {after:.3f} s after ready "
+            f"(prompt tokens {prompt}, restored from disk {cached})"
+        )
+        figures[f"{kind}_first_reply_s"] = (round(reply, 3), "s")
+        figures[f"{kind}_first_reply_after_ready_s"] = (round(after, 3), "s")
     for line in lines:
         print(line)
     stamp = time.strftime("%Y%m%d-%H%M%S") + (f"-{a.tag}" if a.tag else "")

@@ -208,6 +208,18 @@ def test_tiny_bpe_merges_by_rank_and_finds_stop_tokens() -> None:
     assert tok.encode("x<|end|>", add_special=False, parse_special=True)[-1] == end
 
 
+def test_a_repeated_merge_keeps_its_first_rank() -> None:
+    """A merge listed twice ranks where it first appears (as llama.cpp's map keeps it): with
+    "a b" first and again last, "abc" merges a+b before b+c."""
+    tokens = [byte_encode(chr(c)) for c in range(32, 127)] + ["ab", "bc", "abc"]
+    gf = _gguf(**{
+        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen2", "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.merges": ["a b", "b c", "ab c", "a b"],
+    })  # fmt: skip
+    tok = Tokenizer.from_gguf(gf)
+    assert [tok.tokens[i] for i in tok.encode("abc", add_special=False)] == ["abc"]
+
+
 @pytest.mark.parametrize(
     ("pre", "text", "pieces"),
     [

@@ -62,9 +62,15 @@ def _class_ranges(majors: np.ndarray, letter: str) -> str:
 @lru_cache(maxsize=1)
 def unicode_classes() -> dict[str, str]:
     """Class bodies for ``L`` (letters), ``N`` (numbers), ``P`` (punctuation), ``W`` (whitespace)."""
-    category = unicodedata.category  # the major class letter of every code point, as one byte string
+    # Every code point as one string, decoded from UTF-32 in one call (not a chr() each); the
+    # surrogates cannot be decoded, so spaces stand in for them and their class is set to C after.
+    cps = np.arange(_SCAN_LIMIT, dtype="<u4")
+    cps[0xD800:0xE000] = 0x20
+    text = cps.tobytes().decode("utf-32-le")
     # categories are two ASCII letters: every other byte of their concatenation is the major class
-    majors = np.frombuffer("".join(map(category, map(chr, range(_SCAN_LIMIT)))).encode("ascii")[::2], np.uint8)
+    cats = "".join(map(unicodedata.category, text)).encode("ascii")[::2]
+    majors = np.frombuffer(cats, np.uint8).copy()
+    majors[0xD800:0xE000] = ord("C")  # Cs
     classes = {k: _class_ranges(majors, k) for k in ("L", "N", "P")}
     classes["W"] = _ranges(_WHITESPACE)
     return classes

@@ -208,6 +208,23 @@ def test_tiny_bpe_merges_by_rank_and_finds_stop_tokens() -> None:
     assert tok.encode("x<|end|>", add_special=False, parse_special=True)[-1] == end
 
 
+def test_unicode_classes_hold_exactly_the_code_points_of_their_major_category() -> None:
+    """The pre-tokenizers' {L}, {N} and {P} class bodies match exactly the code points below the
+    scan limit whose Unicode category starts with that letter (no surrogate in any)."""
+    import re
+    import unicodedata
+
+    from engine import tokenizer_bpe
+
+    classes = tokenizer_bpe.unicode_classes()
+    limit = tokenizer_bpe._SCAN_LIMIT
+    for major in "LNP":
+        rx = re.compile(f"[{classes[major]}]")
+        want = [cp for cp in range(limit) if unicodedata.category(chr(cp))[0] == major]
+        got = [cp for cp in range(limit) if not 0xD800 <= cp < 0xE000 and rx.match(chr(cp))]
+        assert got == want, major
+
+
 def test_a_repeated_merge_keeps_its_first_rank() -> None:
     """A merge listed twice ranks where it first appears (as llama.cpp's map keeps it): with
     "a b" first and again last, "abc" merges a+b before b+c."""

@@ -25,6 +25,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,29 +40,34 @@ QUESTION = "Turn off the hall light and tell me which lights are still on."
 AREAS = ("kitchen", "hall", "living room", "bedroom", "garage", "office", "porch", "bathroom")
 
 
+def entity_list(n: int) -> str:
+    """A Home Assistant-style system prompt exposing `n` light entities."""
+    lines = ["You are a voice assistant for Home Assistant. Answer in one sentence. Exposed entities:"]
+    for i in range(n):
+        area = AREAS[i % len(AREAS)]
+        lines.append(f"- light.{area.replace(' ', '_')}_{i}: '{area} lamp {i}' state on, brightness {(i * 37) % 100}%")
+    return "\n".join(lines)
+
+
+def sized_entity_list(size: Callable[[str], int], tokens: int) -> str:
+    """The longest `entity_list` of at most `tokens` tokens as `size` counts them."""
+    lo, hi = 1, 2
+    while size(entity_list(hi)) <= tokens:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:  # size(lo) <= tokens < size(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if size(entity_list(mid)) <= tokens else (lo, mid)
+    return entity_list(lo)
+
+
 def system_prompt(model: Model, tokens: int) -> list[dict[str, str]]:
     """Messages: a system prompt of at most `tokens` tokens, as many as fit (exposed entities, HA
     style), and the question."""
 
-    def system(n: int) -> str:
-        lines = ["You are a voice assistant for Home Assistant. Answer in one sentence. Exposed entities:"]
-        for i in range(n):
-            area = AREAS[i % len(AREAS)]
-            lines.append(
-                f"- light.{area.replace(' ', '_')}_{i}: '{area} lamp {i}' state on, brightness {(i * 37) % 100}%"
-            )
-        return "\n".join(lines)
+    def size(text: str) -> int:
+        return len(model.encode_chat([{"role": "system", "content": text}]))
 
-    def size(n: int) -> int:
-        return len(model.encode_chat([{"role": "system", "content": system(n)}]))
-
-    lo, hi = 1, 2
-    while size(hi) <= tokens:
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:  # size(lo) <= tokens < size(hi)
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if size(mid) <= tokens else (lo, mid)
-    return [{"role": "system", "content": system(lo)}, {"role": "user", "content": QUESTION}]
+    return [{"role": "system", "content": sized_entity_list(size, tokens)}, {"role": "user", "content": QUESTION}]
 
 
 def _ttft(model: Model, ids: list[int], cache: ModelCache | None) -> tuple[float, int, int]:

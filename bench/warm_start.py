@@ -12,10 +12,11 @@ Every sample is a fresh process, timed by this parent from just before it is spa
   in the same rounds, alternating, so both see the same page cache and machine load.
 
 With ``--first-reply``, each daemon also gets a prompt cache (a folder per checkout, kept across
-the run's processes) and, once ready, one chat request with a ~2,000-token system prompt (sized
-with the model's own tokenizer) and a short question (max_tokens 1): the first reply after a restart, what a Home Assistant user waits
-for. Its time from the spawn and from ready, and the prompt tokens restored from the disk cache
-(the warm-up round writes the file) are kept.
+the run's processes) and, once ready, one chat request with `bench.prompt_cache`'s ~2,000-token
+entity-list system prompt (sized with the model's own tokenizer) and its question (max_tokens 1):
+the first reply after a restart, what a Home Assistant user waits for. Its time from the spawn and
+from ready, and the prompt tokens restored from the disk cache (the warm-up round writes the file)
+are kept.
 
 One unmeasured round first fills the page cache, the kernel cache (a folder shared by every
 process of the run: CUPY_CACHE_DIR, GENIE_KERNEL_CACHE_DIR) and Python's bytecode cache (the
@@ -71,18 +72,14 @@ def free_port() -> int:
 
 
 def system_prompt(model: str, n_tokens: int = 2000) -> str:
-    """A system prompt shaped like Home Assistant's exposed-entities list, as many lines as make
-    about `n_tokens` tokens of `model`'s tokenizer (read here, from the file's header alone)."""
+    """`bench.prompt_cache`'s entity-list system prompt, at most `n_tokens` tokens of `model`'s
+    tokenizer (read here, from the file's header alone: no weights in this parent process)."""
+    from bench.prompt_cache import sized_entity_list
     from engine import open_model_file
     from engine.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(open_model_file(model, header_only=True))
-    text, used, i = "You run the lights, blinds and heating of a small house. Answer in one short sentence.\n", 0, 0
-    while used < n_tokens:
-        line = f"- light.room_{i}: the ceiling light of room {i}, state off, brightness 0, area floor {i % 3}\n"
-        used += len(tok.encode(line))
-        text, i = text + line, i + 1
-    return text
+    return sized_entity_list(lambda text: len(tok.encode(text)), n_tokens)
 
 
 def first_reply(url: str, system: str, t0: float) -> dict[str, Any]:
@@ -90,9 +87,11 @@ def first_reply(url: str, system: str, t0: float) -> dict[str, Any]:
     (`t0`) to its answer, and the prompt and restored tokens its usage reports."""
     import httpx
 
+    from bench.prompt_cache import QUESTION
+
     body = {
         "model": "default",
-        "messages": [{"role": "system", "content": system}, {"role": "user", "content": "Is the porch light on?"}],
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": QUESTION}],
         "max_tokens": 1,
         "temperature": 0,
     }

@@ -345,7 +345,11 @@ def read_gguf(path: str | os.PathLike[str], header_only: bool = False) -> GGUFFi
 
 def file_identity(path: str) -> tuple[int, int, int, int]:
     """(device, inode, size, mtime in ns) of `path`: a file replaced or rewritten has another."""
-    st = os.stat(path)
+    return stat_identity(os.stat(path))
+
+
+def stat_identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    """`file_identity` of a stat result (e.g. `os.fstat` of a file already open)."""
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 

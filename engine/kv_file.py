@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .errors import ModelFormatError
+from .gguf_file import stat_identity
 from .kv_cache import Int8Rows, KVCache
 
 if TYPE_CHECKING:
@@ -146,7 +147,7 @@ def cache_key(model: Model) -> CacheKey:
     with open(idx.path, "rb") as fh:
         fd = fh.fileno()
         st = os.fstat(fd)
-        if idx.identity != (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns):
+        if idx.identity != stat_identity(st):
             raise ModelFormatError(idx.path, "file", "changed on disk since the model was loaded")
         end = max((e for _, e in idx.spans.values()), default=0)
         head = memoryview(os.pread(fd, end, 0))

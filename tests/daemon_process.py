@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -159,6 +160,17 @@ class DaemonProcess:
         """Send a signal to the daemon."""
         assert self._proc is not None
         self._proc.send_signal(signum)
+
+    async def sigterm(self, within_s: float) -> tuple[int, float]:
+        """Send SIGTERM and wait (bounded) for the exit: (exit status, seconds from the signal)."""
+        t0 = time.monotonic()
+        self.signal(signal.SIGTERM)
+        rc = await self.wait(within_s)
+        return rc, time.monotonic() - t0
+
+    def forced_exits(self) -> list[str]:
+        """The log's ``shutdown_forced`` lines (a thread held the exit until the bound)."""
+        return [x for x in self.lines().splitlines() if "shutdown_forced" in x]
 
     async def wait(self, within_s: float) -> int:
         """Wait (bounded) for the process to exit; its exit status."""

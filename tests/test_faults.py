@@ -69,10 +69,7 @@ async def test_sigterm_exits_within_bound_while_a_worker_thread_is_stuck(tmp_pat
         # the gate counts a prefill step just before the step's worker thread starts ("prefill"
         # alone is the state from admission on: the lock and the prompt-cache lookup come first)
         await _wait_status(d, lambda s: s["gate"]["steps_total"].get("prefill", 0) >= 1)
-        t0 = time.monotonic()
-        d.signal(signal.SIGTERM)
-        rc = await d.wait(within_s=3 + 2)
-        elapsed = time.monotonic() - t0
+        rc, elapsed = await d.sigterm(within_s=3 + 2)
         forced = await d.event("shutdown_forced", within_s=1)
     assert rc == 0 and elapsed < 5, (rc, elapsed)
     assert any("AnyIO worker thread" in t for t in forced["threads"]), forced
@@ -90,11 +87,8 @@ async def test_a_daemon_that_served_constrained_output_exits_at_once_on_sigterm(
             "response_format": {"type": "json_object"},
         }
         assert (await api.post("/v1/chat/completions", json=body)).status_code == 200
-        t0 = time.monotonic()
-        d.signal(signal.SIGTERM)
-        rc = await d.wait(within_s=12)
-        elapsed = time.monotonic() - t0
-    forced = [x for x in d.lines().splitlines() if "shutdown_forced" in x]
+        rc, elapsed = await d.sigterm(within_s=12)
+    forced = d.forced_exits()
     assert rc == 0 and not forced and elapsed < 4, (elapsed, forced)
 
 
@@ -158,13 +152,10 @@ async def test_a_daemon_that_used_every_api_exits_at_once_on_sigterm(tmp_path: P
                 assert (await api.post(path, json=body)).status_code == 200, path
             for path in ("/status", "/metrics", "/health", "/v1/models", "/api/tags", "/api/ps"):
                 assert (await api.get(path)).status_code == 200, path
-            t0 = time.monotonic()
-            d.signal(signal.SIGTERM)
-            rc = await d.wait(within_s=12)
-            elapsed = time.monotonic() - t0
+            rc, elapsed = await d.sigterm(within_s=12)
     finally:
         await broker.stop()
-    forced = [x for x in d.lines().splitlines() if "shutdown_forced" in x]
+    forced = d.forced_exits()
     assert rc == 0 and not forced and elapsed < 4, (elapsed, forced)
 
 
@@ -201,10 +192,7 @@ async def test_sigterm_mid_generation_ends_streams_with_a_finish_reason(tmp_path
             await got_chunks.wait()
             tg.start_soon(waiting)
             await _wait_status(d, lambda s: s["engine"]["stats"]["requests_in_flight"] == 2)
-            t0 = time.monotonic()
-            d.signal(signal.SIGTERM)
-            rc = await d.wait(within_s=5 + 2)
-            elapsed = time.monotonic() - t0
+            rc, elapsed = await d.sigterm(within_s=5 + 2)
     assert rc == 0 and elapsed < 5, (rc, elapsed)
     assert events[-1] == "[DONE]", events[-3:]
     assert events[-2]["choices"][0]["finish_reason"] == "cancelled", events[-2]

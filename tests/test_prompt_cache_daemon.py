@@ -3,8 +3,6 @@ to disk, and the next daemon serves its first request with that prefix restored 
 
 from __future__ import annotations
 
-import signal
-import time
 from pathlib import Path
 
 import anyio
@@ -71,12 +69,9 @@ async def test_a_daemon_that_restored_from_disk_exits_at_once_on_sigterm(tmp_pat
             async with httpx.AsyncClient(base_url=d.url, timeout=60) as api:
                 chat = {"messages": [system, {"role": "user", "content": f"Hi from {run}"}], "max_tokens": 2}
                 got = (await api.post("/v1/chat/completions", json=chat)).json()
-            t0 = time.monotonic()
-            d.signal(signal.SIGTERM)
-            assert await d.wait(within_s=12) == 0
-            elapsed = time.monotonic() - t0
-            forced = [x for x in d.lines().splitlines() if "shutdown_forced" in x]
-            assert not forced and elapsed < 4, (elapsed, forced)
+            rc, elapsed = await d.sigterm(within_s=12)
+            forced = d.forced_exits()
+            assert rc == 0 and not forced and elapsed < 4, (elapsed, forced)
     assert got["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16  # the second run restored
 
 

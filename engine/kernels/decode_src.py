@@ -319,11 +319,27 @@ extern "C" __global__ void __launch_bounds__(128) qkv_post(
         const float* __restrict__ cs, const float* __restrict__ sn,
         const float* __restrict__ qn, const float* __restrict__ kn, int n_ctx, float eps) {
     PDL_LAUNCH();
-    PDL_WAIT();
     __shared__ float xs[(D > DV ? D : DV)];
     __shared__ float red[4];
     int b = blockIdx.x, tid = threadIdx.x;
-    int pos = ids[1];
+    int pos = ids[1];  // written before the step's first kernel
+    bool is_q = b < H;
+    const float* nw = is_q ? qn : kn;
+    // what does not depend on the kernel before is loaded before the wait: the Q/K norm's weights
+    // and this thread's RoPE cos/sin at the position (one dependent round trip less after it)
+    const float* c = cs + (long long)pos * HALF;
+    const float* s = sn + (long long)pos * HALF;
+    float nwv[(D + 127) / 128], cj[(D + 127) / 128], sj[(D + 127) / 128];
+    #pragma unroll
+    for (int k = 0; k < (D + 127) / 128; k++) {
+        int d = tid + 128 * k;
+        int j = NEOX ? (d < HALF ? d : d - HALF) : d >> 1;
+        bool rot = b < H + KVH && d < D && d < 2 * HALF;
+        nwv[k] = (nw && b < H + KVH && d < D) ? nw[d] : 1.f;
+        cj[k] = rot ? c[j] : 0.f;
+        sj[k] = rot ? s[j] : 0.f;
+    }
+    PDL_WAIT();
     if (b >= H + KVH) {
         int h = b - H - KVH;
         const float* src = qkv + H * D + KVH * D + h * DV;
@@ -335,9 +351,7 @@ extern "C" __global__ void __launch_bounds__(128) qkv_post(
 #endif
         return;
     }
-    bool is_q = b < H;
     const float* src = is_q ? qkv + b * D : qkv + H * D + (b - H) * D;
-    const float* nw = is_q ? qn : kn;
     float ss = 0.f;
     for (int i = tid; i < D; i += 128) { float v = src[i]; xs[i] = v; ss += v * v; }
     if (nw) {
@@ -345,25 +359,26 @@ extern "C" __global__ void __launch_bounds__(128) qkv_post(
         if ((tid & 31) == 0) red[tid >> 5] = ss;
         __syncthreads();
         float r = sqrtf((red[0] + red[1] + red[2] + red[3]) / (float)D + eps);
-        for (int i = tid; i < D; i += 128) xs[i] = xs[i] / r * nw[i];
+        #pragma unroll
+        for (int k = 0; k < (D + 127) / 128; k++) {
+            int i = tid + 128 * k;
+            if (i < D) xs[i] = xs[i] / r * nwv[k];
+        }
     }
     __syncthreads();
-    const float* c = cs + (long long)pos * HALF;
-    const float* s = sn + (long long)pos * HALF;
     float out[(D + 127) / 128];
     #pragma unroll
     for (int k = 0; k < (D + 127) / 128; k++) {
         int d = tid + 128 * k;
         if (d >= D) break;
         float v = xs[d];
-        if (d < 2 * HALF) {
+        if (d < 2 * HALF) {  // cj / sj: c[j], s[j] of this thread's pair j
             if (NEOX) {
-                if (d < HALF) v = xs[d] * c[d] - xs[d + HALF] * s[d];
-                else { int j = d - HALF; v = xs[j] * s[j] + xs[d] * c[j]; }
+                if (d < HALF) v = xs[d] * cj[k] - xs[d + HALF] * sj[k];
+                else { int j = d - HALF; v = xs[j] * sj[k] + xs[d] * cj[k]; }
             } else {
-                int j = d >> 1;
-                if ((d & 1) == 0) v = xs[d] * c[j] - xs[d + 1] * s[j];
-                else v = xs[d - 1] * s[j] + xs[d] * c[j];
+                if ((d & 1) == 0) v = xs[d] * cj[k] - xs[d + 1] * sj[k];
+                else v = xs[d - 1] * sj[k] + xs[d] * cj[k];
             }
         }
         out[k] = v;

@@ -177,7 +177,9 @@ __device__ __forceinline__ float dot_Q8_0(const raw_Q8_0& r, int c, const signed
 # preallocated global buffer as int8 values `xq[cols]`, one float scale per block `xd` and the sum
 # of each 16 values `xs16`. One warp per rounding block, 8 a thread block; every thread block
 # forms the sum of squares over the whole input itself (same order as before: the values are
-# bit-identical to the per-block preparation the GEMV used to do).
+# bit-identical to the per-block preparation the GEMV used to do). With q8_k rounding a warp loads
+# its share of the norm's weights before the wait for the kernel that writes x, and its share of x
+# together with the sum of squares: one dependent memory round trip after the wait instead of three.
 ROUND = r"""
 __device__ __forceinline__ int sum16(int v) {
     #pragma unroll
@@ -225,9 +227,23 @@ extern "C" __global__ void __launch_bounds__(256) qprep_x(
         const float* __restrict__ x, const float* __restrict__ nw, float eps, int aq, int cols,
         signed char* __restrict__ xq, float* __restrict__ xd, int* __restrict__ xs16) {
     PDL_LAUNCH();
-    PDL_WAIT();
     __shared__ float red[8];
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    int g = blockIdx.x * 8 + warp;
+    bool mine = g < (cols >> (aq == 1 ? 5 : 8));
+    // q8_k (aq 2): this warp's 256 values of the norm's weights are loaded before the wait
+    // (weights: no kernel before writes them), its values of x right after it, together with the
+    // sum of squares - one dependent round trip after the wait instead of three (Qwen3-4B shape:
+    // decode 1.12x). q8_0 (aq 1) keeps the loads after the sum: the same change made the SmolLM2
+    // shape's decode 0.945x (measured, not understood), so that path is the one before.
+    bool early = aq == 2 && mine;
+    int base = g * 256 + lane;  // value base + 32 k of x (q8_k)
+    float w[8], xv[8];
+    #pragma unroll
+    for (int k = 0; k < 8; k++) w[k] = (early && nw) ? nw[base + 32 * k] : 1.f;
+    PDL_WAIT();
+    #pragma unroll
+    for (int k = 0; k < 8; k++) xv[k] = early ? x[base + 32 * k] : 0.f;
     float r = 1.f;
     if (nw) {
         float ss = 0.f;
@@ -241,10 +257,18 @@ extern "C" __global__ void __launch_bounds__(256) qprep_x(
         for (int w = 0; w < 8; w++) tot += red[w];
         r = sqrtf(tot / (float)cols + eps);
     }
-    int g = blockIdx.x * 8 + warp;
-    if (g >= (cols >> (aq == 1 ? 5 : 8))) return;
-    // the normalised value (x / r * w, as prep_input computes it) is formed where it is rounded
-    round_group([&](int i) { return nw ? x[i] / r * nw[i] : x[i]; }, aq, g, lane, xq, xd, xs16);
+    if (!mine) return;
+    // the normalised value (x / r * w, as prep_input computes it) is formed where it is rounded;
+    // aq a constant in each call, so the index below folds to k (registers, no local memory)
+    if (aq == 1) {
+        round_group([&](int i) { return nw ? x[i] / r * nw[i] : x[i]; }, 1, g, lane, xq, xd, xs16);
+    } else {
+        if (nw) {
+            #pragma unroll
+            for (int k = 0; k < 8; k++) xv[k] = xv[k] / r * w[k];
+        }
+        round_group([&](int i) { return xv[(i - base) >> 5]; }, 2, g, lane, xq, xd, xs16);
+    }
 }
 """
 

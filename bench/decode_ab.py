@@ -183,9 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = summarise(samples)
     lines = report(rows)
     print("\n".join(lines))
-    stamp = time.strftime("%Y%m%d-%H%M%S") + (f"-{a.tag}" if a.tag else "")
-    out = Path(a.out) / f"decode_ab-{stamp}.md"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    from bench.record import record, result_file
+
+    out = result_file(a.out, "decode_ab", a.tag)
     command = f"python -m bench.decode_ab {' '.join(sys.argv[1:] if argv is None else argv)}".strip()
     out.write_text(
         f"# bench/decode_ab.py\n\nCommand: `{command}` ({time.strftime('%Y-%m-%d')}, backend {a.backend}, "
@@ -196,7 +196,6 @@ def main(argv: list[str] | None = None) -> int:
         + "\n```\n"
     )
     print(f"wrote {out}")
-    from bench.record import record
 
     figures = {f"{r['model']}_{fig}_ratio": (r[fig]["ratio"], "x") for r in rows for fig in FIGURES if fig in r}
     record(

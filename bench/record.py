@@ -35,6 +35,14 @@ def save(entries: dict[str, dict[str, Any]], index: Path = INDEX) -> None:
     index.write_text(json.dumps({"entries": entries}, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
+def result_file(folder: str | Path, name: str, tag: str = "", suffix: str = ".md") -> Path:
+    """`folder/<name>-<YYYYmmdd-HHMMSS>[-<tag>]<suffix>`, the folder made: where a run writes its result."""
+    stamp = time.strftime("%Y%m%d-%H%M%S") + (f"-{tag}" if tag else "")
+    out = Path(folder) / f"{name}-{stamp}{suffix}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return out
+
+
 def commit() -> str:
     """This checkout's short commit, with `-dirty` when tracked files differ from it."""
 

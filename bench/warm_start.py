@@ -300,9 +300,9 @@ def report(a: argparse.Namespace, runs: dict[str, list[dict[str, Any]]], parts: 
         figures[f"{kind}_first_reply_after_ready_s"] = (round(after, 3), "s")
     for line in lines:
         print(line)
-    stamp = time.strftime("%Y%m%d-%H%M%S") + (f"-{a.tag}" if a.tag else "")
-    out = Path(a.out) / f"warm_start-{stamp}.md"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    from bench.record import record, result_file
+
+    out = result_file(a.out, "warm_start", a.tag)
     command = f"python -m bench.warm_start {' '.join(sys.argv[1:])}".strip()
     out.write_text(
         f"# bench/warm_start.py\n\nCommand: `{command}` ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, "
@@ -313,7 +313,6 @@ def report(a: argparse.Namespace, runs: dict[str, list[dict[str, Any]]], parts: 
         + "\n```\n"
     )
     print(f"wrote {out}")
-    from bench.record import record
 
     record(
         "warm_start",

@@ -1,12 +1,14 @@
 """Decode A/B: this checkout's engine against another checkout's, same run, fresh processes alternating.
 
 Each sample is a fresh process whose working directory and ``PYTHONPATH`` are one checkout, so it
-imports that checkout's engine. It loads the model (``--backend``), prefills a seeded random prompt
-of ``--prompt`` tokens and then:
+imports that checkout's engine. It loads the model (``--backend``) and then:
 
-- **fingerprints the logits** of ``--steps`` one-token greedy steps (SHA-256 of their float32
-  bytes): a change meant to keep the arithmetic (a kernel that loads earlier, code moved) must give
-  the same hash in both checkouts;
+- **times the prefill** of a seeded random prompt of ``--prompt`` tokens through
+  ``Model.step_logits`` (the served path: chunks, graphs, the logits read back), median of
+  ``--gen-runs`` after one warm-up;
+- **fingerprints the logits** of that prefill and of ``--steps`` one-token greedy steps after it
+  (SHA-256 of their float32 bytes): a change meant to keep the arithmetic (a kernel that loads
+  earlier, code moved) must give the same hash in both checkouts;
 - **times `Model.generate`** (what the API serves): greedy, ``ignore_eos``, ``--tokens`` tokens
   after the prompt, timed by its consumer from the first token to the last, median of
   ``--gen-runs`` generations (the prompt prefilled again each time);
@@ -40,7 +42,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
-FIGURES = ("generate_tok_s", "gpu_replay_tok_s")
+FIGURES = ("prefill_tok_s", "generate_tok_s", "gpu_replay_tok_s")
 
 CHILD = r"""
 import hashlib, json, sys, time
@@ -55,8 +57,13 @@ prompt = np.random.default_rng(0).integers(0, m.spec.n_vocab, n_prompt).tolist()
 def host(a):
     return np.asarray(a.get() if hasattr(a, "get") else a, dtype=np.float32).ravel()
 
-lg = host(m.step_logits(prompt, 0))
-fp, tok, pos = hashlib.sha256(), int(lg.argmax()), n_prompt
+pre = []
+for _ in range(gen_runs + 2):  # the first prefill compiles and warms; the median of the rest counts
+    m.transformer.kv.tokens = []
+    t0 = time.perf_counter()
+    lg = host(m.step_logits(prompt, 0))
+    pre.append(time.perf_counter() - t0)
+fp, tok, pos = hashlib.sha256(lg.tobytes()), int(lg.argmax()), n_prompt
 for _ in range(n_steps):
     lg = host(m.step_logits([tok], pos))
     fp.update(lg.tobytes())
@@ -72,7 +79,8 @@ rates = []
 for _ in range(gen_runs):
     m.transformer.kv.tokens = []
     rates.append(anyio.run(generate))
-out = {"logits_sha": fp.hexdigest()[:16], "generate_tok_s": float(np.median(rates))}
+out = {"logits_sha": fp.hexdigest()[:16], "generate_tok_s": float(np.median(rates)),
+       "prefill_tok_s": n_prompt / float(np.median(pre[1:]))}
 dec = getattr(m, "decoder", None)
 if dec is not None and hasattr(dec, "_launch") and hasattr(dec, "stream"):
     import cupy as cp

@@ -1,6 +1,7 @@
-"""CuPy prefill GEMMs that read the GGUF blocks (`mmq_h_<T>`): W @ x of every stored type equals
-the float64 product of the fp16-rounded weights and inputs, for ragged rows, tokens and K; the
-backend's matmul with them equals the dequantized-tiles + cuBLAS path and allocates no tile.
+"""CuPy prefill GEMMs that read the GGUF blocks (`mmq_h_<T>`, `mmq_w_<T>`): W @ x of every stored
+type equals the float64 product of the fp16-rounded weights and inputs, for ragged rows, tokens and
+K, with the same bits from both tile widths; the backend's matmul with them equals the
+dequantized-tiles + cuBLAS path and allocates no tile.
 
 Runs only where CuPy and a CUDA device of compute capability 8.0+ work; skipped cleanly elsewhere.
 """
@@ -38,12 +39,13 @@ def _weight(rng: np.random.Generator, t: str, rows: int, cols: int) -> np.ndarra
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("t", TYPES)
 def test_mmq_equals_the_fp16_product_for_every_type(t: str) -> None:
-    """For every stored type, `mmq_h_<T>` over ragged shapes (rows not a multiple of 128, tokens
-    not of 64, K with an odd number of 32-value units where the type allows it) writes the float64
-    product of the fp16-rounded weights and inputs into its column slice, within fp32 summation."""
+    """For every stored type, `mmq_h_<T>` and `mmq_w_<T>` over ragged shapes (rows not a multiple
+    of 128, tokens not of 64 or 128, K with an odd number of 32-value units where the type allows
+    it) write the float64 product of the fp16-rounded weights and inputs into their column slice,
+    within fp32 summation, and the same bits as each other."""
     rng = np.random.default_rng(11)
     ops = CupyOps(prefill_dtype="float16")
-    for rows, cols, n in [(200, 512, 70), (128, 256, 64), (37, 1024, 130), (300, 256, 2)]:
+    for rows, cols, n in [(200, 512, 70), (128, 256, 64), (37, 1024, 130), (300, 256, 2), (260, 512, 257)]:
         if t not in K_QUANTS and cols == 256:
             cols = 96  # three units: the last K step holds one unit and zeros
         raw = _weight(rng, t, rows, cols)
@@ -53,11 +55,15 @@ def test_mmq_equals_the_fp16_product_for_every_type(t: str) -> None:
         x = rng.standard_normal((n, cols), dtype=np.float32)
         wf = dequantize(raw, t, (rows, cols)).astype(np.float16).astype(np.float64)
         ref = x.astype(np.float16).astype(np.float64) @ wf.T
-        y = cp.full((n, rows + 5), np.nan, dtype=cp.float32)  # wider: only columns 3..3+rows written
-        ops._mmq(w, cp.asarray(x.astype(np.float16)), y, 3)
-        got = cp.asnumpy(y)
-        assert np.isnan(got[:, :3]).all() and np.isnan(got[:, 3 + rows :]).all()
-        assert rel(got[:, 3 : 3 + rows], ref) < 1e-5, (t, rows, cols, n, rel(got[:, 3 : 3 + rows], ref))
+        outs = []
+        for bn in (64, 128):
+            y = cp.full((n, rows + 5), np.nan, dtype=cp.float32)  # wider: only columns 3..3+rows written
+            ops._mmq(w, cp.asarray(x.astype(np.float16)), y, 3, bn=bn)
+            got = cp.asnumpy(y)
+            assert np.isnan(got[:, :3]).all() and np.isnan(got[:, 3 + rows :]).all()
+            assert rel(got[:, 3 : 3 + rows], ref) < 1e-5, (t, bn, rows, cols, n, rel(got[:, 3 : 3 + rows], ref))
+            outs.append(got)
+        assert np.array_equal(outs[0], outs[1], equal_nan=True), (t, rows, cols, n)
 
 
 @pytest.mark.timeout(120)

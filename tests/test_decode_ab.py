@@ -1,4 +1,4 @@
-"""bench.decode_ab: two checkouts' engines decode the same model in alternating fresh processes,
+"""bench.decode_ab: two checkouts' engines prefill and decode the same model in alternating fresh processes,
 and the report gives each figure's ratio and whether the logits agree."""
 
 from __future__ import annotations
@@ -44,3 +44,4 @@ def test_a_checkout_against_itself_decodes_the_same_logits(tmp_path: Path) -> No
     text = out.read_text()
     assert '"side": "this"' in text and '"side": "reference"' in text
     assert "| identical |" in text and "DIFFER" not in text
+    assert "| prefill_tok_s |" in text and "| generate_tok_s |" in text

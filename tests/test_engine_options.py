@@ -13,6 +13,7 @@ from engine import EngineOptions, load_model
 from engine.backends.cpu_native import native_available
 from engine.gguf_file import read_gguf
 from engine.kernels import decode_src, qdot_src
+from engine.kernels.mmq_src import mmq_tile
 from engine.model import plan_memory
 from engine.spec import read_spec
 from engine.synth import write_synthetic_gguf
@@ -214,3 +215,12 @@ def test_no_engine_module_reads_the_environment_but_from_env() -> None:
                 continue
             offenders.append(f"{rel}:{n}: {line.strip()}")
     assert offenders == []
+
+
+def test_tile_width_follows_the_chunk_and_the_grid() -> None:
+    """`mmq_tile` takes 128-token tiles only for chunks of 128+ tokens whose grid still gives every
+    multiprocessor two blocks, and 64-token tiles otherwise."""
+    assert mmq_tile(64, 20_000, 132) == 64  # a short chunk never pads to 128
+    assert mmq_tile(512, 19_456, 132) == 128  # 4 x 152 blocks
+    assert mmq_tile(512, 2_560, 132) == 64  # 4 x 20 blocks: too few for 132 multiprocessors
+    assert mmq_tile(512, 2_560, 8) == 128  # the same matrix fills an 8-multiprocessor GPU

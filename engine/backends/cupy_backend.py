@@ -22,7 +22,7 @@ import numpy as np
 
 from .. import kernels
 from ..gguf_file import TensorInfo
-from ..kernels.mmq_src import MMQ_BM, MMQ_BN
+from ..kernels.mmq_src import MMQ_BM, mmq_tile
 from ..kv_cache import QBLOCK, Int8Rows, kv_write
 from ..options import DEFAULT_OPTIONS, EngineOptions
 from ..quants import dequantize, dequantize_rows
@@ -103,7 +103,9 @@ class CupyOps:
         self._gemm_ok: dict[bool, bool] = {}  # per fp16/fp32: GemmEx checked against cp.matmul
         self.prefill_graphs: Any = None  # first-chunk graphs (cupy_prefill_graph), set per model
         self.mmq = self.options.cupy_mmq and mmq_device()
-        """fp16-precision matrices multiply with `mmq_h_<T>` (no tiles); False: tiles + cuBLAS."""
+        """fp16-precision matrices multiply with `mmq_h_<T>` / `mmq_w_<T>` (no tiles); False: tiles + cuBLAS."""
+        self.sms = int(cp.cuda.Device().attributes["MultiProcessorCount"])
+        """The GPU's multiprocessors (`mmq_tile` sizes the GEMMs' tiles by them)."""
         if self.mmq:
             kernels.mmq_module()  # compiled with the rest, before the first prefill
         self._uploader: Uploader | None = None  # weight transfers in flight (`weight`)
@@ -258,14 +260,16 @@ class CupyOps:
         """Whether `matmul` multiplies `w` with `mmq_h_<T>` (fp16 precision, sm_80+, option on)."""
         return self.mmq and self.tile_dtype(w) == "float16"
 
-    @staticmethod
-    def _mmq(p: QWeight, xs: cp.ndarray, y: cp.ndarray, col0: int) -> None:
-        """y[:, col0 : col0 + rows] = xs @ W.T for one piece, its GGUF blocks decoded in the GEMM."""
+    def _mmq(self, p: QWeight, xs: cp.ndarray, y: cp.ndarray, col0: int, bn: int | None = None) -> None:
+        """y[:, col0 : col0 + rows] = xs @ W.T for one piece, its GGUF blocks decoded in the GEMM:
+        `mmq_w_<T>` (128-token tiles) or `mmq_h_<T>` (64), as `bn` says or `mmq_tile` picks."""
         rows, cols = p.shape
         t = xs.shape[0]
         assert p.raw is not None  # a piece holds its bytes
-        kernels.mmq_kernel(f"mmq_h_{p.type_name}")(
-            (-(-t // MMQ_BN), -(-rows // MMQ_BM)),
+        if bn is None:
+            bn = mmq_tile(t, rows, self.sms)
+        kernels.mmq_kernel(f"mmq_{'w' if bn == 128 else 'h'}_{p.type_name}")(
+            (-(-t // bn), -(-rows // MMQ_BM)),
             (256,),
             (
                 p.raw,

@@ -1,4 +1,4 @@
-"""CUDA C: prefill GEMMs that read the GGUF blocks themselves (`mmq_h_<T>`), fp16 tensor cores.
+"""CUDA C: prefill GEMMs that read the GGUF blocks themselves (`mmq_h_<T>`, `mmq_w_<T>`), fp16 tensor cores.
 
 Y[t, m] = sum_k X[t, k] W[m, k] for a prompt chunk X [T, K] (fp16, row-major) and a weight W
 [M, K] in its stored block layout (`QWeight.raw`, row stride `row_bytes`), written as fp32 into
@@ -8,23 +8,52 @@ time) straight into shared memory as fp16, while the chunk's tile is loaded besi
 warps multiply the two with `mma.sync.m16n8k16` (fp16 inputs, fp32 accumulation: the numbers of
 the old dequantize-then-cuBLAS path, summed in another order).
 
-Tiles: 128 weight rows x 64 tokens x 64 values of K a step, 256 threads (8 warps of 32 x 32
-outputs, ldmatrix fragments). Each thread decodes one 32-value unit of the next step into
-registers while the warps multiply the current step from shared memory (one buffer, two barriers
-a step). Shared rows are padded to 72 halves, which keeps the ldmatrix phases conflict-free.
-Blocks run token tiles fastest (grid.x), so the token tiles of one weight tile run side by side
-and the weight bytes come from L2 after the first. mma.sync needs sm_80+ (Orin is sm_87);
-`engine.backends.cupy_backend` uses the tile path below that.
+Tiles: 128 weight rows x BN tokens x 64 values of K a step, 256 threads (8 warps of 32 x BN / 2
+outputs, ldmatrix fragments): `mmq_h_<T>` with BN = 64, `mmq_w_<T>` with BN = 128 (half the
+decoding per multiply-add, for long chunks: `mmq_tile`). A step: the threads store the weight
+unit they decoded and their chunk values into shared memory; after the barrier each thread asks
+L1 for the bytes of its next unit (`prefetch.global.L1`) and loads its next chunk values, the
+warps multiply from shared memory, and only then does each thread decode its next unit (from L1
+by then), so the global memory latency hides behind the tensor-core work instead of in front of
+it. One buffer, two barriers a step. Every output sums its K steps in the same order in both
+kernels, so they give the same bits. Shared rows are padded to 72 halves, which keeps the
+ldmatrix phases conflict-free. Blocks run token tiles fastest (grid.x), so the token tiles of one
+weight tile run side by side and the weight bytes come from L2 after the first. mma.sync needs
+sm_80+ (Orin is sm_87); `engine.backends.cupy_backend` uses the tile path below that.
 """
 
 from .quant_units import TYPES
 
-MMQ_BM, MMQ_BN, MMQ_BK = 128, 64, 64
-"""Weight rows, tokens and K values of one block's tile (the launch grid follows from them)."""
+MMQ_BM, MMQ_BK = 128, 64
+"""Weight rows and K values of one block's tile (the launch grid follows from them and BN)."""
+
+BLOCK = {  # bytes and 32-value units of one stored block, per type (what a unit's prefetch covers)
+    "F32": (128, 1),
+    "F16": (64, 1),
+    "BF16": (64, 1),
+    "Q4_0": (18, 1),
+    "Q4_1": (20, 1),
+    "Q5_0": (22, 1),
+    "Q5_1": (24, 1),
+    "Q8_0": (34, 1),
+    "Q4_K": (144, 8),
+    "Q5_K": (176, 8),
+    "Q6_K": (210, 8),
+}
+
+
+def mmq_tile(t: int, rows: int, sms: int) -> int:
+    """BN, the tokens of one block's tile, for a chunk of `t` tokens times a `rows`-row matrix on
+    a GPU of `sms` multiprocessors: 128 (`mmq_w_<T>`) where the chunk fills it and the grid still
+    gives every multiprocessor two blocks, else 64 (`mmq_h_<T>`)."""
+    if t < 128:
+        return 64
+    blocks = -(-t // 128) * -(-rows // MMQ_BM)
+    return 128 if blocks >= 2 * sms else 64
+
 
 _COMMON = r"""
 #define MMQ_BM 128
-#define MMQ_BN 64
 #define MMQ_LDS 72
 __device__ __forceinline__ void mmq_ldsm_x4(unsigned int* r, const unsigned short* p) {
 #if __CUDA_ARCH__ >= 800
@@ -43,14 +72,26 @@ __device__ __forceinline__ void mmq_mma(float* c, const unsigned int* a, unsigne
 __device__ __forceinline__ unsigned int mmq_pack(float a, float b) {
     return (unsigned int)f2h(a) | ((unsigned int)f2h(b) << 16);
 }
+__device__ __forceinline__ void mmq_prefetch(const unsigned char* p) {
+#ifndef MMQ_NO_PREFETCH
+    asm volatile("prefetch.global.L1 [%0];" :: "l"(p));
+#endif
+}
+// This thread's chunk values of K step `ks`: BN / 32 x 8 halves (zeros past the chunk or K).
+template <int BN>
+__device__ __forceinline__ void mmq_load_x(const unsigned short* X, int K, int T, int n0, int ks, int tid, uint4* x) {
+    #pragma unroll
+    for (int i = 0; i < BN / 32; i++) {
+        int idx = tid + 256 * i, r = idx >> 3, k = ks * 64 + (idx & 7) * 8;
+        x[i] = (n0 + r < T && k < K) ? *(const uint4*)(X + (long long)(n0 + r) * K + k) : make_uint4(0, 0, 0, 0);
+    }
+}
 """
 
 _PER_TYPE = r"""
 // The weight unit this thread decodes for K step `ks` (row m0 + tid / 2, unit 2 ks + tid % 2) as
-// 16 fp16 pairs in w[] (zeros past the last row or unit), and its 2 x 8 chunk values in x[].
-__device__ __forceinline__ void mmq_load_{T}(const unsigned char* wrow, bool row_ok, int ks, int nu,
-                                           const unsigned short* X, int K, int T, int n0, int tid,
-                                           uint4* w, uint4* x) {
+// 16 fp16 pairs in w[] (zeros past the last row or unit).
+__device__ __forceinline__ void mmq_decode_{T}(const unsigned char* wrow, bool row_ok, int ks, int nu, int tid, uint4* w) {
     int u = 2 * ks + (tid & 1);
     if (row_ok && u < nu) {
         float v[32];
@@ -63,53 +104,64 @@ __device__ __forceinline__ void mmq_load_{T}(const unsigned char* wrow, bool row
         #pragma unroll
         for (int q = 0; q < 4; q++) w[q] = make_uint4(0, 0, 0, 0);
     }
-    #pragma unroll
-    for (int i = 0; i < 2; i++) {
-        int idx = tid + 256 * i, r = idx >> 3, k = ks * 64 + (idx & 7) * 8;
-        x[i] = (n0 + r < T && k < K) ? *(const uint4*)(X + (long long)(n0 + r) * K + k) : make_uint4(0, 0, 0, 0);
+}
+// Asks L1 for the stored block of the unit `mmq_decode_{T}` will decode for step `ks`.
+__device__ __forceinline__ void mmq_prefetch_{T}(const unsigned char* wrow, bool row_ok, int ks, int nu, int tid) {
+    int u = 2 * ks + (tid & 1);
+    if (row_ok && u < nu) {
+        const unsigned char* p = wrow + (long long)(u / {UPB}) * {BB};
+        mmq_prefetch(p);
+        if ({BB} > 128) mmq_prefetch(p + 128);
+        mmq_prefetch(p + {BB} - 1);
     }
 }
-extern "C" __global__ void __launch_bounds__(256, 2) mmq_h_{T}(
-        const unsigned char* W, long long row_bytes, const unsigned short* X, float* Y,
-        int ldy, int M, int K, int T) {
+template <int BN>
+__device__ __forceinline__ void mmq_body_{T}(const unsigned char* W, long long row_bytes, const unsigned short* X,
+                                            float* Y, int ldy, int M, int K, int T) {
 #if __CUDA_ARCH__ >= 800
+    constexpr int WN = BN / 2, NJ = WN / 8, XV = BN / 32;  // tokens a warp, its n8 tiles, X loads a thread
     __shared__ __align__(16) unsigned short As[MMQ_BM * MMQ_LDS];
-    __shared__ __align__(16) unsigned short Bs[MMQ_BN * MMQ_LDS];
+    __shared__ __align__(16) unsigned short Bs[BN * MMQ_LDS];
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    int n0 = blockIdx.x * MMQ_BN, m0 = blockIdx.y * MMQ_BM;
+    int n0 = blockIdx.x * BN, m0 = blockIdx.y * MMQ_BM;
     int nu = K >> 5, steps = (nu + 1) >> 1;
     int ar = tid >> 1;
     bool row_ok = m0 + ar < M;
     const unsigned char* wrow = W + (long long)(row_ok ? m0 + ar : 0) * row_bytes;
     uint4* a_dst = (uint4*)(As + ar * MMQ_LDS + (tid & 1) * 32);
-    int wm = (warp & 3) * 32, wn = (warp >> 2) * 32;
-    float acc[2][4][4];
+    int wm = (warp & 3) * 32, wn = (warp >> 2) * WN;
+    float acc[2][NJ][4];
     #pragma unroll
     for (int i = 0; i < 2; i++)
         #pragma unroll
-        for (int j = 0; j < 4; j++)
+        for (int j = 0; j < NJ; j++)
             #pragma unroll
             for (int c = 0; c < 4; c++) acc[i][j][c] = 0.f;
-    uint4 w[4], x[2];
-    mmq_load_{T}(wrow, row_ok, 0, nu, X, K, T, n0, tid, w, x);
+    uint4 w[4], x[XV];
+    mmq_decode_{T}(wrow, row_ok, 0, nu, tid, w);
+    mmq_load_x<BN>(X, K, T, n0, 0, tid, x);
     for (int ks = 0; ks < steps; ks++) {
         #pragma unroll
         for (int q = 0; q < 4; q++) a_dst[q] = w[q];
         #pragma unroll
-        for (int i = 0; i < 2; i++) {
+        for (int i = 0; i < XV; i++) {
             int idx = tid + 256 * i;
             *(uint4*)(Bs + (idx >> 3) * MMQ_LDS + (idx & 7) * 8) = x[i];
         }
         __syncthreads();
-        if (ks + 1 < steps) mmq_load_{T}(wrow, row_ok, ks + 1, nu, X, K, T, n0, tid, w, x);
+        bool more = ks + 1 < steps;
+        if (more) {
+            mmq_prefetch_{T}(wrow, row_ok, ks + 1, nu, tid);
+            mmq_load_x<BN>(X, K, T, n0, ks + 1, tid, x);
+        }
         #pragma unroll
         for (int kk = 0; kk < 4; kk++) {
-            unsigned int a[2][4], b[4][2];
+            unsigned int a[2][4], b[NJ][2];
             #pragma unroll
             for (int i = 0; i < 2; i++)
                 mmq_ldsm_x4(a[i], As + (wm + 16 * i + (lane & 15)) * MMQ_LDS + kk * 16 + (lane >> 4) * 8);
             #pragma unroll
-            for (int p = 0; p < 2; p++) {
+            for (int p = 0; p < NJ / 2; p++) {
                 unsigned int r[4];
                 mmq_ldsm_x4(r, Bs + (wn + 16 * p + (lane & 7) + ((lane >> 4) << 3)) * MMQ_LDS
                                    + kk * 16 + ((lane >> 3) & 1) * 8);
@@ -118,15 +170,16 @@ extern "C" __global__ void __launch_bounds__(256, 2) mmq_h_{T}(
             #pragma unroll
             for (int i = 0; i < 2; i++)
                 #pragma unroll
-                for (int j = 0; j < 4; j++) mmq_mma(acc[i][j], a[i], b[j][0], b[j][1]);
+                for (int j = 0; j < NJ; j++) mmq_mma(acc[i][j], a[i], b[j][0], b[j][1]);
         }
+        if (more) mmq_decode_{T}(wrow, row_ok, ks + 1, nu, tid, w);
         __syncthreads();
     }
     int g = lane >> 2, t4 = lane & 3;
     #pragma unroll
     for (int i = 0; i < 2; i++)
         #pragma unroll
-        for (int j = 0; j < 4; j++) {
+        for (int j = 0; j < NJ; j++) {
             int m = m0 + wm + 16 * i + g, n = n0 + wn + 8 * j + 2 * t4;
             #pragma unroll
             for (int c = 0; c < 4; c++) {
@@ -136,10 +189,22 @@ extern "C" __global__ void __launch_bounds__(256, 2) mmq_h_{T}(
         }
 #endif
 }
+extern "C" __global__ void __launch_bounds__(256, 2) mmq_h_{T}(
+        const unsigned char* W, long long row_bytes, const unsigned short* X, float* Y, int ldy, int M, int K, int T) {
+    mmq_body_{T}<64>(W, row_bytes, X, Y, ldy, M, K, T);
+}
+extern "C" __global__ void __launch_bounds__(256, 1) mmq_w_{T}(
+        const unsigned char* W, long long row_bytes, const unsigned short* X, float* Y, int ldy, int M, int K, int T) {
+    mmq_body_{T}<128>(W, row_bytes, X, Y, ldy, M, K, T);
+}
 """
 
 
 def source() -> str:
-    """The shared helpers and one `mmq_h_<T>` kernel per tensor type (needs `quant_units`' UNITS
-    in front: the unit decoders and `f2h`)."""
-    return _COMMON + "".join(_PER_TYPE.replace("{T}", t) for t in TYPES)
+    """The shared helpers and the `mmq_h_<T>` / `mmq_w_<T>` kernels per tensor type (needs
+    `quant_units`' UNITS in front: the unit decoders and `f2h`)."""
+    parts = [_COMMON]
+    for t in TYPES:
+        bb, upb = BLOCK[t]
+        parts.append(_PER_TYPE.replace("{T}", t).replace("{BB}", str(bb)).replace("{UPB}", str(upb)))
+    return "".join(parts)

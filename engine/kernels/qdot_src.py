@@ -238,9 +238,9 @@ extern "C" __global__ void __launch_bounds__(256) qprep_x(
     // shape's decode 0.945x (measured, not understood), so that path is the one before.
     bool early = aq == 2 && mine;
     int base = g * 256 + lane;  // value base + 32 k of x (q8_k)
-    float w[8], xv[8];
+    float nv[8], xv[8];  // the norm's weights and x at value base + 32 k
     #pragma unroll
-    for (int k = 0; k < 8; k++) w[k] = (early && nw) ? nw[base + 32 * k] : 1.f;
+    for (int k = 0; k < 8; k++) nv[k] = (early && nw) ? nw[base + 32 * k] : 1.f;
     PDL_WAIT();
     #pragma unroll
     for (int k = 0; k < 8; k++) xv[k] = early ? x[base + 32 * k] : 0.f;
@@ -265,7 +265,7 @@ extern "C" __global__ void __launch_bounds__(256) qprep_x(
     } else {
         if (nw) {
             #pragma unroll
-            for (int k = 0; k < 8; k++) xv[k] = xv[k] / r * w[k];
+            for (int k = 0; k < 8; k++) xv[k] = xv[k] / r * nv[k];
         }
         round_group([&](int i) { return xv[(i - base) >> 5]; }, 2, g, lane, xq, xd, xs16);
     }

@@ -27,21 +27,6 @@ from .quant_units import TYPES
 MMQ_BM, MMQ_BK = 128, 64
 """Weight rows and K values of one block's tile (the launch grid follows from them and BN)."""
 
-BLOCK = {  # bytes and 32-value units of one stored block, per type (what a unit's prefetch covers)
-    "F32": (128, 1),
-    "F16": (64, 1),
-    "BF16": (64, 1),
-    "Q4_0": (18, 1),
-    "Q4_1": (20, 1),
-    "Q5_0": (22, 1),
-    "Q5_1": (24, 1),
-    "Q8_0": (34, 1),
-    "Q4_K": (144, 8),
-    "Q5_K": (176, 8),
-    "Q6_K": (210, 8),
-}
-
-
 def mmq_tile(t: int, rows: int, sms: int) -> int:
     """BN, the tokens of one block's tile, for a chunk of `t` tokens times a `rows`-row matrix on
     a GPU of `sms` multiprocessors: 128 (`mmq_w_<T>`) where the chunk fills it and the grid still
@@ -72,11 +57,6 @@ __device__ __forceinline__ void mmq_mma(float* c, const unsigned int* a, unsigne
 __device__ __forceinline__ unsigned int mmq_pack(float a, float b) {
     return (unsigned int)f2h(a) | ((unsigned int)f2h(b) << 16);
 }
-__device__ __forceinline__ void mmq_prefetch(const unsigned char* p) {
-#ifndef MMQ_NO_PREFETCH
-    asm volatile("prefetch.global.L1 [%0];" :: "l"(p));
-#endif
-}
 // This thread's chunk values of K step `ks`: BN / 32 x 8 halves (zeros past the chunk or K).
 template <int BN>
 __device__ __forceinline__ void mmq_load_x(const unsigned short* X, int K, int T, int n0, int ks, int tid, uint4* x) {
@@ -103,16 +83,6 @@ __device__ __forceinline__ void mmq_decode_{T}(const unsigned char* wrow, bool r
     } else {
         #pragma unroll
         for (int q = 0; q < 4; q++) w[q] = make_uint4(0, 0, 0, 0);
-    }
-}
-// Asks L1 for the stored block of the unit `mmq_decode_{T}` will decode for step `ks`.
-__device__ __forceinline__ void mmq_prefetch_{T}(const unsigned char* wrow, bool row_ok, int ks, int nu, int tid) {
-    int u = 2 * ks + (tid & 1);
-    if (row_ok && u < nu) {
-        const unsigned char* p = wrow + (long long)(u / {UPB}) * {BB};
-        mmq_prefetch(p);
-        if ({BB} > 128) mmq_prefetch(p + 128);
-        mmq_prefetch(p + {BB} - 1);
     }
 }
 template <int BN>
@@ -149,9 +119,8 @@ __device__ __forceinline__ void mmq_body_{T}(const unsigned char* W, long long r
             *(uint4*)(Bs + (idx >> 3) * MMQ_LDS + (idx & 7) * 8) = x[i];
         }
         __syncthreads();
-        bool more = ks + 1 < steps;
-        if (more) {
-            mmq_prefetch_{T}(wrow, row_ok, ks + 1, nu, tid);
+        if (ks + 1 < steps) {  // decoded before the multiply: measured faster than after it
+            mmq_decode_{T}(wrow, row_ok, ks + 1, nu, tid, w);
             mmq_load_x<BN>(X, K, T, n0, ks + 1, tid, x);
         }
         #pragma unroll
@@ -172,7 +141,6 @@ __device__ __forceinline__ void mmq_body_{T}(const unsigned char* W, long long r
                 #pragma unroll
                 for (int j = 0; j < NJ; j++) mmq_mma(acc[i][j], a[i], b[j][0], b[j][1]);
         }
-        if (more) mmq_decode_{T}(wrow, row_ok, ks + 1, nu, tid, w);
         __syncthreads();
     }
     int g = lane >> 2, t4 = lane & 3;
@@ -205,6 +173,5 @@ def source() -> str:
     `quant_units`' UNITS in front: the unit decoders and `f2h`)."""
     parts = [_COMMON]
     for t in TYPES:
-        bb, upb = BLOCK[t]
-        parts.append(_PER_TYPE.replace("{T}", t).replace("{BB}", str(bb)).replace("{UPB}", str(upb)))
+        parts.append(_PER_TYPE.replace("{T}", t))
     return "".join(parts)

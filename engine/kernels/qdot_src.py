@@ -148,15 +148,7 @@ struct raw_Q8_0 { unsigned int d; unsigned int q[8]; };
 __device__ __forceinline__ void ld_Q8_0(const unsigned char* row, int c, raw_Q8_0& r) {
     const unsigned char* p = row + (long long)c * 34;
     r.d = ld16(p);
-    const unsigned char* qp = p + 2;
-    const unsigned int* a = (const unsigned int*)((unsigned long long)qp & ~3ull);
-    unsigned int sh = ((unsigned int)(unsigned long long)qp & 2u) * 8u;
-    unsigned int w[9];
-    #pragma unroll
-    for (int i = 0; i < 8; i++) w[i] = a[i];
-    w[8] = sh ? a[8] : 0u;
-    #pragma unroll
-    for (int i = 0; i < 8; i++) r.q[i] = __funnelshift_r(w[i], w[i + 1], sh);
+    ld_a2x8(p + 2, r.q);
 }
 __device__ __forceinline__ float dot_Q8_0(const raw_Q8_0& r, int c, const signed char* xq,
                                           const float* xd, const int* xs16) {

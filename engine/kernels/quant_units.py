@@ -34,6 +34,19 @@ __device__ __forceinline__ unsigned short f2h(float f) {
 }
 __device__ __forceinline__ unsigned int ld16(const unsigned char* p) { return *(const unsigned short*)p; }
 __device__ __forceinline__ unsigned int ld32(const unsigned char* p) { return *(const unsigned int*)p; }
+// 32 bytes at a 2-byte aligned p as 8 little-endian words: 8 or 9 aligned 4-byte loads and funnel
+// shifts instead of 16 2-byte loads (the ninth word, read only when p is not 4-byte aligned, ends
+// 2 bytes past the 32: inside a block's next field, or CuPy's 512-byte allocation rounding).
+__device__ __forceinline__ void ld_a2x8(const unsigned char* p, unsigned int* r) {
+    const unsigned int* a = (const unsigned int*)((unsigned long long)p & ~3ull);
+    unsigned int sh = ((unsigned int)(unsigned long long)p & 2u) * 8u;
+    unsigned int w[9];
+    #pragma unroll
+    for (int i = 0; i < 8; i++) w[i] = a[i];
+    w[8] = sh ? a[8] : 0u;
+    #pragma unroll
+    for (int i = 0; i < 8; i++) r[i] = __funnelshift_r(w[i], w[i + 1], sh);
+}
 
 __device__ __forceinline__ void unit_F32(const unsigned char* row, int u, float* v) {
     const float4* p = (const float4*)(row + (long long)u * 128);
@@ -178,9 +191,12 @@ __device__ __forceinline__ void unit_Q6_K(const unsigned char* row, int u, float
     float d = h2f(ld16(p + 208));
     float s0 = d * (float)sc[0], s1 = d * (float)sc[1];
     int sl = (quarter >> 1) * 4, sh = quarter * 2;
+    unsigned int L[8], H[8];  // the 32 bytes of low bits and of high bits (blocks are 2-byte aligned)
+    ld_a2x8(ql, L);
+    ld_a2x8(qh, H);
     #pragma unroll
     for (int i = 0; i < 16; i++) {
-        unsigned int wl = ld16(ql + 2*i), wh = ld16(qh + 2*i);
+        unsigned int wl = (L[i >> 1] >> (16 * (i & 1))) & 0xffff, wh = (H[i >> 1] >> (16 * (i & 1))) & 0xffff;
         #pragma unroll
         for (int b = 0; b < 2; b++) {
             int l = 2*i + b;

@@ -218,9 +218,12 @@ def test_no_engine_module_reads_the_environment_but_from_env() -> None:
 
 
 def test_tile_width_follows_the_chunk_and_the_grid() -> None:
-    """`mmq_tile` takes 128-token tiles only for chunks of 128+ tokens whose grid still gives every
-    multiprocessor two blocks, and 64-token tiles otherwise."""
+    """`mmq_tile` takes 128-token tiles only for chunks of 128+ tokens whose 64-token grid puts two
+    to four blocks on each multiprocessor, and 64-token tiles otherwise."""
     assert mmq_tile(64, 20_000, 132) == 64  # a short chunk never pads to 128
-    assert mmq_tile(512, 19_456, 132) == 128  # 4 x 152 blocks
-    assert mmq_tile(512, 2_560, 132) == 64  # 4 x 20 blocks: too few for 132 multiprocessors
-    assert mmq_tile(512, 2_560, 8) == 128  # the same matrix fills an 8-multiprocessor GPU
+    assert mmq_tile(512, 2_560, 132) == 128  # 8 x 20 blocks: two on each SM
+    assert mmq_tile(512, 1_024, 132) == 64  # 8 x 8 blocks: fewer than the SMs
+    assert mmq_tile(512, 19_456, 132) == 64  # 8 x 152 blocks: ten on each SM
+    assert mmq_tile(1024, 4_096, 132) == 128  # 16 x 32 blocks: four on each SM
+    assert mmq_tile(512, 1_024, 8) == 64  # 64 blocks on 8 SMs: eight each
+    assert mmq_tile(256, 1_024, 8) == 128  # 32 blocks on 8 SMs: four each

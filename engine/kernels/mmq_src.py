@@ -9,17 +9,16 @@ warps multiply the two with `mma.sync.m16n8k16` (fp16 inputs, fp32 accumulation:
 the old dequantize-then-cuBLAS path, summed in another order).
 
 Tiles: 128 weight rows x BN tokens x 64 values of K a step, 256 threads (8 warps of 32 x BN / 2
-outputs, ldmatrix fragments): `mmq_h_<T>` with BN = 64, `mmq_w_<T>` with BN = 128 (half the
-decoding per multiply-add, for long chunks: `mmq_tile`). A step: the threads store the weight
-unit they decoded and their chunk values into shared memory; after the barrier each thread asks
-L1 for the bytes of its next unit (`prefetch.global.L1`) and loads its next chunk values, the
-warps multiply from shared memory, and only then does each thread decode its next unit (from L1
-by then), so the global memory latency hides behind the tensor-core work instead of in front of
-it. One buffer, two barriers a step. Every output sums its K steps in the same order in both
-kernels, so they give the same bits. Shared rows are padded to 72 halves, which keeps the
-ldmatrix phases conflict-free. Blocks run token tiles fastest (grid.x), so the token tiles of one
-weight tile run side by side and the weight bytes come from L2 after the first. mma.sync needs
-sm_80+ (Orin is sm_87); `engine.backends.cupy_backend` uses the tile path below that.
+outputs, ldmatrix fragments): `mmq_h_<T>` with BN = 64 (two blocks an SM), `mmq_w_<T>` with BN =
+128 (one block an SM: half the decoding per multiply-add; `mmq_tile` picks). Each thread decodes
+one 32-value unit of the next step into registers, then loads its next chunk values, while the
+warps multiply the current step from shared memory (one buffer, two barriers a step). Decoding
+after the multiply instead, with the next unit's bytes asked of L1 (`prefetch.global.L1`) before
+it, measured 0.85-0.93x (`bench/results/mmq_tiles-20261203.md`). Every output sums its K steps in
+the same order in both kernels, so they give the same bits. Shared rows are padded to 72 halves,
+which keeps the ldmatrix phases conflict-free. Blocks run token tiles fastest (grid.x), so the
+token tiles of one weight tile run side by side and the weight bytes come from L2 after the first.
+mma.sync needs sm_80+ (Orin is sm_87); `engine.backends.cupy_backend` uses the tile path below that.
 """
 
 from .quant_units import TYPES
@@ -29,12 +28,17 @@ MMQ_BM, MMQ_BK = 128, 64
 
 def mmq_tile(t: int, rows: int, sms: int) -> int:
     """BN, the tokens of one block's tile, for a chunk of `t` tokens times a `rows`-row matrix on
-    a GPU of `sms` multiprocessors: 128 (`mmq_w_<T>`) where the chunk fills it and the grid still
-    gives every multiprocessor two blocks, else 64 (`mmq_h_<T>`)."""
+    a GPU of `sms` multiprocessors: 128 (`mmq_w_<T>`) where the 64-token grid puts two to four
+    blocks on each multiprocessor, else 64 (`mmq_h_<T>`). There a 128-token block (one an SM,
+    184 registers) does two 64-token blocks' multiply-adds with one decoding of the weights and
+    no tail of half-filled waves; with one block an SM or fewer, halving the grid leaves
+    multiprocessors idle, and with many waves the two-blocks-an-SM kernel hides more latency.
+    Measured on an H200 (132 SMs) on the Qwen3-4B shape's matrices, 64 to 2,048 tokens:
+    `bench/results/mmq_tiles-20261203.md`."""
     if t < 128:
         return 64
-    blocks = -(-t // 128) * -(-rows // MMQ_BM)
-    return 128 if blocks >= 2 * sms else 64
+    per_sm = -(-(-(-t // 64) * -(-rows // MMQ_BM)) // sms)
+    return 128 if 2 <= per_sm <= 4 else 64
 
 
 _COMMON = r"""

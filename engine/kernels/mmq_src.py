@@ -26,6 +26,7 @@ from .quant_units import TYPES
 MMQ_BM, MMQ_BK = 128, 64
 """Weight rows and K values of one block's tile (the launch grid follows from them and BN)."""
 
+
 def mmq_tile(t: int, rows: int, sms: int) -> int:
     """BN, the tokens of one block's tile, for a chunk of `t` tokens times a `rows`-row matrix on
     a GPU of `sms` multiprocessors: 128 (`mmq_w_<T>`) where the 64-token grid puts two to four
@@ -61,21 +62,15 @@ __device__ __forceinline__ void mmq_mma(float* c, const unsigned int* a, unsigne
 __device__ __forceinline__ unsigned int mmq_pack(float a, float b) {
     return (unsigned int)f2h(a) | ((unsigned int)f2h(b) << 16);
 }
-// This thread's chunk values of K step `ks`: BN / 32 x 8 halves (zeros past the chunk or K).
-template <int BN>
-__device__ __forceinline__ void mmq_load_x(const unsigned short* X, int K, int T, int n0, int ks, int tid, uint4* x) {
-    #pragma unroll
-    for (int i = 0; i < BN / 32; i++) {
-        int idx = tid + 256 * i, r = idx >> 3, k = ks * 64 + (idx & 7) * 8;
-        x[i] = (n0 + r < T && k < K) ? *(const uint4*)(X + (long long)(n0 + r) * K + k) : make_uint4(0, 0, 0, 0);
-    }
-}
 """
 
 _PER_TYPE = r"""
 // The weight unit this thread decodes for K step `ks` (row m0 + tid / 2, unit 2 ks + tid % 2) as
-// 16 fp16 pairs in w[] (zeros past the last row or unit).
-__device__ __forceinline__ void mmq_decode_{T}(const unsigned char* wrow, bool row_ok, int ks, int nu, int tid, uint4* w) {
+// 16 fp16 pairs in w[] (zeros past the last row or unit), and its BN / 32 x 8 chunk values in x[].
+template <int BN>
+__device__ __forceinline__ void mmq_load_{T}(const unsigned char* wrow, bool row_ok, int ks, int nu,
+                                           const unsigned short* X, int K, int T, int n0, int tid,
+                                           uint4* w, uint4* x) {
     int u = 2 * ks + (tid & 1);
     if (row_ok && u < nu) {
         float v[32];
@@ -87,6 +82,11 @@ __device__ __forceinline__ void mmq_decode_{T}(const unsigned char* wrow, bool r
     } else {
         #pragma unroll
         for (int q = 0; q < 4; q++) w[q] = make_uint4(0, 0, 0, 0);
+    }
+    #pragma unroll
+    for (int i = 0; i < BN / 32; i++) {
+        int idx = tid + 256 * i, r = idx >> 3, k = ks * 64 + (idx & 7) * 8;
+        x[i] = (n0 + r < T && k < K) ? *(const uint4*)(X + (long long)(n0 + r) * K + k) : make_uint4(0, 0, 0, 0);
     }
 }
 template <int BN>
@@ -112,8 +112,7 @@ __device__ __forceinline__ void mmq_body_{T}(const unsigned char* W, long long r
             #pragma unroll
             for (int c = 0; c < 4; c++) acc[i][j][c] = 0.f;
     uint4 w[4], x[XV];
-    mmq_decode_{T}(wrow, row_ok, 0, nu, tid, w);
-    mmq_load_x<BN>(X, K, T, n0, 0, tid, x);
+    mmq_load_{T}<BN>(wrow, row_ok, 0, nu, X, K, T, n0, tid, w, x);
     for (int ks = 0; ks < steps; ks++) {
         #pragma unroll
         for (int q = 0; q < 4; q++) a_dst[q] = w[q];
@@ -123,10 +122,7 @@ __device__ __forceinline__ void mmq_body_{T}(const unsigned char* W, long long r
             *(uint4*)(Bs + (idx >> 3) * MMQ_LDS + (idx & 7) * 8) = x[i];
         }
         __syncthreads();
-        if (ks + 1 < steps) {  // decoded before the multiply: measured faster than after it
-            mmq_decode_{T}(wrow, row_ok, ks + 1, nu, tid, w);
-            mmq_load_x<BN>(X, K, T, n0, ks + 1, tid, x);
-        }
+        if (ks + 1 < steps) mmq_load_{T}<BN>(wrow, row_ok, ks + 1, nu, X, K, T, n0, tid, w, x);  // before the multiply: measured faster than after
         #pragma unroll
         for (int kk = 0; kk < 4; kk++) {
             unsigned int a[2][4], b[NJ][2];

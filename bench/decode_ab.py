@@ -212,10 +212,10 @@ def main(argv: list[str] | None = None) -> int:
         figures,
         reference=f"the engine of {sides['reference']}, same run, alternating fresh processes",
         headline="; ".join(
-            f"{r['model']} generate {r['generate_tok_s']['ratio']:.3f}x"
+            f"{r['model']} "
+            + ", ".join(f"{fig.removesuffix('_tok_s')} {r[fig]['ratio']:.3f}x" for fig in FIGURES[:2] if fig in r)
             + ("" if r["logits_identical"] else " (logits differ)")
             for r in rows
-            if "generate_tok_s" in r
         ),
         command="`python -m bench.decode_ab --against DIR`",
     )

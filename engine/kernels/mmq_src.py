@@ -14,7 +14,7 @@ outputs, ldmatrix fragments): `mmq_h_<T>` with BN = 64 (two blocks an SM), `mmq_
 one 32-value unit of the next step into registers, then loads its next chunk values, while the
 warps multiply the current step from shared memory (one buffer, two barriers a step). Decoding
 after the multiply instead, with the next unit's bytes asked of L1 (`prefetch.global.L1`) before
-it, measured 0.85-0.93x (`bench/results/mmq_tiles-20261203.md`). Every output sums its K steps in
+it, measured 0.85-0.93x (`bench/results/prefill_mmq_tiles-20261203-vs-be2fb0f/`). Every output sums its K steps in
 the same order in both kernels, so they give the same bits. Shared rows are padded to 72 halves,
 which keeps the ldmatrix phases conflict-free. Blocks run token tiles fastest (grid.x), so the
 token tiles of one weight tile run side by side and the weight bytes come from L2 after the first.
@@ -35,7 +35,7 @@ def mmq_tile(t: int, rows: int, sms: int) -> int:
     no tail of half-filled waves; with one block an SM or fewer, halving the grid leaves
     multiprocessors idle, and with many waves the two-blocks-an-SM kernel hides more latency.
     Measured on an H200 (132 SMs) on the Qwen3-4B shape's matrices, 64 to 2,048 tokens:
-    `bench/results/mmq_tiles-20261203.md`."""
+    `bench/results/prefill_mmq_tiles-20261203-vs-be2fb0f/`."""
     if t < 128:
         return 64
     per_sm = -(-(-(-t // 64) * -(-rows // MMQ_BM)) // sms)

@@ -9,7 +9,7 @@ environment by `EngineOptions.from_env` (the only place the engine reads these v
 | `qgemv_unroll_glu` | `GENIE_QGEMV_UNROLL_GLU` | 1 | the same for each row of `qgemv_glu_<T>` |
 | `cupy_pdl` | `GENIE_CUPY_PDL` (`0`: off) | True | programmatic dependent launch in the decode step |
 | `cupy_prefill` | `GENIE_CUPY_PREFILL` | "auto" | prefill tile precision: auto, float16, float32 |
-| `cupy_mmq` | `GENIE_CUPY_MMQ` (`0`: off) | True | fp16 prefill GEMMs read the GGUF blocks (`mmq_h_<T>`, sm_80+) instead of dequantized tiles + cuBLAS |
+| `cupy_mmq` | `GENIE_CUPY_MMQ` (`0`: off) | True | fp16 prefill GEMMs read the GGUF blocks (`mmq_h_<T>` / `mmq_w_<T>`, sm_80+) instead of dequantized tiles + cuBLAS |
 | `cupy_prefill_graph` | `GENIE_CUPY_PREFILL_GRAPH` (`0`/`1`) | None (by model size) | first-chunk prefill graphs |
 | `cupy_decoder` | `GENIE_CUPY_DECODER` | "graph" | one-token steps: graph, eager or off |
 | `cupy_device_loop` | `GENIE_CUPY_DEVICE_LOOP` (`0`: off) | True | decode steps chained on the device, tokens read one step behind |
@@ -42,7 +42,7 @@ class EngineOptions:
     cupy_prefill: str = "auto"
     """CuPy prefill tile precision: "auto", "float16" or "float32" (checked when used)."""
     cupy_mmq: bool = True
-    """Whether CuPy prefill multiplies fp16-precision matrices with `mmq_h_<T>` (the GGUF blocks
+    """Whether CuPy prefill multiplies fp16-precision matrices with `mmq_h_<T>` / `mmq_w_<T>` (the GGUF blocks
     decoded inside the GEMM, sm_80+) rather than dequantized tiles and cuBLAS."""
     cupy_prefill_graph: bool | None = None
     """First-chunk prefill graphs: False never, True always, None by model size."""

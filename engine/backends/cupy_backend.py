@@ -257,7 +257,7 @@ class CupyOps:
         return self._scratch
 
     def uses_mmq(self, w: QWeight) -> bool:
-        """Whether `matmul` multiplies `w` with `mmq_h_<T>` (fp16 precision, sm_80+, option on)."""
+        """Whether `matmul` multiplies `w` with `mmq_h_<T>` / `mmq_w_<T>` (fp16 precision, sm_80+, option on)."""
         return self.mmq and self.tile_dtype(w) == "float16"
 
     def _mmq(self, p: QWeight, xs: cp.ndarray, y: cp.ndarray, col0: int, bn: int | None = None) -> None:

@@ -31,7 +31,7 @@ def mmq_tile(t: int, rows: int, sms: int) -> int:
     """BN, the tokens of one block's tile, for a chunk of `t` tokens times a `rows`-row matrix on
     a GPU of `sms` multiprocessors: 128 (`mmq_w_<T>`) where the 64-token grid puts two to four
     blocks on each multiprocessor, else 64 (`mmq_h_<T>`). There a 128-token block (one an SM,
-    184 registers) does two 64-token blocks' multiply-adds with one decoding of the weights and
+    ~180-200 registers) does two 64-token blocks' multiply-adds with one decoding of the weights and
     no tail of half-filled waves; with one block an SM or fewer, halving the grid leaves
     multiprocessors idle, and with many waves the two-blocks-an-SM kernel hides more latency.
     Measured on an H200 (132 SMs) on the Qwen3-4B shape's matrices, 64 to 2,048 tokens:

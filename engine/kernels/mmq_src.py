@@ -14,9 +14,9 @@ outputs, ldmatrix fragments): `mmq_h_<T>` with BN = 64 (two blocks an SM), `mmq_
 one 32-value unit of the next step into registers, then loads its next chunk values, while the
 warps multiply the current step from shared memory (one buffer, two barriers a step). Decoding
 after the multiply instead, with the next unit's bytes asked of L1 (`prefetch.global.L1`) before
-it, measured 0.85-0.93x (`bench/results/prefill_mmq_tiles-20261203-vs-be2fb0f/`). Every output sums its K steps in
-the same order in both kernels, so they give the same bits. Shared rows are padded to 72 halves,
-which keeps the ldmatrix phases conflict-free. Blocks run token tiles fastest (grid.x), so the
+it, measured 0.85-0.93x (`bench/results/prefill_mmq_tiles-20261203-vs-be2fb0f/`). Every output
+sums its K steps in the same order in both kernels, so they give the same bits. Shared rows are
+padded to 72 halves, which keeps the ldmatrix phases conflict-free. Blocks run token tiles fastest (grid.x), so the
 token tiles of one weight tile run side by side and the weight bytes come from L2 after the first.
 mma.sync needs sm_80+ (Orin is sm_87); `engine.backends.cupy_backend` uses the tile path below that.
 """
@@ -171,7 +171,4 @@ extern "C" __global__ void __launch_bounds__(256, 1) mmq_w_{T}(
 def source() -> str:
     """The shared helpers and the `mmq_h_<T>` / `mmq_w_<T>` kernels per tensor type (needs
     `quant_units`' UNITS in front: the unit decoders and `f2h`)."""
-    parts = [_COMMON]
-    for t in TYPES:
-        parts.append(_PER_TYPE.replace("{T}", t))
-    return "".join(parts)
+    return _COMMON + "".join(_PER_TYPE.replace("{T}", t) for t in TYPES)

@@ -277,6 +277,68 @@ def test_qgemv_matches_numpy_and_float_path(t: str, rows: int, cols: int, epi: i
     assert vs_numpy < 1e-3, vs_numpy
 
 
+@pytest.mark.parametrize("epi", [0, 1])
+@pytest.mark.parametrize(
+    "ta,tb,ra,rb,cols",
+    [("Q4_K", "Q6_K", 5120, 1024, 2560), ("Q6_K", "Q4_K", 77, 300, 512), ("Q8_0", "Q4_1", 640, 129, 576)],
+)
+def test_two_type_matrix_in_one_launch_matches_a_launch_a_piece(
+    ta: str, tb: str, ra: int, rb: int, cols: int, epi: int
+) -> None:
+    """A matrix of two pieces of two types (a Q4_K_M QKV) runs as one `qgemv_mix` launch that
+    gives the same bits as one launch a piece, bias or adding epilogue included."""
+    from engine.backends import cupy_decoder as cd
+    from engine.backends import cupy_gemv
+    from engine.gguf_file import TensorInfo
+    from engine.kernels import decode_src, qdot_src
+    from engine.quants_encode import quantize
+
+    rng = np.random.default_rng(31)
+    ops = CupyOps()
+    parts = [
+        ops.weight(TensorInfo(n, t, (r, cols), quantize(rng.standard_normal((r, cols), dtype=np.float32), t)))
+        for n, t, r in (("a", ta, ra), ("b", tb, rb))
+    ]
+    w = ops.concat_rows(parts)
+    assert [p.type_name for p in w.pieces()] == [ta, tb]
+    aq = {1: "q8_0", 2: "q8_k"}[qdot_src.QTYPES[ta]]
+    mod = cd._module(
+        decode_src.source(
+            [ta, tb],
+            n_heads=4,
+            n_kv_heads=2,
+            head_dim=64,
+            v_head_dim=64,
+            rope_half=32,
+            neox=True,
+            kv_half=True,
+            n_split=8,
+        )
+    )
+    n_sm = int(cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["multiProcessorCount"])
+    x, nw = (
+        cp.asarray(rng.standard_normal(cols, dtype=np.float32)),
+        cp.asarray(rng.random(cols, dtype=np.float32) + 0.5),
+    )
+    bias = cp.asarray(rng.standard_normal(ra + rb, dtype=np.float32)) if epi == 0 else None
+    y0 = rng.standard_normal(ra + rb, dtype=np.float32)
+    outs, names = [], []
+    for mix in (True, False):
+        cupy_gemv.USE_MIX = mix
+        try:
+            y = cp.asarray(y0)
+            ls = cupy_gemv.gemv_launches(mod.get_function, n_sm, w, x, nw, np.float32(1e-6), aq, y, bias, epi)
+        finally:
+            cupy_gemv.USE_MIX = True
+        for ln in ls:
+            ln()
+        outs.append(cp.asnumpy(y))
+        names.append([ln.name.split("[")[0] for ln in ls])
+    assert names == [["qprep", f"qgemv_mix_{ta}_{tb}"], ["qprep", f"qgemv_{ta}", f"qgemv_{tb}"]]
+    assert np.isfinite(outs[0]).all()
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
 def _teacher_forced_picks(model: Any, ids: list[int]) -> np.ndarray:
     """Argmax after each of `ids[1:]` fed one decode step at a time (after a 16-token prefill)."""
     model.transformer.kv.tokens = []

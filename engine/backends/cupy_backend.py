@@ -138,8 +138,15 @@ class CupyOps:
             # allocations and stay in the pool as fragments (the plan counts no load leftovers)
             cp.get_default_memory_pool().free_all_blocks()
             out = QWeight(raw, parts[0].type_name, (rows, cols))
-        else:
-            out = QWeight(None, "mixed", (rows, cols), [q for p in parts for q in p.pieces()])
+        else:  # runs of one type stay one buffer (Q and K of a Q4_K_M QKV: one launch, more blocks)
+            flat = [q for p in parts for q in p.pieces()]
+            runs: list[list[QWeight]] = []
+            for q in flat:
+                if runs and runs[-1][0].type_name == q.type_name:
+                    runs[-1].append(q)
+                else:
+                    runs.append([q])
+            out = QWeight(None, "mixed", (rows, cols), [r[0] if len(r) == 1 else self.concat_rows(r) for r in runs])
         if not self.uses_mmq(out):  # a matrix that prefills through tiles sizes the tile buffer
             self._max_elems = max(self._max_elems, rows * cols)
         return out

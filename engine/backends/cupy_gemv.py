@@ -56,6 +56,7 @@ class Launch:
 
 
 USE_QGEMV = True  # integer dot products where the activation rounding is on (False: float path)
+USE_MIX = True  # a matrix of two pieces of two types in one launch (False: a launch a piece)
 
 
 def qgemv_config(type_name: str, rows: int, n_sm: int, cols: int = 0) -> tuple[int, int]:
@@ -79,6 +80,12 @@ def qgemv_config(type_name: str, rows: int, n_sm: int, cols: int = 0) -> tuple[i
     else:  # few rows of long inputs: more threads a row (v4 profile: 1024x2560 3.2 vs 3.6 us)
         tpr = 64 if rows <= 1024 and cols >= 1536 else 32
     return tpr, (8 if type_name == "Q6_K" else 4)
+
+
+def qgemv_grid(type_name: str, rows: int, n_sm: int, cols: int) -> tuple[int, int]:
+    """(threads per row, blocks) of an integer GEMV launch over `rows` rows (`qgemv_config`)."""
+    tpr, cap = qgemv_config(type_name, rows, n_sm, cols)
+    return tpr, max(1, min(-(-rows // (256 // tpr)), cap * n_sm))
 
 
 class QInput:
@@ -120,31 +127,40 @@ def gemv_launches(
     cols = w.shape[1]
     code = AQ_CODE[aq]
     prepped = input_ready  # the producer of x already rounded it into `qin`
+
+    def prep() -> QInput:
+        """The rounded input (a `qprep_x` launch first unless the producer rounded it)."""
+        nonlocal prepped, qin
+        if qin is None or qin.cols < cols:
+            qin = QInput(cols)
+        if not prepped:
+            groups = cols // (32 if code == 1 else 256)
+            args = (x, ptr(nw), eps, np.int32(code), np.int32(cols), qin.xq, qin.xd, qin.xs16)
+            out.append(Launch(fn("qprep_x"), (max(1, -(-groups // 8)),), (256,), args, 0, f"qprep[{cols}]"))
+            prepped = True
+        return qin
+
+    pieces = w.pieces()
+    if mixes(pieces, aq, epi, out_rows):  # two pieces of two types: one launch (qgemv_mix_<A>_<B>)
+        (pa, pb), q = pieces, prep()
+        (tpr_a, blocks_a), (tpr_b, blocks_b) = (qgemv_grid(p.type_name, p.shape[0], n_sm, cols) for p in pieces)
+        mix_args: tuple[Any, ...] = (pa.raw, np.int64(pa.raw.shape[1]), np.int32(pa.shape[0]), np.int32(tpr_a))
+        mix_args += (np.int32(blocks_a), pb.raw, np.int64(pb.raw.shape[1]), np.int32(pb.shape[0]), np.int32(tpr_b))
+        mix_args += (np.int32(cols), q.xq, q.xd, q.xs16, y, ptr(bias), np.int32(epi))
+        kind = f"qgemv_mix_{pa.type_name}_{pb.type_name}"
+        name = f"{kind}[{pa.shape[0]}+{pb.shape[0]}x{cols}]"
+        out.append(Launch(fn(kind), (blocks_a + blocks_b,), (256,), mix_args, 0, name))
+        return out
     r0 = 0
-    for p in w.pieces():
+    for p in pieces:
         rows = p.shape[0] if out_rows is None else out_rows
         b = None if bias is None else bias[r0 : r0 + rows]
         if USE_QGEMV and qdot_src.QTYPES.get(p.type_name) == code:
-            if qin is None or qin.cols < cols:
-                qin = QInput(cols)
+            qin = prep()
             glu = epi >= 2
-            tpr, cap = qgemv_config(p.type_name, rows, n_sm, cols)
-            blocks = max(1, min(-(-rows // (256 // tpr)), cap * n_sm))
+            tpr, blocks = qgemv_grid(p.type_name, rows, n_sm, cols)
             name = f"qgemv_{p.type_name}[{rows}x{cols}]"
             tail = (y[r0:], ptr(b), np.int32(epi), np.int32(out_rows or 0), np.int32(tpr))
-            if not prepped:
-                groups = cols // (32 if code == 1 else 256)
-                out.append(
-                    Launch(
-                        fn("qprep_x"),
-                        (max(1, -(-groups // 8)),),
-                        (256,),
-                        (x, ptr(nw), eps, np.int32(code), np.int32(cols), qin.xq, qin.xd, qin.xs16),
-                        0,
-                        f"qprep[{cols}]",
-                    )
-                )
-                prepped = True
             k = fn(f"qgemv{'_glu' if glu else ''}_{p.type_name}")
             args = (p.raw, np.int64(p.raw.shape[1]), np.int32(rows), np.int32(cols), qin.xq, qin.xd, qin.xs16, *tail)
             out.append(Launch(k, (blocks,), (256,), args, 0, name))
@@ -173,6 +189,23 @@ def gemv_launches(
             out.append(Launch(k, (blocks,), (GEMV_THREADS,), args, smem, f"gemv_{p.type_name}[{rows}x{cols}]"))
         r0 += rows
     return out
+
+
+def mixes(pieces: list[Any], aq: str | None, epi: int, out_rows: int | None = None) -> bool:
+    """Whether a matrix of these pieces runs as one `qgemv_mix_<A>_<B>` launch: two pieces of two
+    types that both round the input as `aq` asks (`qdot_src.mix_pairs`), a plain or adding
+    epilogue. The v Q6_K rows of a Q4_K_M QKV: 3 -> 1 launch (with `concat_rows`' runs)."""
+    code = AQ_CODE[aq]
+    return bool(
+        USE_QGEMV
+        and USE_MIX
+        and code
+        and epi < 2
+        and out_rows is None
+        and len(pieces) == 2
+        and pieces[0].type_name != pieces[1].type_name
+        and all(qdot_src.QTYPES.get(p.type_name) == code for p in pieces)
+    )
 
 
 def rounds_input(w: Any, aq: str | None, group: int) -> int:

@@ -269,7 +269,8 @@ extern "C" __global__ void __launch_bounds__(256) qprep_x(
 # output row (8..256, a power of two; 256 / tpr rows a block; rows strided over the grid); each
 # thread takes chunks t, t + tpr, ... (U at a time, loads first). No barrier before the first dot
 # product. NR = 2: GLU epilogue, rows r and r + up_off of one output. Epilogues as dgemv_<T>:
-# 0 store (+ bias), 1 add, 2 SwiGLU, 3 GeGLU.
+# 0 store (+ bias), 1 add, 2 SwiGLU, 3 GeGLU. SUB: the block is number `bid` of `nblk` given to
+# this body (a two-piece kernel, below), else the grid's.
 QGEMV = r"""
 template <int NR, int U>
 __device__ __forceinline__ void qload_{T}(raw_{T} (&buf)[NR][U], const unsigned char* W, long long row_bytes,
@@ -285,11 +286,11 @@ __device__ __forceinline__ void qload_{T}(raw_{T} (&buf)[NR][U], const unsigned 
         }
     }
 }
-template <int NR, int U>
+template <int NR, int U, bool SUB>
 __device__ __forceinline__ void qgemv_body_{T}(
         const unsigned char* __restrict__ W, long long row_bytes, int rows, int cols,
         const signed char* __restrict__ xq, const float* __restrict__ xd, const int* __restrict__ xs16,
-        float* y, const float* __restrict__ bias, int epi, int up_off, int tpr) {
+        float* y, const float* __restrict__ bias, int epi, int up_off, int tpr, int bid, int nblk) {
     __shared__ float part[NR][8];
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     int rpb = 256 / tpr, t = tid % tpr, rl = tid / tpr;
@@ -299,12 +300,12 @@ __device__ __forceinline__ void qgemv_body_{T}(
     raw_{T} buf[NR][U];
     // the first weight chunks are loaded before waiting for the kernel that writes the input
     PDL_LAUNCH();
-    bool pre = blockIdx.x < ngroups;
+    bool pre = (SUB ? bid : blockIdx.x) < ngroups;
     if (pre) {
-        qload_{T}<NR, U>(buf, W, row_bytes, blockIdx.x * rpb + rl, rows, up_off, t, tpr, nc);
+        qload_{T}<NR, U>(buf, W, row_bytes, (SUB ? bid : blockIdx.x) * rpb + rl, rows, up_off, t, tpr, nc);
     }
     PDL_WAIT();
-    for (int g = blockIdx.x; g < ngroups; g += gridDim.x) {
+    for (int g = SUB ? bid : blockIdx.x; g < ngroups; g += SUB ? nblk : gridDim.x) {
         int row = g * rpb + rl;
         float acc[NR];
         #pragma unroll
@@ -358,25 +359,54 @@ extern "C" __global__ void __launch_bounds__(256) qgemv_{T}(
         const unsigned char* __restrict__ W, long long row_bytes, int rows, int cols,
         const signed char* __restrict__ xq, const float* __restrict__ xd, const int* __restrict__ xs16,
         float* y, const float* __restrict__ bias, int epi, int up_off, int tpr) {
-    qgemv_body_{T}<1, QGEMV_U>(W, row_bytes, rows, cols, xq, xd, xs16, y, bias, epi, up_off, tpr);
+    qgemv_body_{T}<1, QGEMV_U, false>(W, row_bytes, rows, cols, xq, xd, xs16, y, bias, epi, up_off, tpr, 0, 0);
 }
 extern "C" __global__ void __launch_bounds__(256) qgemv_glu_{T}(
         const unsigned char* __restrict__ W, long long row_bytes, int rows, int cols,
         const signed char* __restrict__ xq, const float* __restrict__ xd, const int* __restrict__ xs16,
         float* y, const float* __restrict__ bias, int epi, int up_off, int tpr) {
-    qgemv_body_{T}<2, QGEMV_UG>(W, row_bytes, rows, cols, xq, xd, xs16, y, bias, epi, up_off, tpr);
+    qgemv_body_{T}<2, QGEMV_UG, false>(W, row_bytes, rows, cols, xq, xd, xs16, y, bias, epi, up_off, tpr, 0, 0);
+}
+"""
+
+# Two pieces of one matrix in one launch (a mixed QKV: Q and K in Q4_K, V in Q6_K): blocks below
+# `nblk_a` run piece A's rows (type A, `tpr_a` threads a row), the others piece B's, written after
+# A's `rows_a` outputs. Each block runs one body, so its registers and shared memory are the larger
+# of the two kernels', and the rows and sums are those of two separate launches (same bits).
+QGEMV_MIX = r"""
+extern "C" __global__ void __launch_bounds__(256, 5) qgemv_mix_{A}_{B}(
+        const unsigned char* __restrict__ Wa, long long rba, int rows_a, int tpr_a, int nblk_a,
+        const unsigned char* __restrict__ Wb, long long rbb, int rows_b, int tpr_b, int cols,
+        const signed char* __restrict__ xq, const float* __restrict__ xd, const int* __restrict__ xs16,
+        float* y, const float* __restrict__ bias, int epi) {
+    if ((int)blockIdx.x < nblk_a)
+        qgemv_body_{A}<1, QGEMV_U, true>(Wa, rba, rows_a, cols, xq, xd, xs16, y, bias, epi, 0, tpr_a,
+                                          blockIdx.x, nblk_a);
+    else
+        qgemv_body_{B}<1, QGEMV_U, true>(Wb, rbb, rows_b, cols, xq, xd, xs16, y + rows_a,
+                                          bias ? bias + rows_a : nullptr, epi, 0, tpr_b,
+                                          blockIdx.x - nblk_a, gridDim.x - nblk_a);
 }
 """
 
 
+def mix_pairs(types: list[str] | tuple[str, ...]) -> list[tuple[str, str]]:
+    """The ordered pairs of two different types among `types` that round their input alike, each
+    one `qgemv_mix_<A>_<B>` kernel (Q4_K + Q6_K: both q8_k; Q4_1 + Q8_0: both q8_0)."""
+    qt = sorted(t for t in set(types) if t in QTYPES)
+    return [(a, b) for a in qt for b in qt if a != b and QTYPES[a] == QTYPES[b]]
+
+
 def source(types: list[str] | tuple[str, ...], unroll: int = UNROLL, unroll_glu: int = UNROLL_GLU) -> str:
     """The integer-dot GEMV kernels for those of `types` that have one (after UNITS + COMMON),
-    loading `unroll` chunks at once (`unroll_glu` per row of the fused gate+up kernels)."""
+    loading `unroll` chunks at once (`unroll_glu` per row of the fused gate+up kernels), and the
+    two-piece kernels of `mix_pairs(types)`."""
     qt = sorted(t for t in set(types) if t in QTYPES)
     if not qt:
         return ""
     unroll_defs = f"#define QGEMV_U {int(unroll)}\n#define QGEMV_UG {int(unroll_glu)}\n"
-    return unroll_defs + QDOT + QPREP + "".join(QGEMV.replace("{T}", t) for t in qt)
+    mixed = "".join(QGEMV_MIX.replace("{A}", a).replace("{B}", b) for a, b in mix_pairs(qt))
+    return unroll_defs + QDOT + QPREP + "".join(QGEMV.replace("{T}", t) for t in qt) + mixed
 
 
 def round_source() -> str:

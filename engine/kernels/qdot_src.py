@@ -35,6 +35,9 @@ UNROLL_GLU = DEFAULT_OPTIONS.qgemv_unroll_glu
 """The same for each of the two rows of `qgemv_glu_<T>` (`EngineOptions.qgemv_unroll_glu`)."""
 
 QTYPES = {"Q4_K": 2, "Q6_K": 2, "Q4_1": 1, "Q8_0": 1}
+PLAIN = {"Q4_K": "Q4_K2", "Q6_K": "Q6_K", "Q4_1": "Q4_1", "Q8_0": "Q8_0"}
+"""The chunk code (`ld_<C>` / `dot_<C>`) of each type's plain and two-piece GEMVs: Q4_K in 64-value
+chunks there (one header and scale unpacking per 64 values), 32-value ones in the gate+up kernel."""
 """Types with an integer dot product, and the activation rounding (AQ code) each one needs."""
 
 QDOT = r"""
@@ -44,7 +47,7 @@ __device__ __forceinline__ unsigned int byte_at3(unsigned int a, unsigned int b,
 }
 // 16 bytes at a 2-byte aligned address, as 4 words (5 aligned loads + funnel shifts).
 __device__ __forceinline__ void ld16_a2(const unsigned char* p, unsigned int* o) {
-    const unsigned int* a = (const unsigned int*)((unsigned long long)p & ~3ull);
+    const unsigned int* a = (const unsigned int*)(p - ((unsigned int)(unsigned long long)p & 2u));  // not an integer cast: the loads keep the pointer's space (LDG / LDS, not generic)
     unsigned int sh = ((unsigned int)(unsigned long long)p & 2u) * 8u;
     unsigned int w0 = a[0], w1 = a[1], w2 = a[2], w3 = a[3], w4 = a[4];
     o[0] = __funnelshift_r(w0, w1, sh); o[1] = __funnelshift_r(w1, w2, sh);
@@ -52,9 +55,20 @@ __device__ __forceinline__ void ld16_a2(const unsigned char* p, unsigned int* o)
 }
 
 #define QSUMS_Q4_K true
+#define QCW_Q6_K 5
+#define QCW_Q4_1 5
+#define QCW_Q8_0 5
+#define QU_Q6_K(u) (u)
+#define QU_Q4_1(u) (u)
+#define QU_Q8_0(u) (u)
+#define QLB_Q6_K __launch_bounds__(256)
+#define QLB_Q4_1 __launch_bounds__(256)
+#define QLB_Q8_0 __launch_bounds__(256)
 #define QSUMS_Q6_K false
 #define QSUMS_Q4_1 true
 #define QSUMS_Q8_0 false
+#define QCW_Q4_K 5
+#define QU_Q4_K(u) (u)
 struct raw_Q4_K { uint4 h; uint4 q; };
 __device__ __forceinline__ void ld_Q4_K(const unsigned char* row, int c, raw_Q4_K& r) {
     const unsigned char* p = row + (long long)(c >> 3) * 144;
@@ -87,6 +101,53 @@ __device__ __forceinline__ float dot_Q4_K(const raw_Q4_K& r, int c, const signed
     float d = h2f(r.h.x & 0xffff), dm = h2f(r.h.x >> 16);
     int isc = sc0 * lo + sc1 * hi;
     int imn = m0 * xs16[e >> 4] + m1 * xs16[(e >> 4) + 2];
+    return xd[sb] * (d * (float)isc - dm * (float)imn);
+}
+
+// Q4_K2: Q4_K read in chunks of 64 values (QCW 6, the plain and two-piece GEMVs): sub-blocks 2j and 2j + 1 of one block, whose 32 bytes of
+// nibbles, scales and mins go together - one header load and one scale unpacking per 64 values.
+#define QCW_Q4_K2 6
+#define QU_Q4_K2(u) ((u) > 1 ? (u) / 2 : 1)  // chunks a thread loads at once: the same bytes as u of 32 values
+#define QLB_Q4_K2 __launch_bounds__(256, 5)  // 48 registers (59 unbounded), no spills: 5 blocks an SM
+struct raw_Q4_K2 { uint4 h; uint4 q0; uint4 q1; };
+__device__ __forceinline__ void ld_Q4_K2(const unsigned char* row, int c, raw_Q4_K2& r) {
+    const unsigned char* p = row + (long long)(c >> 2) * 144;
+    int j = c & 3;
+    r.h = __ldg((const uint4*)p);
+    r.q0 = __ldg((const uint4*)(p + 16 + 32 * j));
+    r.q1 = __ldg((const uint4*)(p + 32 + 32 * j));
+}
+__device__ __forceinline__ float dot_Q4_K2(const raw_Q4_K2& r, int c, const signed char* xq,
+                                          const float* xd, const int* xs16) {
+    int sb = c >> 2, j = c & 3;
+    int e = sb * 256 + 64 * j;
+    const int4* xp = (const int4*)(xq + e);
+    int4 xl0 = xp[0], xl1 = xp[1], xh0 = xp[2], xh1 = xp[3];
+    int4 s16 = *(const int4*)(xs16 + (e >> 4));
+    unsigned int s0 = r.h.y, s1 = r.h.z, s2 = r.h.w;
+    int b0 = 2 * j, b1 = 2 * j + 1;
+    int sc0, m0, sc1, m1;
+    if (j < 2) {
+        sc0 = byte_at3(s0, s1, s2, b0) & 63; m0 = byte_at3(s0, s1, s2, b0 + 4) & 63;
+        sc1 = byte_at3(s0, s1, s2, b1) & 63; m1 = byte_at3(s0, s1, s2, b1 + 4) & 63;
+    } else {
+        unsigned int a0 = byte_at3(s0, s1, s2, b0 + 4), z0 = byte_at3(s0, s1, s2, b0 - 4), y0 = byte_at3(s0, s1, s2, b0);
+        unsigned int a1 = byte_at3(s0, s1, s2, b1 + 4), z1 = byte_at3(s0, s1, s2, b1 - 4), y1 = byte_at3(s0, s1, s2, b1);
+        sc0 = (a0 & 0xF) | ((z0 >> 6) << 4); m0 = (a0 >> 4) | ((y0 >> 6) << 4);
+        sc1 = (a1 & 0xF) | ((z1 >> 6) << 4); m1 = (a1 >> 4) | ((y1 >> 6) << 4);
+    }
+    unsigned int q[8] = {r.q0.x, r.q0.y, r.q0.z, r.q0.w, r.q1.x, r.q1.y, r.q1.z, r.q1.w};
+    int xl[8] = {xl0.x, xl0.y, xl0.z, xl0.w, xl1.x, xl1.y, xl1.z, xl1.w};
+    int xh[8] = {xh0.x, xh0.y, xh0.z, xh0.w, xh1.x, xh1.y, xh1.z, xh1.w};
+    int lo = 0, hi = 0;
+    #pragma unroll
+    for (int i = 0; i < 8; i++) {
+        lo = __dp4a((int)(q[i] & 0x0F0F0F0Fu), xl[i], lo);
+        hi = __dp4a((int)((q[i] >> 4) & 0x0F0F0F0Fu), xh[i], hi);
+    }
+    float d = h2f(r.h.x & 0xffff), dm = h2f(r.h.x >> 16);
+    int isc = sc0 * lo + sc1 * hi;
+    int imn = m0 * (s16.x + s16.y) + m1 * (s16.z + s16.w);
     return xd[sb] * (d * (float)isc - dm * (float)imn);
 }
 
@@ -294,7 +355,7 @@ __device__ __forceinline__ void qgemv_body_{T}(
     __shared__ float part[NR][8];
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     int rpb = 256 / tpr, t = tid % tpr, rl = tid / tpr;
-    int nc = cols >> 5;
+    int nc = cols >> QCW_{T};
     int ngroups = (rows + rpb - 1) / rpb;
     int width = tpr < 32 ? tpr : 32;
     raw_{T} buf[NR][U];
@@ -355,17 +416,19 @@ __device__ __forceinline__ void qgemv_body_{T}(
         }
     }
 }
-extern "C" __global__ void __launch_bounds__(256) qgemv_{T}(
+"""
+QGEMV_KERNELS = r"""
+extern "C" __global__ void QLB_{P} qgemv_{T}(
         const unsigned char* __restrict__ W, long long row_bytes, int rows, int cols,
         const signed char* __restrict__ xq, const float* __restrict__ xd, const int* __restrict__ xs16,
         float* y, const float* __restrict__ bias, int epi, int up_off, int tpr) {
-    qgemv_body_{T}<1, QGEMV_U, false>(W, row_bytes, rows, cols, xq, xd, xs16, y, bias, epi, up_off, tpr, 0, 0);
+    qgemv_body_{P}<1, QU_{P}(QGEMV_U), false>(W, row_bytes, rows, cols, xq, xd, xs16, y, bias, epi, up_off, tpr, 0, 0);
 }
 extern "C" __global__ void __launch_bounds__(256) qgemv_glu_{T}(
         const unsigned char* __restrict__ W, long long row_bytes, int rows, int cols,
         const signed char* __restrict__ xq, const float* __restrict__ xd, const int* __restrict__ xs16,
         float* y, const float* __restrict__ bias, int epi, int up_off, int tpr) {
-    qgemv_body_{T}<2, QGEMV_UG, false>(W, row_bytes, rows, cols, xq, xd, xs16, y, bias, epi, up_off, tpr, 0, 0);
+    qgemv_body_{T}<2, QU_{T}(QGEMV_UG), false>(W, row_bytes, rows, cols, xq, xd, xs16, y, bias, epi, up_off, tpr, 0, 0);
 }
 """
 
@@ -380,10 +443,10 @@ extern "C" __global__ void __launch_bounds__(256, 5) qgemv_mix_{A}_{B}(
         const signed char* __restrict__ xq, const float* __restrict__ xd, const int* __restrict__ xs16,
         float* y, const float* __restrict__ bias, int epi) {
     if ((int)blockIdx.x < nblk_a)
-        qgemv_body_{A}<1, QGEMV_U, true>(Wa, rba, rows_a, cols, xq, xd, xs16, y, bias, epi, 0, tpr_a,
+        qgemv_body_{PA}<1, QU_{PA}(QGEMV_U), true>(Wa, rba, rows_a, cols, xq, xd, xs16, y, bias, epi, 0, tpr_a,
                                           blockIdx.x, nblk_a);
     else
-        qgemv_body_{B}<1, QGEMV_U, true>(Wb, rbb, rows_b, cols, xq, xd, xs16, y + rows_a,
+        qgemv_body_{PB}<1, QU_{PB}(QGEMV_U), true>(Wb, rbb, rows_b, cols, xq, xd, xs16, y + rows_a,
                                           bias ? bias + rows_a : nullptr, epi, 0, tpr_b,
                                           blockIdx.x - nblk_a, gridDim.x - nblk_a);
 }
@@ -405,8 +468,13 @@ def source(types: list[str] | tuple[str, ...], unroll: int = UNROLL, unroll_glu:
     if not qt:
         return ""
     unroll_defs = f"#define QGEMV_U {int(unroll)}\n#define QGEMV_UG {int(unroll_glu)}\n"
-    mixed = "".join(QGEMV_MIX.replace("{A}", a).replace("{B}", b) for a, b in mix_pairs(qt))
-    return unroll_defs + QDOT + QPREP + "".join(QGEMV.replace("{T}", t) for t in qt) + mixed
+    bodies = sorted({*qt, *(PLAIN[t] for t in qt)})
+    kernels = "".join(QGEMV_KERNELS.replace("{T}", t).replace("{P}", PLAIN[t]) for t in qt)
+    mixed = "".join(
+        QGEMV_MIX.replace("{A}", a).replace("{B}", b).replace("{PA}", PLAIN[a]).replace("{PB}", PLAIN[b])
+        for a, b in mix_pairs(qt)
+    )
+    return unroll_defs + QDOT + QPREP + "".join(QGEMV.replace("{T}", t) for t in bodies) + kernels + mixed
 
 
 def round_source() -> str:

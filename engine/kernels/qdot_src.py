@@ -18,6 +18,12 @@ A *chunk* is 32 weights of one row; chunk c of a row holds (per type):
 - Q4_1: one 20-byte block (d, m, 16 bytes of nibbles), 4-byte loads.
 - Q8_0: one 34-byte block (d + 32 int8), 2-byte aligned: aligned words + funnel shifts.
 
+The plain and two-piece GEMVs read the K-quants in 64-value chunks instead (`PLAIN`: codes
+`Q4_K2`, `Q6_K2`): Q4_K's sub-block pair j (32 bytes of nibbles, one header, one scale
+unpacking), Q6_K's quarters `pair` and pair + 2 of one half (32 ql + 32 qh bytes as 9 aligned words
+each). Their per-chunk integer sums are those of the two 32-value chunks added before the one float
+scaling, so they differ from the 32-value kernels by float rounding only.
+
 `ld_<T>(row, c, raw)` loads a chunk's bytes into registers (no dependency on the activations, so
 a GEMV issues them before it prepares its input); `dot_<T>(raw, c, xq, xd, xs16)` is the chunk's
 contribution given the int8 activations `xq`, their per-block scales `xd` (per 32 for q8_0, per
@@ -35,10 +41,11 @@ UNROLL_GLU = DEFAULT_OPTIONS.qgemv_unroll_glu
 """The same for each of the two rows of `qgemv_glu_<T>` (`EngineOptions.qgemv_unroll_glu`)."""
 
 QTYPES = {"Q4_K": 2, "Q6_K": 2, "Q4_1": 1, "Q8_0": 1}
-PLAIN = {"Q4_K": "Q4_K2", "Q6_K": "Q6_K", "Q4_1": "Q4_1", "Q8_0": "Q8_0"}
-"""The chunk code (`ld_<C>` / `dot_<C>`) of each type's plain and two-piece GEMVs: Q4_K in 64-value
-chunks there (one header and scale unpacking per 64 values), 32-value ones in the gate+up kernel."""
 """Types with an integer dot product, and the activation rounding (AQ code) each one needs."""
+PLAIN = {"Q4_K": "Q4_K2", "Q6_K": "Q6_K2", "Q4_1": "Q4_1", "Q8_0": "Q8_0"}
+"""The chunk code (`ld_<C>` / `dot_<C>`) of each type's plain and two-piece GEMVs: the K-quants in
+64-value chunks there (Q4_K: one header and scale unpacking per 64 values; Q6_K: 22 loads per 64
+values instead of 26), 32-value ones in the gate+up kernel (64 needed 64 registers there)."""
 
 QDOT = r"""
 __device__ __forceinline__ unsigned int byte_at3(unsigned int a, unsigned int b, unsigned int c, int i) {
@@ -104,8 +111,9 @@ __device__ __forceinline__ float dot_Q4_K(const raw_Q4_K& r, int c, const signed
     return xd[sb] * (d * (float)isc - dm * (float)imn);
 }
 
-// Q4_K2: Q4_K read in chunks of 64 values (QCW 6, the plain and two-piece GEMVs): sub-blocks 2j and 2j + 1 of one block, whose 32 bytes of
-// nibbles, scales and mins go together - one header load and one scale unpacking per 64 values.
+// Q4_K2: Q4_K in chunks of 64 values (QCW 6; the plain and two-piece GEMVs): sub-blocks 2j and
+// 2j + 1 of one block, whose 32 bytes of nibbles, scales and mins go together - one header load
+// and one scale unpacking per 64 values.
 #define QCW_Q4_K2 6
 #define QU_Q4_K2(u) ((u) > 1 ? (u) / 2 : 1)  // chunks a thread loads at once: the same bytes as u of 32 values
 #define QLB_Q4_K2 __launch_bounds__(256, 5)  // 48 registers (59 unbounded), no spills: 5 blocks an SM
@@ -179,6 +187,45 @@ __device__ __forceinline__ float dot_Q6_K(const raw_Q6_K& r, int c, const signed
     }
     int sca = (int)(signed char)(r.sc & 0xff), scb = (int)(signed char)((r.sc >> 8) & 0xff);
     return xd[sb] * h2f(r.sd) * (float)(sca * sa + scb * sb_);
+}
+
+// Q6_K2: Q6_K read in chunks of 64 values (QCW 6, the plain and two-piece GEMVs): 32 values of
+// quarter `pair` and of quarter pair + 2 of one half - 32 bytes of ql and the half's 32 bytes of qh
+// as 9 aligned words each, 4 scale bytes and d: 22 loads for 64 values instead of 26.
+#define QCW_Q6_K2 6
+#define QU_Q6_K2(u) ((u) > 1 ? (u) / 2 : 1)
+#define QLB_Q6_K2 __launch_bounds__(256, 5)
+struct raw_Q6_K2 { unsigned int l[8]; unsigned int h[8]; unsigned int sd; unsigned int sc; };
+__device__ __forceinline__ void ld_Q6_K2(const unsigned char* row, int c, raw_Q6_K2& r) {
+    const unsigned char* p = row + (long long)(c >> 2) * 210;
+    int j = c & 3, hf = j >> 1, pair = j & 1;
+    ld_a2x8(p + hf * 64 + pair * 32, r.l);
+    ld_a2x8(p + 128 + hf * 32, r.h);
+    const unsigned char* s = p + 192 + hf * 8 + pair * 2;
+    r.sc = ld16(s) | (ld16(s + 4) << 16);  // scales of values 0-15 / 16-31 of quarter pair, then of pair + 2
+    r.sd = ld16(p + 208);
+}
+__device__ __forceinline__ float dot_Q6_K2(const raw_Q6_K2& r, int c, const signed char* xq,
+                                           const float* xd, const int* xs16) {
+    int sb = c >> 2, j = c & 3, hf = j >> 1, pair = j & 1;
+    int e = sb * 256 + hf * 128 + pair * 32;
+    const int4* xp = (const int4*)(xq + e);
+    int4 xa0 = xp[0], xa1 = xp[1], xb0 = xp[4], xb1 = xp[5];
+    int xa_[8] = {xa0.x, xa0.y, xa0.z, xa0.w, xa1.x, xa1.y, xa1.z, xa1.w};
+    int xb_[8] = {xb0.x, xb0.y, xb0.z, xb0.w, xb1.x, xb1.y, xb1.z, xb1.w};
+    int sa[2] = {0, 0}, sb_[2] = {0, 0};
+    int sh = 2 * pair;
+    #pragma unroll
+    for (int i = 0; i < 8; i++) {
+        unsigned int ql = r.l[i], qh = r.h[i];
+        unsigned int va = (ql & 0x0F0F0F0Fu) | (((qh >> sh) & 0x03030303u) << 4);
+        unsigned int vb = ((ql >> 4) & 0x0F0F0F0Fu) | (((qh >> (sh + 4)) & 0x03030303u) << 4);
+        sa[i >> 2] = __dp4a((int)__vsubss4(va, 0x20202020u), xa_[i], sa[i >> 2]);
+        sb_[i >> 2] = __dp4a((int)__vsubss4(vb, 0x20202020u), xb_[i], sb_[i >> 2]);
+    }
+    int isc = (int)(signed char)(r.sc & 0xff) * sa[0] + (int)(signed char)((r.sc >> 8) & 0xff) * sa[1]
+            + (int)(signed char)((r.sc >> 16) & 0xff) * sb_[0] + (int)(signed char)(r.sc >> 24) * sb_[1];
+    return xd[sb] * h2f(r.sd) * (float)isc;
 }
 
 struct raw_Q4_1 { unsigned int dm; unsigned int q[4]; };

@@ -227,3 +227,30 @@ def test_tile_width_follows_the_chunk_and_the_grid() -> None:
     assert mmq_tile(1024, 4_096, 132) == 128  # 16 x 32 blocks: four on each SM
     assert mmq_tile(512, 1_024, 8) == 64  # 64 blocks on 8 SMs: eight each
     assert mmq_tile(256, 1_024, 8) == 128  # 32 blocks on 8 SMs: four each
+
+
+def test_two_piece_gemvs_pair_the_types_that_round_alike() -> None:
+    """The decode module gets a two-piece GEMV for each ordered pair of types whose inputs round
+    alike (K-quants with K-quants, Q4_1 with Q8_0), and its plain K-quant GEMVs read 64-value
+    chunks while the gate+up kernels keep 32-value ones."""
+    from engine.kernels import qdot_src
+
+    assert qdot_src.mix_pairs(["Q6_K", "Q4_K", "F16"]) == [("Q4_K", "Q6_K"), ("Q6_K", "Q4_K")]
+    assert qdot_src.mix_pairs(["Q4_1", "Q8_0", "Q4_K"]) == [("Q4_1", "Q8_0"), ("Q8_0", "Q4_1")]
+    assert qdot_src.mix_pairs(["Q4_K", "Q4_1"]) == []
+    src = qdot_src.source(["Q4_K", "Q6_K"])
+    kernels = {}  # kernel -> the chunk code of its (first) body
+    for part in src.split('extern "C" __global__')[1:]:
+        name = re.search(r"(qgemv\w+)\(", part)
+        body = re.search(r"qgemv_body_(\w+)<", part)
+        if name and body:
+            kernels[name.group(1)] = body.group(1)
+    assert kernels == {
+        "qgemv_Q4_K": "Q4_K2",
+        "qgemv_glu_Q4_K": "Q4_K",
+        "qgemv_Q6_K": "Q6_K2",
+        "qgemv_glu_Q6_K": "Q6_K",
+        "qgemv_mix_Q4_K_Q6_K": "Q4_K2",
+        "qgemv_mix_Q6_K_Q4_K": "Q6_K2",
+    }
+    assert "#define QCW_Q4_K2 6" in src and "#define QCW_Q6_K2 6" in src

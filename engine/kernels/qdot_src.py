@@ -62,20 +62,35 @@ __device__ __forceinline__ void ld16_a2(const unsigned char* p, unsigned int* o)
 }
 
 #define QSUMS_Q4_K true
-#define QCW_Q6_K 5
-#define QCW_Q4_1 5
-#define QCW_Q8_0 5
-#define QU_Q6_K(u) (u)
-#define QU_Q4_1(u) (u)
-#define QU_Q8_0(u) (u)
-#define QLB_Q6_K __launch_bounds__(256)
-#define QLB_Q4_1 __launch_bounds__(256)
-#define QLB_Q8_0 __launch_bounds__(256)
 #define QSUMS_Q6_K false
 #define QSUMS_Q4_1 true
 #define QSUMS_Q8_0 false
+// Per chunk code C: QCW_C = log2 of the values a chunk, QU_C(u) the chunks a thread loads at once
+// for a given unroll u, QLB_C the launch bounds of a plain kernel reading it (`PLAIN`).
 #define QCW_Q4_K 5
+#define QCW_Q6_K 5
+#define QCW_Q4_1 5
+#define QCW_Q8_0 5
 #define QU_Q4_K(u) (u)
+#define QU_Q6_K(u) (u)
+#define QU_Q4_1(u) (u)
+#define QU_Q8_0(u) (u)
+#define QLB_Q4_1 __launch_bounds__(256)
+#define QLB_Q8_0 __launch_bounds__(256)
+// The 6-bit scales and mins of sub-blocks 2j and 2j + 1 of a Q4_K block from its header h.
+__device__ __forceinline__ void q4k_scales(const uint4& h, int j, int& sc0, int& m0, int& sc1, int& m1) {
+    unsigned int s0 = h.y, s1 = h.z, s2 = h.w;
+    int b0 = 2 * j, b1 = 2 * j + 1;
+    if (j < 2) {
+        sc0 = byte_at3(s0, s1, s2, b0) & 63; m0 = byte_at3(s0, s1, s2, b0 + 4) & 63;
+        sc1 = byte_at3(s0, s1, s2, b1) & 63; m1 = byte_at3(s0, s1, s2, b1 + 4) & 63;
+    } else {
+        unsigned int a0 = byte_at3(s0, s1, s2, b0 + 4), z0 = byte_at3(s0, s1, s2, b0 - 4), y0 = byte_at3(s0, s1, s2, b0);
+        unsigned int a1 = byte_at3(s0, s1, s2, b1 + 4), z1 = byte_at3(s0, s1, s2, b1 - 4), y1 = byte_at3(s0, s1, s2, b1);
+        sc0 = (a0 & 0xF) | ((z0 >> 6) << 4); m0 = (a0 >> 4) | ((y0 >> 6) << 4);
+        sc1 = (a1 & 0xF) | ((z1 >> 6) << 4); m1 = (a1 >> 4) | ((y1 >> 6) << 4);
+    }
+}
 struct raw_Q4_K { uint4 h; uint4 q; };
 __device__ __forceinline__ void ld_Q4_K(const unsigned char* row, int c, raw_Q4_K& r) {
     const unsigned char* p = row + (long long)(c >> 3) * 144;
@@ -88,18 +103,8 @@ __device__ __forceinline__ float dot_Q4_K(const raw_Q4_K& r, int c, const signed
     int sb = c >> 3, k = c & 7, j = k >> 1;
     int e = sb * 256 + 64 * j + 16 * (k & 1);
     int4 xl = *(const int4*)(xq + e), xh = *(const int4*)(xq + e + 32);
-    unsigned int s0 = r.h.y, s1 = r.h.z, s2 = r.h.w;
-    int b0 = 2 * j, b1 = 2 * j + 1;
     int sc0, m0, sc1, m1;
-    if (j < 2) {
-        sc0 = byte_at3(s0, s1, s2, b0) & 63; m0 = byte_at3(s0, s1, s2, b0 + 4) & 63;
-        sc1 = byte_at3(s0, s1, s2, b1) & 63; m1 = byte_at3(s0, s1, s2, b1 + 4) & 63;
-    } else {
-        unsigned int a0 = byte_at3(s0, s1, s2, b0 + 4), z0 = byte_at3(s0, s1, s2, b0 - 4), y0 = byte_at3(s0, s1, s2, b0);
-        unsigned int a1 = byte_at3(s0, s1, s2, b1 + 4), z1 = byte_at3(s0, s1, s2, b1 - 4), y1 = byte_at3(s0, s1, s2, b1);
-        sc0 = (a0 & 0xF) | ((z0 >> 6) << 4); m0 = (a0 >> 4) | ((y0 >> 6) << 4);
-        sc1 = (a1 & 0xF) | ((z1 >> 6) << 4); m1 = (a1 >> 4) | ((y1 >> 6) << 4);
-    }
+    q4k_scales(r.h, j, sc0, m0, sc1, m1);
     int lo = 0, hi = 0;
     lo = __dp4a((int)(r.q.x & 0x0F0F0F0Fu), xl.x, lo); hi = __dp4a((int)((r.q.x >> 4) & 0x0F0F0F0Fu), xh.x, hi);
     lo = __dp4a((int)(r.q.y & 0x0F0F0F0Fu), xl.y, lo); hi = __dp4a((int)((r.q.y >> 4) & 0x0F0F0F0Fu), xh.y, hi);
@@ -132,18 +137,8 @@ __device__ __forceinline__ float dot_Q4_K2(const raw_Q4_K2& r, int c, const sign
     const int4* xp = (const int4*)(xq + e);
     int4 xl0 = xp[0], xl1 = xp[1], xh0 = xp[2], xh1 = xp[3];
     int4 s16 = *(const int4*)(xs16 + (e >> 4));
-    unsigned int s0 = r.h.y, s1 = r.h.z, s2 = r.h.w;
-    int b0 = 2 * j, b1 = 2 * j + 1;
     int sc0, m0, sc1, m1;
-    if (j < 2) {
-        sc0 = byte_at3(s0, s1, s2, b0) & 63; m0 = byte_at3(s0, s1, s2, b0 + 4) & 63;
-        sc1 = byte_at3(s0, s1, s2, b1) & 63; m1 = byte_at3(s0, s1, s2, b1 + 4) & 63;
-    } else {
-        unsigned int a0 = byte_at3(s0, s1, s2, b0 + 4), z0 = byte_at3(s0, s1, s2, b0 - 4), y0 = byte_at3(s0, s1, s2, b0);
-        unsigned int a1 = byte_at3(s0, s1, s2, b1 + 4), z1 = byte_at3(s0, s1, s2, b1 - 4), y1 = byte_at3(s0, s1, s2, b1);
-        sc0 = (a0 & 0xF) | ((z0 >> 6) << 4); m0 = (a0 >> 4) | ((y0 >> 6) << 4);
-        sc1 = (a1 & 0xF) | ((z1 >> 6) << 4); m1 = (a1 >> 4) | ((y1 >> 6) << 4);
-    }
+    q4k_scales(r.h, j, sc0, m0, sc1, m1);
     unsigned int q[8] = {r.q0.x, r.q0.y, r.q0.z, r.q0.w, r.q1.x, r.q1.y, r.q1.z, r.q1.w};
     int xl[8] = {xl0.x, xl0.y, xl0.z, xl0.w, xl1.x, xl1.y, xl1.z, xl1.w};
     int xh[8] = {xh0.x, xh0.y, xh0.z, xh0.w, xh1.x, xh1.y, xh1.z, xh1.w};

@@ -90,8 +90,8 @@ def profile_model(m, key: str, pos: int, out=print) -> None:  # type: ignore[no-
         g = ln.name.split("[")[0]
         groups[g][0] += us
         groups[g][1] += 1
-        if "gemv" in ln.name:
-            groups[g][2] += int(ln.args[0].nbytes)
+        if "gemv" in ln.name:  # a two-piece launch's second piece is its 6th argument
+            groups[g][2] += int(ln.args[0].nbytes) + (int(ln.args[5].nbytes) if g.startswith("qgemv_mix") else 0)
     total = sum(v[0] for v in groups.values())
     out(
         f"\n== {key}: {len(dec.plan)} launches, sum of single launches {total:.0f} us/token "

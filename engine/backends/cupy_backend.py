@@ -127,29 +127,34 @@ class CupyOps:
             self._uploader = None
 
     def concat_rows(self, parts: list[QWeight]) -> QWeight:
-        """Stack weights by rows: one buffer when the types agree, else a list of pieces."""
+        """Stack weights by rows: one buffer when the types agree, else a list of pieces in which
+        runs of one type are one buffer (Q and K of a Q4_K_M QKV: one launch, more blocks)."""
         cols = parts[0].shape[1]
         rows = sum(p.shape[0] for p in parts)
         if len({p.type_name for p in parts}) == 1 and all(not p.parts for p in parts):
-            raw = cp.concatenate([p.raw for p in parts], axis=0)
-            for p in parts:
-                p.raw = None  # free the pieces...
-            # ...and give them back to CUDA now: cached, they would be split by the next small
-            # allocations and stay in the pool as fragments (the plan counts no load leftovers)
-            cp.get_default_memory_pool().free_all_blocks()
-            out = QWeight(raw, parts[0].type_name, (rows, cols))
-        else:  # runs of one type stay one buffer (Q and K of a Q4_K_M QKV: one launch, more blocks)
-            flat = [q for p in parts for q in p.pieces()]
+            out = self._stack(parts)
+        else:
             runs: list[list[QWeight]] = []
-            for q in flat:
+            for q in (q for p in parts for q in p.pieces()):
                 if runs and runs[-1][0].type_name == q.type_name:
                     runs[-1].append(q)
                 else:
                     runs.append([q])
-            out = QWeight(None, "mixed", (rows, cols), [r[0] if len(r) == 1 else self.concat_rows(r) for r in runs])
+            out = QWeight(None, "mixed", (rows, cols), [r[0] if len(r) == 1 else self._stack(r) for r in runs])
         if not self.uses_mmq(out):  # a matrix that prefills through tiles sizes the tile buffer
             self._max_elems = max(self._max_elems, rows * cols)
         return out
+
+    @staticmethod
+    def _stack(parts: list[QWeight]) -> QWeight:
+        """Pieces of one type as one buffer (their own buffers freed)."""
+        raw = cp.concatenate([p.raw for p in parts], axis=0)
+        for p in parts:
+            p.raw = None  # free the pieces...
+        # ...and give them back to CUDA now: cached, they would be split by the next small
+        # allocations and stay in the pool as fragments (the plan counts no load leftovers)
+        cp.get_default_memory_pool().free_all_blocks()
+        return QWeight(raw, parts[0].type_name, (sum(p.shape[0] for p in parts), parts[0].shape[1]))
 
     def embed_rows(self, table: QWeight | TensorInfo, ids: np.ndarray, cols: int) -> cp.ndarray:
         """Rows of the embedding table [T] -> [T, E]; a host-side table is decoded on the host."""

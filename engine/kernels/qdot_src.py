@@ -77,6 +77,13 @@ __device__ __forceinline__ void ld16_a2(const unsigned char* p, unsigned int* o)
 #define QU_Q8_0(u) (u)
 #define QLB_Q4_1 __launch_bounds__(256)
 #define QLB_Q8_0 __launch_bounds__(256)
+// The 64-value K-quant codes and their two-piece kernels are held to 48 registers (5 blocks an SM)
+// at the default unroll; a larger tuning unroll needs more registers than that without spilling.
+#if QGEMV_U <= 2
+#define QLB_KQ2 __launch_bounds__(256, 5)
+#else
+#define QLB_KQ2 __launch_bounds__(256)
+#endif
 // The 6-bit scales and mins of sub-blocks 2j and 2j + 1 of a Q4_K block from its header h.
 __device__ __forceinline__ void q4k_scales(const uint4& h, int j, int& sc0, int& m0, int& sc1, int& m1) {
     unsigned int s0 = h.y, s1 = h.z, s2 = h.w;
@@ -121,7 +128,7 @@ __device__ __forceinline__ float dot_Q4_K(const raw_Q4_K& r, int c, const signed
 // and one scale unpacking per 64 values.
 #define QCW_Q4_K2 6
 #define QU_Q4_K2(u) ((u) > 1 ? (u) / 2 : 1)  // chunks a thread loads at once: the same bytes as u of 32 values
-#define QLB_Q4_K2 __launch_bounds__(256, 5)  // 48 registers (59 unbounded), no spills: 5 blocks an SM
+#define QLB_Q4_K2 QLB_KQ2  // 48 registers at the default unroll (59 unbounded), no spills: 5 blocks an SM
 struct raw_Q4_K2 { uint4 h; uint4 q0; uint4 q1; };
 __device__ __forceinline__ void ld_Q4_K2(const unsigned char* row, int c, raw_Q4_K2& r) {
     const unsigned char* p = row + (long long)(c >> 2) * 144;
@@ -189,7 +196,7 @@ __device__ __forceinline__ float dot_Q6_K(const raw_Q6_K& r, int c, const signed
 // as 9 aligned words each, 4 scale bytes and d: 22 loads for 64 values instead of 26.
 #define QCW_Q6_K2 6
 #define QU_Q6_K2(u) ((u) > 1 ? (u) / 2 : 1)
-#define QLB_Q6_K2 __launch_bounds__(256, 5)
+#define QLB_Q6_K2 QLB_KQ2
 struct raw_Q6_K2 { unsigned int l[8]; unsigned int h[8]; unsigned int sd; unsigned int sc; };
 __device__ __forceinline__ void ld_Q6_K2(const unsigned char* row, int c, raw_Q6_K2& r) {
     const unsigned char* p = row + (long long)(c >> 2) * 210;
@@ -479,7 +486,7 @@ extern "C" __global__ void __launch_bounds__(256) qgemv_glu_{T}(
 # A's `rows_a` outputs. Each block runs one body, so its registers and shared memory are the larger
 # of the two kernels', and the rows and sums are those of two separate launches (same bits).
 QGEMV_MIX = r"""
-extern "C" __global__ void __launch_bounds__(256, 5) qgemv_mix_{A}_{B}(
+extern "C" __global__ void {LB} qgemv_mix_{A}_{B}(
         const unsigned char* __restrict__ Wa, long long rba, int rows_a, int tpr_a, int nblk_a,
         const unsigned char* __restrict__ Wb, long long rbb, int rows_b, int tpr_b, int cols,
         const signed char* __restrict__ xq, const float* __restrict__ xd, const int* __restrict__ xs16,
@@ -513,7 +520,11 @@ def source(types: list[str] | tuple[str, ...], unroll: int = UNROLL, unroll_glu:
     bodies = sorted({*qt, *(PLAIN[t] for t in qt)})
     kernels = "".join(QGEMV_KERNELS.replace("{T}", t).replace("{P}", PLAIN[t]) for t in qt)
     mixed = "".join(
-        QGEMV_MIX.replace("{A}", a).replace("{B}", b).replace("{PA}", PLAIN[a]).replace("{PB}", PLAIN[b])
+        QGEMV_MIX.replace("{A}", a)
+        .replace("{B}", b)
+        .replace("{PA}", PLAIN[a])
+        .replace("{PB}", PLAIN[b])
+        .replace("{LB}", "QLB_KQ2" if QTYPES[a] == 2 else "__launch_bounds__(256)")  # q8_0 pairs: no spills unbounded
         for a, b in mix_pairs(qt)
     )
     return unroll_defs + QDOT + QPREP + "".join(QGEMV.replace("{T}", t) for t in bodies) + kernels + mixed

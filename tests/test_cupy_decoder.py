@@ -201,16 +201,25 @@ QCASES = [
 ]
 
 
+def _gemv_module(types: list[str]) -> tuple[Any, int]:
+    """A small decode module with the GEMVs of `types`, and the GPU's multiprocessor count."""
+    from engine.backends import cupy_decoder as cd
+    from engine.kernels import decode_src
+
+    shape = {"n_heads": 4, "n_kv_heads": 2, "head_dim": 64, "v_head_dim": 64, "rope_half": 32}
+    mod = cd._module(decode_src.source(types, **shape, neox=True, kv_half=True, n_split=8))
+    return mod, int(cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["multiProcessorCount"])
+
+
 @pytest.mark.parametrize("epi", [0, 1, 2])
 @pytest.mark.parametrize("t,rows,cols", QCASES)
 def test_qgemv_matches_numpy_and_float_path(t: str, rows: int, cols: int, epi: int) -> None:
     """norm + llama.cpp rounding + integer dot products == NumPy (rms_norm, act_quant, W @ x),
     and == the float kernel with the same rounding up to float summation order."""
-    from engine.backends import cupy_decoder as cd
     from engine.backends import cupy_gemv
     from engine.backends.numpy_backend import NumpyOps
     from engine.gguf_file import TensorInfo
-    from engine.kernels import decode_src, qdot_src
+    from engine.kernels import qdot_src
     from engine.quants import dequantize
     from engine.quants_encode import quantize
 
@@ -235,12 +244,7 @@ def test_qgemv_matches_numpy_and_float_path(t: str, rows: int, cols: int, epi: i
     else:
         g, u = acc[:rows], acc[rows:]
         ref = g / (1 + np.exp(-g)) * u
-    mod = cd._module(
-        decode_src.source(
-            [t], n_heads=4, n_kv_heads=2, head_dim=64, v_head_dim=64, rope_half=32, neox=True, kv_half=True, n_split=8
-        )
-    )
-    n_sm = int(cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["multiProcessorCount"])
+    mod, n_sm = _gemv_module([t])
     outs = {}
     for use_q in (True, False):
         cupy_gemv.USE_QGEMV = use_q
@@ -287,10 +291,9 @@ def test_two_type_matrix_in_one_launch_matches_a_launch_a_piece(
 ) -> None:
     """A matrix of two pieces of two types (a Q4_K_M QKV) runs as one `qgemv_mix` launch that
     gives the same bits as one launch a piece, bias or adding epilogue included."""
-    from engine.backends import cupy_decoder as cd
     from engine.backends import cupy_gemv
     from engine.gguf_file import TensorInfo
-    from engine.kernels import decode_src, qdot_src
+    from engine.kernels import qdot_src
     from engine.quants_encode import quantize
 
     rng = np.random.default_rng(31)
@@ -302,20 +305,7 @@ def test_two_type_matrix_in_one_launch_matches_a_launch_a_piece(
     w = ops.concat_rows(parts)
     assert [p.type_name for p in w.pieces()] == [ta, tb]
     aq = {1: "q8_0", 2: "q8_k"}[qdot_src.QTYPES[ta]]
-    mod = cd._module(
-        decode_src.source(
-            [ta, tb],
-            n_heads=4,
-            n_kv_heads=2,
-            head_dim=64,
-            v_head_dim=64,
-            rope_half=32,
-            neox=True,
-            kv_half=True,
-            n_split=8,
-        )
-    )
-    n_sm = int(cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["multiProcessorCount"])
+    mod, n_sm = _gemv_module([ta, tb])
     x, nw = (
         cp.asarray(rng.standard_normal(cols, dtype=np.float32)),
         cp.asarray(rng.random(cols, dtype=np.float32) + 0.5),

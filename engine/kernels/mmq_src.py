@@ -16,9 +16,10 @@ warps multiply the current step from shared memory (one buffer, two barriers a s
 after the multiply instead, with the next unit's bytes asked of L1 (`prefetch.global.L1`) before
 it, measured 0.85-0.93x (`bench/results/prefill_mmq_tiles-20261203-vs-be2fb0f/`). Every output
 sums its K steps in the same order in both kernels, so they give the same bits. Shared rows are
-padded to 72 halves, which keeps the ldmatrix phases conflict-free. Blocks run token tiles fastest (grid.x), so the
-token tiles of one weight tile run side by side and the weight bytes come from L2 after the first.
-mma.sync needs sm_80+ (Orin is sm_87); `engine.backends.cupy_backend` uses the tile path below that.
+padded to 72 halves, which keeps the ldmatrix phases conflict-free. Blocks run token tiles fastest
+(grid.x), so the token tiles of one weight tile run side by side and the weight bytes come from L2
+after the first. mma.sync needs sm_80+ (Orin is sm_87); `engine.backends.cupy_backend` uses the
+tile path below that.
 """
 
 from .quant_units import TYPES

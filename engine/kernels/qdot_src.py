@@ -54,7 +54,8 @@ __device__ __forceinline__ unsigned int byte_at3(unsigned int a, unsigned int b,
 }
 // 16 bytes at a 2-byte aligned address, as 4 words (5 aligned loads + funnel shifts).
 __device__ __forceinline__ void ld16_a2(const unsigned char* p, unsigned int* o) {
-    const unsigned int* a = (const unsigned int*)(p - ((unsigned int)(unsigned long long)p & 2u));  // not an integer cast: the loads keep the pointer's space (LDG / LDS, not generic)
+    // aligned by pointer arithmetic, not an integer cast: the loads keep the pointer's space (LDG / LDS)
+    const unsigned int* a = (const unsigned int*)(p - ((unsigned int)(unsigned long long)p & 2u));
     unsigned int sh = ((unsigned int)(unsigned long long)p & 2u) * 8u;
     unsigned int w0 = a[0], w1 = a[1], w2 = a[2], w3 = a[3], w4 = a[4];
     o[0] = __funnelshift_r(w0, w1, sh); o[1] = __funnelshift_r(w1, w2, sh);
@@ -84,6 +85,8 @@ __device__ __forceinline__ void ld16_a2(const unsigned char* p, unsigned int* o)
 #else
 #define QLB_KQ2 __launch_bounds__(256)
 #endif
+// 64-value chunks a thread loads at once for an unroll u: the bytes of u 32-value chunks
+#define QU_KQ2(u) ((u) > 1 ? (u) / 2 : 1)
 // The 6-bit scales and mins of sub-blocks 2j and 2j + 1 of a Q4_K block from its header h.
 __device__ __forceinline__ void q4k_scales(const uint4& h, int j, int& sc0, int& m0, int& sc1, int& m1) {
     unsigned int s0 = h.y, s1 = h.z, s2 = h.w;
@@ -127,7 +130,7 @@ __device__ __forceinline__ float dot_Q4_K(const raw_Q4_K& r, int c, const signed
 // 2j + 1 of one block, whose 32 bytes of nibbles, scales and mins go together - one header load
 // and one scale unpacking per 64 values.
 #define QCW_Q4_K2 6
-#define QU_Q4_K2(u) ((u) > 1 ? (u) / 2 : 1)  // chunks a thread loads at once: the same bytes as u of 32 values
+#define QU_Q4_K2(u) QU_KQ2(u)
 #define QLB_Q4_K2 QLB_KQ2  // 48 registers at the default unroll (59 unbounded), no spills: 5 blocks an SM
 struct raw_Q4_K2 { uint4 h; uint4 q0; uint4 q1; };
 __device__ __forceinline__ void ld_Q4_K2(const unsigned char* row, int c, raw_Q4_K2& r) {
@@ -195,7 +198,7 @@ __device__ __forceinline__ float dot_Q6_K(const raw_Q6_K& r, int c, const signed
 // quarter `pair` and of quarter pair + 2 of one half - 32 bytes of ql and the half's 32 bytes of qh
 // as 9 aligned words each, 4 scale bytes and d: 22 loads for 64 values instead of 26.
 #define QCW_Q6_K2 6
-#define QU_Q6_K2(u) ((u) > 1 ? (u) / 2 : 1)
+#define QU_Q6_K2(u) QU_KQ2(u)
 #define QLB_Q6_K2 QLB_KQ2
 struct raw_Q6_K2 { unsigned int l[8]; unsigned int h[8]; unsigned int sd; unsigned int sc; };
 __device__ __forceinline__ void ld_Q6_K2(const unsigned char* row, int c, raw_Q6_K2& r) {
@@ -484,9 +487,11 @@ extern "C" __global__ void __launch_bounds__(256) qgemv_glu_{T}(
 # Two pieces of one matrix in one launch (a mixed QKV: Q and K in Q4_K, V in Q6_K): blocks below
 # `nblk_a` run piece A's rows (type A, `tpr_a` threads a row), the others piece B's, written after
 # A's `rows_a` outputs. Each block runs one body, so its registers and shared memory are the larger
-# of the two kernels', and the rows and sums are those of two separate launches (same bits).
+# of the two kernels', and the rows and sums are those of two separate launches (same bits). Its
+# launch bounds are its chunk codes' (the two round alike, so they share them: QLB_KQ2 for the
+# K-quants, none for Q4_1 / Q8_0, which spill 28 bytes under QLB_KQ2).
 QGEMV_MIX = r"""
-extern "C" __global__ void {LB} qgemv_mix_{A}_{B}(
+extern "C" __global__ void QLB_{PA} qgemv_mix_{A}_{B}(
         const unsigned char* __restrict__ Wa, long long rba, int rows_a, int tpr_a, int nblk_a,
         const unsigned char* __restrict__ Wb, long long rbb, int rows_b, int tpr_b, int cols,
         const signed char* __restrict__ xq, const float* __restrict__ xd, const int* __restrict__ xs16,
@@ -520,11 +525,7 @@ def source(types: list[str] | tuple[str, ...], unroll: int = UNROLL, unroll_glu:
     bodies = sorted({*qt, *(PLAIN[t] for t in qt)})
     kernels = "".join(QGEMV_KERNELS.replace("{T}", t).replace("{P}", PLAIN[t]) for t in qt)
     mixed = "".join(
-        QGEMV_MIX.replace("{A}", a)
-        .replace("{B}", b)
-        .replace("{PA}", PLAIN[a])
-        .replace("{PB}", PLAIN[b])
-        .replace("{LB}", "QLB_KQ2" if QTYPES[a] == 2 else "__launch_bounds__(256)")  # q8_0 pairs: no spills unbounded
+        QGEMV_MIX.replace("{A}", a).replace("{B}", b).replace("{PA}", PLAIN[a]).replace("{PB}", PLAIN[b])
         for a, b in mix_pairs(qt)
     )
     return unroll_defs + QDOT + QPREP + "".join(QGEMV.replace("{T}", t) for t in bodies) + kernels + mixed

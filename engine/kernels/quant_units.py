@@ -38,7 +38,8 @@ __device__ __forceinline__ unsigned int ld32(const unsigned char* p) { return *(
 // shifts instead of 16 2-byte loads (the ninth word, read only when p is not 4-byte aligned, ends
 // 2 bytes past the 32: inside a block's next field, or CuPy's 512-byte allocation rounding).
 __device__ __forceinline__ void ld_a2x8(const unsigned char* p, unsigned int* r) {
-    const unsigned int* a = (const unsigned int*)(p - ((unsigned int)(unsigned long long)p & 2u));  // not an integer cast: the loads keep the pointer's space (LDG / LDS, not generic)
+    // aligned by pointer arithmetic, not an integer cast: the loads keep the pointer's space (LDG / LDS)
+    const unsigned int* a = (const unsigned int*)(p - ((unsigned int)(unsigned long long)p & 2u));
     unsigned int sh = ((unsigned int)(unsigned long long)p & 2u) * 8u;
     unsigned int w[9];
     #pragma unroll

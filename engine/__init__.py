@@ -278,7 +278,7 @@ class Model:
             if graphs is not None and graphs.bucket_for(len(ids), pos, 1, tf.n_ctx) is not None:
                 return None
             del tf.kv.tokens[pos:]
-            p = tf.begin(list(ids), pos, last_n=1)
+            p = tf.begin_replay(list(ids), pos, n_layers) or tf.begin(list(ids), pos, last_n=1)
             p.tokens = [int(t) for t in ids]
         self.prefill_layers(p, n_layers)
         return p
@@ -324,7 +324,20 @@ class Model:
                 return 0
             if self._pinned is None or self._pinned.tokens != tuple(kv.tokens[:n]):
                 self._pinned = kv.snapshot(n)
+            self._expect_chunk_at(n)
             return n
+
+    def expect_chunk_at(self, n: int) -> None:
+        """Prefill chunks will begin at `n` (a stable prefix of `n` tokens was restored or pinned:
+        questions begin where it ends); a backend with later-chunk graphs (CuPy) captures that
+        start's at its first chunk instead of its second."""
+        with self._thread_lock:
+            self._expect_chunk_at(n)
+
+    def _expect_chunk_at(self, n: int) -> None:
+        graphs = self.transformer.ops.prefill_graphs
+        if graphs is not None:
+            graphs.expect(n)
 
     def with_kv(self, fn: Callable[[KVCache], T]) -> T:
         """`fn(kv_cache)` under the model's thread lock: no forward pass runs meanwhile."""

@@ -207,6 +207,8 @@ class Pass:
     queued: Any = None
     """An event after the pass's newest piece while that piece may still run on the device
     (`Model.prefill_layers` keeps one piece queued ahead; `Model.prefill_settle` waits for it)."""
+    replay: Any = None
+    """The graphs that replay this pass (`Transformer.begin_replay`; `x` stays None), or None."""
 
 
 class Transformer:
@@ -313,6 +315,10 @@ class Transformer:
                 out = graphs.run(self, ids, bucket)
                 if out is not None:
                     return out
+            replay = self.begin_replay(ids, start, 0) if last_n == 1 else None
+            if replay is not None:
+                self.run_layers(replay, 0, len(self.layers))
+                return self.end(replay)
         p = self.begin(ids, start, last_n, hidden)
         self.run_layers(p, 0, len(self.layers))
         return self.end(p)
@@ -334,10 +340,27 @@ class Transformer:
         keep = t if hidden or last_n is None else max(1, min(last_n, t))
         return Pass(x=x, t=t, start=start, keep=keep, hidden=hidden)
 
+    def begin_replay(self, ids: Sequence[int], start: int, group: int) -> Pass | None:
+        """`begin` for a later chunk the backend replays from graphs (`ops.prefill_graphs.later`,
+        CuPy: captured now where due), in pieces of `group` layers (0: whole) as `run_layers`
+        asks for them; logits of the last row only. None: run it eagerly (`begin`)."""
+        graphs = self.ops.prefill_graphs
+        if graphs is None or start + len(ids) > self.n_ctx:
+            return None
+        replay = graphs.later(self, ids, start, group)
+        if replay is None:
+            return None
+        replay.load(ids)
+        return Pass(x=None, t=len(ids), start=start, keep=1, hidden=False, replay=replay)
+
     def run_layers(self, p: Pass, lo: int, hi: int) -> None:
         """Layers lo..hi-1 of pass `p` (they must follow the layers it has run)."""
         if lo != p.layer:
             raise ValueError(f"pass is at layer {p.layer}, not {lo}")
+        if p.replay is not None:
+            p.replay.launch(lo, hi)
+            p.layer = min(hi, len(self.layers))
+            return
         for i in range(lo, min(hi, len(self.layers))):
             p.x = self._layer(i, p)
             p.layer = i + 1
@@ -346,6 +369,8 @@ class Transformer:
         """The pass's result once every layer ran: logits of its last `keep` rows, or hidden."""
         if p.layer != len(self.layers):
             raise ValueError(f"pass stopped at layer {p.layer} of {len(self.layers)}")
+        if p.replay is not None:
+            return self.head(p.replay.row)
         return p.x if p.hidden else self.head(p.x)
 
     def _layer(self, i: int, p: Pass) -> Any:

@@ -10,7 +10,8 @@ environment by `EngineOptions.from_env` (the only place the engine reads these v
 | `cupy_pdl` | `GENIE_CUPY_PDL` (`0`: off) | True | programmatic dependent launch in the decode step |
 | `cupy_prefill` | `GENIE_CUPY_PREFILL` | "auto" | prefill tile precision: auto, float16, float32 |
 | `cupy_mmq` | `GENIE_CUPY_MMQ` (`0`: off) | True | fp16 prefill GEMMs read the GGUF blocks (`mmq_h_<T>` / `mmq_w_<T>`, sm_80+) instead of dequantized tiles + cuBLAS |
-| `cupy_prefill_graph` | `GENIE_CUPY_PREFILL_GRAPH` (`0`/`1`) | None (by model size) | first-chunk prefill graphs |
+| `cupy_mmq_split` | `GENIE_CUPY_MMQ_SPLIT` (`0`: off) | True | chunks of <= 128 tokens split the mmq GEMMs' K over blocks where the grid would not fill the GPU |
+| `cupy_prefill_graph` | `GENIE_CUPY_PREFILL_GRAPH` (`0`/`1`) | None (by model size) | prefill graphs: `0` none, `1` first chunks of every model, unset: first chunks of models < 1 GiB; later chunks of <= 128 tokens either way unless `0` |
 | `cupy_decoder` | `GENIE_CUPY_DECODER` | "graph" | one-token steps: graph, eager or off |
 | `cupy_device_loop` | `GENIE_CUPY_DEVICE_LOOP` (`0`: off) | True | decode steps chained on the device, tokens read one step behind |
 | `attn_chunk` | `GENIE_CUPY_ATTN_CHUNK` | 32 | fewest positions a decode-attention slice takes |
@@ -44,8 +45,12 @@ class EngineOptions:
     cupy_mmq: bool = True
     """Whether CuPy prefill multiplies fp16-precision matrices with `mmq_h_<T>` / `mmq_w_<T>` (the GGUF blocks
     decoded inside the GEMM, sm_80+) rather than dequantized tiles and cuBLAS."""
+    cupy_mmq_split: bool = True
+    """Whether chunks of <= 128 tokens split the mmq GEMMs' K over blocks where their grid would
+    leave the GPU half idle (`mmq_src.mmq_splits`); False: never (other summation order: bits differ)."""
     cupy_prefill_graph: bool | None = None
-    """First-chunk prefill graphs: False never, True always, None by model size."""
+    """Prefill graphs: False never; first chunks always (True) or by model size (None); later
+    chunks (start > 0, <= 128 tokens, `cupy_prefill_graph` module doc) unless False."""
     cupy_decoder: str = "graph"
     """CuPy one-token steps: "graph" (replayed CUDA graph), "eager" (same kernels) or "off"."""
     cupy_device_loop: bool = True
@@ -75,6 +80,7 @@ class EngineOptions:
             cupy_pdl=env.get("GENIE_CUPY_PDL", "1") != "0",
             cupy_prefill=env.get("GENIE_CUPY_PREFILL", "auto"),
             cupy_mmq=env.get("GENIE_CUPY_MMQ", "1") != "0",
+            cupy_mmq_split=env.get("GENIE_CUPY_MMQ_SPLIT", "1") != "0",
             cupy_prefill_graph={"0": False, "1": True}.get(graph),
             cupy_decoder=env.get("GENIE_CUPY_DECODER", "graph"),
             cupy_device_loop=env.get("GENIE_CUPY_DEVICE_LOOP", "1") != "0",

@@ -212,6 +212,7 @@ class ModelCache:
             self.store.rejected(best.path, exc, self.name)
             return self.model.with_kv(lambda kv: kv.common_prefix(list(ids))), 0
         _touch(best.path)
+        self.model.expect_chunk_at(now)
         ms = (time.perf_counter() - t0) * 1000
         self.store.count(hits=1, restored_tokens=now, bytes_read=header.size)
         self.store.event(

@@ -29,7 +29,8 @@ MIB = 2**20
 @pytest.mark.parametrize("kv", ["f16", "f32"])
 def test_pool_stays_within_the_memory_plan(tmp_path: Path, kv: str) -> None:
     """Load + a 3,000-token prompt prefilled by Model.generate (512-token chunks, default "auto"
-    tiles) + 200 greedy decode steps on a SmolLM2-shaped model at n_ctx 4096: CuPy's pool grows
+    tiles) + 200 greedy decode steps + two 40-token questions after the prompt (the second
+    replayed from a later-chunk graph) on a SmolLM2-shaped model at n_ctx 4096: CuPy's pool grows
     by at most the plan's total, and the plan is at most 25 % above what the pool holds (a plan
     that over-reserves is a defect too). The parts the backend sizes itself match the plan's."""
     p = write_config(tmp_path / "smol.gguf", preset_config("smollm2-135m-q4_1", fast=True, seed=4))
@@ -60,9 +61,18 @@ def test_pool_stays_within_the_memory_plan(tmp_path: Path, kv: str) -> None:
         return n
 
     assert anyio.run(run) == 200
+
+    async def question() -> None:  # two questions after the prompt: the second's chunk is captured
+        q = np.random.default_rng(len(m.transformer.kv.tokens)).integers(0, m.spec.n_vocab, 40).tolist()
+        async for _ in m.generate(prompt + q, SamplingParams(temperature=0, max_tokens=1)):
+            pass
+
+    anyio.run(question)
+    anyio.run(question)
     cp.cuda.Device().synchronize()
-    graphs = ops.prefill_graphs  # the first chunk's graph holds its own pool
+    graphs = ops.prefill_graphs  # the first chunk's graph and the later chunks' hold their own pools
     assert graphs is not None and len(graphs._graphs) == 1 and not graphs.failed
+    assert len(graphs._later) == 1 and graphs.later_pool.total_bytes() > 0
     held = pool.total_bytes() - base + graphs.held_bytes
     parts = dict(plan.parts)
     assert ops._scratch is not None and ops._scratch.nbytes == parts["prefill_tiles"]

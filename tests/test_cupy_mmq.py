@@ -42,7 +42,8 @@ def test_mmq_equals_the_fp16_product_for_every_type(t: str) -> None:
     """For every stored type, `mmq_h_<T>` and `mmq_w_<T>` over ragged shapes (rows not a multiple
     of 128, tokens not of 64 or 128, K with an odd number of 32-value units where the type allows
     it) write the float64 product of the fp16-rounded weights and inputs into their column slice,
-    within fp32 summation, and the same bits as each other."""
+    within fp32 summation, and the same bits as each other; so does K split over 2 or 5 blocks
+    (`mmq_sum` adding the slices), more splits than K steps included."""
     rng = np.random.default_rng(11)
     ops = CupyOps(prefill_dtype="float16")
     for rows, cols, n in [(200, 512, 70), (128, 256, 64), (37, 1024, 130), (300, 256, 2), (260, 512, 257)]:
@@ -56,12 +57,13 @@ def test_mmq_equals_the_fp16_product_for_every_type(t: str) -> None:
         wf = dequantize(raw, t, (rows, cols)).astype(np.float16).astype(np.float64)
         ref = x.astype(np.float16).astype(np.float64) @ wf.T
         outs = []
-        for bn in (64, 128):
+        for bn, splits in ((64, 1), (128, 1), (64, 2), (64, 5)):  # 5 splits of 96 values: 3 slices of zeros
             y = cp.full((n, rows + 5), np.nan, dtype=cp.float32)  # wider: only columns 3..3+rows written
-            ops._mmq(w, cp.asarray(x.astype(np.float16)), y, 3, bn=bn)
+            ops._mmq(w, cp.asarray(x.astype(np.float16)), y, 3, bn=bn, splits=splits)
             got = cp.asnumpy(y)
             assert np.isnan(got[:, :3]).all() and np.isnan(got[:, 3 + rows :]).all()
-            assert rel(got[:, 3 : 3 + rows], ref) < 1e-5, (t, bn, rows, cols, n, rel(got[:, 3 : 3 + rows], ref))
+            err = rel(got[:, 3 : 3 + rows], ref)
+            assert err < 1e-5, (t, bn, splits, rows, cols, n, err)
             outs.append(got)
         assert np.array_equal(outs[0], outs[1], equal_nan=True), (t, rows, cols, n)
 

@@ -133,3 +133,75 @@ def test_first_chunk_graph_matches_eager_prefill(tmp_path: Path, monkeypatch: py
         np.testing.assert_allclose(k_got, k_want, rtol=1e-5, atol=1e-5)
     assert len(graphs._graphs) == 1 and not graphs.failed  # one graph served every length
     assert graphs.held_bytes > 0
+
+
+@pytest.mark.parametrize("kv", ["f32", "int8"])
+def test_later_chunk_graphs_match_eager_prefill(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kv: str) -> None:
+    """A chunk after a cached prefix is replayed from graphs keyed by padded length, start and
+    layer group - captured at a start's second sighting, or its first once `expect` named it,
+    never before an eager prefill ran - and gives the eager pass's logits and K/V, whole or in
+    layer groups through `Model.prefill_pass`; at most LATER_KEEP graphs are kept."""
+    import engine.model
+    from engine.backends.cupy_prefill_graph import LATER_KEEP
+
+    monkeypatch.setattr(engine.model, "ACT_QUANT", {})  # padded shapes: see the first-chunk test
+    p = write_synthetic_gguf(tmp_path / "m.gguf", "llama", weight_type="Q4_1", seed=5, **{**SHAPE, "n_layers": 4})
+    rng = np.random.default_rng(6)
+    m = load_model(p, backend="cupy", n_ctx=512, kv_dtype=kv, options=EngineOptions(cupy_prefill="float32"))
+    tf = m.transformer
+    graphs = tf.ops.prefill_graphs
+    assert graphs is not None and graphs.later_max == 128
+    assert not tf.ops.prefill_warm()
+    graphs.expect(40)
+    assert tf.begin_replay([1, 2, 3], 40, 0) is None  # no eager prefill yet: nothing captured
+    prefix = rng.integers(0, 512, 40).tolist()
+    tf.forward(prefix, 0, last_n=1, graph=False)
+    assert tf.ops.prefill_warm()
+
+    def keys(start: int, t: int) -> np.ndarray:
+        k = tf.kv.k[3] if kv == "f32" else tf.kv.k[3].q
+        return np.asarray(cp.asnumpy(k[:, start : start + t]), dtype=np.float32)
+
+    def both(ids: list[int], start: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        got = cp.asnumpy(tf.forward(ids, start, last_n=1))
+        k_got = keys(start, len(ids))
+        want = cp.asnumpy(tf.forward(ids, start, last_n=1, graph=False))
+        return got, want, k_got, keys(start, len(ids))
+
+    # int8 K/V: a padded GEMM's last-bit difference can move a value across a rounding step, and
+    # the attention reading that row moves the logits by ~1e-4 (measured 3.7e-4 at most)
+    tol = 1e-4 if kv == "f32" else 2e-3
+    for n_graphs, t in ((1, 20), (1, 30), (2, 50)):  # expected start: captured at once; 20 and 30 share 32 rows
+        got, want, k_got, k_want = both(rng.integers(0, 512, t).tolist(), 40)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=tol)
+        np.testing.assert_allclose(k_got, k_want, rtol=1e-5, atol=1 if kv == "int8" else 1e-5)
+        assert len(graphs._later) == n_graphs
+    tf.forward(rng.integers(0, 512, 60).tolist(), 40, last_n=1, graph=False)  # rows 40..99 for the next start
+    q = rng.integers(0, 512, 24).tolist()
+    first = cp.asnumpy(tf.forward(q, 100, last_n=1))  # a start not seen before: eager, remembered
+    assert len(graphs._later) == 2
+    got, want, _, _ = both(q, 100)  # its second sighting: captured
+    assert len(graphs._later) == 3
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=tol)
+    np.testing.assert_allclose(first, want, rtol=1e-4, atol=tol)
+
+    # in layer groups, through the model (the cache's tokens kept as a generation keeps them)
+    prefix += rng.integers(0, 512, 20).tolist()
+    m.step_logits(prefix, 0)
+    outs = []
+    for _ in range(2):
+        pas = m.prefill_pass(q, 60, 2)
+        assert pas is not None and (pas.replay is not None) == bool(outs)  # seen: the second is replayed
+        out = None
+        while out is None:
+            out = m.prefill_layers(pas, 2)
+        outs.append(out)
+        assert m.transformer.kv.tokens == prefix + q
+    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-4, atol=tol)
+    assert len(graphs._later[next(reversed(graphs._later))].graphs) == 2  # two groups of two layers
+
+    for s in range(200, 200 + 4 * (LATER_KEEP + 2), 4):
+        graphs.expect(s)
+        tf.forward([1, 2, 3], s, last_n=1)
+    assert len(graphs._later) == LATER_KEEP and graphs.later_failures == 0
+    assert graphs.held_bytes > 0

@@ -13,7 +13,7 @@ from engine import EngineOptions, load_model
 from engine.backends.cpu_native import native_available
 from engine.gguf_file import read_gguf
 from engine.kernels import decode_src, qdot_src
-from engine.kernels.mmq_src import mmq_tile
+from engine.kernels.mmq_src import mmq_split_rows, mmq_splits, mmq_tile
 from engine.model import plan_memory
 from engine.spec import read_spec
 from engine.synth import write_synthetic_gguf
@@ -61,7 +61,7 @@ def test_defaults_are_the_engines_and_the_value_is_frozen() -> None:
         32,
         0,
     )
-    assert o.cupy_device_loop is True and o.cupy_mmq is True
+    assert o.cupy_device_loop is True and o.cupy_mmq is True and o.cupy_mmq_split is True
     with pytest.raises(FrozenInstanceError):
         o.threads = 3  # type: ignore[misc]
 
@@ -80,6 +80,7 @@ def test_from_env_parses_every_variable() -> None:
         "GENIE_CUPY_DECODER": "eager",
         "GENIE_CUPY_DEVICE_LOOP": "0",
         "GENIE_CUPY_MMQ": "0",
+        "GENIE_CUPY_MMQ_SPLIT": "0",
         "GENIE_CUPY_ATTN_CHUNK": "64",
         "GENIE_CUPY_ATTN_WARPS": "8",
     }
@@ -94,6 +95,7 @@ def test_from_env_parses_every_variable() -> None:
         cupy_decoder="eager",
         cupy_device_loop=False,
         cupy_mmq=False,
+        cupy_mmq_split=False,
         attn_chunk=64,
         attn_warps=8,
     )
@@ -183,7 +185,10 @@ def test_cupy_memory_plan_follows_the_prefill_options(tmp_path: Path, monkeypatc
     assert dict(f32.parts)["prefill_tiles"] == 2 * dict(f16.parts)["prefill_tiles"] > 0
     mmq = plan_memory(gf, spec, 512, "f16", backend="cupy", options=EngineOptions(cupy_prefill="float16"))
     assert dict(mmq.parts)["prefill_tiles"] == 0  # every matrix multiplied by mmq_h_<T>: no tile
-    assert mmq.total == f16.total - dict(f16.parts)["prefill_tiles"]
+    opts = EngineOptions(cupy_prefill="float16", cupy_mmq_split=False)
+    whole = plan_memory(gf, spec, 512, "f16", backend="cupy", options=opts)
+    assert whole.total == f16.total - dict(f16.parts)["prefill_tiles"]
+    assert mmq.total > whole.total  # the split GEMMs' slices of a short chunk (this shape's peak)
     with pytest.raises(ValueError, match="prefill_dtype"):
         plan_memory(gf, spec, 512, "f16", backend="cupy", options=EngineOptions(cupy_prefill="bf16"))
 
@@ -254,3 +259,19 @@ def test_two_piece_gemvs_pair_the_types_that_round_alike() -> None:
         "qgemv_mix_Q6_K_Q4_K": "Q6_K2",
     }
     assert "#define QCW_Q4_K2 6" in src and "#define QCW_Q6_K2 6" in src
+
+
+def test_short_chunks_split_k_only_where_the_grid_leaves_the_gpu_idle() -> None:
+    """`mmq_splits` splits K for chunks of <= 128 tokens whose grid gives fewer than two blocks
+    an SM (as many splits as fill it, within the slice and K-step bounds), never otherwise, and
+    `mmq_split_rows` bounds the slices the plan counts."""
+    assert mmq_splits(72, 2_560, 9_728, 132) == 6  # a 4B ffn_down for a question: 40 -> 240 blocks
+    assert mmq_splits(72, 6_144, 2_560, 132) == 2  # QKV: 96 blocks; 16,384 / 6,144 slices at most
+    assert mmq_splits(72, 19_456, 2_560, 132) == 1  # gate+up: 304 blocks fill it already
+    assert mmq_splits(200, 2_560, 9_728, 132) == 1  # a longer chunk: never
+    assert mmq_splits(72, 2_560, 9_728, 8) == 1  # an Orin's 8 SMs: 40 blocks are plenty
+    assert mmq_splits(16, 576, 256, 132) == 1  # four K steps: no split leaves a block one step
+    assert mmq_splits(16, 576, 1_536, 132) == 6  # a SmolLM2 ffn_down: 24 steps, 6 splits of 4
+    assert mmq_split_rows(2_560) == 2_560 * 6 and mmq_split_rows(9_000) == 0
+    for t, rows, cols in ((72, 2_560, 9_728), (16, 576, 1_536), (100, 1_000, 4_096)):
+        assert rows * mmq_splits(t, rows, cols, 132) <= max(rows, mmq_split_rows(rows))

@@ -22,7 +22,7 @@ import numpy as np
 
 from .. import kernels
 from ..gguf_file import TensorInfo
-from ..kernels.mmq_src import MMQ_BM, mmq_tile
+from ..kernels.mmq_src import MMQ_BM, mmq_splits, mmq_tile
 from ..kv_cache import QBLOCK, Int8Rows, kv_write
 from ..options import DEFAULT_OPTIONS, EngineOptions
 from ..quants import dequantize, dequantize_rows
@@ -101,9 +101,12 @@ class CupyOps:
         self._max_elems = 0  # values of the largest fused matrix (QKV, gate+up): sizes the tiles
         self._attn: AttnBuffers | None = None
         self._gemm_ok: dict[bool, bool] = {}  # per fp16/fp32: GemmEx checked against cp.matmul
-        self.prefill_graphs: Any = None  # first-chunk graphs (cupy_prefill_graph), set per model
+        self._prefilled = False  # an eager multi-token product ran (prefill_warm)
+        self.prefill_graphs: Any = None  # prefill graphs (cupy_prefill_graph), set per model
         self.mmq = self.options.cupy_mmq and mmq_device()
         """fp16-precision matrices multiply with `mmq_h_<T>` / `mmq_w_<T>` (no tiles); False: tiles + cuBLAS."""
+        self.mmq_split = self.options.cupy_mmq_split
+        """Short chunks split the GEMMs' K over blocks (`mmq_splits`)."""
         self.sms = int(cp.cuda.Device().attributes["MultiProcessorCount"])
         """The GPU's multiprocessors (`mmq_tile` sizes the GEMMs' tiles by them)."""
         if self.mmq:
@@ -268,32 +271,66 @@ class CupyOps:
             self._scratch = cp.empty(need, dtype=cp.uint8)
         return self._scratch
 
+    def prefill_warm(self) -> bool:
+        """Whether an eager prefill ran: the buffers and checks it makes on first use (tile and
+        attention buffers, the GemmEx check) exist, so a graph capture need not make them."""
+        return self._prefilled and self._attn is not None
+
+    def prefill_state(self) -> tuple[Any, Any, dict[bool, bool]]:
+        """What an eager prefill makes on first use (`prefill_warm`), to check that a graph
+        capture left it unchanged (`prefill_state_same`) or to put it back (`drop_prefill_state`)."""
+        return self._scratch, self._attn, dict(self._gemm_ok)
+
+    def prefill_state_same(self, before: tuple[Any, Any, dict[bool, bool]]) -> bool:
+        """Whether `prefill_state()` is still `before` (the same buffers, the same checks)."""
+        return self._scratch is before[0] and self._attn is before[1] and self._gemm_ok == before[2]
+
+    def drop_prefill_state(self, before: tuple[Any, Any, dict[bool, bool]]) -> None:
+        """Put `prefill_state` back to `before` (a buffer a failed capture made came from its pool)."""
+        self._scratch, self._attn = before[0], before[1]
+        self._gemm_ok = dict(before[2])
+
     def uses_mmq(self, w: QWeight) -> bool:
         """Whether `matmul` multiplies `w` with `mmq_h_<T>` / `mmq_w_<T>` (fp16 precision, sm_80+, option on)."""
         return self.mmq and self.tile_dtype(w) == "float16"
 
-    def _mmq(self, p: QWeight, xs: cp.ndarray, y: cp.ndarray, col0: int, bn: int | None = None) -> None:
+    def _mmq(
+        self, p: QWeight, xs: cp.ndarray, y: cp.ndarray, col0: int, bn: int | None = None, splits: int | None = None
+    ) -> None:
         """y[:, col0 : col0 + rows] = xs @ W.T for one piece, its GGUF blocks decoded in the GEMM:
-        `mmq_w_<T>` (128-token tiles) or `mmq_h_<T>` (64), as `bn` says or `mmq_tile` picks."""
+        `mmq_w_<T>` (128-token tiles) or `mmq_h_<T>` (64), as `bn` says or `mmq_tile` picks; K
+        split over `splits` blocks (`mmq_splits` picks) whose slices `mmq_sum` adds up."""
         rows, cols = p.shape
         t = xs.shape[0]
         assert p.raw is not None  # a piece holds its bytes
         if bn is None:
             bn = mmq_tile(t, rows, self.sms)
+        if splits is None:
+            splits = mmq_splits(t, rows, cols, self.sms, bn) if self.mmq_split else 1
+        part = cp.empty((splits, t, rows), dtype=cp.float32) if splits > 1 else None
+        out = np.uint64(y.data.ptr + col0 * 4)
         kernels.mmq_kernel(f"mmq_{'w' if bn == 128 else 'h'}_{p.type_name}")(
-            (-(-t // bn), -(-rows // MMQ_BM)),
+            (-(-t // bn), -(-rows // MMQ_BM), splits),
             (256,),
             (
                 p.raw,
                 np.int64(p.raw.shape[1]),
                 xs,
-                np.uint64(y.data.ptr + col0 * 4),
+                out,
                 np.int32(y.shape[1]),
                 np.int32(rows),
                 np.int32(cols),
                 np.int32(t),
+                np.uint64(0 if part is None else part.data.ptr),
             ),
         )
+        if part is not None:
+            n = t * rows
+            kernels.mmq_kernel("mmq_sum")(
+                (-(-n // 256),),
+                (256,),
+                (part, np.int32(splits), out, np.int32(y.shape[1]), np.int32(rows), np.int32(t)),
+            )
 
     def matmul(self, w: QWeight, x: cp.ndarray, bias: cp.ndarray | None, aq: str | None = None) -> cp.ndarray:
         """[T, in] x W.T for T > 1: with `mmq_h_<T>` (fp16 precision on sm_80+: `uses_mmq`) one
@@ -303,6 +340,7 @@ class CupyOps:
         t = x.shape[0]
         rows, cols = w.shape
         y = cp.empty((t, rows), dtype=cp.float32)
+        self._prefilled = True
         if self.uses_mmq(w):
             xs = self.act_quant(x, aq, half=True)
             base = 0
@@ -466,17 +504,17 @@ class CupyOps:
         """The one-token decode step as fused kernels replayed from a CUDA graph
         (`engine.backends.cupy_decoder`); `engine.Model` uses it for every single-token step."""
         # (called once per loaded model: also where its first-chunk prefill graphs are set up)
-        from .cupy_plan import prefill_graph_buckets
+        from .cupy_plan import later_graph_max, prefill_graph_buckets
 
         self.finish_uploads()
         tf: Any = transformer
-        buckets = prefill_graph_buckets(
-            int(tf.weights_bytes), self.prefill_chunk, int(tf.n_ctx), self.options.cupy_prefill_graph
-        )
-        if buckets:
+        forced = self.options.cupy_prefill_graph
+        buckets = prefill_graph_buckets(int(tf.weights_bytes), self.prefill_chunk, int(tf.n_ctx), forced)
+        later = later_graph_max(self.prefill_chunk, int(tf.n_ctx), forced)
+        if buckets or later:
             from .cupy_prefill_graph import PrefillGraphs
 
-            self.prefill_graphs = PrefillGraphs(buckets)
+            self.prefill_graphs = PrefillGraphs(buckets, later)
         if self.decoder_mode == "off":
             return None
         from .cupy_decoder import CupyDecoder

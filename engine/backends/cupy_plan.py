@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..gguf_file import GGUFFile
+from ..kernels.mmq_src import MMQ_SPLIT_T_MAX, mmq_split_rows
 from ..kv_cache import kv_bytes
 from ..options import EngineOptions
 from ..spec import ModelSpec
@@ -152,14 +153,25 @@ def decode_scratch_bytes(spec: ModelSpec, n_split: int = DECODE_MAX_SPLIT) -> in
     return 4 * (floats + ints) + qin
 
 
-def prefill_activation_bytes(spec: ModelSpec, chunk: int, last_n: int = 1, half: bool = True) -> int:
+def prefill_activation_bytes(
+    spec: ModelSpec, chunk: int, last_n: int = 1, half: bool = True, split: bool = False
+) -> int:
     """Live peak of one prefill chunk's activations (float32; `half`: fp16 copies of matrix inputs).
 
     Mirrors what `Transformer.forward` references: it drops every intermediate once used, so a
     layer step holds the residual x (two while `x + a` is formed) and the step's own temporaries
     (`widest`: the gate+up projection on most shapes: rounded input, fp16 input, [T, 2F] output,
     plus the GLU output). The head adds the last `last_n` rows' norm, rounding and logits.
+    `split`: the GEMMs of chunks of <= MMQ_SPLIT_T_MAX tokens may split K (`mmq_splits`), each
+    holding its input, output and slices at once; the peak of such a chunk counts too.
     """
+    peak = _activation_bytes(spec, chunk, last_n, half, False)
+    if split:
+        peak = max(peak, _activation_bytes(spec, min(chunk, MMQ_SPLIT_T_MAX), last_n, half, True))
+    return peak
+
+
+def _activation_bytes(spec: ModelSpec, chunk: int, last_n: int, half: bool, split: bool) -> int:
     e, r = spec.n_embd, spec.n_heads * spec.head_dim + spec.n_kv_heads * (spec.head_dim + spec.v_head_dim)
     q, kvd, a, f = (
         spec.n_heads * spec.head_dim,
@@ -176,6 +188,14 @@ def prefill_activation_bytes(spec: ModelSpec, chunk: int, last_n: int = 1, half:
         (1 + xh) * e + 3 * f,  # gate+up projection, then the GLU output beside it
         (1 + xh) * f + e,  # down projection
     )
+    if split:  # each GEMM with its split-K slices (mmq_split_rows)
+        widest = max(
+            widest,
+            (1 + xh) * e + r + mmq_split_rows(r),
+            (1 + xh) * a + e + mmq_split_rows(e),
+            (1 + xh) * e + 2 * f + mmq_split_rows(2 * f),
+            (1 + xh) * f + e + mmq_split_rows(e),
+        )
     head = last_n * ((2 + xh) * e + spec.n_vocab)
     return int(4 * (chunk * (carried + widest) + head))
 
@@ -212,6 +232,20 @@ def prefill_graph_buckets(weights: int, chunk: int, n_ctx: int, forced: bool | N
     return (n,) if n >= 2 else ()
 
 
+LATER_GRAPH_MAX = 128
+"""Longest later prefill chunk replayed from graphs (`cupy_prefill_graph`, later chunks): below
+it a chunk is host-bound even for a 4B model."""
+
+
+def later_graph_max(chunk: int, n_ctx: int, forced: bool | None = None) -> int:
+    """The longest later chunk (start > 0) replayed from graphs: LATER_GRAPH_MAX, or the chunk or
+    n_ctx where smaller; 0 (none) where graphs are forced off."""
+    if forced is False:
+        return 0
+    n = min(chunk, n_ctx, LATER_GRAPH_MAX)
+    return n if n >= 2 else 0
+
+
 @dataclass(frozen=True)
 class GpuPlan:
     """The parts of the CuPy backend's plan (bytes)."""
@@ -228,7 +262,8 @@ class GpuPlan:
     chunk: int
     prefill_dtype: str
     graphs: int = 0
-    """The first-chunk graphs' pools: one chunk's activations per bucket (+ POOL_SLACK)."""
+    """The prefill graphs' pools: one chunk's activations per first-chunk bucket and one
+    `later_graph_max` chunk's for the later chunks' shared pool (+ POOL_SLACK)."""
 
     @property
     def prefill_scratch(self) -> int:
@@ -273,11 +308,13 @@ def plan(
     elems = min(SCRATCH_ELEMS, max((m.rows * m.cols for m, dt in typed if not mmq or dt == "float32"), default=0))
     kv_rows, scores = attention_buffer_bytes(spec, n_ctx, kv_dtype)
     t = min(chunk, n_ctx)
-    act = prefill_activation_bytes(spec, t, last_n, half="float16" in dts)
+    split = mmq and opts.cupy_mmq_split and "float16" in dts
+    act = prefill_activation_bytes(spec, t, last_n, half="float16" in dts, split=split)
     w = weights_bytes(gf)
+    later = later_graph_max(chunk, n_ctx, opts.cupy_prefill_graph)
     graphs = sum(
-        prefill_activation_bytes(spec, b, 1, half="float16" in dts)
-        for b in prefill_graph_buckets(w, chunk, n_ctx, opts.cupy_prefill_graph)
+        prefill_activation_bytes(spec, b, 1, half="float16" in dts, split=split)
+        for b in (*prefill_graph_buckets(w, chunk, n_ctx, opts.cupy_prefill_graph), *((later,) if later else ()))
     )
     return GpuPlan(
         weights=w,

@@ -19,11 +19,33 @@ takes to issue it. For such models (weights below `cupy_plan.GRAPH_MAX_WEIGHTS`,
 A bucket is captured the first time a prompt needs it, after one eager warm-up pass at that
 length (cuBLAS handles, tile and attention buffers, the GemmEx check). Where capture fails the
 pass runs eagerly from then on (logged).
+
+**Later chunks** (every model unless `cupy_prefill_graph` is False): a chunk of at most
+`cupy_plan.later_graph_max` tokens (128, or the chunk when smaller) at a start above 0 - the
+question after a prefix the cache kept or restored from disk - is host-bound even for a 4B model
+(~700 launches: ~30 ms of Python on an H200 for a few ms of GPU work). It is replayed from graphs
+keyed by (padded length, start, layer group):
+
+- the length is padded to a multiple of `LATER_STEP` tokens (a 72-token question runs 80 rows);
+  the padding writes K/V rows past the chunk, which nothing reads before they are written again;
+- a start is captured the second time a chunk begins there, or the first time after `expect`
+  named it (a prefix restored from the prompt cache or pinned: questions begin where it ends),
+  and only once the model ran an eager multi-token pass (its buffers exist: a capture must not
+  create them; it is checked, and a capture that did is dropped);
+- the layers are captured in segments of the generation's layer group (`Model.prefill_pass`),
+  one graph each, so the gate is still checked between two groups; a whole chunk is one segment;
+- the last real row is gathered inside the graph (its index is written with the ids), so a
+  graph keeps one row [1, E]; the activations come from one pool that every later-chunk graph
+  shares (they run one at a time, in stream order), planned as one `later_graph_max` chunk's
+  (`cupy_plan.plan`); `LATER_KEEP` graphs are kept, the least recently used dropped first.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+from itertools import pairwise
 from typing import Any
 
 import cupy as cp
@@ -32,6 +54,12 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 _H2D = cp.cuda.runtime.memcpyHostToDevice
+LATER_STEP = 16
+"""Later chunks are padded to a multiple of this many tokens."""
+LATER_KEEP = 8
+"""Later-chunk graphs kept (least recently used dropped first)."""
+SEEN_KEEP = 16
+"""Chunk starts remembered (a start is captured at its second sighting)."""
 
 
 class _Bucket:
@@ -46,12 +74,57 @@ class _Bucket:
         self.hidden: Any = None  # [n, E] after the last layer, written by each replay
 
 
-class PrefillGraphs:
-    """First-chunk graphs of one model (`Transformer.forward` asks `run` before its eager pass)."""
+class Later:
+    """One captured later chunk: `bucket` tokens at `start`, its layers in segments (`bounds`),
+    one graph each; `load` writes a chunk's ids, `launch` replays segments, `row` is the last
+    real row's output [1, E] once the last segment ran."""
 
-    def __init__(self, buckets: tuple[int, ...]) -> None:
+    def __init__(self, bucket: int, start: int, bounds: tuple[int, ...]) -> None:
+        self.bucket, self.start, self.bounds = bucket, start, bounds
+        self.ids = cp.zeros(bucket + 1, dtype=cp.int64)  # the ids, then the last real row's index
+        self._host_mem = cp.cuda.alloc_pinned_memory(8 * (bucket + 1))
+        self.ids_host = np.frombuffer(self._host_mem, np.int64, bucket + 1)
+        self.graphs: list[Any] = []
+        self.row: Any = None
+
+    def load(self, ids: Sequence[int]) -> None:
+        """Queue the copy of `ids` (padded with its last id) and of its last row's index."""
+        t = len(ids)
+        self.ids_host[:t] = ids
+        self.ids_host[t : self.bucket] = ids[-1]
+        self.ids_host[self.bucket] = t - 1
+        stream = cp.cuda.get_current_stream()
+        cp.cuda.runtime.memcpyAsync(
+            self.ids.data.ptr, self.ids_host.ctypes.data, self.ids_host.nbytes, _H2D, stream.ptr
+        )
+
+    def launch(self, lo: int, hi: int) -> None:
+        """Replay layers lo..hi-1 on the calling thread's stream (both on segment bounds)."""
+        stream = cp.cuda.get_current_stream()
+        for i, g in enumerate(self.graphs):
+            if lo <= self.bounds[i] and self.bounds[i + 1] <= hi:
+                g.launch(stream)
+
+
+def segments(n_layers: int, group: int) -> tuple[int, ...]:
+    """Segment bounds of `n_layers` layers in groups of `group` (0 or >= n_layers: one segment)."""
+    g = group if 0 < group < n_layers else n_layers
+    return (*range(0, n_layers, g), n_layers)
+
+
+class PrefillGraphs:
+    """Prefill graphs of one model: first chunks (`run`, `Transformer.forward` asks before its
+    eager pass) and later chunks (`later`, `Transformer.begin_replay`)."""
+
+    def __init__(self, buckets: tuple[int, ...], later_max: int = 0) -> None:
         self.buckets = buckets  # cupy_plan.prefill_graph_buckets
+        self.later_max = later_max  # cupy_plan.later_graph_max (0: no later-chunk graphs)
         self._graphs: dict[tuple[int, str], _Bucket] = {}
+        self._later: OrderedDict[tuple[int, int, tuple[int, ...], str], Later] = OrderedDict()
+        self._seen: OrderedDict[int, None] = OrderedDict()
+        self._expected: OrderedDict[int, None] = OrderedDict()
+        self.later_pool = cp.cuda.MemoryPool()
+        self.later_failures = 0
         self.stream = cp.cuda.Stream(non_blocking=True)
         self._done = cp.cuda.Event(block=False, disable_timing=True)
         self.failed = False
@@ -59,7 +132,77 @@ class PrefillGraphs:
     @property
     def held_bytes(self) -> int:
         """Device bytes the captured graphs' pools hold."""
-        return int(sum(b.pool.total_bytes() for b in self._graphs.values()))
+        first = sum(b.pool.total_bytes() for b in self._graphs.values())
+        return int(first + self.later_pool.total_bytes())
+
+    def expect(self, start: int) -> None:
+        """Chunks will begin at `start` (a prefix of that many tokens was restored or pinned):
+        the first one there is captured at once instead of at the second sighting."""
+        if start > 0:
+            _remember(self._expected, start, SEEN_KEEP)
+
+    def later(self, tf: Any, ids: Sequence[int], start: int, group: int) -> Later | None:
+        """The graph that replays later chunk `ids` at `start` in layer groups of `group` (0:
+        whole), captured now where due (module doc); None: run it eagerly."""
+        t, n_layers = len(ids), len(tf.layers)
+        if not self.later_max or start <= 0 or not 2 <= t <= self.later_max or self.later_failures >= 2:
+            return None
+        bucket = min(-(-t // LATER_STEP) * LATER_STEP, self.later_max)
+        bounds = segments(n_layers, group)
+        key = (bucket, start, bounds, tf.ops.prefill_dtype)
+        e = self._later.get(key)
+        if e is not None:
+            self._later.move_to_end(key)
+            return e
+        due = start in self._seen or start in self._expected
+        _remember(self._seen, start, SEEN_KEEP)
+        if not due or start + bucket > tf.n_ctx or not tf.ops.prefill_warm():
+            return None
+        e = self._capture_later(tf, bucket, start, bounds)
+        if e is not None:
+            self._later[key] = e
+            while len(self._later) > LATER_KEEP:
+                self._later.popitem(last=False)
+        return e
+
+    def _capture_later(self, tf: Any, bucket: int, start: int, bounds: tuple[int, ...]) -> Later | None:
+        e = Later(bucket, start, bounds)
+        before = tf.ops.prefill_state()
+        p: Any = None
+        try:
+            with cp.cuda.using_allocator(self.later_pool.malloc), self.stream:
+                for lo, hi in pairwise(bounds):
+                    self.stream.begin_capture()
+                    try:
+                        if p is None:
+                            p = tf.begin(e.ids[:bucket], start, last_n=None, hidden=True)
+                        tf.run_layers(p, lo, hi)
+                        if hi == bounds[-1]:
+                            e.row = cp.take(p.x, e.ids[bucket:], axis=0)  # [1, E]: the last real row
+                            p = None
+                    finally:
+                        e.graphs.append(self.stream.end_capture())
+            if not tf.ops.prefill_state_same(before):
+                raise RuntimeError("the pass created prefill buffers inside the capture")
+        except Exception as exc:  # a driver / library that cannot capture this pass
+            tf.ops.drop_prefill_state(before)
+            self.later_failures += 1
+            log.warning(
+                "prefill: CUDA graph capture of a %d-token chunk at %d failed (%s: %s); it runs eagerly",
+                bucket,
+                start,
+                type(exc).__name__,
+                exc,
+            )
+            return None
+        log.info(
+            "prefill: %d-token chunks at %d replay CUDA graphs (%d segments; later-chunk pool %.1f MiB)",
+            bucket,
+            start,
+            len(e.graphs),
+            self.later_pool.total_bytes() / 2**20,
+        )
+        return e
 
     def bucket_for(self, t: int, start: int, last_n: int | None, n_ctx: int) -> int | None:
         """The bucket a forward call of `t` tokens at `start` replays, or None (eager)."""
@@ -119,3 +262,10 @@ class PrefillGraphs:
             b.pool.total_bytes() / 2**20,
         )
         return b
+
+
+def _remember(keys: OrderedDict[int, None], key: int, keep: int) -> None:
+    keys[key] = None
+    keys.move_to_end(key)
+    while len(keys) > keep:
+        keys.popitem(last=False)

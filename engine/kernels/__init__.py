@@ -49,7 +49,7 @@ def mmq_module() -> Any:
 
 @cache
 def mmq_kernel(name: str) -> Any:
-    """`mmq_h_<T>` or `mmq_w_<T>` from `mmq_module`."""
+    """`mmq_h_<T>`, `mmq_w_<T>` or `mmq_sum` from `mmq_module`."""
     return mmq_module().get_function(name)
 
 

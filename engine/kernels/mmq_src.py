@@ -28,6 +28,32 @@ MMQ_BM, MMQ_BK = 128, 64
 """Weight rows and K values of one block's tile (the launch grid follows from them and BN)."""
 
 
+MMQ_SPLIT_T_MAX = 128
+"""Chunks of at most this many tokens may split K (`mmq_splits`)."""
+MMQ_SPLIT_MAX = 8
+MMQ_SPLIT_ROWS = 16384
+"""A split GEMM's slices hold at most this many values a token (splits x rows): its scratch."""
+
+
+def mmq_splits(t: int, rows: int, cols: int, sms: int, bn: int = 64) -> int:
+    """Blocks that share one output tile's K steps (grid.z), each summing its part into a slice
+    of a scratch [splits, T, rows] that `mmq_sum` adds up in order: for a short chunk the grid of
+    token x row tiles is too small to fill the GPU (a Qwen3-4B `ffn_down` at 72 tokens: 40
+    blocks on 132 multiprocessors, most of a question's prefill time). Enough splits for two
+    blocks an SM, at most MMQ_SPLIT_MAX, MMQ_SPLIT_ROWS / rows and a quarter of the K steps;
+    1 (no split, the same bits as before) above MMQ_SPLIT_T_MAX tokens or with the GPU full."""
+    if t > MMQ_SPLIT_T_MAX:
+        return 1
+    base = -(-t // bn) * -(-rows // MMQ_BM)
+    return max(1, min(-(-2 * sms // base), MMQ_SPLIT_MAX, MMQ_SPLIT_ROWS // rows, -(-cols // MMQ_BK) // 4))
+
+
+def mmq_split_rows(rows: int) -> int:
+    """The most values a token a split GEMM of `rows` rows keeps in its scratch (for the plan)."""
+    s = min(MMQ_SPLIT_MAX, MMQ_SPLIT_ROWS // rows)
+    return rows * s if s >= 2 else 0
+
+
 def mmq_tile(t: int, rows: int, sms: int) -> int:
     """BN, the tokens of one block's tile, for a chunk of `t` tokens times a `rows`-row matrix on
     a GPU of `sms` multiprocessors: 128 (`mmq_w_<T>`) where the 64-token grid puts two to four
@@ -63,6 +89,14 @@ __device__ __forceinline__ void mmq_mma(float* c, const unsigned int* a, unsigne
 __device__ __forceinline__ unsigned int mmq_pack(float a, float b) {
     return (unsigned int)f2h(a) | ((unsigned int)f2h(b) << 16);
 }
+// Y[n, m] (row stride ldy) = the sum over z, in order, of a split-K GEMM's slices P[z] [T, M].
+extern "C" __global__ void mmq_sum(const float* P, int nz, float* Y, int ldy, int M, int T) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x, tm = (long long)T * M;
+    if (i >= tm) return;
+    float s = P[i];
+    for (int z = 1; z < nz; z++) s += P[z * tm + i];
+    Y[(i / M) * ldy + i % M] = s;
+}
 """
 
 _PER_TYPE = r"""
@@ -92,7 +126,7 @@ __device__ __forceinline__ void mmq_load_{T}(const unsigned char* wrow, bool row
 }
 template <int BN>
 __device__ __forceinline__ void mmq_body_{T}(const unsigned char* W, long long row_bytes, const unsigned short* X,
-                                            float* Y, int ldy, int M, int K, int T) {
+                                            float* Y, int ldy, int M, int K, int T, float* P) {
 #if __CUDA_ARCH__ >= 800
     constexpr int WN = BN / 2, NJ = WN / 8, XV = BN / 32;  // tokens a warp, its n8 tiles, X loads a thread
     __shared__ __align__(16) unsigned short As[MMQ_BM * MMQ_LDS];
@@ -105,6 +139,8 @@ __device__ __forceinline__ void mmq_body_{T}(const unsigned char* W, long long r
     const unsigned char* wrow = W + (long long)(row_ok ? m0 + ar : 0) * row_bytes;
     uint4* a_dst = (uint4*)(As + ar * MMQ_LDS + (tid & 1) * 32);
     int wm = (warp & 3) * 32, wn = (warp >> 2) * WN;
+    // split K (gridDim.z > 1): this block sums K steps k_lo..k_hi-1 into its slice of P
+    int per = (steps + gridDim.z - 1) / gridDim.z, k_lo = blockIdx.z * per, k_hi = min(steps, k_lo + per);
     float acc[2][NJ][4];
     #pragma unroll
     for (int i = 0; i < 2; i++)
@@ -113,8 +149,8 @@ __device__ __forceinline__ void mmq_body_{T}(const unsigned char* W, long long r
             #pragma unroll
             for (int c = 0; c < 4; c++) acc[i][j][c] = 0.f;
     uint4 w[4], x[XV];
-    mmq_load_{T}<BN>(wrow, row_ok, 0, nu, X, K, T, n0, tid, w, x);
-    for (int ks = 0; ks < steps; ks++) {
+    mmq_load_{T}<BN>(wrow, row_ok, k_lo, nu, X, K, T, n0, tid, w, x);
+    for (int ks = k_lo; ks < k_hi; ks++) {
         #pragma unroll
         for (int q = 0; q < 4; q++) a_dst[q] = w[q];
         #pragma unroll
@@ -123,7 +159,7 @@ __device__ __forceinline__ void mmq_body_{T}(const unsigned char* W, long long r
             *(uint4*)(Bs + (idx >> 3) * MMQ_LDS + (idx & 7) * 8) = x[i];
         }
         __syncthreads();
-        if (ks + 1 < steps) mmq_load_{T}<BN>(wrow, row_ok, ks + 1, nu, X, K, T, n0, tid, w, x);  // before the multiply: measured faster than after
+        if (ks + 1 < k_hi) mmq_load_{T}<BN>(wrow, row_ok, ks + 1, nu, X, K, T, n0, tid, w, x);  // before the multiply: measured faster than after
         #pragma unroll
         for (int kk = 0; kk < 4; kk++) {
             unsigned int a[2][4], b[NJ][2];
@@ -145,6 +181,10 @@ __device__ __forceinline__ void mmq_body_{T}(const unsigned char* W, long long r
         __syncthreads();
     }
     int g = lane >> 2, t4 = lane & 3;
+    if (gridDim.z > 1) {
+        Y = P + (long long)blockIdx.z * T * M;
+        ldy = M;
+    }
     #pragma unroll
     for (int i = 0; i < 2; i++)
         #pragma unroll
@@ -158,13 +198,13 @@ __device__ __forceinline__ void mmq_body_{T}(const unsigned char* W, long long r
         }
 #endif
 }
-extern "C" __global__ void __launch_bounds__(256, 2) mmq_h_{T}(
-        const unsigned char* W, long long row_bytes, const unsigned short* X, float* Y, int ldy, int M, int K, int T) {
-    mmq_body_{T}<64>(W, row_bytes, X, Y, ldy, M, K, T);
+extern "C" __global__ void __launch_bounds__(256, 2) mmq_h_{T}(const unsigned char* W, long long row_bytes,
+        const unsigned short* X, float* Y, int ldy, int M, int K, int T, float* P) {
+    mmq_body_{T}<64>(W, row_bytes, X, Y, ldy, M, K, T, P);
 }
-extern "C" __global__ void __launch_bounds__(256, 1) mmq_w_{T}(
-        const unsigned char* W, long long row_bytes, const unsigned short* X, float* Y, int ldy, int M, int K, int T) {
-    mmq_body_{T}<128>(W, row_bytes, X, Y, ldy, M, K, T);
+extern "C" __global__ void __launch_bounds__(256, 1) mmq_w_{T}(const unsigned char* W, long long row_bytes,
+        const unsigned short* X, float* Y, int ldy, int M, int K, int T, float* P) {
+    mmq_body_{T}<128>(W, row_bytes, X, Y, ldy, M, K, T, P);
 }
 """
 

@@ -107,6 +107,19 @@ def test_blocked_prefill_attention_matches_numpy(
     ref = NumpyOps.attention(q, kr, vr, start, window, 0.125)
     np.testing.assert_allclose(cp.asnumpy(got), ref, rtol=1e-4, atol=1e-5)
     assert ops._attn is not None and ops._attn.scores.size == cupy_plan.score_elems(2, n_ctx, 3)
+    ops.attn_tf32 = True  # what a model whose matrices multiply in fp16 gets
+    fast = cp.asnumpy(ops.attention(cp.asarray(q), kc, vc, start, window, 0.125))
+    err = float(np.abs(fast - ref).max())
+    assert err < 1e-2, err  # TF32 inputs (10-bit mantissa) where cuBLAS takes the tensor cores
+
+
+def test_attention_precision_follows_the_models_products(tmp_path: Path) -> None:
+    """A model whose QKV multiplies in fp16 precision gets TF32 prefill attention; under the
+    "float32" precision (what the exact whole-model tests pin) attention stays fp32."""
+    p = write_synthetic_gguf(tmp_path / "m.gguf", "llama", weight_type="Q4_1", seed=4, **SHAPE)
+    fast = load_model(p, backend="cupy", n_ctx=64, options=EngineOptions(cupy_prefill="float16"))
+    exact = load_model(p, backend="cupy", n_ctx=64, options=EngineOptions(cupy_prefill="float32"))
+    assert fast.transformer.ops.attn_tf32 and not exact.transformer.ops.attn_tf32
 
 
 def test_first_chunk_graph_matches_eager_prefill(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -98,11 +98,14 @@ def _bgemm(
     ldc: int,
     stride_c: int,
     batch: int,
+    tf32: bool = False,
 ) -> None:
     """`batch` strided float32 GEMMs C = op(A) op(B) (cuBLAS column-major; fp32 compute, no TF32)
     on float32 arrays a, b, c; offsets and strides in values."""
     ptr_a, ptr_b, ptr_c = a.data.ptr + 4 * a_off, b.data.ptr + 4 * b_off, c.data.ptr + 4 * c_off
-    gemm(opa, opb, m, n, k, ptr_a, lda, ptr_b, ldb, ptr_c, ldc, batched=(stride_a, stride_b, stride_c, batch))
+    gemm(
+        opa, opb, m, n, k, ptr_a, lda, ptr_b, ldb, ptr_c, ldc, batched=(stride_a, stride_b, stride_c, batch), tf32=tf32
+    )
 
 
 def prefill_attention(
@@ -113,6 +116,7 @@ def prefill_attention(
     window: int,
     scale: float,
     bufs: AttnBuffers,
+    tf32: bool = False,
 ) -> cp.ndarray:
     """NumpyOps.attention for several query positions (prefill) -> [T, H*Dv].
 
@@ -123,6 +127,8 @@ def prefill_attention(
     place (`causal_softmax`, query row r / G), O[kv] = P[kv] V[kv] (one strided-batched GEMM) into
     [KV, T, G, Dv], copied back to [T, H*Dv] at the end. Three launches a block for the whole
     group instead of three per member (before: a Qwen3-4B chunk at 2,000 positions made 12).
+    `tf32`: both GEMMs round their float32 inputs to TF32 (the precision of an fp16 K/V cache) on
+    the tensor cores, fp32 accumulation; False: fp32 throughout.
     """
     t, h, d = q.shape
     kv, _, dv = v_cache.shape
@@ -160,6 +166,7 @@ def prefill_attention(
             keys,
             n * g * keys,
             kv,
+            tf32,
         )
         # row r = (kv * n + i) * G + gi is query start + a + i
         softmax(
@@ -196,5 +203,6 @@ def prefill_attention(
             dv,
             t * g * dv,
             kv,
+            tf32,
         )
     return og.transpose(1, 0, 2, 3).reshape(t, h * dv)

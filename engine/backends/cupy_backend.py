@@ -102,6 +102,9 @@ class CupyOps:
         self._attn: AttnBuffers | None = None
         self._gemm_ok: dict[bool, bool] = {}  # per fp16/fp32: GemmEx checked against cp.matmul
         self._prefilled = False  # an eager multi-token product ran (prefill_warm)
+        self.attn_tf32 = False
+        """Prefill attention's GEMMs round to TF32 (set per model: where its matrices multiply in
+        fp16 precision, `make_decoder`); False: fp32, as the "float32" precision promises."""
         self.prefill_graphs: Any = None  # prefill graphs (cupy_prefill_graph), set per model
         self.mmq = self.options.cupy_mmq and mmq_device()
         """fp16-precision matrices multiply with `mmq_h_<T>` / `mmq_w_<T>` (no tiles); False: tiles + cuBLAS."""
@@ -491,7 +494,7 @@ class CupyOps:
         if self._attn is None or self._attn.key != key:
             self._attn = None  # give the old buffers back first
             self._attn = AttnBuffers(*key)
-        return prefill_attention(q, k_cache, v_cache, start, window, scale, self._attn)
+        return prefill_attention(q, k_cache, v_cache, start, window, scale, self._attn, self.attn_tf32)
 
     @staticmethod
     def gated_act(gate: cp.ndarray, up: cp.ndarray, kind: str) -> cp.ndarray:
@@ -508,6 +511,10 @@ class CupyOps:
 
         self.finish_uploads()
         tf: Any = transformer
+        # attention as precise as the model's products: TF32 where its QKV multiplies in fp16
+        self.attn_tf32 = self.prefill_dtype != "float32" and any(
+            isinstance(lw.wqkv, QWeight) and self.tile_dtype(lw.wqkv) == "float16" for lw in tf.layers
+        )
         forced = self.options.cupy_prefill_graph
         buckets = prefill_graph_buckets(int(tf.weights_bytes), self.prefill_chunk, int(tf.n_ctx), forced)
         later = later_graph_max(self.prefill_chunk, int(tf.n_ctx), forced)

@@ -69,3 +69,16 @@ def test_the_engine_imports_no_daemon_or_grammar_module() -> None:
     assert _imported("import engine") == []
     code = "import engine, sys\nassert not [m for m in sys.modules if m.startswith(('genie_supervisor', 'fastapi', 'pydantic'))]"
     assert _imported(code) == []
+
+
+def test_the_engine_never_imports_cupyx() -> None:
+    """No engine module imports `cupyx`: it imports SciPy's sparse modules, 0.55 s that the first
+    prompt-cache restore after a restart paid on a GPU (`kv_file.host_buffers` reaches CuPy's
+    pinned pool through `cupy.cuda` instead)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "engine"
+    pattern = re.compile(r"^\s*(import|from)\s+cupyx\b", re.M)
+    offenders = [str(p.relative_to(root)) for p in root.rglob("*.py") if pattern.search(p.read_text(encoding="utf-8"))]
+    assert offenders == []

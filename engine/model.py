@@ -301,9 +301,10 @@ class Transformer:
         """Run `ids` at positions start.. through the model, writing their K/V into the cache.
 
         Returns logits [n, vocab] for the last `last_n` positions (all when None); `hidden`: the
-        last layer's output [T, E] instead (no output norm, no head). A backend with first-chunk
-        graphs (`ops.prefill_graphs`, CuPy) replays the pass where it can unless `graph` is False;
-        `ids` may then also be a device array.
+        last layer's output [T, E] instead (no output norm, no head). A backend with prefill
+        graphs (`ops.prefill_graphs`, CuPy: first chunks, and later chunks through
+        `begin_replay`) replays the pass where it can unless `graph` is False; `ids` may then
+        also be a device array.
         """
         t = len(ids)
         if start + t > self.n_ctx:
@@ -329,16 +330,30 @@ class Transformer:
     def begin(self, ids: Sequence[int], start: int, last_n: int | None = 1, hidden: bool = False) -> Pass:
         """A forward pass of `ids` at `start` up to its first layer (the embedding), to be
         continued with `run_layers` and finished with `end`; no graph replay."""
-        s, ops = self.spec, self.ops
         t = len(ids)
         if start + t > self.n_ctx:
             raise ContextOverflowError(start + t, self.n_ctx)
-        idx = ids if hasattr(ids, "__cuda_array_interface__") else np.asarray(ids, dtype=np.int64)
-        x = ops.embed_rows(self.embed_table, idx, s.n_embd)  # [T, E]
-        if s.traits.embed_scale:
-            x = x * np.float32(math.sqrt(s.n_embd))
+        x = self.embed(ids)
         keep = t if hidden or last_n is None else max(1, min(last_n, t))
         return Pass(x=x, t=t, start=start, keep=keep, hidden=hidden)
+
+    def embed(self, ids: Sequence[int]) -> Any:
+        """The first layer's input for `ids` (host ids, or a device array on a device backend):
+        their embedding rows [T, E], scaled where the model scales them."""
+        s = self.spec
+        idx = ids if hasattr(ids, "__cuda_array_interface__") else np.asarray(ids, dtype=np.int64)
+        x = self.ops.embed_rows(self.embed_table, idx, s.n_embd)  # [T, E]
+        if s.traits.embed_scale:
+            x = x * np.float32(math.sqrt(s.n_embd))
+        return x
+
+    def begin_rows(self, x: Any, start: int) -> Pass:
+        """A pass from first-layer rows `x` [T, E] (`embed`) at `start` that keeps every row and
+        stops before the head (what a captured later chunk runs, `cupy_prefill_graph`)."""
+        t = int(x.shape[0])
+        if start + t > self.n_ctx:
+            raise ContextOverflowError(start + t, self.n_ctx)
+        return Pass(x=x, t=t, start=start, keep=t, hidden=True)
 
     def begin_replay(self, ids: Sequence[int], start: int, group: int) -> Pass | None:
         """`begin` for a later chunk the backend replays from graphs (`ops.prefill_graphs.later`,
@@ -350,7 +365,7 @@ class Transformer:
         replay = graphs.later(self, ids, start, group)
         if replay is None:
             return None
-        replay.load(ids)
+        replay.load(self, ids)
         return Pass(x=None, t=len(ids), start=start, keep=1, hidden=False, replay=replay)
 
     def run_layers(self, p: Pass, lo: int, hi: int) -> None:

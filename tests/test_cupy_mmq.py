@@ -57,7 +57,7 @@ def test_mmq_equals_the_fp16_product_for_every_type(t: str) -> None:
         wf = dequantize(raw, t, (rows, cols)).astype(np.float16).astype(np.float64)
         ref = x.astype(np.float16).astype(np.float64) @ wf.T
         outs = []
-        for bn, splits in ((64, 1), (128, 1), (64, 2), (64, 5)):  # 5 splits of 96 values: 3 slices of zeros
+        for bn, splits in ((64, 1), (128, 1), (64, 2), (128, 2), (64, 5)):  # 5 splits of 96 values: 3 empty
             y = cp.full((n, rows + 5), np.nan, dtype=cp.float32)  # wider: only columns 3..3+rows written
             ops._mmq(w, cp.asarray(x.astype(np.float16)), y, 3, bn=bn, splits=splits)
             got = cp.asnumpy(y)

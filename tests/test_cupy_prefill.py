@@ -218,3 +218,31 @@ def test_later_chunk_graphs_match_eager_prefill(tmp_path: Path, monkeypatch: pyt
         tf.forward([1, 2, 3], s, last_n=1)
     assert len(graphs._later) == LATER_KEEP and graphs.later_failures == 0
     assert graphs.held_bytes > 0
+    full = rng.integers(0, 512, graphs.later_max).tolist()  # as long as a chunk of a long prompt
+    for _ in range(2):
+        tf.forward(full, 300, last_n=1)
+    assert (128, 300) not in {k[:2] for k in graphs._later}  # seen twice, but only a named start takes it
+    graphs.expect(300)
+    tf.forward(full, 300, last_n=1)
+    assert (128, 300) in {k[:2] for k in graphs._later}
+
+
+def test_later_chunk_graphs_of_a_model_with_its_embedding_on_the_host(tmp_path: Path) -> None:
+    """A model with a separate output matrix keeps its token embedding on the host; its later
+    chunks are replayed all the same (the embedding runs before the graph) with the eager
+    pass's logits."""
+    import engine.model
+
+    p = write_synthetic_gguf(tmp_path / "m.gguf", "llama", weight_type="Q8_0", seed=7, tied=False, **SHAPE)
+    m = load_model(p, backend="cupy", n_ctx=256, options=EngineOptions(cupy_prefill="float32"))
+    tf = m.transformer
+    assert isinstance(tf.embed_table, engine.model.TensorInfo)  # on the host
+    graphs = tf.ops.prefill_graphs
+    rng = np.random.default_rng(8)
+    tf.forward(rng.integers(0, 512, 30).tolist(), 0, last_n=1, graph=False)
+    graphs.expect(30)
+    q = rng.integers(0, 512, 10).tolist()
+    got = cp.asnumpy(tf.forward(q, 30, last_n=1))
+    assert len(graphs._later) == 1 and graphs.later_failures == 0
+    want = cp.asnumpy(tf.forward(q, 30, last_n=1, graph=False))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)

@@ -13,7 +13,7 @@ from engine import EngineOptions, load_model
 from engine.backends.cpu_native import native_available
 from engine.gguf_file import read_gguf
 from engine.kernels import decode_src, qdot_src
-from engine.kernels.mmq_src import mmq_split_rows, mmq_splits, mmq_tile
+from engine.kernels.mmq_src import MMQ_SPLIT_ROWS, mmq_splits, mmq_tile
 from engine.model import plan_memory
 from engine.spec import read_spec
 from engine.synth import write_synthetic_gguf
@@ -264,7 +264,7 @@ def test_two_piece_gemvs_pair_the_types_that_round_alike() -> None:
 def test_short_chunks_split_k_only_where_the_grid_leaves_the_gpu_idle() -> None:
     """`mmq_splits` splits K for chunks of <= 128 tokens whose grid gives fewer than two blocks
     an SM (as many splits as fill it, within the slice and K-step bounds), never otherwise, and
-    `mmq_split_rows` bounds the slices the plan counts."""
+    its slices never hold more than the MMQ_SPLIT_ROWS values a token that the plan counts."""
     assert mmq_splits(72, 2_560, 9_728, 132) == 6  # a 4B ffn_down for a question: 40 -> 240 blocks
     assert mmq_splits(72, 6_144, 2_560, 132) == 2  # QKV: 96 blocks; 16,384 / 6,144 slices at most
     assert mmq_splits(72, 19_456, 2_560, 132) == 1  # gate+up: 304 blocks fill it already
@@ -272,6 +272,9 @@ def test_short_chunks_split_k_only_where_the_grid_leaves_the_gpu_idle() -> None:
     assert mmq_splits(72, 2_560, 9_728, 8) == 1  # an Orin's 8 SMs: 40 blocks are plenty
     assert mmq_splits(16, 576, 256, 132) == 1  # four K steps: no split leaves a block one step
     assert mmq_splits(16, 576, 1_536, 132) == 6  # a SmolLM2 ffn_down: 24 steps, 6 splits of 4
-    assert mmq_split_rows(2_560) == 2_560 * 6 and mmq_split_rows(9_000) == 0
-    for t, rows, cols in ((72, 2_560, 9_728), (16, 576, 1_536), (100, 1_000, 4_096)):
-        assert rows * mmq_splits(t, rows, cols, 132) <= max(rows, mmq_split_rows(rows))
+    for t in (2, 16, 72, 128):
+        for rows in (64, 576, 1_000, 2_560, 5_120, 6_144, 8_192, 9_000, 19_456):
+            for sms in (8, 16, 132):
+                for bn in (64, 128):
+                    s = mmq_splits(t, rows, 9_728, sms, bn)
+                    assert s == 1 or (2 <= s <= 8 and s * rows <= MMQ_SPLIT_ROWS), (t, rows, sms, bn, s)

@@ -57,7 +57,7 @@ def test_a_4b_q4_k_m_fits_the_orin_profile_at_8k_int8(
     assert p["total_mb"] == pytest.approx(p["weights_mb"] + p["kv_mb"] + p["scratch_mb"], abs=0.2)
     assert 0 < p["left_mb"] < 3328 - 3000 + 100
     if backend == "cupy":
-        assert p["scratch_mb"] == pytest.approx(141.5, abs=0.1)  # with the later-chunk graphs' pool (19.8)
+        assert p["scratch_mb"] == pytest.approx(142.1, abs=0.1)  # with the later-chunk graphs' pool and rows (20.5)
         assert p["scratch_parts_mb"]["prefill_tiles"] == 0  # every matrix multiplied by mmq_h_<T>
         assert p["scratch_parts_mb"]["prefill_activations"] < 25  # 64-token chunks, not 512
 

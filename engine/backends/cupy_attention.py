@@ -100,8 +100,8 @@ def _bgemm(
     batch: int,
     tf32: bool = False,
 ) -> None:
-    """`batch` strided float32 GEMMs C = op(A) op(B) (cuBLAS column-major; fp32 compute, no TF32)
-    on float32 arrays a, b, c; offsets and strides in values."""
+    """`batch` strided float32 GEMMs C = op(A) op(B) (cuBLAS column-major; fp32 accumulation,
+    inputs rounded to TF32 where `tf32`) on float32 arrays a, b, c; offsets and strides in values."""
     ptr_a, ptr_b, ptr_c = a.data.ptr + 4 * a_off, b.data.ptr + 4 * b_off, c.data.ptr + 4 * c_off
     gemm(
         opa, opb, m, n, k, ptr_a, lda, ptr_b, ldb, ptr_c, ldc, batched=(stride_a, stride_b, stride_c, batch), tf32=tf32

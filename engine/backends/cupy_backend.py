@@ -507,7 +507,7 @@ class CupyOps:
         """The one-token decode step as fused kernels replayed from a CUDA graph
         (`engine.backends.cupy_decoder`); `engine.Model` uses it for every single-token step."""
         # (called once per loaded model: also where its first-chunk prefill graphs are set up)
-        from .cupy_plan import later_graph_max, prefill_graph_buckets
+        from .cupy_plan import later_graph_max, later_pool_bytes, prefill_graph_buckets
 
         self.finish_uploads()
         tf: Any = transformer
@@ -521,7 +521,10 @@ class CupyOps:
         if buckets or later:
             from .cupy_prefill_graph import PrefillGraphs
 
-            self.prefill_graphs = PrefillGraphs(buckets, later)
+            mats = [w for lw in tf.layers for w in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down) if isinstance(w, QWeight)]
+            half = any(self.tile_dtype(w) == "float16" for w in mats)  # as the plan counts them
+            pool = later_pool_bytes(tf.spec, later, half, self.mmq and self.mmq_split and half)
+            self.prefill_graphs = PrefillGraphs(buckets, later, pool)
         if self.decoder_mode == "off":
             return None
         from .cupy_decoder import CupyDecoder

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..gguf_file import GGUFFile
-from ..kernels.mmq_src import MMQ_SPLIT_T_MAX, mmq_split_rows
+from ..kernels.mmq_src import MMQ_SPLIT_MAX, MMQ_SPLIT_ROWS, MMQ_SPLIT_T_MAX
 from ..kv_cache import kv_bytes
 from ..options import EngineOptions
 from ..spec import ModelSpec
@@ -188,13 +188,16 @@ def _activation_bytes(spec: ModelSpec, chunk: int, last_n: int, half: bool, spli
         (1 + xh) * e + 3 * f,  # gate+up projection, then the GLU output beside it
         (1 + xh) * f + e,  # down projection
     )
-    if split:  # each GEMM with its split-K slices (mmq_split_rows)
+    if split:  # each GEMM beside its split-K slices (`mmq_splits`: a piece of p rows keeps at most
+        # p x min(8, MMQ_SPLIT_ROWS // p) values a token, none past MMQ_SPLIT_ROWS // 2 rows); QKV's
+        # pieces are runs of Q, K and V (any may be short), gate+up's are F rows each or one of 2F
+        glu = MMQ_SPLIT_ROWS if f <= MMQ_SPLIT_ROWS // 2 else 0
         widest = max(
             widest,
-            (1 + xh) * e + r + mmq_split_rows(r),
-            (1 + xh) * a + e + mmq_split_rows(e),
-            (1 + xh) * e + 2 * f + mmq_split_rows(2 * f),
-            (1 + xh) * f + e + mmq_split_rows(e),
+            (1 + xh) * e + r + MMQ_SPLIT_ROWS,
+            (1 + xh) * a + e + _split_rows(e),
+            (1 + xh) * e + 2 * f + glu,
+            (1 + xh) * f + e + _split_rows(e),
         )
     head = last_n * ((2 + xh) * e + spec.n_vocab)
     return int(4 * (chunk * (carried + widest) + head))
@@ -244,6 +247,23 @@ def later_graph_max(chunk: int, n_ctx: int, forced: bool | None = None) -> int:
         return 0
     n = min(chunk, n_ctx, LATER_GRAPH_MAX)
     return n if n >= 2 else 0
+
+
+def _split_rows(rows: int) -> int:
+    """The most split-K slice values a token of a one-piece matrix of `rows` rows (`mmq_splits`)."""
+    n = min(MMQ_SPLIT_MAX, MMQ_SPLIT_ROWS // rows)
+    return rows * n if n >= 2 else 0
+
+
+def later_pool_bytes(spec: ModelSpec, later: int, half: bool, split: bool) -> int:
+    """The later-chunk graphs' shared pool: one `later`-token chunk's activations + POOL_SLACK
+    (`cupy_prefill_graph` reserves it at the first capture)."""
+    return int(prefill_activation_bytes(spec, later, 1, half, split) * (1 + POOL_SLACK)) if later else 0
+
+
+def later_graph_bytes(spec: ModelSpec, later: int, half: bool, split: bool) -> int:
+    """What the later-chunk graphs hold: their pool and their float32 input rows [later, E]."""
+    return later_pool_bytes(spec, later, half, split) + 4 * later * spec.n_embd if later else 0
 
 
 @dataclass(frozen=True)
@@ -311,15 +331,16 @@ def plan(
     split = mmq and opts.cupy_mmq_split and "float16" in dts
     act = prefill_activation_bytes(spec, t, last_n, half="float16" in dts, split=split)
     w = weights_bytes(gf)
-    later = later_graph_max(chunk, n_ctx, opts.cupy_prefill_graph)
-    graphs = sum(
+    first = sum(
         prefill_activation_bytes(spec, b, 1, half="float16" in dts, split=split)
-        for b in (*prefill_graph_buckets(w, chunk, n_ctx, opts.cupy_prefill_graph), *((later,) if later else ()))
+        for b in prefill_graph_buckets(w, chunk, n_ctx, opts.cupy_prefill_graph)
     )
+    later = later_graph_max(chunk, n_ctx, opts.cupy_prefill_graph)
+    graphs = int(first * (1 + POOL_SLACK)) + later_graph_bytes(spec, later, "float16" in dts, split)
     return GpuPlan(
         weights=w,
         kv=kv_bytes(spec, n_ctx, kv_dtype),
-        graphs=int(graphs * (1 + POOL_SLACK)),
+        graphs=graphs,
         tables=rope_table_bytes(spec, n_ctx),
         decode_scratch=decode_scratch_bytes(spec),
         tiles=elems * itemsize,

@@ -34,10 +34,17 @@ keyed by (padded length, start, layer group):
   create them; it is checked, and a capture that did is dropped);
 - the layers are captured in segments of the generation's layer group (`Model.prefill_pass`),
   one graph each, so the gate is still checked between two groups; a whole chunk is one segment;
-- the last real row is gathered inside the graph (its index is written with the ids), so a
+- the embedding runs eagerly (`Later.load`: the table of a model with a separate output matrix
+  stays on the host) into one shared input buffer [later_max, E] that every graph reads;
+- the last real row is gathered inside the graph (its index is written beside the rows), so a
   graph keeps one row [1, E]; the activations come from one pool that every later-chunk graph
-  shares (they run one at a time, in stream order), planned as one `later_graph_max` chunk's
-  (`cupy_plan.plan`); `LATER_KEEP` graphs are kept, the least recently used dropped first.
+  shares (they run one at a time, in stream order), reserved at the first capture as one
+  `later_graph_max` chunk's (`cupy_plan.plan`) and never freed under a graph (its allocator
+  fails instead of letting CuPy free the pool's free blocks and retry); `LATER_KEEP` graphs are
+  kept, the least recently used dropped first;
+- a chunk of exactly `later_max` tokens may be the middle of a prompt prefilled in such chunks:
+  only a start `expect` named takes one (else a long prompt's starts would cycle through the
+  cache, each captured and never replayed).
 """
 
 from __future__ import annotations
@@ -76,34 +83,47 @@ class _Bucket:
 
 class Later:
     """One captured later chunk: `bucket` tokens at `start`, its layers in segments (`bounds`),
-    one graph each; `load` writes a chunk's ids, `launch` replays segments, `row` is the last
-    real row's output [1, E] once the last segment ran."""
+    one graph each, reading the shared first-layer rows `x0`; `load` writes a chunk's rows and
+    its last row's index, `launch` replays segments, `row` is the last real row's output [1, E]
+    once the last segment ran."""
 
-    def __init__(self, bucket: int, start: int, bounds: tuple[int, ...]) -> None:
-        self.bucket, self.start, self.bounds = bucket, start, bounds
-        self.ids = cp.zeros(bucket + 1, dtype=cp.int64)  # the ids, then the last real row's index
-        self._host_mem = cp.cuda.alloc_pinned_memory(8 * (bucket + 1))
-        self.ids_host = np.frombuffer(self._host_mem, np.int64, bucket + 1)
+    def __init__(self, bucket: int, start: int, bounds: tuple[int, ...], x0: Any) -> None:
+        self.bucket, self.start, self.bounds, self.x0 = bucket, start, bounds, x0
+        self.last = cp.zeros(1, dtype=cp.int64)  # the last real row's index
+        self._host_mem = cp.cuda.alloc_pinned_memory(8)
+        self.last_host = np.frombuffer(self._host_mem, np.int64, 1)
         self.graphs: list[Any] = []
         self.row: Any = None
 
-    def load(self, ids: Sequence[int]) -> None:
-        """Queue the copy of `ids` (padded with its last id) and of its last row's index."""
+    def load(self, tf: Any, ids: Sequence[int]) -> None:
+        """Queue the chunk's first-layer rows (`ids` padded with its last id, embedded eagerly:
+        the table may live on the host) into `x0` and its last row's index."""
         t = len(ids)
-        self.ids_host[:t] = ids
-        self.ids_host[t : self.bucket] = ids[-1]
-        self.ids_host[self.bucket] = t - 1
+        self.x0[: self.bucket] = tf.embed([*ids, *[ids[-1]] * (self.bucket - t)])
+        self.last_host[0] = t - 1
         stream = cp.cuda.get_current_stream()
-        cp.cuda.runtime.memcpyAsync(
-            self.ids.data.ptr, self.ids_host.ctypes.data, self.ids_host.nbytes, _H2D, stream.ptr
-        )
+        cp.cuda.runtime.memcpyAsync(self.last.data.ptr, self.last_host.ctypes.data, 8, _H2D, stream.ptr)
 
     def launch(self, lo: int, hi: int) -> None:
         """Replay layers lo..hi-1 on the calling thread's stream (both on segment bounds)."""
+        hi = min(hi, self.bounds[-1])
+        if lo not in self.bounds or hi not in self.bounds:
+            raise ValueError(f"layers {lo}..{hi} are not on the captured segments {self.bounds}")
         stream = cp.cuda.get_current_stream()
         for i, g in enumerate(self.graphs):
             if lo <= self.bounds[i] and self.bounds[i + 1] <= hi:
                 g.launch(stream)
+
+
+def _no_retry_malloc(size: int) -> Any:
+    """The later-chunk pool's allocator: on a failed cudaMalloc CuPy's pool frees its free
+    blocks and tries again, and this pool's free blocks are what captured graphs write into;
+    an error of another type makes the capture fail instead (its graphs stay valid)."""
+    try:
+        mem = cp.cuda.Memory(size)
+    except cp.cuda.runtime.CUDARuntimeError as exc:
+        raise MemoryError(f"later-chunk graph pool: {exc}") from None
+    return cp.cuda.MemoryPointer(mem, 0)
 
 
 def segments(n_layers: int, group: int) -> tuple[int, ...]:
@@ -116,14 +136,16 @@ class PrefillGraphs:
     """Prefill graphs of one model: first chunks (`run`, `Transformer.forward` asks before its
     eager pass) and later chunks (`later`, `Transformer.begin_replay`)."""
 
-    def __init__(self, buckets: tuple[int, ...], later_max: int = 0) -> None:
+    def __init__(self, buckets: tuple[int, ...], later_max: int = 0, later_bytes: int = 0) -> None:
         self.buckets = buckets  # cupy_plan.prefill_graph_buckets
         self.later_max = later_max  # cupy_plan.later_graph_max (0: no later-chunk graphs)
+        self.later_bytes = later_bytes  # the later pool the plan counts (reserved at the first capture)
         self._graphs: dict[tuple[int, str], _Bucket] = {}
         self._later: OrderedDict[tuple[int, int, tuple[int, ...], str], Later] = OrderedDict()
         self._seen: OrderedDict[int, None] = OrderedDict()
         self._expected: OrderedDict[int, None] = OrderedDict()
-        self.later_pool = cp.cuda.MemoryPool()
+        self.later_pool = cp.cuda.MemoryPool(_no_retry_malloc)
+        self._x0: Any = None  # [later_max, E]: the later graphs' first-layer rows (`Later.load`)
         self.later_failures = 0
         self.stream = cp.cuda.Stream(non_blocking=True)
         self._done = cp.cuda.Event(block=False, disable_timing=True)
@@ -131,7 +153,8 @@ class PrefillGraphs:
 
     @property
     def held_bytes(self) -> int:
-        """Device bytes the captured graphs' pools hold."""
+        """Device bytes the captured graphs' pools hold (the later graphs' input rows come from
+        CuPy's default pool, with the rest of the backend's buffers)."""
         first = sum(b.pool.total_bytes() for b in self._graphs.values())
         return int(first + self.later_pool.total_bytes())
 
@@ -154,7 +177,9 @@ class PrefillGraphs:
         if e is not None:
             self._later.move_to_end(key)
             return e
-        due = start in self._seen or start in self._expected
+        # a chunk as long as later_max may be the middle of a prompt prefilled in such chunks
+        # (the Orin profile's 64): only a start a restore or a pin named takes one
+        due = start in self._expected or (start in self._seen and t < self.later_max)
         _remember(self._seen, start, SEEN_KEEP)
         if not due or start + bucket > tf.n_ctx or not tf.ops.prefill_warm():
             return None
@@ -166,19 +191,25 @@ class PrefillGraphs:
         return e
 
     def _capture_later(self, tf: Any, bucket: int, start: int, bounds: tuple[int, ...]) -> Later | None:
-        e = Later(bucket, start, bounds)
         before = tf.ops.prefill_state()
         p: Any = None
         try:
+            if self._x0 is None:
+                self._x0 = cp.zeros((self.later_max, tf.spec.n_embd), dtype=cp.float32)
+                if self.later_bytes:  # one block, freed into the pool at once (the capture
+                    with self.stream:  # stream's free list, as CuPy's pool keeps one a stream)
+                        self.later_pool.malloc(self.later_bytes)
+            e = Later(bucket, start, bounds, self._x0)
+            cp.cuda.device.get_cublas_handle()  # this thread's cuBLAS handle exists before the capture
             with cp.cuda.using_allocator(self.later_pool.malloc), self.stream:
                 for lo, hi in pairwise(bounds):
                     self.stream.begin_capture()
                     try:
                         if p is None:
-                            p = tf.begin(e.ids[:bucket], start, last_n=None, hidden=True)
+                            p = tf.begin_rows(self._x0[:bucket], start)
                         tf.run_layers(p, lo, hi)
                         if hi == bounds[-1]:
-                            e.row = cp.take(p.x, e.ids[bucket:], axis=0)  # [1, E]: the last real row
+                            e.row = cp.take(p.x, e.last, axis=0)  # [1, E]: the last real row
                             p = None
                     finally:
                         e.graphs.append(self.stream.end_capture())

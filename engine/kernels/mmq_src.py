@@ -32,7 +32,8 @@ MMQ_SPLIT_T_MAX = 128
 """Chunks of at most this many tokens may split K (`mmq_splits`)."""
 MMQ_SPLIT_MAX = 8
 MMQ_SPLIT_ROWS = 16384
-"""A split GEMM's slices hold at most this many values a token (splits x rows): its scratch."""
+"""A split GEMM's slices hold at most this many values a token (splits x a piece's rows): its
+scratch, which the memory plan counts beside each GEMM's input and output."""
 
 
 def mmq_splits(t: int, rows: int, cols: int, sms: int, bn: int = 64) -> int:
@@ -46,12 +47,6 @@ def mmq_splits(t: int, rows: int, cols: int, sms: int, bn: int = 64) -> int:
         return 1
     base = -(-t // bn) * -(-rows // MMQ_BM)
     return max(1, min(-(-2 * sms // base), MMQ_SPLIT_MAX, MMQ_SPLIT_ROWS // rows, -(-cols // MMQ_BK) // 4))
-
-
-def mmq_split_rows(rows: int) -> int:
-    """The most values a token a split GEMM of `rows` rows keeps in its scratch (for the plan)."""
-    s = min(MMQ_SPLIT_MAX, MMQ_SPLIT_ROWS // rows)
-    return rows * s if s >= 2 else 0
 
 
 def mmq_tile(t: int, rows: int, sms: int) -> int:

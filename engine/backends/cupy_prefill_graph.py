@@ -22,9 +22,10 @@ pass runs eagerly from then on (logged).
 
 **Later chunks** (every model unless `cupy_prefill_graph` is False): a chunk of at most
 `cupy_plan.later_graph_max` tokens (128, or the chunk when smaller) at a start above 0 - the
-question after a prefix the cache kept or restored from disk - is host-bound even for a 4B model
-(~700 launches: ~30 ms of Python on an H200 for a few ms of GPU work). It is replayed from graphs
-keyed by (padded length, start, layer group):
+question after a prefix the cache kept or restored from disk - is ~700 launches for a 4B model,
+20-45 ms of Python, as much as its GPU work or more once its GEMMs split K (`mmq_splits`). It is
+replayed from graphs keyed by (padded length, start, layer group); which chunks, and when they
+are captured, is `later_chunks`' bookkeeping:
 
 - the length is padded to a multiple of `LATER_STEP` tokens (a 72-token question runs 80 rows);
   the padding writes K/V rows past the chunk, which nothing reads before they are written again;
@@ -58,15 +59,12 @@ from typing import Any
 import cupy as cp
 import numpy as np
 
+from .later_chunks import LATER_KEEP, LATER_STEP, Sightings, keep_recent, later_bucket
+
 log = logging.getLogger(__name__)
 
 _H2D = cp.cuda.runtime.memcpyHostToDevice
-LATER_STEP = 16
-"""Later chunks are padded to a multiple of this many tokens."""
-LATER_KEEP = 8
-"""Later-chunk graphs kept (least recently used dropped first)."""
-SEEN_KEEP = 16
-"""Chunk starts remembered (a start is captured at its second sighting)."""
+__all__ = ["LATER_KEEP", "LATER_STEP", "Later", "PrefillGraphs", "segments"]
 
 
 class _Bucket:
@@ -142,8 +140,7 @@ class PrefillGraphs:
         self.later_bytes = later_bytes  # the later pool the plan counts (reserved at the first capture)
         self._graphs: dict[tuple[int, str], _Bucket] = {}
         self._later: OrderedDict[tuple[int, int, tuple[int, ...], str], Later] = OrderedDict()
-        self._seen: OrderedDict[int, None] = OrderedDict()
-        self._expected: OrderedDict[int, None] = OrderedDict()
+        self._sightings = Sightings(later_max)
         self.later_pool = cp.cuda.MemoryPool(_no_retry_malloc)
         self._x0: Any = None  # [later_max, E]: the later graphs' first-layer rows (`Later.load`)
         self.later_failures = 0
@@ -161,33 +158,27 @@ class PrefillGraphs:
     def expect(self, start: int) -> None:
         """Chunks will begin at `start` (a prefix of that many tokens was restored or pinned):
         the first one there is captured at once instead of at the second sighting."""
-        if start > 0:
-            _remember(self._expected, start, SEEN_KEEP)
+        self._sightings.expect(start)
 
     def later(self, tf: Any, ids: Sequence[int], start: int, group: int) -> Later | None:
         """The graph that replays later chunk `ids` at `start` in layer groups of `group` (0:
         whole), captured now where due (module doc); None: run it eagerly."""
-        t, n_layers = len(ids), len(tf.layers)
-        if not self.later_max or start <= 0 or not 2 <= t <= self.later_max or self.later_failures >= 2:
+        t = len(ids)
+        bucket = later_bucket(t, start, self.later_max)
+        if bucket is None or self.later_failures >= 2:
             return None
-        bucket = min(-(-t // LATER_STEP) * LATER_STEP, self.later_max)
-        bounds = segments(n_layers, group)
+        bounds = segments(len(tf.layers), group)
         key = (bucket, start, bounds, tf.ops.prefill_dtype)
         e = self._later.get(key)
         if e is not None:
             self._later.move_to_end(key)
             return e
-        # a chunk as long as later_max may be the middle of a prompt prefilled in such chunks
-        # (the Orin profile's 64): only a start a restore or a pin named takes one
-        due = start in self._expected or (start in self._seen and t < self.later_max)
-        _remember(self._seen, start, SEEN_KEEP)
-        if not due or start + bucket > tf.n_ctx or not tf.ops.prefill_warm():
+        if not self._sightings.due(t, start) or start + bucket > tf.n_ctx or not tf.ops.prefill_warm():
             return None
         e = self._capture_later(tf, bucket, start, bounds)
         if e is not None:
             self._later[key] = e
-            while len(self._later) > LATER_KEEP:
-                self._later.popitem(last=False)
+            keep_recent(self._later, LATER_KEEP)
         return e
 
     def _capture_later(self, tf: Any, bucket: int, start: int, bounds: tuple[int, ...]) -> Later | None:
@@ -293,10 +284,3 @@ class PrefillGraphs:
             b.pool.total_bytes() / 2**20,
         )
         return b
-
-
-def _remember(keys: OrderedDict[int, None], key: int, keep: int) -> None:
-    keys[key] = None
-    keys.move_to_end(key)
-    while len(keys) > keep:
-        keys.popitem(last=False)

@@ -196,15 +196,16 @@ def mixes(pieces: list[Any], aq: str | None, epi: int, out_rows: int | None = No
     types that both round the input as `aq` asks (`qdot_src.mix_pairs`), a plain or adding
     epilogue. The v Q6_K rows of a Q4_K_M QKV: 3 -> 1 launch (with `concat_rows`' runs)."""
     code = AQ_CODE[aq]
+    types = tuple(p.type_name for p in pieces)
     return bool(
         USE_QGEMV
         and USE_MIX
         and code
         and epi < 2
         and out_rows is None
-        and len(pieces) == 2
-        and pieces[0].type_name != pieces[1].type_name
-        and all(qdot_src.QTYPES.get(p.type_name) == code for p in pieces)
+        and len(types) == 2
+        and types in qdot_src.mix_pairs(types)  # the kernels the module has
+        and qdot_src.QTYPES[types[0]] == code
     )
 
 

@@ -1,10 +1,13 @@
 """The CuPy backend's weight upload through page-locked staging buffers: what arrives on the device
-is the host's bytes, whatever the size, the number of pieces and the reuse of the ring.
+is the host's bytes, whatever the size, the number of pieces, their packing across arrays and
+the reuse of the ring.
 
 Runs only where CuPy and a CUDA device work (`pytest -m gpu`); skipped cleanly elsewhere.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -38,3 +41,37 @@ def test_uploads_arrive_intact_through_a_small_ring() -> None:
     again = up.upload(hosts[0][::-1])  # non-contiguous source, after finish
     up.finish()
     assert np.array_equal(cp.asnumpy(again), hosts[0][::-1])
+
+
+def test_small_arrays_share_a_buffer_and_later_work_sees_them_before_finish() -> None:
+    """Arrays packed into one staging buffer across array boundaries, some copied by the threads
+    and some inline, are on the device for work queued after their upload, before `finish`."""
+    rng = np.random.default_rng(11)
+    up = Uploader(slots=3, slot_bytes=1 << 20, workers=4, job_bytes=64 << 10)
+    hosts = [rng.integers(0, 256, size=int(n), dtype=np.uint8) for n in rng.integers(1, 700_000, size=12)]
+    devs = [up.upload(h) for h in hosts]
+    joined = cp.concatenate(devs)  # same stream, no synchronisation of the host
+    assert np.array_equal(cp.asnumpy(joined), np.concatenate(hosts))
+    big = rng.integers(0, 256, size=(5 << 20) + 11, dtype=np.uint8)  # longer than the whole ring
+    assert np.array_equal(cp.asnumpy(up.upload(big)), big)
+    up.finish()
+
+
+def test_arrays_read_from_their_file_arrive_intact_even_past_its_end(tmp_path: Path) -> None:
+    """With `source` the bytes are read from the file (in thread jobs and inline); where the file
+    ends early, the rest comes from the array, so the device always gets the array's bytes."""
+    rng = np.random.default_rng(5)
+    hosts = [rng.integers(0, 256, size=n, dtype=np.uint8) for n in (3 << 20, 100, 700_001, 2 << 20)]
+    path = tmp_path / "weights.bin"
+    offsets, blob = [], b"GGUF"
+    for h in hosts:
+        offsets.append(len(blob))
+        blob += h.tobytes()
+    path.write_bytes(blob[: len(blob) - 4096])  # the last array's tail is missing from the file
+    on_disk = np.memmap(path, dtype=np.uint8, mode="r")
+    up = Uploader(slots=2, slot_bytes=1 << 20, workers=4, job_bytes=128 << 10)
+    devs = [up.upload(h, (str(path), o)) for h, o in zip(hosts, offsets, strict=True)]
+    up.finish()
+    for h, d in zip(hosts, devs, strict=True):
+        assert np.array_equal(cp.asnumpy(d), h)
+    assert np.array_equal(cp.asnumpy(devs[0]), on_disk[offsets[0] : offsets[0] + hosts[0].size])

@@ -3,24 +3,32 @@
 A copy from pageable memory (the GGUF's mmap) is staged by the driver through its own small
 pinned buffer and returns only once the source is consumed, so uploading tensor by tensor with
 ``cp.asarray`` runs the page-cache reads and the PCIe transfers one after the other at a fraction
-of either's speed. `Uploader` instead copies each tensor, in pieces of at most `SLOT_BYTES`,
-into one of `SLOTS` page-locked buffers (host threads share the copy: the reads fault the mmap's
-pages in, and NumPy's copy releases the GIL), then queues an asynchronous host-to-device copy from
-that buffer on the caller's stream and moves to the next buffer, so the host copy of one piece
-overlaps the transfer of the one before. A buffer is reused once the event recorded after its
-transfer has passed; `finish()` waits for the last transfer and frees the buffers (one sync).
+of either's speed. `Uploader` instead packs the tensors' bytes one after the other, across tensor
+boundaries, into `SLOTS` page-locked buffers of `SLOT_BYTES`; host threads fill them in jobs of
+at least `JOB_BYTES` (with `source`, the tensor's place in its file, each thread reads its part
+with ``preadv`` straight into the buffer; else it copies from the array: NumPy's copy and the
+read both release the GIL), and once a tensor's jobs are done its asynchronous host-to-device
+copies are queued on the caller's stream, so the transfer of one tensor overlaps the host copy of
+the next. Measured on the H200 host (Qwen3-4B shape, 2,375 MiB in 253 matrices, warm page
+cache, bench/results/upload-20261204/probe.md): the former one-thread copy from the mmap per
+tensor took 331-338 ms, these 8 threads reading the file 261-270 ms. The rest is per tensor
+(allocations, waits), not bandwidth: 16 threads reading the whole file in 64 MiB pieces took
+85 ms. A buffer is reused once the event recorded after its last transfer has passed; `finish()` waits for the last
+transfer and frees the buffers and threads (one sync).
 
 Device memory: each tensor's array is allocated exactly as ``cp.asarray`` would (same size, the
 same pool, the same order); the staging buffers are host memory.
 
     up = Uploader()
     w = up.upload(host_array)      # a device array; its bytes may still be in flight
+    v = up.upload(mapped, source=("model.gguf", offset))   # the same bytes, read from the file
     ...                            # later work on the same stream sees them
     up.finish()                    # all transfers done, staging buffers freed
 """
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -31,76 +39,68 @@ SLOTS = 4
 """Page-locked staging buffers in the ring."""
 SLOT_BYTES = 16 << 20
 """Size of each (the largest piece one transfer carries). Page-locking is paid per byte (H200
-host: 20 ms to allocate and 5 ms to free 64 MiB, 5 and 1.4 ms for 16 MiB), and 16 MiB pieces keep
-the transfers (51 GB/s) well ahead of the host copies: the Qwen3-4B shape's weights phase took
-0.474 s with 4 x 16 MiB against 0.535 s with 4 x 64 MiB (same process, alternating; more copy
-threads, or preadv into the buffers instead of copying from the mmap, changed nothing there)."""
-COPY_WORKERS = 4
-"""Host threads that share one piece's copy into its staging buffer."""
-_SPLIT = 4 << 20  # a piece shorter than this is copied by the calling thread alone
+host: 20 ms to allocate and 5 ms to free 64 MiB, 5 and 1.4 ms for 16 MiB), and the transfers
+(51 GB/s) stay well ahead of the host copies."""
+JOB_BYTES = 1 << 20
+"""The least one host thread copies in one job: a tensor's copy is split into one job per thread,
+each at least this long (fewer, longer jobs for small tensors: a job costs ~15 us of Python)."""
+MAX_WORKERS = 8
+"""Host copy threads at most (default: one per CPU the process may use, up to this). H200 host,
+the 4B shape's 253 matrices read from the file: 4 or 8 threads 250-270 ms, 16 threads 333 ms."""
+
+
+def default_workers() -> int:
+    """Copy threads for this machine: one per CPU the process may use, at most `MAX_WORKERS`."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    return max(1, min(MAX_WORKERS, n))
 
 
 class Uploader:
     """Host arrays to device arrays through `SLOTS` page-locked buffers (see the module)."""
 
-    def __init__(self, slots: int = SLOTS, slot_bytes: int = SLOT_BYTES, workers: int = COPY_WORKERS) -> None:
+    def __init__(
+        self,
+        slots: int = SLOTS,
+        slot_bytes: int = SLOT_BYTES,
+        workers: int | None = None,
+        job_bytes: int = JOB_BYTES,
+    ) -> None:
         self.slot_bytes = slot_bytes
+        self.job_bytes = max(1, job_bytes)
         self._nslots = slots
+        self._workers = default_workers() if workers is None else max(1, workers)
         self._bufs: list[np.ndarray] = []  # made on first use
         self._mems: list[Any] = []
         self._events: list[Any] = []
-        self._next = 0
-        self._workers = workers
+        self._slot = -1  # the buffer being filled (-1: none yet)
+        self._used = 0  # its bytes taken
+        self._pieces: list[tuple[int, int, int, int]] = []  # staged, not sent: (slot, offset, device address, bytes)
+        self._jobs: list[Any] = []  # their host copies
         self._pool: ThreadPoolExecutor | None = None
+        self._fds: dict[str, int] = {}  # source files open for reading (closed by `finish`)
 
-    def _slot(self) -> tuple[np.ndarray, Any]:
-        """The next staging buffer, once its previous transfer has left it."""
-        i = self._next
-        self._next = (i + 1) % self._nslots
-        if i == len(self._bufs):
-            mem = cp.cuda.PinnedMemory(self.slot_bytes)
-            self._mems.append(mem)
-            self._bufs.append(np.frombuffer(cp.cuda.PinnedMemoryPointer(mem, 0), np.uint8, self.slot_bytes))
-            self._events.append(None)
-        ev = self._events[i]
-        if ev is not None:
-            ev.synchronize()
-        return self._bufs[i], i
-
-    def _copy(self, dst: np.ndarray, src: np.ndarray) -> None:
-        n = src.size
-        if n < 2 * _SPLIT or self._workers < 2:
-            np.copyto(dst[:n], src)
-            return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="weight-upload")
-        step = -(-n // self._workers)
-        jobs = [
-            self._pool.submit(np.copyto, dst[a : min(a + step, n)], src[a : min(a + step, n)])
-            for a in range(0, n, step)
-        ]
-        for job in jobs:
-            job.result()
-
-    def upload(self, host: np.ndarray) -> cp.ndarray:
-        """A device array equal to `host` (same dtype and shape); its bytes arrive in stream order."""
+    def upload(self, host: np.ndarray, source: tuple[str, int] | None = None) -> cp.ndarray:
+        """A device array equal to `host` (same dtype and shape); its bytes arrive in stream order.
+        `source`: (file, byte offset) where `host`'s bytes lie (read from there instead)."""
         host = np.ascontiguousarray(host)
+        fd = self._fd(source[0]) if source is not None else -1
         out = cp.empty(host.shape, dtype=host.dtype)
         src = host.reshape(-1).view(np.uint8)
-        if src.size == 0:
-            return out
-        stream = cp.cuda.get_current_stream()
         base = int(out.data.ptr)
-        for a in range(0, src.size, self.slot_bytes):
-            piece = src[a : a + self.slot_bytes]
-            buf, i = self._slot()
-            self._copy(buf, piece)
-            cp.cuda.runtime.memcpyAsync(
-                base + a, buf.ctypes.data, piece.size, cp.cuda.runtime.memcpyHostToDevice, stream.ptr
-            )
-            ev = cp.cuda.Event(disable_timing=True)
-            ev.record(stream)
-            self._events[i] = ev
+        a = 0
+        while a < src.size:
+            if self._slot < 0 or self._used == self.slot_bytes:
+                self._advance()
+            n = min(src.size - a, self.slot_bytes - self._used)
+            self._pieces.append((self._slot, self._used, base + a, n))
+            dst = self._bufs[self._slot][self._used : self._used + n]
+            self._jobs += self._copy(dst, src[a : a + n], fd, source[1] + a if source is not None else 0)
+            self._used += n
+            a += n
+        self._send()
         return out
 
     def finish(self) -> None:
@@ -111,7 +111,76 @@ class Uploader:
         self._events.clear()
         self._bufs.clear()
         self._mems.clear()
-        self._next = 0
+        self._slot, self._used = -1, 0
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
+
+    # ------------------------------------------------------------------------------------
+    def _advance(self) -> None:
+        """Move to the next buffer of the ring, once its previous transfers have left it (a tensor
+        longer than the ring sends its staged pieces first)."""
+        i = (self._slot + 1) % self._nslots
+        if i == len(self._bufs):
+            mem = cp.cuda.PinnedMemory(self.slot_bytes)
+            self._mems.append(mem)
+            self._bufs.append(np.frombuffer(cp.cuda.PinnedMemoryPointer(mem, 0), np.uint8, self.slot_bytes))
+            self._events.append(None)
+        if any(p[0] == i for p in self._pieces):
+            self._send()
+        ev = self._events[i]
+        if ev is not None:
+            ev.synchronize()
+            self._events[i] = None
+        self._slot, self._used = i, 0
+
+    def _fd(self, path: str) -> int:
+        fd = self._fds.get(path)
+        if fd is None:
+            fd = self._fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        return fd
+
+    def _copy(self, dst: np.ndarray, src: np.ndarray, fd: int, offset: int) -> list[Any]:
+        """Fill `dst` (a staging buffer's range) with `src`'s bytes, read from `fd` at `offset`
+        when `fd` >= 0: jobs for the threads, or inline when short."""
+        n = src.size
+        parts = min(self._workers, n // self.job_bytes)
+        if parts < 2:
+            _fill(dst, src, fd, offset)
+            return []
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="weight-upload")
+        step = -(-n // parts)
+        return [
+            self._pool.submit(_fill, dst[j : j + step], src[j : j + step], fd, offset + j) for j in range(0, n, step)
+        ]
+
+    def _send(self) -> None:
+        """Once the staged host copies are done, queue their transfers and mark their buffers."""
+        for job in self._jobs:
+            job.result()
+        stream = cp.cuda.get_current_stream()
+        for slot, off, dst, n in self._pieces:
+            ptr = self._bufs[slot].ctypes.data + off
+            cp.cuda.runtime.memcpyAsync(dst, ptr, n, cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
+            ev = cp.cuda.Event(disable_timing=True)
+            ev.record(stream)
+            self._events[slot] = ev
+        self._pieces, self._jobs = [], []
+
+
+def _fill(dst: np.ndarray, src: np.ndarray, fd: int, offset: int) -> None:
+    """`dst[:] = src`, read from `fd` at `offset` when `fd` >= 0 (what a short read leaves is copied)."""
+    done = 0
+    if fd >= 0:
+        view = dst.data
+        while done < dst.size:
+            got = os.preadv(fd, [view[done:]], offset + done)
+            if got <= 0:
+                break
+            done += got
+    if done < dst.size:
+        np.copyto(dst[done:], src[done:])

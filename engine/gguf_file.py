@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from . import strings_cache
 from .errors import ModelFormatError, cap_text
 
 
@@ -208,7 +209,21 @@ class _Cursor:
         return bytes(self.take(n, what)).decode("utf-8", errors="replace")
 
     def strings(self, n: int, what: str) -> list[str]:
-        """`n` strings in a row (a vocabulary: one tight loop, ~5x faster than `string` per item)."""
+        """`n` strings in a row (a vocabulary: one tight loop, ~5x faster than `string` per item;
+        a long array from the strings cache when it holds these bytes' parse: `strings_cache`)."""
+        cache = strings_cache.active() if n >= strings_cache.MIN_STRINGS else None
+        if cache is not None:
+            start = self.pos
+            hit = cache.lookup(self.path, self.mv, start, n)
+            if hit is not None:
+                self.pos = hit[1]
+                return hit[0]
+            out = self._strings(n, what)
+            cache.store(self.path, self.mv, start, self.pos, out)
+            return out
+        return self._strings(n, what)
+
+    def _strings(self, n: int, what: str) -> list[str]:
         buf, pos, end = self.mv, self.pos, len(self.buf)
         out: list[str] = []
         unpack_from, append = struct.Struct("<Q").unpack_from, out.append

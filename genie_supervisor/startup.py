@@ -74,9 +74,14 @@ def kernel_cache_dir(configured: str | None, environ: dict[str, str] | os._Envir
 
 
 def use_kernel_cache(folder: Path, environ: dict[str, str] | os._Environ[str] = os.environ) -> dict[str, str]:
-    """Point CuPy's and the native kernels' caches into `folder` (a variable already set in the
-    environment wins); returns the variables it set."""
-    wanted = {"CUPY_CACHE_DIR": str(folder / "cupy"), "GENIE_KERNEL_CACHE_DIR": str(folder / "native")}
+    """Point CuPy's and the native kernels' caches and the GGUF strings cache
+    (`engine.strings_cache`) into `folder` (a variable already set in the environment wins);
+    returns the variables it set."""
+    wanted = {
+        "CUPY_CACHE_DIR": str(folder / "cupy"),
+        "GENIE_KERNEL_CACHE_DIR": str(folder / "native"),
+        "GENIE_STRINGS_CACHE_DIR": str(folder / "strings"),
+    }
     done = {k: v for k, v in wanted.items() if not environ.get(k)}
     environ.update(done)
     return done

@@ -25,16 +25,23 @@ def test_kernel_cache_dir_prefers_the_config_then_systemd_then_the_user_cache() 
     assert kernel_cache_dir(None, {"CACHE_DIRECTORY": "/var/cache/g:/other"}) == Path("/var/cache/g/kernels")
     assert kernel_cache_dir(None, {"XDG_CACHE_HOME": "/x"}) == Path("/x/genie-supervisor/kernels")
     env = {"CUPY_CACHE_DIR": "/mine"}
-    assert use_kernel_cache(Path("/k"), env) == {"GENIE_KERNEL_CACHE_DIR": "/k/native"}
-    assert env == {"CUPY_CACHE_DIR": "/mine", "GENIE_KERNEL_CACHE_DIR": "/k/native"}  # a set variable wins
+    made = {"GENIE_KERNEL_CACHE_DIR": "/k/native", "GENIE_STRINGS_CACHE_DIR": "/k/strings"}
+    assert use_kernel_cache(Path("/k"), env) == made
+    assert env == {"CUPY_CACHE_DIR": "/mine", **made}  # a set variable wins
 
 
 async def test_daemon_keeps_kernels_under_the_cache_directory_and_reports_start_to_ready(tmp_path: Path) -> None:
     """Under systemd's CacheDirectory= (no kernel_cache_dir in the config) the native kernels are
-    built into $CACHE_DIRECTORY/kernels/native, and the ready line and /status say how long the
+    built into $CACHE_DIRECTORY/kernels/native and the vocabulary's parse is kept in
+    $CACHE_DIRECTORY/kernels/strings, and the ready line and /status say how long the
     process took from its start to ready, with the model's load phases in model_loaded."""
     cache = tmp_path / "var-cache"
-    env = {"CACHE_DIRECTORY": str(cache), "GENIE_KERNEL_CACHE_DIR": "", "CUPY_CACHE_DIR": ""}
+    env = {
+        "CACHE_DIRECTORY": str(cache),
+        "GENIE_KERNEL_CACHE_DIR": "",
+        "CUPY_CACHE_DIR": "",
+        "GENIE_STRINGS_CACHE_DIR": "",
+    }
     daemon = DaemonProcess(tmp_path, model=require(SMOLLM2), backend="native", env=env)
     async with daemon as d, httpx.AsyncClient(base_url=d.url, timeout=60) as api:
         ready = await d.event("supervisor_ready")
@@ -47,6 +54,8 @@ async def test_daemon_keeps_kernels_under_the_cache_directory_and_reports_start_
         assert startup["start_to_ready_s"] == ready["start_to_ready_s"]
         assert ready["gc_frozen"] > 10_000  # the collector was held off to ready, the start frozen
     assert list((cache / "kernels" / "native").glob("qgemv-*.so"))
+    # written by a thread of the load that the process's exit waits for: the tokens and the merges
+    assert len(list((cache / "kernels" / "strings").glob("*.strings"))) == 2
 
 
 def test_the_collector_is_held_off_once_until_ready_or_the_limit() -> None:

@@ -130,6 +130,7 @@ def child_env(code: Path, kernels: Path) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join([str(code), *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]])
     env["CUPY_CACHE_DIR"] = str(kernels / "cupy")
     env["GENIE_KERNEL_CACHE_DIR"] = str(kernels / "native")
+    env["GENIE_STRINGS_CACHE_DIR"] = str(kernels / "strings")
     env["PYTHONUNBUFFERED"] = "1"
     env.pop("PYTHONDONTWRITEBYTECODE", None)  # warm includes the bytecode cache (pip writes it at install)
     return env

@@ -127,6 +127,9 @@ class TensorInfo:
     """Stored bytes: ``uint8[rows, bytes_per_row]`` for quantized types, typed array otherwise."""
     offset: int = 0
     """Byte offset of the tensor's data in the file."""
+    file_identity: tuple[int, int, int, int] | None = None
+    """`file_identity` of the file `raw` maps (None: not mapped from a file, or not known): a
+    reader of the bytes at `offset` by path checks it is still that file."""
 
     @property
     def nbytes(self) -> int:
@@ -218,25 +221,11 @@ class _Cursor:
             if hit is not None:
                 self.pos = hit[1]
                 return hit[0]
-            out = self._strings(n, what)
-            cache.store(self.path, self.mv, start, self.pos, out)
+            out, self.pos = _parse_strings(self.path, self.mv, start, n, what)
+            path = self.path
+            cache.store(path, self.mv, start, self.pos, n, lambda b: _parse_strings(path, b, 0, n, what))
             return out
-        return self._strings(n, what)
-
-    def _strings(self, n: int, what: str) -> list[str]:
-        buf, pos, end = self.mv, self.pos, len(self.buf)
-        out: list[str] = []
-        unpack_from, append = struct.Struct("<Q").unpack_from, out.append
-        for _ in range(n):
-            if pos + 8 > end:
-                raise ModelFormatError(self.path, what, f"file is truncated: needs byte {pos + 8}, file has {end}")
-            k = unpack_from(buf, pos)[0]
-            pos += 8
-            if pos + k > end:
-                raise ModelFormatError(self.path, what, f"file is truncated: needs byte {pos + k}, file has {end}")
-            append(str(buf[pos : pos + k], "utf-8", "replace"))
-            pos += k
-        self.pos = pos
+        out, self.pos = _parse_strings(self.path, self.mv, self.pos, n, what)
         return out
 
     def count(self, n: int, min_bytes: int, what: str) -> int:
@@ -269,6 +258,23 @@ class _Cursor:
             raise ModelFormatError(self.path, what, f"unknown value type {vtype}")
         fmt, _ = _SCALAR[GGUFValueType(vtype)]
         return self.unpack(fmt, what)
+
+
+def _parse_strings(path: str, buf: memoryview, pos: int, n: int, what: str) -> tuple[list[str], int]:
+    """`n` GGUF strings (u64 length, UTF-8 bytes) from `buf` at `pos`, and the byte after them."""
+    end = len(buf)
+    out: list[str] = []
+    unpack_from, append = struct.Struct("<Q").unpack_from, out.append
+    for _ in range(n):
+        if pos + 8 > end:
+            raise ModelFormatError(path, what, f"file is truncated: needs byte {pos + 8}, file has {end}")
+        k = unpack_from(buf, pos)[0]
+        pos += 8
+        if pos + k > end:
+            raise ModelFormatError(path, what, f"file is truncated: needs byte {pos + k}, file has {end}")
+        append(str(buf[pos : pos + k], "utf-8", "replace"))
+        pos += k
+    return out, pos
 
 
 def read_gguf(path: str | os.PathLike[str], header_only: bool = False) -> GGUFFile:
@@ -354,7 +360,7 @@ def read_gguf(path: str | os.PathLike[str], header_only: bool = False) -> GGUFFi
             arr: np.ndarray = np.broadcast_to(np.zeros(1, dtype), view)
         else:
             arr = buf[start : start + nbytes].view(dtype).reshape(view)
-        tensors[name] = TensorInfo(name, type_name, shape, arr, start)
+        tensors[name] = TensorInfo(name, type_name, shape, arr, start, None if header_only else identity)
     return GGUFFile(p, metadata, tensors, loadable=not header_only, spans=spans, identity=identity)
 
 

@@ -17,6 +17,7 @@ from tests.gpu import require_cuda
 cp = require_cuda()
 
 from engine.backends.cupy_upload import Uploader  # noqa: E402
+from engine.gguf_file import file_identity  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(120)]
 
@@ -70,8 +71,52 @@ def test_arrays_read_from_their_file_arrive_intact_even_past_its_end(tmp_path: P
     path.write_bytes(blob[: len(blob) - 4096])  # the last array's tail is missing from the file
     on_disk = np.memmap(path, dtype=np.uint8, mode="r")
     up = Uploader(slots=2, slot_bytes=1 << 20, workers=4, job_bytes=128 << 10)
-    devs = [up.upload(h, (str(path), o)) for h, o in zip(hosts, offsets, strict=True)]
+    ident = file_identity(str(path))
+    devs = [up.upload(h, (str(path), o, ident)) for h, o in zip(hosts, offsets, strict=True)]
     up.finish()
     for h, d in zip(hosts, devs, strict=True):
         assert np.array_equal(cp.asnumpy(d), h)
     assert np.array_equal(cp.asnumpy(devs[0]), on_disk[offsets[0] : offsets[0] + hosts[0].size])
+
+
+def test_a_file_replaced_at_its_path_is_not_read_and_a_failed_upload_leaves_no_state(tmp_path: Path) -> None:
+    """When the path names another file than the identity given, the mapped array's bytes are
+    used; an upload that raises stages nothing that a later upload would send."""
+    path = tmp_path / "model.gguf"
+    data = np.arange(1 << 20, dtype=np.uint32).view(np.uint8)
+    data.tofile(path)
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")[1 << 20 : 3 << 20]
+    ident = file_identity(str(path))
+    fresh = tmp_path / "new.gguf"
+    np.zeros(data.size, np.uint8).tofile(fresh)
+    fresh.replace(path)  # the model updated on disk after its header was read
+    up = Uploader(slots=2, slot_bytes=1 << 20, workers=4, job_bytes=1 << 18)
+    dev = up.upload(np.ascontiguousarray(mapped), (str(path), 1 << 20, ident))
+    assert np.array_equal(cp.asnumpy(dev), mapped)
+
+    up.finish()
+
+
+def test_an_upload_that_fails_midway_sends_nothing_later(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy that raises after pieces were staged leaves nothing staged: memory the pool hands
+    out again after the failed array is not written by a late transfer, and later uploads are whole."""
+    import engine.backends.cupy_upload as cu
+
+    up = Uploader(slots=3, slot_bytes=1 << 20, workers=1)
+    real, calls = cu._fill, [0]
+
+    def fail_third(*args: object) -> None:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise OSError(5, "simulated read error")
+        real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cu, "_fill", fail_third)
+    with pytest.raises(OSError):
+        up.upload(np.full(3 << 20, 7, dtype=np.uint8))  # three pieces: the third one fails
+    monkeypatch.setattr(cu, "_fill", real)
+    reused = cp.zeros(3 << 20, dtype=np.uint8)  # likely the failed array's block
+    small = np.arange(5000, dtype=np.uint16)
+    assert np.array_equal(cp.asnumpy(up.upload(small)), small)
+    up.finish()
+    assert not bool((reused == 7).any())

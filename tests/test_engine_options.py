@@ -217,7 +217,10 @@ def test_no_engine_module_reads_the_environment_but_from_env() -> None:
             rel = path.relative_to(ENGINE).as_posix()
             if (
                 rel == "options.py"
-                or (rel == "backends/cpu_native.py" and re.search(r"\"(CC|XDG_CACHE_HOME|GENIE_KERNEL_CACHE_DIR)\"", line))
+                or (
+                    rel == "backends/cpu_native.py"
+                    and re.search(r"\"(CC|XDG_CACHE_HOME|GENIE_KERNEL_CACHE_DIR)\"", line)
+                )
                 or (rel == "strings_cache.py" and '"GENIE_STRINGS_CACHE_DIR"' in line)
             ):
                 continue

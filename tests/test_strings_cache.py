@@ -6,6 +6,7 @@ match the model file's bytes or its own digest, stays bounded, and is off unless
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -134,3 +135,59 @@ def test_an_unwritable_folder_costs_a_parse_and_nothing_else(
     for _ in range(2):
         got, cache = _read(vocab_file)
         assert got == expected and cache is not None and cache.hits == 0
+
+
+def test_an_entry_holds_the_parse_of_the_bytes_its_digest_covers(
+    vocab_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer parses its own copy of the file's bytes: strings the reader got from other bytes
+    (a file rewritten while it was read) never reach the entry."""
+    from engine import gguf_file
+
+    expected = _parsed(vocab_file, monkeypatch)
+    real, calls = gguf_file._parse_strings, [0]
+
+    def stale_first(*args: Any) -> tuple[list[str], int]:
+        calls[0] += 1
+        out, end = real(*args)
+        return (["stale"] * len(out) if calls[0] == 1 else out), end
+
+    monkeypatch.setattr(gguf_file, "_parse_strings", stale_first)
+    _fresh(tmp_path, monkeypatch)
+    assert _read(vocab_file)[0][0] == "stale"  # what the reader parsed
+    monkeypatch.setattr(gguf_file, "_parse_strings", real)
+    _fresh(tmp_path, monkeypatch)
+    got, cache = _read(vocab_file)
+    assert cache is not None and cache.hits == 1 and got == expected
+
+
+def test_a_folder_others_may_write_to_is_not_used(
+    vocab_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Entries in a folder that group or others may write are neither read nor written."""
+    _fresh(tmp_path, monkeypatch)
+    _read(vocab_file)
+    tmp_path.chmod(0o777)
+    try:
+        _fresh(tmp_path, monkeypatch)
+        got, cache = _read(vocab_file)
+        assert cache is not None and cache.hits == 0 and len(got) == 151_936
+    finally:
+        tmp_path.chmod(0o700)
+    _fresh(tmp_path, monkeypatch)
+    assert _read(vocab_file)[1].hits == 1  # type: ignore[union-attr]
+
+
+def test_one_process_writes_a_bounded_number_of_entries_per_model_file(
+    vocab_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file with more long arrays than `MAX_PER_FILE` gets entries for the first ones only."""
+    monkeypatch.setattr(strings_cache, "MIN_STRINGS", 4)  # the tokens and the 8 merges both qualify
+    monkeypatch.setattr(strings_cache, "MAX_PER_FILE", 1)
+    _fresh(tmp_path, monkeypatch)
+    _read(vocab_file)
+    assert len(list(tmp_path.glob("*.strings"))) == 1
+    monkeypatch.setattr(strings_cache, "MAX_PER_FILE", 4)
+    _fresh(tmp_path, monkeypatch)
+    _read(vocab_file)
+    assert len(list(tmp_path.glob("*.strings"))) == 2

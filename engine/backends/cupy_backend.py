@@ -123,9 +123,10 @@ class CupyOps:
             self._uploader = Uploader()
         if len(t.shape) != 2:
             return self._uploader.upload(dequantize(t.raw, t.type_name, t.shape))
-        mapped = t.raw.filename if isinstance(t.raw, np.memmap) and t.raw.flags.c_contiguous else None
+        source = None  # read from the file (while it is the one mapped): faster than the mmap's copy
+        if isinstance(t.raw, np.memmap) and t.raw.filename and t.raw.flags.c_contiguous and t.file_identity:
+            source = (str(t.raw.filename), t.offset, t.file_identity)
         raw = np.ascontiguousarray(t.raw).view(np.uint8).reshape(t.shape[0], -1)
-        source = (mapped, t.offset) if mapped else None  # read from the file: ~4x the mmap's copy
         return QWeight(self._uploader.upload(raw, source), t.type_name, (int(t.shape[0]), int(t.shape[1])))
 
     def finish_uploads(self) -> None:

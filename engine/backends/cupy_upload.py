@@ -6,8 +6,9 @@ pinned buffer and returns only once the source is consumed, so uploading tensor 
 of either's speed. `Uploader` instead packs the tensors' bytes one after the other, across tensor
 boundaries, into `SLOTS` page-locked buffers of `SLOT_BYTES`; host threads fill them in jobs of
 at least `JOB_BYTES` (with `source`, the tensor's place in its file, each thread reads its part
-with ``preadv`` straight into the buffer; else it copies from the array: NumPy's copy and the
-read both release the GIL), and once a tensor's jobs are done its asynchronous host-to-device
+with ``preadv`` straight into the buffer, provided the path still names the file the array maps
+(`file_identity`) and the read succeeds; else it copies from the array: NumPy's copy and the read
+both release the GIL), and once a tensor's jobs are done its asynchronous host-to-device
 copies are queued on the caller's stream, so the transfer of one tensor overlaps the host copy of
 the next. Measured on the H200 host (Qwen3-4B shape, 2,375 MiB in 253 matrices, warm page
 cache, bench/results/upload-20261204/probe.md): the former one-thread copy from the mmap per
@@ -21,7 +22,7 @@ same pool, the same order); the staging buffers are host memory.
 
     up = Uploader()
     w = up.upload(host_array)      # a device array; its bytes may still be in flight
-    v = up.upload(mapped, source=("model.gguf", offset))   # the same bytes, read from the file
+    v = up.upload(mapped, source=("model.gguf", offset, identity))   # the same bytes, from the file
     ...                            # later work on the same stream sees them
     up.finish()                    # all transfers done, staging buffers freed
 """
@@ -74,50 +75,59 @@ class Uploader:
         self._workers = default_workers() if workers is None else max(1, workers)
         self._bufs: list[np.ndarray] = []  # made on first use
         self._mems: list[Any] = []
-        self._events: list[Any] = []
+        self._events: list[Any] = []  # per buffer: the event after its last transfer, or None
+        self._streams: list[int] = []  # the stream that event was recorded on
         self._slot = -1  # the buffer being filled (-1: none yet)
         self._used = 0  # its bytes taken
         self._pieces: list[tuple[int, int, int, int]] = []  # staged, not sent: (slot, offset, device address, bytes)
         self._jobs: list[Any] = []  # their host copies
         self._pool: ThreadPoolExecutor | None = None
-        self._fds: dict[str, int] = {}  # source files open for reading (closed by `finish`)
 
-    def upload(self, host: np.ndarray, source: tuple[str, int] | None = None) -> cp.ndarray:
+    def upload(self, host: np.ndarray, source: tuple[str, int, tuple[int, int, int, int]] | None = None) -> cp.ndarray:
         """A device array equal to `host` (same dtype and shape); its bytes arrive in stream order.
-        `source`: (file, byte offset) where `host`'s bytes lie (read from there instead)."""
+        `source`: (file, byte offset, `file_identity`) where `host`'s bytes lie: read from there
+        while the path still names that file (else, and where a read fails, copied from `host`)."""
         host = np.ascontiguousarray(host)
-        fd = self._fd(source[0]) if source is not None else -1
         out = cp.empty(host.shape, dtype=host.dtype)
         src = host.reshape(-1).view(np.uint8)
-        base = int(out.data.ptr)
-        a = 0
-        while a < src.size:
-            if self._slot < 0 or self._used == self.slot_bytes:
-                self._advance()
-            n = min(src.size - a, self.slot_bytes - self._used)
-            self._pieces.append((self._slot, self._used, base + a, n))
-            dst = self._bufs[self._slot][self._used : self._used + n]
-            self._jobs += self._copy(dst, src[a : a + n], fd, source[1] + a if source is not None else 0)
-            self._used += n
-            a += n
-        self._send()
+        fd = _open_same(source) if source is not None and src.size else -1
+        try:
+            base = int(out.data.ptr)
+            a = 0
+            while a < src.size:
+                if self._slot < 0 or self._used == self.slot_bytes:
+                    self._advance()
+                n = min(src.size - a, self.slot_bytes - self._used)
+                self._pieces.append((self._slot, self._used, base + a, n))
+                dst = self._bufs[self._slot][self._used : self._used + n]
+                self._used += n
+                self._jobs += self._copy(dst, src[a : a + n], fd, source[1] + a if source is not None else 0)
+                a += n
+            self._send()
+        except BaseException:
+            self._drop_staged()  # nothing of this array is sent later (its memory goes back to the pool)
+            raise
+        finally:
+            if fd >= 0:
+                os.close(fd)
         return out
 
     def finish(self) -> None:
         """Wait for every transfer, then free the staging buffers and the copy threads."""
-        for ev in self._events:
-            if ev is not None:
-                ev.synchronize()
-        self._events.clear()
-        self._bufs.clear()
-        self._mems.clear()
-        self._slot, self._used = -1, 0
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-        if self._pool is not None:
-            self._pool.shutdown()
-            self._pool = None
+        try:
+            self._drop_staged()
+            for ev in self._events:
+                if ev is not None:
+                    ev.synchronize()
+        finally:
+            self._events.clear()
+            self._streams.clear()
+            self._bufs.clear()
+            self._mems.clear()
+            self._slot, self._used = -1, 0
+            if self._pool is not None:
+                self._pool.shutdown()
+                self._pool = None
 
     # ------------------------------------------------------------------------------------
     def _advance(self) -> None:
@@ -129,6 +139,7 @@ class Uploader:
             self._mems.append(mem)
             self._bufs.append(np.frombuffer(cp.cuda.PinnedMemoryPointer(mem, 0), np.uint8, self.slot_bytes))
             self._events.append(None)
+            self._streams.append(0)
         if any(p[0] == i for p in self._pieces):
             self._send()
         ev = self._events[i]
@@ -136,12 +147,6 @@ class Uploader:
             ev.synchronize()
             self._events[i] = None
         self._slot, self._used = i, 0
-
-    def _fd(self, path: str) -> int:
-        fd = self._fds.get(path)
-        if fd is None:
-            fd = self._fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        return fd
 
     def _copy(self, dst: np.ndarray, src: np.ndarray, fd: int, offset: int) -> list[Any]:
         """Fill `dst` (a staging buffer's range) with `src`'s bytes, read from `fd` at `offset`
@@ -160,27 +165,64 @@ class Uploader:
 
     def _send(self) -> None:
         """Once the staged host copies are done, queue their transfers and mark their buffers."""
-        for job in self._jobs:
+        pieces, jobs = self._pieces, self._jobs
+        for job in jobs:
             job.result()
+        self._pieces, self._jobs = [], []
         stream = cp.cuda.get_current_stream()
-        for slot, off, dst, n in self._pieces:
+        for slot, off, dst, n in pieces:
             ptr = self._bufs[slot].ctypes.data + off
             cp.cuda.runtime.memcpyAsync(dst, ptr, n, cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
+            old = self._events[slot]
+            if old is not None and self._streams[slot] != stream.ptr:
+                stream.wait_event(old)  # the new event then covers the other stream's transfer too
             ev = cp.cuda.Event(disable_timing=True)
             ev.record(stream)
-            self._events[slot] = ev
+            self._events[slot], self._streams[slot] = ev, stream.ptr
+
+    def _drop_staged(self) -> None:
+        """Forget what was staged and not sent, once its host copies have stopped writing."""
+        for job in self._jobs:
+            try:
+                job.result()
+            except BaseException:  # noqa: BLE001, S110 - the upload that staged it raised already
+                pass
         self._pieces, self._jobs = [], []
 
 
+def _open_same(source: tuple[str, int, tuple[int, int, int, int]]) -> int:
+    """A descriptor of `source`'s file if the path still names the file of that identity, else -1."""
+    from ..gguf_file import stat_identity
+
+    try:
+        fd = os.open(source[0], os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return -1
+    try:
+        if stat_identity(os.fstat(fd)) == tuple(source[2]):
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return -1
+
+
 def _fill(dst: np.ndarray, src: np.ndarray, fd: int, offset: int) -> None:
-    """`dst[:] = src`, read from `fd` at `offset` when `fd` >= 0 (what a short read leaves is copied)."""
+    """`dst[:] = src`, read from `fd` at `offset` when `fd` >= 0 (what a short or failed read
+    leaves is copied from `src`)."""
     done = 0
-    if fd >= 0:
+    if fd >= 0 and _PREADV is not None:
         view = dst.data
-        while done < dst.size:
-            got = os.preadv(fd, [view[done:]], offset + done)
-            if got <= 0:
-                break
-            done += got
+        try:
+            while done < dst.size:
+                got = _PREADV(fd, [view[done:]], offset + done)
+                if got <= 0:
+                    break
+                done += got
+        except OSError:
+            pass
     if done < dst.size:
         np.copyto(dst[done:], src[done:])
+
+
+_PREADV = getattr(os, "preadv", None)

@@ -14,8 +14,8 @@ the next. Measured on the H200 host (Qwen3-4B shape, 2,375 MiB in 253 matrices, 
 cache, bench/results/upload-20261204/probe.md): the former one-thread copy from the mmap per
 tensor took 331-338 ms, these 8 threads reading the file 261-270 ms. The rest is per tensor
 (allocations, waits), not bandwidth: 16 threads reading the whole file in 64 MiB pieces took
-85 ms. A buffer is reused once the event recorded after its last transfer has passed; `finish()` waits for the last
-transfer and frees the buffers and threads (one sync).
+85 ms. A buffer is reused once the event recorded after its last transfer has passed;
+`finish()` waits for the last transfer and frees the buffers and threads (one sync).
 
 Device memory: each tensor's array is allocated exactly as ``cp.asarray`` would (same size, the
 same pool, the same order); the staging buffers are host memory.

@@ -36,6 +36,8 @@ from typing import Any
 import cupy as cp
 import numpy as np
 
+from ..gguf_file import stat_identity
+
 SLOTS = 4
 """Page-locked staging buffers in the ring."""
 SLOT_BYTES = 16 << 20
@@ -192,8 +194,6 @@ class Uploader:
 
 def _open_same(source: tuple[str, int, tuple[int, int, int, int]]) -> int:
     """A descriptor of `source`'s file if the path still names the file of that identity, else -1."""
-    from ..gguf_file import stat_identity
-
     try:
         fd = os.open(source[0], os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     except OSError:
@@ -205,6 +205,9 @@ def _open_same(source: tuple[str, int, tuple[int, int, int, int]]) -> int:
         pass
     os.close(fd)
     return -1
+
+
+_PREADV = getattr(os, "preadv", None)  # missing on some platforms: the copy from the mapping then
 
 
 def _fill(dst: np.ndarray, src: np.ndarray, fd: int, offset: int) -> None:
@@ -223,6 +226,3 @@ def _fill(dst: np.ndarray, src: np.ndarray, fd: int, offset: int) -> None:
             pass
     if done < dst.size:
         np.copyto(dst[done:], src[done:])
-
-
-_PREADV = getattr(os, "preadv", None)

@@ -109,7 +109,7 @@ class Model:
         kv_dtype: str,
         threads: int | None = None,
         options: EngineOptions | None = None,
-        tokenizer: Tokenizer | None = None,
+        tokenizer: Tokenizer | Callable[[], Tokenizer] | None = None,
     ) -> None:
         opts = options or DEFAULT_OPTIONS
         self.options = opts
@@ -121,13 +121,10 @@ class Model:
         self.gguf_index = GGUFIndex.of(gf)
         """Where the file's metadata records and tensors lie (the prompt cache's key hashes them)."""
         self.spec: ModelSpec = read_spec(gf)
-        self.tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_gguf(gf)
-        lap("tokenizer")
-        self.chat_template: str | None = gf.get("tokenizer.chat_template")
-        if self.chat_template is not None:  # untrusted: refuse one that cannot render a small chat
-            bos, eos = self._bos_eos_text()
-            probe_chat_template(self.chat_template, path=self.path, bos_token=bos, eos_token=eos)
-        lap("template")
+        self.tokenizer: Tokenizer
+        self.chat_template: str | None
+        if not callable(tokenizer):
+            self._text(gf, tokenizer, lap)
         self.memory_plan: MemoryPlan = plan_memory(
             gf,
             self.spec,
@@ -154,8 +151,10 @@ class Model:
         self.transformer = Transformer(gf, self.spec, ops, n_ctx, kv_dtype)
         lap("weights_kv")
         self.decoder: Any = ops.make_decoder(self.transformer)
-        lap("decoder")
         """Optional backend fast path for one-token steps (e.g. a replayed CUDA graph)."""
+        lap("decoder")
+        if callable(tokenizer):  # being built meanwhile (the prewarm's reader thread): joined last
+            self._text(gf, tokenizer(), lap)
         self.lock = PriorityLock()
         """Held by a generation for its whole length: the KV cache holds one sequence."""
         self._thread_lock = threading.Lock()
@@ -172,6 +171,16 @@ class Model:
             kv_bytes=self.transformer.kv.nbytes,
             path=self.path,
         )
+
+    def _text(self, gf: GGUFFile, tokenizer: Tokenizer | None, lap: _Laps) -> None:
+        """The tokenizer (`tokenizer`, else built from `gf`) and the chat template (probed)."""
+        self.tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_gguf(gf)
+        lap("tokenizer")
+        self.chat_template = gf.get("tokenizer.chat_template")
+        if self.chat_template is not None:  # untrusted: refuse one that cannot render a small chat
+            bos, eos = self._bos_eos_text()
+            probe_chat_template(self.chat_template, path=self.path, bos_token=bos, eos_token=eos)
+        lap("template")
 
     # --- text ---------------------------------------------------------------------------
     def render_chat(
@@ -477,7 +486,7 @@ def load_model(
     threads: int | None = None,
     options: EngineOptions | None = None,
     gguf: GGUFFile | None = None,
-    tokenizer: Tokenizer | None = None,
+    tokenizer: Tokenizer | Callable[[], Tokenizer] | None = None,
 ) -> Model:
     """Load a GGUF model. `backend`: "auto" (CuPy when CUDA works, else the native CPU kernels
     when a C compiler builds them, else NumPy), "numpy" (pure NumPy reference), "native", "cupy".
@@ -487,7 +496,8 @@ def load_model(
     `kv_dtype`: KV cache elements, "f16" (the default, as llama.cpp's), "f32" or "int8" (int8
     values + one float16 scale per 32, about 53 % of f16's bytes; see engine.kv_cache).
     `gguf`: the header of `path` already read by `open_model_file` (not read again); `tokenizer`:
-    `Tokenizer.from_gguf(gguf)` already built (with `gguf` only)."""
+    `Tokenizer.from_gguf(gguf)` already built (with `gguf` only), or a function returning it, called
+    once the weights are on the device (a tokenizer built in another thread meanwhile)."""
     from .backends import resolve_backend
 
     opts = options or EngineOptions.from_env()

@@ -238,6 +238,9 @@ class Transformer:
         for i in range(spec.n_layers):
             p = f"blk.{i}."
 
+            def ti(name: str, shape: tuple[int, ...] | None = None, p: str = p) -> TensorInfo:
+                return _tensor(gf, p + name, shape)
+
             def w(name: str, shape: tuple[int, ...] | None = None, p: str = p) -> Any:
                 return ops.weight(_tensor(gf, p + name, shape))
 
@@ -257,11 +260,11 @@ class Transformer:
             self.layers.append(
                 LayerWeights(
                     attn_norm=w("attn_norm.weight", (e,)),
-                    wqkv=ops.concat_rows(
+                    wqkv=ops.weight_rows(
                         [
-                            w("attn_q.weight", (q_rows, e)),
-                            w("attn_k.weight", (kv_rows, e)),
-                            w("attn_v.weight", (spec.n_kv_heads * vd, e)),
+                            ti("attn_q.weight", (q_rows, e)),
+                            ti("attn_k.weight", (kv_rows, e)),
+                            ti("attn_v.weight", (spec.n_kv_heads * vd, e)),
                         ]
                     ),
                     bqkv=bqkv,
@@ -270,8 +273,8 @@ class Transformer:
                     wo=w("attn_output.weight", (e, spec.n_heads * vd)),
                     post_attn_norm=w("post_attention_norm.weight", (e,)) if tr.post_norms else None,
                     ffn_norm=w("ffn_norm.weight", (e,)),
-                    w_gate_up=ops.concat_rows(
-                        [w("ffn_gate.weight", (spec.n_ff, e)), w("ffn_up.weight", (spec.n_ff, e))]
+                    w_gate_up=ops.weight_rows(
+                        [ti("ffn_gate.weight", (spec.n_ff, e)), ti("ffn_up.weight", (spec.n_ff, e))]
                     ),
                     w_down=w("ffn_down.weight", (e, spec.n_ff)),
                     post_ffn_norm=w("post_ffw_norm.weight", (e,)) if tr.post_norms else None,

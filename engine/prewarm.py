@@ -89,6 +89,10 @@ class Prewarm:
     disowned: str | None = None
     """Why nobody may take the early model (set by `disown`): it is dropped instead."""
 
+    context_s: float | None = None
+    """How long the driver took to create the CUDA context in the prewarm's own thread
+    (`driver_context`; None: not asked for, not finished, or no CUDA driver)."""
+
     reader: _Reader | None = None
     """The early model's header and tokenizer being made (None: no early load)."""
     reader_known: threading.Event = field(default_factory=threading.Event)
@@ -105,7 +109,7 @@ class Prewarm:
         from .gguf_file import file_identity
 
         try:
-            header = r.result()[0]
+            header = r.header_result()
             return header if header.identity == file_identity(self.early.path) else None
         except BaseException:  # noqa: BLE001 - the caller reads the header itself and reports why
             return None
@@ -141,12 +145,17 @@ def prewarm(backend: str = "auto", options: EngineOptions | None = None) -> str:
 class _Reader:
     """The early model's header and tokenizer, made in a thread of their own while the prewarm
     creates the CUDA context and loads the kernels (driver calls that release the GIL): the
-    GGUF's vocabulary and the tokenizer are ~0.2 s of Python for a 150k-token vocabulary."""
+    GGUF's vocabulary and the tokenizer are ~0.2 s of Python for a 150k-token vocabulary. The
+    header is handed over as soon as it is read (the plan and the weights need nothing else); the
+    tokenizer is waited for only once the weights are on the device."""
 
     def __init__(self, path: str) -> None:
         self.header: Any = None
         self.tokenizer: Any = None
         self.error: BaseException | None = None
+        """Why the header could not be read (then no tokenizer is built)."""
+        self.tokenizer_error: BaseException | None = None
+        self._header_done = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(path,), name="engine-header", daemon=True)
         self._thread.start()
 
@@ -156,16 +165,35 @@ class _Reader:
 
         try:
             self.header = open_model_file(path)
-            self.tokenizer = Tokenizer.from_gguf(self.header)
         except BaseException as exc:  # noqa: BLE001 - re-raised by the load, where it is reported
             self.error = exc
+            return
+        finally:
+            self._header_done.set()
+        try:
+            self.tokenizer = Tokenizer.from_gguf(self.header)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the load, where it is reported
+            self.tokenizer_error = exc
 
-    def result(self) -> tuple[Any, Any]:
-        """(header, tokenizer), once the thread is done; raises what it raised."""
+    def header_result(self) -> Any:
+        """The header, once read; raises what reading it raised."""
+        self._header_done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.header
+
+    def tokenizer_result(self) -> Any:
+        """The tokenizer, once the thread is done; raises what reading the header or building it raised."""
         self._thread.join()
         if self.error is not None:
             raise self.error
-        return self.header, self.tokenizer
+        if self.tokenizer_error is not None:
+            raise self.tokenizer_error
+        return self.tokenizer
+
+    def result(self) -> tuple[Any, Any]:
+        """(header, tokenizer), once the thread is done; raises what it raised."""
+        return self.header_result(), self.tokenizer_result()
 
 
 def load_early(rec: Prewarm, reader: _Reader | None = None) -> None:
@@ -177,7 +205,8 @@ def load_early(rec: Prewarm, reader: _Reader | None = None) -> None:
     e = rec.early
     assert e is not None and rec.backend is not None
     t0 = time.perf_counter()
-    header, tokenizer = (reader or _Reader(e.path)).result()
+    reader = reader or _Reader(e.path)
+    header = reader.header_result()
     plan = plan_on(header, e.n_ctx, e.kv_dtype, rec.backend, rec.options)
     if plan.total > e.budget_bytes:
         rec.skipped = f"plan {plan.total} bytes over the budget {e.budget_bytes}"
@@ -190,7 +219,7 @@ def load_early(rec: Prewarm, reader: _Reader | None = None) -> None:
         kv_dtype=e.kv_dtype,
         options=rec.options,
         gguf=header,
-        tokenizer=tokenizer,
+        tokenizer=reader.tokenizer_result,
         **kwargs,
     )
     rec.load_s = time.perf_counter() - t0
@@ -208,11 +237,49 @@ def start_prewarm(
     return rec
 
 
+def driver_context(ordinal: int = 0) -> float | None:
+    """Create device `ordinal`'s primary CUDA context through the driver (libcuda by ctypes, which
+    releases the GIL for the call) and keep it retained for the process; returns the seconds it
+    took, None when there is no driver or device (nothing raised). CuPy's first runtime call then
+    finds the context made: run in a thread while CuPy is imported, the context's creation (~0.2 s
+    on an H200, more on a Jetson) no longer follows the import."""
+    import ctypes
+
+    t0 = time.perf_counter()
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+    if lib.cuInit(0) or lib.cuDeviceGet(ctypes.byref(dev), ordinal):
+        return None
+    if lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev):
+        return None
+    return time.perf_counter() - t0
+
+
+def _start_driver_context(rec: Prewarm) -> None:
+    """Start `driver_context` in a daemon thread of its own, where the prewarm may use CUDA."""
+    if rec.backend_asked not in ("auto", "cupy"):
+        return
+    if rec.backend_asked == "auto":  # no context for a process that will not use CuPy (memory on a Jetson)
+        from importlib.util import find_spec
+
+        if find_spec("cupy") is None:
+            return
+
+    def run() -> None:
+        rec.context_s = driver_context()
+
+    threading.Thread(target=run, name="engine-cuda-context", daemon=True).start()
+
+
 def run_prewarm(rec: Prewarm) -> None:
     """The prewarm thread's work on `rec` (what `start_prewarm` runs): `prewarm`, then the early
     load; whatever fails is kept in the record, and `rec.done` is set at the end."""
     t0 = time.perf_counter()
     try:
+        _start_driver_context(rec)
         reader = _Reader(rec.early.path) if rec.early is not None and rec.disowned is None else None
         rec.reader = reader
         rec.reader_known.set()

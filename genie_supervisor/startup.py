@@ -178,6 +178,7 @@ def startup_status(models: ModelManager) -> dict[str, Any]:
         "load_s": {m.id: None if m.load_seconds is None else round(m.load_seconds, 3) for m in models.models.values()},
         "prewarm_s": round(pre.seconds, 3) if done and pre is not None and pre.seconds is not None else None,
         "prewarm_error": pre.error if done and pre is not None else None,
+        "cuda_context_s": round(pre.context_s, 3) if done and pre is not None and pre.context_s is not None else None,
         "early_load_s": round(pre.load_s, 3) if done and pre is not None and pre.load_s is not None else None,
         "early_skipped": pre.skipped if done and pre is not None else None,
         "kernel_cache_dir": str(KERNELS) if KERNELS is not None else None,

@@ -124,6 +124,25 @@ def test_mixed_type_concat_runs_each_piece(ops: CupyOps) -> None:
     assert rel(cp.asnumpy(ops.linear(cp.asarray(x3), w)), x3 @ np.concatenate([wa, wb]).T) < 1e-5
 
 
+@pytest.mark.parametrize("types", [("Q4_K", "Q4_K"), ("Q4_K", "Q4_K", "Q6_K"), ("Q6_K", "Q4_K", "Q4_K", "Q6_K")])
+def test_weight_rows_equals_concat_rows(ops: CupyOps, types: tuple[str, ...]) -> None:
+    """Tensors uploaded straight into their stacked buffer give the same runs, bytes and products as
+    uploading each and concatenating."""
+    rng = _rng()
+    made = [_tensor(t, 16 + 8 * i, 512, rng) for i, t in enumerate(types)]
+    ts = [t for t, _ in made]
+    fused = ops.weight_rows(ts)
+    ref = ops.concat_rows([ops.weight(t) for t in ts])
+    ops.finish_uploads()
+    assert fused.shape == ref.shape == (sum(t.shape[0] for t in ts), 512)
+    assert [(p.type_name, p.shape) for p in fused.pieces()] == [(p.type_name, p.shape) for p in ref.pieces()]
+    for a, b in zip(fused.pieces(), ref.pieces(), strict=True):
+        assert cp.array_equal(a.raw, b.raw)
+    x = rng.standard_normal((3, 512), dtype=np.float32)
+    want = x.astype(np.float64) @ np.concatenate([w for _, w in made]).T
+    assert rel(cp.asnumpy(ops.linear(cp.asarray(x), fused)), want) < 1e-5
+
+
 @pytest.mark.parametrize("kind", ["q8_0", "q8_k"])
 def test_act_quant_matches_numpy(ops: CupyOps, kind: str) -> None:
     x = _rng().standard_normal((3, 1024), dtype=np.float32) * 3

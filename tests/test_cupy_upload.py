@@ -44,6 +44,26 @@ def test_uploads_arrive_intact_through_a_small_ring() -> None:
     assert np.array_equal(cp.asnumpy(again), hosts[0][::-1])
 
 
+def test_uploads_into_rows_of_a_given_array_and_refuse_a_wrong_one(tmp_path: Path) -> None:
+    """`out` receives the host's bytes in its own rows (from memory and from the file), the rows
+    around it are untouched, and an array of another size or a strided one is refused."""
+    rng = np.random.default_rng(5)
+    a, b = rng.integers(0, 256, size=(40, 3000), dtype=np.uint8), rng.integers(0, 256, size=(24, 3000), dtype=np.uint8)
+    path = tmp_path / "b.bin"
+    path.write_bytes(b"xyz" + b.tobytes())
+    buf = cp.full((70, 3000), 7, dtype=cp.uint8)
+    up = Uploader(slots=2, slot_bytes=1 << 16, workers=2)
+    assert up.upload(a, out=buf[:40]).data.ptr == buf.data.ptr
+    up.upload(b, (str(path), 3, file_identity(str(path))), out=buf[40:64])
+    with pytest.raises(ValueError, match="bytes"):
+        up.upload(a, out=buf[:39])
+    with pytest.raises(ValueError, match="C-contiguous"):
+        up.upload(np.zeros((40, 10), np.uint8), out=buf[:40, :10])
+    up.finish()
+    got = cp.asnumpy(buf)
+    assert np.array_equal(got[:40], a) and np.array_equal(got[40:64], b) and (got[64:] == 7).all()
+
+
 def test_small_arrays_share_a_buffer_and_later_work_sees_them_before_finish() -> None:
     """Arrays packed into one staging buffer across array boundaries, some copied by the threads
     and some inline, are on the device for work queued after their upload, before `finish`."""

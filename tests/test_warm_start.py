@@ -237,3 +237,85 @@ async def test_the_services_first_checks_run_at_once(tmp_path: Path) -> None:
                     "b": (True, "http: health 200"),
                 }
         tg.cancel_scope.cancel()
+
+
+class _FakeDriver:
+    """libcuda's four entry points `driver_context` calls, each answering `codes[name]` (0: success)."""
+
+    def __init__(self, **codes: int) -> None:
+        self.codes, self.calls = codes, []  # type: ignore[var-annotated]
+
+    def __getattr__(self, name: str) -> Any:
+        def call(*args: Any) -> int:
+            self.calls.append(name)
+            return self.codes.get(name, 0)
+
+        return call
+
+
+def test_the_driver_context_is_made_where_a_driver_answers_and_skipped_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`driver_context` retains the device's primary context through the driver and says how long it
+    took; no driver library, no device or a failing call gives None and raises nothing."""
+    import ctypes
+
+    from engine import prewarm
+
+    def no_lib(name: str) -> Any:
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(ctypes, "CDLL", no_lib)
+    assert prewarm.driver_context() is None
+    for codes, calls in [
+        ({}, ["cuInit", "cuDeviceGet", "cuDevicePrimaryCtxRetain"]),
+        ({"cuInit": 100}, ["cuInit"]),  # CUDA_ERROR_NO_DEVICE
+        ({"cuDevicePrimaryCtxRetain": 2}, ["cuInit", "cuDeviceGet", "cuDevicePrimaryCtxRetain"]),
+    ]:
+        fake = _FakeDriver(**codes)
+        monkeypatch.setattr(ctypes, "CDLL", lambda name, fake=fake: fake)
+        got = prewarm.driver_context()
+        assert fake.calls == calls
+        assert (got is not None and got >= 0) if not codes else got is None
+
+
+@pytest.mark.timeout(120)
+def test_the_header_is_handed_over_while_the_tokenizer_is_still_being_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon's plan gets the early header before the tokenizer is built; the model joins the
+    tokenizer after its weights (its load phases say so), and a tokenizer that fails to build
+    leaves no early model but the reason."""
+    import threading
+
+    from engine.errors import ModelFormatError
+    from engine.options import EngineOptions
+    from engine.prewarm import EarlyLoad, start_prewarm
+    from engine.tokenizer import Tokenizer
+
+    release, building = threading.Event(), threading.Event()
+    build = Tokenizer.from_gguf.__func__  # type: ignore[attr-defined]
+
+    def held(cls: type[Tokenizer], gf: Any) -> Tokenizer:
+        building.set()
+        assert release.wait(20)  # the old order (header after the tokenizer) deadlocks here
+        return build(cls, gf)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(Tokenizer, "from_gguf", classmethod(held))
+    path = str(require(SMOLLM2))
+    options = EngineOptions(prefill_chunk=16)
+    rec = start_prewarm("numpy", options, EarlyLoad(path, 256, "f16", None, budget_bytes=4 << 30))
+    assert building.wait(60)
+    header = rec.header(path)  # returns while the tokenizer is held
+    assert header is not None and not release.is_set()
+    release.set()
+    model = rec.take("numpy", options, path, 256, "f16", None)
+    assert model is not None and model.tokenizer.n_vocab == len(header.get("tokenizer.ggml.tokens"))
+    phases = list(model.load_phases)
+    assert phases.index("weights_kv") < phases.index("tokenizer") < phases.index("template")
+
+    def broken(cls: type[Tokenizer], gf: Any) -> Tokenizer:
+        raise ModelFormatError(gf.path, "tokenizer.ggml.tokens", "made unreadable by the test")
+
+    monkeypatch.setattr(Tokenizer, "from_gguf", classmethod(broken))
+    failed = start_prewarm("numpy", options, EarlyLoad(path, 256, "f16", None, budget_bytes=4 << 30))
+    assert failed.done.wait(60) and failed.model is None
+    assert failed.skipped is not None and "made unreadable by the test" in failed.skipped

@@ -106,6 +106,10 @@ class NativeOps:
             return QWeight(raw, parts[0].type_name, (raw.shape[0], parts[0].shape[1]))
         return QParts(parts)
 
+    def weight_rows(self, ts: list[TensorInfo]) -> Any:
+        """The tensors' weights stacked by rows."""
+        return self.concat_rows([self.weight(t) for t in ts])
+
     def embed_rows(self, table: Any, ids: np.ndarray, cols: int) -> np.ndarray:
         if isinstance(table, QWeight):
             return dequantize_rows(table.raw, table.type_name, ids, cols)

@@ -72,6 +72,16 @@ def _null() -> np.uint64:
     return np.uint64(0)
 
 
+def _rows_of(t: TensorInfo) -> tuple[np.ndarray, tuple[str, int, tuple[int, int, int, int]] | None]:
+    """A 2-D tensor's bytes as [rows, bytes a row] and where they lie in the file (None: read from
+    the array): the uploader reads them from the file while it is the one mapped, faster than the
+    mapping's copy."""
+    source = None
+    if isinstance(t.raw, np.memmap) and t.raw.filename and t.raw.flags.c_contiguous and t.file_identity:
+        source = (str(t.raw.filename), t.offset, t.file_identity)
+    return np.ascontiguousarray(t.raw).view(np.uint8).reshape(t.shape[0], -1), source
+
+
 class CupyOps:
     """The ops of `engine.model.Transformer` on CUDA (same interface as NumpyOps)."""
 
@@ -123,11 +133,36 @@ class CupyOps:
             self._uploader = Uploader()
         if len(t.shape) != 2:
             return self._uploader.upload(dequantize(t.raw, t.type_name, t.shape))
-        source = None  # read from the file (while it is the one mapped): faster than the mmap's copy
-        if isinstance(t.raw, np.memmap) and t.raw.filename and t.raw.flags.c_contiguous and t.file_identity:
-            source = (str(t.raw.filename), t.offset, t.file_identity)
-        raw = np.ascontiguousarray(t.raw).view(np.uint8).reshape(t.shape[0], -1)
+        raw, source = _rows_of(t)
         return QWeight(self._uploader.upload(raw, source), t.type_name, (int(t.shape[0]), int(t.shape[1])))
+
+    def weight_rows(self, ts: list[TensorInfo]) -> QWeight:
+        """`concat_rows([weight(t) for t in ts])` without the pieces' own buffers: each run of one
+        type is one buffer, allocated once, and its tensors are uploaded straight into their rows
+        (no concatenation, no freed pieces left in the pool)."""
+        if self._uploader is None:
+            self._uploader = Uploader()
+        runs: list[list[TensorInfo]] = []
+        for t in ts:
+            if runs and runs[-1][0].type_name == t.type_name:
+                runs[-1].append(t)
+            else:
+                runs.append([t])
+        pieces = []
+        for run in runs:
+            rows = [_rows_of(t) for t in run]
+            buf = cp.empty((sum(r.shape[0] for r, _ in rows), rows[0][0].shape[1]), dtype=np.uint8)
+            r0 = 0
+            for raw, source in rows:
+                self._uploader.upload(raw, source, out=buf[r0 : r0 + raw.shape[0]])
+                r0 += raw.shape[0]
+            pieces.append(QWeight(buf, run[0].type_name, (int(buf.shape[0]), int(run[0].shape[1]))))
+        cols = int(ts[0].shape[1])
+        n_rows = sum(int(t.shape[0]) for t in ts)
+        out = pieces[0] if len(pieces) == 1 else QWeight(None, "mixed", (n_rows, cols), pieces)
+        if not self.uses_mmq(out):  # a matrix that prefills through tiles sizes the tile buffer
+            self._max_elems = max(self._max_elems, n_rows * cols)
+        return out
 
     def finish_uploads(self) -> None:
         """Wait for the weights' transfers and free their staging buffers (`make_decoder` calls it)."""

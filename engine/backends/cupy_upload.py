@@ -85,12 +85,23 @@ class Uploader:
         self._jobs: list[Any] = []  # their host copies
         self._pool: ThreadPoolExecutor | None = None
 
-    def upload(self, host: np.ndarray, source: tuple[str, int, tuple[int, int, int, int]] | None = None) -> cp.ndarray:
+    def upload(
+        self,
+        host: np.ndarray,
+        source: tuple[str, int, tuple[int, int, int, int]] | None = None,
+        out: cp.ndarray | None = None,
+    ) -> cp.ndarray:
         """A device array equal to `host` (same dtype and shape); its bytes arrive in stream order.
         `source`: (file, byte offset, `file_identity`) where `host`'s bytes lie: read from there
-        while the path still names that file (else, and where a read fails, copied from `host`)."""
+        while the path still names that file (else, and where a read fails, copied from `host`).
+        `out`: a C-contiguous device array of `host`'s size to fill (returned), else a new one."""
         host = np.ascontiguousarray(host)
-        out = cp.empty(host.shape, dtype=host.dtype)
+        if out is None:
+            out = cp.empty(host.shape, dtype=host.dtype)
+        elif out.nbytes != host.nbytes or not out.flags.c_contiguous:
+            raise ValueError(
+                f"out: {out.nbytes} bytes, C-contiguous {out.flags.c_contiguous}; host: {host.nbytes} bytes"
+            )
         src = host.reshape(-1).view(np.uint8)
         fd = _open_same(source) if source is not None and src.size else -1
         try:

@@ -50,6 +50,10 @@ class NumpyOps:
         """Stack weights along the output dimension (fused QKV, fused gate+up)."""
         return np.ascontiguousarray(np.concatenate(parts, axis=0))
 
+    def weight_rows(self, ts: list[TensorInfo]) -> np.ndarray:
+        """The tensors' weights stacked by rows."""
+        return self.concat_rows([self.weight(t) for t in ts])
+
     def embed_rows(self, table: TensorInfo | np.ndarray, ids: np.ndarray, cols: int) -> np.ndarray:
         """Rows of the embedding table: [T] ids -> [T, E]."""
         if isinstance(table, np.ndarray):

@@ -296,6 +296,7 @@ class Transformer:
         self.weights_bytes = int(
             sum(a.nbytes for a in _arrays(self.layers)) + self.output.nbytes + self.output_norm.nbytes
         )
+        ops.finish_uploads()  # CuPy reads the weights' bytes here, all at once
 
     # ------------------------------------------------------------------------------------
     def forward(

@@ -10,15 +10,25 @@ model load needs too: 15-25 % of the imports' time on the 2-core CPU. `hold()` (
 enables it again. Only the ``run`` command holds it; a Supervisor in a test process never does.
 A model unload unfreezes them (`llm.host.release_freed_memory`) before its full collection, so a
 model loaded at start is collected like any other.
+
+`hold()` also shortens the interpreter's switch interval (`sys.setswitchinterval`, 5 ms by
+default) to `START_SWITCH_S` until `release()`: during the start the threads of the early load
+(file reads, transfers, driver calls: each one takes the GIL back after a wait) compete with the
+daemon's imports, which hold it for whole intervals; with the default a waiting thread loses up
+to 5 ms each time it wants the GIL back.
 """
 
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 
 HOLD_LIMIT_S = 120.0
 """Longest the collector stays off (a start that never gets ready must not grow without bound)."""
+START_SWITCH_S = 0.001
+"""The switch interval from `hold` to `release` (then the previous one again)."""
+_switch: list[float] = []  # the interval `hold` replaced
 
 _lock = threading.Lock()
 _held = False
@@ -33,6 +43,8 @@ def hold(limit_s: float = HOLD_LIMIT_S) -> None:
             return
         gc.disable()
         _held = _once = True
+        _switch.append(sys.getswitchinterval())
+        sys.setswitchinterval(min(START_SWITCH_S, _switch[0]))
     timer = threading.Timer(limit_s, release)
     timer.daemon = True
     timer.start()
@@ -48,6 +60,8 @@ def release() -> bool:
         _held = False
         gc.freeze()
         gc.enable()
+        if _switch:
+            sys.setswitchinterval(_switch.pop())
     return True
 
 

@@ -64,6 +64,45 @@ def test_uploads_into_rows_of_a_given_array_and_refuse_a_wrong_one(tmp_path: Pat
     assert np.array_equal(got[:40], a) and np.array_equal(got[40:64], b) and (got[64:] == 7).all()
 
 
+@pytest.mark.parametrize("workers", [1, 3, 8])
+def test_deferred_uploads_are_read_from_their_file_at_finish(tmp_path: Path, workers: int) -> None:
+    """Deferred uploads (odd sizes, some longer than a piece, some into rows of one array) hold the
+    file's bytes once `finish` returns, in any number of threads; one whose file was replaced
+    since gets the mapped bytes; undeferred uploads beside them still arrive."""
+    rng = np.random.default_rng(workers)
+    sizes = [int(n) for n in rng.integers(1, 300_000, size=9)] + [700_001, 5]
+    blob = rng.integers(0, 256, size=sum(sizes) + 7, dtype=np.uint8)
+    path = tmp_path / "w.bin"
+    path.write_bytes(blob.tobytes())
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    ident = file_identity(str(path))
+    up = Uploader(slots=2, slot_bytes=1 << 18, workers=workers)
+    offs = np.cumsum([7, *sizes[:-1]])
+    devs = [
+        up.upload(mapped[o : o + n], (str(path), int(o), ident), defer=True) for o, n in zip(offs, sizes, strict=True)
+    ]
+    stacked = cp.zeros(sizes[0] + sizes[1], dtype=cp.uint8)
+    up.upload(
+        mapped[offs[0] : offs[0] + sizes[0]], (str(path), int(offs[0]), ident), out=stacked[: sizes[0]], defer=True
+    )
+    up.upload(
+        mapped[offs[1] : offs[1] + sizes[1]], (str(path), int(offs[1]), ident), out=stacked[sizes[0] :], defer=True
+    )
+    plain = rng.standard_normal(1000).astype(np.float32)
+    undeferred = up.upload(plain)
+    other = tmp_path / "other.bin"  # the same name, another file by the time it is read: the mapped bytes
+    other.write_bytes(bytes(100))
+    stale = up.upload(blob[:100], (str(other), 0, (0, 0, 0, 0)), defer=True)
+    assert up.deferred
+    up.finish()
+    assert not up.deferred
+    for o, n, d in zip(offs, sizes, devs, strict=True):
+        assert np.array_equal(cp.asnumpy(d), blob[o : o + n])
+    assert np.array_equal(cp.asnumpy(stacked), blob[offs[0] : offs[0] + sizes[0] + sizes[1]])
+    assert np.array_equal(cp.asnumpy(undeferred), plain)
+    assert np.array_equal(cp.asnumpy(stale), blob[:100])
+
+
 def test_small_arrays_share_a_buffer_and_later_work_sees_them_before_finish() -> None:
     """Arrays packed into one staging buffer across array boundaries, some copied by the threads
     and some inline, are on the device for work queued after their upload, before `finish`."""

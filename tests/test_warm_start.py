@@ -59,31 +59,36 @@ async def test_daemon_keeps_kernels_under_the_cache_directory_and_reports_start_
 
 
 def test_the_collector_is_held_off_once_until_ready_or_the_limit() -> None:
-    """`gc_start.hold` disables the cyclic collector once per process; `release` freezes what is
-    alive and enables it (once), the limit releases it when ready never comes, and a model
-    unload collects a frozen object in a reference cycle."""
+    """`gc_start.hold` disables the cyclic collector and shortens the switch interval once per
+    process; `release` freezes what is alive, enables the collector and puts the interval back
+    (once), the limit releases it when ready never comes, and a model unload collects a frozen
+    object in a reference cycle."""
     import subprocess
     import sys
 
     code = """
-import gc, time
+import gc, sys, time
 from genie_supervisor import gc_start
+sys.setswitchinterval(0.004)
 gc_start.hold()
 assert not gc.isenabled() and gc_start.held()
+assert abs(sys.getswitchinterval() - gc_start.START_SWITCH_S) < 1e-6
 junk = [[i] for i in range(50_000)]
 assert gc_start.release() and gc.isenabled() and gc.get_freeze_count() >= 50_000
+assert abs(sys.getswitchinterval() - 0.004) < 1e-6
 assert not gc_start.release()
 gc_start.hold()
 assert gc.isenabled(), "held twice"
+assert abs(sys.getswitchinterval() - 0.004) < 1e-6, "shortened twice"
 """
     limit = """
-import gc, time
+import gc, sys, time
 from genie_supervisor import gc_start
 gc_start.hold(limit_s=0.05)
 deadline = time.monotonic() + 10
 while not gc.isenabled() and time.monotonic() < deadline:
     time.sleep(0.01)
-assert gc.isenabled() and not gc_start.held()
+assert gc.isenabled() and not gc_start.held() and sys.getswitchinterval() > gc_start.START_SWITCH_S
 """
     unload = """
 import gc, weakref

@@ -110,6 +110,9 @@ class NativeOps:
         """The tensors' weights stacked by rows."""
         return self.concat_rows([self.weight(t) for t in ts])
 
+    def finish_uploads(self) -> None:
+        """Nothing to finish: the weights are host arrays."""
+
     def embed_rows(self, table: Any, ids: np.ndarray, cols: int) -> np.ndarray:
         if isinstance(table, QWeight):
             return dequantize_rows(table.raw, table.type_name, ids, cols)

@@ -134,7 +134,8 @@ class CupyOps:
         if len(t.shape) != 2:
             return self._uploader.upload(dequantize(t.raw, t.type_name, t.shape))
         raw, source = _rows_of(t)
-        return QWeight(self._uploader.upload(raw, source), t.type_name, (int(t.shape[0]), int(t.shape[1])))
+        dev = self._uploader.upload(raw, source, defer=True)
+        return QWeight(dev, t.type_name, (int(t.shape[0]), int(t.shape[1])))
 
     def weight_rows(self, ts: list[TensorInfo]) -> QWeight:
         """`concat_rows([weight(t) for t in ts])` without the pieces' own buffers: each run of one
@@ -154,7 +155,7 @@ class CupyOps:
             buf = cp.empty((sum(r.shape[0] for r, _ in rows), rows[0][0].shape[1]), dtype=np.uint8)
             r0 = 0
             for raw, source in rows:
-                self._uploader.upload(raw, source, out=buf[r0 : r0 + raw.shape[0]])
+                self._uploader.upload(raw, source, out=buf[r0 : r0 + raw.shape[0]], defer=True)
                 r0 += raw.shape[0]
             pieces.append(QWeight(buf, run[0].type_name, (int(buf.shape[0]), int(run[0].shape[1]))))
         cols = int(ts[0].shape[1])
@@ -165,14 +166,22 @@ class CupyOps:
         return out
 
     def finish_uploads(self) -> None:
-        """Wait for the weights' transfers and free their staging buffers (`make_decoder` calls it)."""
+        """Read the weights deferred from their file, wait for every transfer and free the staging
+        buffers (the model's load calls it after its weights; `make_decoder` and anything that
+        reads a weight before do too)."""
         if self._uploader is not None:
             self._uploader.finish()
             self._uploader = None
 
+    def _settle(self) -> None:
+        """`finish_uploads` if a weight is still waiting for its bytes (a load ends with it)."""
+        if self._uploader is not None and self._uploader.deferred:
+            self.finish_uploads()
+
     def concat_rows(self, parts: list[QWeight]) -> QWeight:
         """Stack weights by rows: one buffer when the types agree, else a list of pieces in which
         runs of one type are one buffer (Q and K of a Q4_K_M QKV: one launch, more blocks)."""
+        self._settle()
         cols = parts[0].shape[1]
         rows = sum(p.shape[0] for p in parts)
         if len({p.type_name for p in parts}) == 1 and all(not p.parts for p in parts):
@@ -202,6 +211,7 @@ class CupyOps:
 
     def embed_rows(self, table: QWeight | TensorInfo, ids: np.ndarray, cols: int) -> cp.ndarray:
         """Rows of the embedding table [T] -> [T, E]; a host-side table is decoded on the host."""
+        self._settle()
         if isinstance(table, TensorInfo):
             return cp.asarray(dequantize_rows(table.raw, table.type_name, ids, cols))
         w = table.pieces()[0] if len(table.pieces()) == 1 else None
@@ -256,6 +266,7 @@ class CupyOps:
 
     def gemv(self, w: QWeight, x: cp.ndarray, y: cp.ndarray, bias: cp.ndarray | None) -> None:
         """y[rows] = W @ x (+ bias) with the fused dequantize+GEMV kernel of W's type."""
+        self._settle()
         r0 = 0
         for p in w.pieces():
             rows, cols = p.shape
@@ -378,6 +389,7 @@ class CupyOps:
         kernel per piece reading the GGUF blocks; else tiles of W decoded into the tile buffer,
         one cuBLAS GemmEx per tile straight into the fp32 output (fp32 accumulation either way).
         `aq`: x is rounded first as llama.cpp does (`act_quant`), into fp16 where the product is."""
+        self._settle()
         t = x.shape[0]
         rows, cols = w.shape
         y = cp.empty((t, rows), dtype=cp.float32)

@@ -84,17 +84,28 @@ class Uploader:
         self._pieces: list[tuple[int, int, int, int]] = []  # staged, not sent: (slot, offset, device address, bytes)
         self._jobs: list[Any] = []  # their host copies
         self._pool: ThreadPoolExecutor | None = None
+        self._deferred: list[tuple[np.ndarray, tuple[str, int, tuple[int, int, int, int]], int]] = []
+        """Uploads read at `finish` (`upload(defer=True)`): (host bytes, source, device address)."""
+
+    @property
+    def deferred(self) -> bool:
+        """Whether deferred uploads wait for `finish` (their arrays hold no data before it)."""
+        return bool(self._deferred)
 
     def upload(
         self,
         host: np.ndarray,
         source: tuple[str, int, tuple[int, int, int, int]] | None = None,
         out: cp.ndarray | None = None,
+        defer: bool = False,
     ) -> cp.ndarray:
         """A device array equal to `host` (same dtype and shape); its bytes arrive in stream order.
         `source`: (file, byte offset, `file_identity`) where `host`'s bytes lie: read from there
         while the path still names that file (else, and where a read fails, copied from `host`).
-        `out`: a C-contiguous device array of `host`'s size to fill (returned), else a new one."""
+        `out`: a C-contiguous device array of `host`'s size to fill (returned), else a new one.
+        `defer` (with `source`): the array is allocated now and filled by `finish`, which reads
+        every deferred upload at once by the copy threads (`_read_deferred`); nothing may read
+        it before."""
         host = np.ascontiguousarray(host)
         if out is None:
             out = cp.empty(host.shape, dtype=host.dtype)
@@ -102,6 +113,9 @@ class Uploader:
             raise ValueError(
                 f"out: {out.nbytes} bytes, C-contiguous {out.flags.c_contiguous}; host: {host.nbytes} bytes"
             )
+        if defer and source is not None and host.size:
+            self._deferred.append((host.reshape(-1).view(np.uint8), source, int(out.data.ptr)))
+            return out
         src = host.reshape(-1).view(np.uint8)
         fd = _open_same(source) if source is not None and src.size else -1
         try:
@@ -126,9 +140,11 @@ class Uploader:
         return out
 
     def finish(self) -> None:
-        """Wait for every transfer, then free the staging buffers and the copy threads."""
+        """Read the deferred uploads, wait for every transfer, then free the staging buffers and
+        the copy threads."""
         try:
             self._drop_staged()
+            self._read_deferred()
             for ev in self._events:
                 if ev is not None:
                     ev.synchronize()
@@ -143,6 +159,77 @@ class Uploader:
                 self._pool = None
 
     # ------------------------------------------------------------------------------------
+    def _read_deferred(self) -> None:
+        """Fill the deferred uploads' arrays: their bytes cut into pieces of a share of the ring
+        (`SLOTS` x `SLOT_BYTES`, two buffers a thread), dealt round-robin to the copy threads in
+        upload order (file order for a model), each thread reading a piece into one of its two
+        buffers and queueing its transfer on a stream of its own while it reads the next; each
+        thread waits for its last transfers, so the arrays are filled on return. A thread takes
+        the GIL a few times a piece and never waits for another, so the load's other threads (the
+        daemon's imports) no longer stall each tensor's last read, as a per-tensor wait for its
+        jobs did."""
+        segs, self._deferred = self._deferred, []
+        if not segs:
+            return
+        for ev in self._events:  # the ring's memory is reused here: its transfers must be done
+            if ev is not None:
+                ev.synchronize()
+        self._events = [None] * len(self._events)
+        while len(self._bufs) < self._nslots:
+            mem = cp.cuda.PinnedMemory(self.slot_bytes)
+            self._mems.append(mem)
+            self._bufs.append(np.frombuffer(cp.cuda.PinnedMemoryPointer(mem, 0), np.uint8, self.slot_bytes))
+            self._events.append(None)
+            self._streams.append(0)
+        per_slot = min(self.slot_bytes, -(-2 * self._workers // self._nslots))
+        piece = self.slot_bytes // per_slot
+        areas = [b[j * piece : (j + 1) * piece] for b in self._bufs for j in range(per_slot)]
+        cuts = [(k, a, min(piece, s.size - a)) for k, (s, _, _) in enumerate(segs) for a in range(0, s.size, piece)]
+        workers = max(1, min(self._workers, len(cuts), len(areas) // 2))
+        fds: dict[tuple[str, tuple[int, ...]], int] = {}
+        device = cp.cuda.Device().id
+
+        def run(w: int) -> None:
+            with cp.cuda.Device(device):
+                stream = cp.cuda.Stream(non_blocking=True)
+                mine = areas[2 * w : 2 * w + 2]
+                events: list[Any] = [None, None]
+                try:
+                    for i, c in enumerate(range(w, len(cuts), workers)):
+                        k, a, n = cuts[c]
+                        src, source, ptr = segs[k]
+                        if events[i % 2] is not None:
+                            events[i % 2].synchronize()  # the transfer out of this buffer has left it
+                        dst = mine[i % 2][:n]
+                        _fill(dst, src[a : a + n], fds[(source[0], tuple(source[2]))], source[1] + a)
+                        cp.cuda.runtime.memcpyAsync(
+                            ptr + a, dst.ctypes.data, n, cp.cuda.runtime.memcpyHostToDevice, stream.ptr
+                        )
+                        ev = cp.cuda.Event(disable_timing=True)
+                        ev.record(stream)
+                        events[i % 2] = ev
+                finally:  # done (or failed): its transfers have left the ring before it is reused or freed
+                    for ev in events:
+                        if ev is not None:
+                            ev.synchronize()
+
+        try:
+            for _, source, _ in segs:
+                key = (source[0], tuple(source[2]))
+                if key not in fds:
+                    fds[key] = _open_same(source)
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="weight-upload")
+            done = [self._pool.submit(run, w) for w in range(workers)]
+            errors = [f.exception() for f in done]  # waits for every thread, failed or not
+            first = next((e for e in errors if e is not None), None)
+            if first is not None:
+                raise first
+        finally:
+            for fd in fds.values():
+                if fd >= 0:
+                    os.close(fd)
+
     def _advance(self) -> None:
         """Move to the next buffer of the ring, once its previous transfers have left it (a tensor
         longer than the ring sends its staged pieces first)."""

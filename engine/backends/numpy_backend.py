@@ -54,6 +54,9 @@ class NumpyOps:
         """The tensors' weights stacked by rows."""
         return self.concat_rows([self.weight(t) for t in ts])
 
+    def finish_uploads(self) -> None:
+        """Nothing to finish: the weights are host arrays."""
+
     def embed_rows(self, table: TensorInfo | np.ndarray, ids: np.ndarray, cols: int) -> np.ndarray:
         """Rows of the embedding table: [T] ids -> [T, E]."""
         if isinstance(table, np.ndarray):

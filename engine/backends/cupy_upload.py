@@ -17,14 +17,23 @@ tensor took 331-338 ms, these 8 threads reading the file 261-270 ms. The rest is
 85 ms. A buffer is reused once the event recorded after its last transfer has passed;
 `finish()` waits for the last transfer and frees the buffers and threads (one sync).
 
+Deferred uploads (`upload(..., defer=True)`, with `source`; what the CuPy backend does for every
+matrix of a model file) remove that per-tensor wait: the array is allocated at once and its
+bytes are read by `finish()`, for all deferred arrays together (`_read_deferred`: pieces of a
+share of the ring dealt round-robin to the threads, each reading into one of its own two
+buffers and queueing the transfer on its own stream while it reads the next). Measured the same
+way: the 4B's weights 0.13-0.14 s instead of 0.32-0.40 s (bench/results/warm_start-20261204-s33/).
+Nothing may read a deferred array before `finish()`.
+
 Device memory: each tensor's array is allocated exactly as ``cp.asarray`` would (same size, the
-same pool, the same order); the staging buffers are host memory.
+same pool, the same order), or into the `out` array given; the staging buffers are host memory.
 
     up = Uploader()
     w = up.upload(host_array)      # a device array; its bytes may still be in flight
     v = up.upload(mapped, source=("model.gguf", offset, identity))   # the same bytes, from the file
     ...                            # later work on the same stream sees them
-    up.finish()                    # all transfers done, staging buffers freed
+    d = up.upload(mapped, source=(...), defer=True)   # allocated; filled by finish()
+    up.finish()                    # deferred arrays read, all transfers done, staging buffers freed
 """
 
 from __future__ import annotations

@@ -144,7 +144,7 @@ def decode_sources(sm_counts: tuple[int, ...]) -> dict[str, str]:
 def sources(arch: str) -> dict[str, str]:
     """Every translation unit the backend compiles on a GPU of `arch`, by a readable key."""
     every_type = sorted(quant_units.TYPES)
-    out = {"kernels": kernels.full_source(), "sample": sample_src.source()}
+    out = {"kernels": kernels.full_source(), "sample": sample_src.source(), "mmq": kernels.mmq_source()}
     out |= decode_sources(SM_COUNTS[arch])
     # every weight type at once (the real models mix more types than the presets: Q5_0, Q8_0, F16, ...)
     out["decode[every type]"] = decode_src.source(
@@ -221,12 +221,14 @@ def test_every_generated_source_compiles(arch: str) -> None:
 @needs_nvrtc
 @pytest.mark.parametrize("arch", sorted(SM_COUNTS))
 def test_the_backend_build_compiles(arch: str) -> None:
-    """The elementwise/prefill kernels, the sampler and the Qwen3-4B-shape decode module (fp16 KV
-    cache) compile with exactly the backend's options (device optimisation on)."""
+    """The elementwise kernels, the prefill GEMMs (fp16 and int8), the sampler and the Qwen3-4B-shape
+    decode module (fp16 KV cache) compile with exactly the backend's options (device optimisation on)."""
     every = sources(arch)
     todo = {
-        k: v for k, v in every.items() if k in ("kernels", "sample") or k.startswith("decode[qwen3-4b-q4_k_m,float16,")
+        k: v
+        for k, v in every.items()
+        if k in ("kernels", "sample", "mmq") or k.startswith("decode[qwen3-4b-q4_k_m,float16,")
     }
-    assert len(todo) == 2 + len(SM_COUNTS[arch])
+    assert len(todo) == 3 + len(SM_COUNTS[arch])
     n, failed = compile_all(todo, arch, ())
     assert not failed, f"{len(failed)} of {n} sources do not compile for {arch} ({WHERE})"

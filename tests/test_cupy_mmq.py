@@ -90,3 +90,67 @@ def test_matmul_with_mmq_equals_tiles_and_allocates_no_tile() -> None:
         outs.append(cp.asnumpy(ops.matmul(w, x, cp.asarray(bias))))
     assert rel(outs[0], outs[1]) < 1e-5
     assert on._scratch is None and off._scratch is not None
+
+
+@pytest.mark.timeout(120)
+def test_int8_rounding_is_the_q8_k_rounding_as_integers() -> None:
+    """`act_q8_k_i8` gives int8 values whose products with their scales are `act_quant(x, "q8_k")`'s
+    values exactly, and the sum of each 32 of them."""
+    rng = np.random.default_rng(3)
+    x = cp.asarray(rng.standard_normal((37, 1024), dtype=np.float32) * 4)
+    q, d, s = CupyOps.act_q8_k_i8(x)
+    want = cp.asnumpy(CupyOps.act_quant(x, "q8_k"))
+    qn, dn = cp.asnumpy(q).astype(np.float32), cp.asnumpy(d)
+    assert np.array_equal(qn * np.repeat(dn, 256, axis=1), want)
+    assert np.array_equal(cp.asnumpy(s), qn.reshape(37, 32, 32).sum(axis=2).astype(np.int32))
+
+
+@pytest.mark.timeout(120)
+def test_int8_mmq_equals_the_product_of_the_rounded_chunk() -> None:
+    """`mmq_i8_Q4_K` over ragged rows and tokens, with K split or not, writes into its column slice
+    the float64 product of the dequantized Q4_K weight and the q8_k-rounded chunk, within fp32
+    summation (its integer sums are exact)."""
+    rng = np.random.default_rng(13)
+    ops = CupyOps(prefill_dtype="float16", options=EngineOptions(cupy_mmq_i8=True))
+    for rows, cols, n in [(200, 512, 70), (128, 256, 64), (37, 1024, 130), (300, 2560, 2), (260, 512, 257)]:
+        raw = _weight(rng, "Q4_K", rows, cols)
+        w = ops.weight(TensorInfo("w", "Q4_K", (rows, cols), raw))
+        ops.finish_uploads()
+        x = cp.asarray(rng.standard_normal((n, cols), dtype=np.float32))
+        ref = cp.asnumpy(CupyOps.act_quant(x, "q8_k")).astype(np.float64) @ dequantize(raw, "Q4_K", (rows, cols)).T
+        for split in (False, True):
+            ops.mmq_split = split
+            y = cp.full((n, rows + 5), np.nan, dtype=cp.float32)
+            ops._mmq_i8(w, CupyOps.act_q8_k_i8(x), y, 3)
+            got = cp.asnumpy(y)
+            assert np.isnan(got[:, :3]).all() and np.isnan(got[:, 3 + rows :]).all()
+            err = rel(got[:, 3 : 3 + rows], ref)
+            assert err < 1e-5, (split, rows, cols, n, err)
+
+
+@pytest.mark.timeout(120)
+def test_matmul_with_int8_q4_k_pieces_agrees_with_fp16() -> None:
+    """With `cupy_mmq_i8`, a mixed QKV-like matrix (Q4_K run + Q6_K piece, bias) multiplies its Q4_K
+    rows in int8 and the rest in fp16: the product agrees with the all-fp16 one within fp16's
+    rounding and equals the float64 product of the rounded inputs per piece; a chunk not rounded to
+    q8_k (aq None) stays fp16 throughout."""
+    rng = np.random.default_rng(21)
+    on = CupyOps(prefill_dtype="float16", options=EngineOptions(cupy_mmq_i8=True))
+    off = CupyOps(prefill_dtype="float16")
+    assert on.mmq_i8 and not off.mmq_i8
+    parts = [("Q4_K", 384), ("Q4_K", 128), ("Q6_K", 128)]
+    raws = [(_weight(rng, t, r, 1024), t, r) for t, r in parts]
+    bias = rng.standard_normal(640, dtype=np.float32)
+    x = cp.asarray(rng.standard_normal((77, 1024), dtype=np.float32))
+    outs = {}
+    for name, ops in (("on", on), ("off", off)):
+        w = ops.weight_rows([TensorInfo("w", t, (r, 1024), raw) for raw, t, r in raws])
+        ops.finish_uploads()
+        outs[name] = cp.asnumpy(ops.matmul(w, x, cp.asarray(bias), aq="q8_k"))
+        outs[name + "_plain"] = cp.asnumpy(ops.matmul(w, x, cp.asarray(bias)))
+    xr = cp.asnumpy(CupyOps.act_quant(x, "q8_k")).astype(np.float64)
+    wq4 = np.concatenate([dequantize(raw, t, (r, 1024)) for raw, t, r in raws[:2]])
+    assert rel(outs["on"][:, :512], xr @ wq4.T + bias[:512]) < 1e-5
+    assert rel(outs["on"], outs["off"]) < 2e-3
+    assert np.array_equal(outs["on"][:, 512:], outs["off"][:, 512:])  # the Q6_K piece: fp16 in both
+    assert np.array_equal(outs["on_plain"], outs["off_plain"])

@@ -22,7 +22,7 @@ import numpy as np
 
 from .. import kernels
 from ..gguf_file import TensorInfo
-from ..kernels.mmq_src import MMQ_BM, mmq_splits, mmq_tile
+from ..kernels.mmq_src import I8_TYPES, MMQ_BM, mmq_splits, mmq_tile
 from ..kv_cache import QBLOCK, Int8Rows, kv_write
 from ..options import DEFAULT_OPTIONS, EngineOptions
 from ..quants import dequantize, dequantize_rows
@@ -118,6 +118,8 @@ class CupyOps:
         self.prefill_graphs: Any = None  # prefill graphs (cupy_prefill_graph), set per model
         self.mmq = self.options.cupy_mmq and mmq_device()
         """fp16-precision matrices multiply with `mmq_h_<T>` / `mmq_w_<T>` (no tiles); False: tiles + cuBLAS."""
+        self.mmq_i8 = self.mmq and self.options.cupy_mmq_i8
+        """Q4_K pieces of fp16-precision matrices multiply in int8 (`mmq_i8_<T>`) where the chunk rounds to q8_k."""
         self.mmq_split = self.options.cupy_mmq_split
         """Short chunks split the GEMMs' K over blocks (`mmq_splits`)."""
         self.sms = int(cp.cuda.Device().attributes["MultiProcessorCount"])
@@ -384,6 +386,55 @@ class CupyOps:
                 (part, np.int32(splits), out, np.int32(y.shape[1]), np.int32(rows), np.int32(t)),
             )
 
+    @staticmethod
+    def act_q8_k_i8(x: cp.ndarray) -> tuple[cp.ndarray, cp.ndarray, cp.ndarray]:
+        """x [T, K] rounded to q8_k as the int8 GEMMs take it: (int8 values [T, K], the scale of each
+        256 [T, K / 256] float32, the sum of each 32 rounded values [T, K / 32] int32); the same
+        rounding as `act_quant(x, "q8_k")`, whose values are these int8 times their scale."""
+        x = cp.ascontiguousarray(x, dtype=cp.float32)
+        t, k = x.shape
+        q = cp.empty((t, k), dtype=cp.int8)
+        d = cp.empty((t, k // 256), dtype=cp.float32)
+        s = cp.empty((t, k // 32), dtype=cp.int32)
+        groups = t * k // 256
+        kernels.mmq_kernel("act_q8_k_i8")(((groups + 7) // 8,), (256,), (x, q, d, s, np.int32(groups)))
+        return q, d, s
+
+    def _mmq_i8(self, p: QWeight, xq: tuple[cp.ndarray, cp.ndarray, cp.ndarray], y: cp.ndarray, col0: int) -> None:
+        """y[:, col0 : col0 + rows] = x @ W.T for one piece of an `I8_TYPES` type with `mmq_i8_<T>`
+        (64-token tiles), from `act_q8_k_i8`'s rounding of x; K split as `_mmq` splits it."""
+        rows, cols = p.shape
+        q, d, s = xq
+        t = q.shape[0]
+        assert p.raw is not None
+        splits = mmq_splits(t, rows, cols, self.sms, 64) if self.mmq_split else 1
+        part = cp.empty((splits, t, rows), dtype=cp.float32) if splits > 1 else None
+        out = np.uint64(y.data.ptr + col0 * 4)
+        kernels.mmq_kernel(f"mmq_i8_{p.type_name}")(
+            (-(-t // 64), -(-rows // MMQ_BM), splits),
+            (256,),
+            (
+                p.raw,
+                np.int64(p.raw.shape[1]),
+                q,
+                d,
+                s,
+                out,
+                np.int32(y.shape[1]),
+                np.int32(rows),
+                np.int32(cols),
+                np.int32(t),
+                np.uint64(0 if part is None else part.data.ptr),
+            ),
+        )
+        if part is not None:
+            n = t * rows
+            kernels.mmq_kernel("mmq_sum")(
+                (-(-n // 256),),
+                (256,),
+                (part, np.int32(splits), out, np.int32(y.shape[1]), np.int32(rows), np.int32(t)),
+            )
+
     def matmul(self, w: QWeight, x: cp.ndarray, bias: cp.ndarray | None, aq: str | None = None) -> cp.ndarray:
         """[T, in] x W.T for T > 1: with `mmq_h_<T>` (fp16 precision on sm_80+: `uses_mmq`) one
         kernel per piece reading the GGUF blocks; else tiles of W decoded into the tile buffer,
@@ -395,11 +446,22 @@ class CupyOps:
         y = cp.empty((t, rows), dtype=cp.float32)
         self._prefilled = True
         if self.uses_mmq(w):
-            xs = self.act_quant(x, aq, half=True)
-            base = 0
+            bases, base = [], 0
             for p in w.pieces():
-                self._mmq(p, xs, y, base)
+                bases.append(base)
                 base += p.shape[0]
+            todo = list(zip(w.pieces(), bases, strict=True))
+            if self.mmq_i8 and aq == "q8_k" and any(p.type_name in I8_TYPES for p, _ in todo):
+                xq = self.act_q8_k_i8(x)  # freed before the fp16 rounding below: the plan's peak holds
+                for p, b in todo:
+                    if p.type_name in I8_TYPES:
+                        self._mmq_i8(p, xq, y, b)
+                del xq
+                todo = [(p, b) for p, b in todo if p.type_name not in I8_TYPES]
+            if todo:
+                xs = self.act_quant(x, aq, half=True)
+                for p, b in todo:
+                    self._mmq(p, xs, y, b)
             if bias is not None:
                 y += bias
             return y

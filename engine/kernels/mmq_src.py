@@ -204,7 +204,194 @@ extern "C" __global__ void __launch_bounds__(256, 1) mmq_w_{T}(const unsigned ch
 """
 
 
+I8_TYPES = ("Q4_K",)
+"""Types with an int8 prefill GEMM (`mmq_i8_<T>`)."""
+
+_I8 = r"""
+// ---- int8 prefill GEMMs (llama.cpp's MMQ arithmetic) ------------------------------------------
+// The chunk's rows rounded to q8_k (act_q8_k_i8: int8 values, one float scale a 256 and the sum of
+// each 32 rounded values), a Q4_K weight's nibbles unpacked to bytes (no float conversion), and
+// mma.sync.m16n8k32 on int8 with int32 sums: a sub-block's (32 values) products are exact integers,
+// scaled as integers by the sub-block's 6-bit scale and summed over the super-block, then
+// y += d_x * (d * sum(sc * dot) - dmin * sum(m * xsum)) once a super-block (Q4_K's formula).
+extern "C" __global__ void act_q8_k_i8(const float* x, signed char* q, float* d, int* s32, int n_groups) {
+    int g = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (g >= n_groups) return;
+    const float* xg = x + (long long)g * 256;
+    float v[8];
+    #pragma unroll
+    for (int k = 0; k < 8; k++) v[k] = xg[lane + 32*k];
+    int bi = q8k_argmax_abs(v, lane);
+    float iscale = q8k_iscale(xg[bi]);
+    #pragma unroll
+    for (int k = 0; k < 8; k++) {
+        int qv = (int)fminf(rintf(v[k] * iscale), 127.f);
+        q[(long long)g * 256 + lane + 32*k] = (signed char)qv;
+        int sum = qv;  // the sum of the 32 values of unit k of this group
+        #pragma unroll
+        for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        if (lane == 0) s32[(long long)g * 8 + k] = sum;
+    }
+    if (lane == 0) d[g] = iscale != 0.f ? 1.0f / iscale : 0.f;
+}
+#define MMQ_LDB 80
+__device__ __forceinline__ void mmq_mma_i8(int* c, const unsigned int* a, unsigned int b0, unsigned int b1) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+__device__ __forceinline__ void mmq_ldsm_x4_b(unsigned int* r, const unsigned char* p) {
+#if __CUDA_ARCH__ >= 800
+    unsigned int a = (unsigned int)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+#endif
+}
+// Y[t, m] = sum_k Xq[t, k] W[m, k] for a Q4_K W: 128 rows x 64 tokens a block, K steps of 64 (two
+// sub-blocks); 8 warps of 32 rows x 32 tokens. Shared rows are 64 bytes padded to 80 (the ldmatrix
+// phases conflict-free). Split K as mmq_h_<T> (gridDim.z, slices of P summed by mmq_sum).
+extern "C" __global__ void __launch_bounds__(256, 1) mmq_i8_Q4_K(const unsigned char* W, long long row_bytes,
+        const signed char* Xq, const float* Xd, const int* Xs, float* Y, int ldy, int M, int K, int T, float* P) {
+#if __CUDA_ARCH__ >= 800
+    constexpr int BN = 64, WN = 32, NJ = 4;
+    __shared__ __align__(16) unsigned char As[MMQ_BM * MMQ_LDB];
+    __shared__ __align__(16) unsigned char Bs[BN * MMQ_LDB];
+    __shared__ int scS[MMQ_BM][2], mnS[MMQ_BM][2], sxS[BN][2];
+    __shared__ float dS[MMQ_BM], dmS[MMQ_BM], daS[BN];
+    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    int n0 = blockIdx.x * BN, m0 = blockIdx.y * MMQ_BM;
+    int nu = K >> 5, steps = nu >> 1, nsb = K >> 8;
+    int ar = tid >> 1, half = tid & 1;
+    bool row_ok = m0 + ar < M;
+    const unsigned char* wrow = W + (long long)(row_ok ? m0 + ar : 0) * row_bytes;
+    int wm = (warp & 3) * 32, wn = (warp >> 2) * WN;
+    int g = lane >> 2, t4 = lane & 3;
+    int per = (steps + gridDim.z - 1) / gridDim.z, k_lo = blockIdx.z * per, k_hi = min(steps, k_lo + per);
+    float acc[2][NJ][4];
+    int sp[2][NJ][4], sm[2][NJ][4];
+    #pragma unroll
+    for (int i = 0; i < 2; i++)
+        #pragma unroll
+        for (int j = 0; j < NJ; j++)
+            #pragma unroll
+            for (int c = 0; c < 4; c++) { acc[i][j][c] = 0.f; sp[i][j][c] = 0; sm[i][j][c] = 0; }
+    int xt = tid >> 2, xc = tid & 3;  // the token row and 16-byte piece of X this thread stages
+    // what this thread stages for one K step, loaded into registers a step ahead (the global loads
+    // of step ks + 1 are in flight while the warps multiply step ks, as in mmq_h_<T>)
+    uint4 c0, c1, xv;  // raw bytes only: unpacked when stored, so the loads stay in flight
+    unsigned int dd = 0, s0 = 0, s1 = 0, s2 = 0;
+    int sx = 0, jn = 0;
+    float da = 0.f;
+    auto load = [&](int ks) {
+        int u = 2 * ks + half;
+        jn = u & 7;
+        c0 = make_uint4(0, 0, 0, 0); c1 = c0; dd = 0; s0 = 0; s1 = 0; s2 = 0;
+        if (row_ok) {
+            const unsigned char* p = wrow + (long long)(u >> 3) * 144;
+            const uint4* q = (const uint4*)(p + 16 + 32 * (jn >> 1));
+            c0 = q[0]; c1 = q[1];
+            const unsigned int* hw = (const unsigned int*)p;
+            dd = hw[0]; s0 = hw[1]; s1 = hw[2]; s2 = hw[3];
+        }
+        xv = n0 + xt < T ? *(const uint4*)(Xq + (long long)(n0 + xt) * K + ks * 64 + xc * 16) : make_uint4(0, 0, 0, 0);
+        if (tid < 2 * BN) {
+            int tt = tid >> 1;
+            sx = n0 + tt < T ? Xs[(long long)(n0 + tt) * nu + 2 * ks + half] : 0;
+        }
+        if (tid < BN) da = n0 + tid < T ? Xd[(long long)(n0 + tid) * nsb + (ks >> 2)] : 0.f;
+    };
+    if (k_lo < k_hi) load(k_lo);
+    for (int ks = k_lo; ks < k_hi; ks++) {
+        {   // the weight unit 2 ks + half of row ar (nibbles as bytes, its scale and min), 64 tokens x
+            // 64 bytes of Xq, each unit's sum, each token's scale
+            int sh = (jn & 1) * 4;
+            uint4* dst = (uint4*)(As + ar * MMQ_LDB + half * 32);
+            dst[0] = make_uint4((c0.x >> sh) & 0x0F0F0F0Fu, (c0.y >> sh) & 0x0F0F0F0Fu,
+                                (c0.z >> sh) & 0x0F0F0F0Fu, (c0.w >> sh) & 0x0F0F0F0Fu);
+            dst[1] = make_uint4((c1.x >> sh) & 0x0F0F0F0Fu, (c1.y >> sh) & 0x0F0F0F0Fu,
+                                (c1.z >> sh) & 0x0F0F0F0Fu, (c1.w >> sh) & 0x0F0F0F0Fu);
+            unsigned int sw[3] = {s0, s1, s2};  // the 12 scale bytes: sc, mn of sub-block jn (get_scale_min_k4)
+            #define MMQ_SB(k) ((sw[(k) >> 2] >> (8 * ((k) & 3))) & 0xFFu)
+            int sc, mn;
+            if (jn < 4) { sc = MMQ_SB(jn) & 63; mn = MMQ_SB(jn + 4) & 63; }
+            else { sc = (MMQ_SB(jn + 4) & 0xF) | ((MMQ_SB(jn - 4) >> 6) << 4); mn = (MMQ_SB(jn + 4) >> 4) | ((MMQ_SB(jn) >> 6) << 4); }
+            #undef MMQ_SB
+            scS[ar][half] = sc; mnS[ar][half] = mn;
+            if (half == 0) { dS[ar] = h2f(dd & 0xffff); dmS[ar] = h2f(dd >> 16); }
+            *(uint4*)(Bs + xt * MMQ_LDB + xc * 16) = xv;
+            if (tid < 2 * BN) sxS[tid >> 1][half] = sx;
+            if (tid < BN) daS[tid] = da;
+        }
+        __syncthreads();
+        if (ks + 1 < k_hi) load(ks + 1);
+        #pragma unroll
+        for (int kk = 0; kk < 2; kk++) {
+            unsigned int a[2][4], b[NJ][2];
+            #pragma unroll
+            for (int i = 0; i < 2; i++)
+                mmq_ldsm_x4_b(a[i], As + (wm + 16 * i + (lane & 15)) * MMQ_LDB + kk * 32 + (lane >> 4) * 16);
+            #pragma unroll
+            for (int p = 0; p < NJ / 2; p++) {
+                unsigned int r[4];
+                mmq_ldsm_x4_b(r, Bs + (wn + 16 * p + (lane & 7) + ((lane >> 4) << 3)) * MMQ_LDB
+                                   + kk * 32 + ((lane >> 3) & 1) * 16);
+                b[2*p][0] = r[0]; b[2*p][1] = r[1]; b[2*p+1][0] = r[2]; b[2*p+1][1] = r[3];
+            }
+            #pragma unroll
+            for (int i = 0; i < 2; i++) {
+                int r0 = wm + 16 * i + g;
+                int sc0 = scS[r0][kk], sc1 = scS[r0 + 8][kk], mn0 = mnS[r0][kk], mn1 = mnS[r0 + 8][kk];
+                #pragma unroll
+                for (int j = 0; j < NJ; j++) {
+                    int c[4] = {0, 0, 0, 0};
+                    mmq_mma_i8(c, a[i], b[j][0], b[j][1]);
+                    int n = wn + 8 * j + 2 * t4;
+                    int s0 = sxS[n][kk], s1 = sxS[n + 1][kk];
+                    sp[i][j][0] += sc0 * c[0]; sp[i][j][1] += sc0 * c[1];
+                    sp[i][j][2] += sc1 * c[2]; sp[i][j][3] += sc1 * c[3];
+                    sm[i][j][0] += mn0 * s0; sm[i][j][1] += mn0 * s1;
+                    sm[i][j][2] += mn1 * s0; sm[i][j][3] += mn1 * s1;
+                }
+            }
+        }
+        if ((ks & 3) == 3 || ks == k_hi - 1) {  // a super-block's end (or the split's): into floats
+            #pragma unroll
+            for (int i = 0; i < 2; i++)
+                #pragma unroll
+                for (int j = 0; j < NJ; j++)
+                    #pragma unroll
+                    for (int c = 0; c < 4; c++) {
+                        int r = wm + 16 * i + g + (c >> 1) * 8, n = wn + 8 * j + 2 * t4 + (c & 1);
+                        acc[i][j][c] += daS[n] * (dS[r] * (float)sp[i][j][c] - dmS[r] * (float)sm[i][j][c]);
+                        sp[i][j][c] = 0; sm[i][j][c] = 0;
+                    }
+        }
+        __syncthreads();
+    }
+    if (gridDim.z > 1) {
+        Y = P + (long long)blockIdx.z * T * M;
+        ldy = M;
+    }
+    #pragma unroll
+    for (int i = 0; i < 2; i++)
+        #pragma unroll
+        for (int j = 0; j < NJ; j++) {
+            int m = m0 + wm + 16 * i + g, n = n0 + wn + 8 * j + 2 * t4;
+            #pragma unroll
+            for (int c = 0; c < 4; c++) {
+                int mm = m + (c >> 1) * 8, nn = n + (c & 1);
+                if (mm < M && nn < T) Y[(long long)nn * ldy + mm] = acc[i][j][c];
+            }
+        }
+#endif
+}
+"""
+
+
 def source() -> str:
-    """The shared helpers and the `mmq_h_<T>` / `mmq_w_<T>` kernels per tensor type (needs
-    `quant_units`' UNITS in front: the unit decoders and `f2h`)."""
-    return _COMMON + "".join(_PER_TYPE.replace("{T}", t) for t in TYPES)
+    """The shared helpers, the `mmq_h_<T>` / `mmq_w_<T>` kernels per tensor type and the int8 ones
+    (`act_q8_k_i8`, `mmq_i8_<T>` for `I8_TYPES`) (needs `quant_units`' UNITS in front: the unit
+    decoders, `f2h`, the q8_k rounding)."""
+    return _COMMON + "".join(_PER_TYPE.replace("{T}", t) for t in TYPES) + _I8

@@ -258,28 +258,48 @@ def driver_context(ordinal: int = 0) -> float | None:
     return time.perf_counter() - t0
 
 
-def _start_driver_context(rec: Prewarm) -> None:
+CONTEXT_WAIT_S = 30.0
+"""How long the prewarm waits, at its end, for the driver's context creation (normally long done)."""
+
+
+def release_driver_context(ordinal: int = 0) -> None:
+    """Give back the retain `driver_context` took (the context goes when nothing else holds it)."""
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return
+    dev = ctypes.c_int()
+    if not lib.cuDeviceGet(ctypes.byref(dev), ordinal):
+        lib.cuDevicePrimaryCtxRelease(dev)
+
+
+def _start_driver_context(rec: Prewarm) -> threading.Thread | None:
     """Start `driver_context` in a daemon thread of its own, where the prewarm may use CUDA."""
     if rec.backend_asked not in ("auto", "cupy"):
-        return
+        return None
     if rec.backend_asked == "auto":  # no context for a process that will not use CuPy (memory on a Jetson)
         from importlib.util import find_spec
 
         if find_spec("cupy") is None:
-            return
+            return None
 
     def run() -> None:
         rec.context_s = driver_context()
 
-    threading.Thread(target=run, name="engine-cuda-context", daemon=True).start()
+    thread = threading.Thread(target=run, name="engine-cuda-context", daemon=True)
+    thread.start()
+    return thread
 
 
 def run_prewarm(rec: Prewarm) -> None:
     """The prewarm thread's work on `rec` (what `start_prewarm` runs): `prewarm`, then the early
     load; whatever fails is kept in the record, and `rec.done` is set at the end."""
     t0 = time.perf_counter()
+    context = None
     try:
-        _start_driver_context(rec)
+        context = _start_driver_context(rec)
         reader = _Reader(rec.early.path) if rec.early is not None and rec.disowned is None else None
         rec.reader = reader
         rec.reader_known.set()
@@ -289,8 +309,16 @@ def run_prewarm(rec: Prewarm) -> None:
             load_early(rec, reader)
     except Exception as exc:  # the daemon's own load repeats the work and raises it where it is handled
         rec.error = rec.skipped = f"{type(exc).__name__}: {exc}"
+        # the reader keeps the exception it raised: without its frames, so a load that failed
+        # late (the tokenizer, after the weights) holds nothing of its model (the collector is
+        # off until ready, and what is alive then is frozen)
+        exc.__traceback__ = None
     finally:
         rec.reader_known.set()
         if rec.seconds is None:
             rec.seconds = time.perf_counter() - t0
+        if context is not None:
+            context.join(CONTEXT_WAIT_S)  # `context_s` is known once `done` is set
+            if rec.backend != "cupy" and rec.context_s is not None:
+                release_driver_context()  # CPU after all (or CuPy failed): the context goes
         rec.done.set()

@@ -37,8 +37,8 @@ print(took is not None, before, primary.value == current.value, int(cp.arange(3)
 
 
 def test_cupy_runs_in_the_context_the_driver_made_first() -> None:
-    """A context made by `driver_context` before CuPy is imported is active at once and is the
-    primary context CuPy's runtime then makes current (no second context)."""
+    """A context made by `driver_context` before CuPy is imported is the device's primary context,
+    active at once, and the one CuPy's runtime then makes current."""
     root = Path(__file__).resolve().parents[1]
     done = subprocess.run([sys.executable, "-c", CHILD], cwd=root, capture_output=True, text=True, timeout=100)
     assert done.returncode == 0, done.stderr

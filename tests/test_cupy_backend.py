@@ -143,6 +143,34 @@ def test_weight_rows_equals_concat_rows(ops: CupyOps, types: tuple[str, ...]) ->
     assert rel(cp.asnumpy(ops.linear(cp.asarray(x), fused)), want) < 1e-5
 
 
+def test_weight_rows_from_a_file_are_read_at_finish(ops: CupyOps, tmp_path: Path) -> None:
+    """Tensors mapped from a file (as a model's are) are read when the uploads finish: their stacked
+    buffer then holds the file's bytes, and a product asked for before `finish_uploads` finishes
+    them first."""
+    from engine.gguf_file import file_identity
+
+    rng = _rng()
+    made = [_tensor(t, 16, 512, rng) for t in ("Q4_K", "Q4_K", "Q6_K")]
+    blob = b"".join(np.ascontiguousarray(t.raw).tobytes() for t, _ in made)
+    path = tmp_path / "w.bin"
+    path.write_bytes(b"0123" + blob)
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    ident, off, ts = file_identity(str(path)), 4, []
+    for t, _ in made:
+        n = t.raw.nbytes
+        ts.append(TensorInfo("w", t.type_name, t.shape, mapped[off : off + n].reshape(t.shape[0], -1), off, ident))
+        off += n
+    fused = ops.weight_rows(ts)
+    x = rng.standard_normal((3, 512), dtype=np.float32)
+    got = cp.asnumpy(ops.linear(cp.asarray(x), fused))  # before finish_uploads: settles them first
+    want = x.astype(np.float64) @ np.concatenate([w for _, w in made]).T
+    assert rel(got, want) < 1e-5
+    ref = ops.weight_rows([t for t, _ in made])
+    ops.finish_uploads()
+    for a, b in zip(fused.pieces(), ref.pieces(), strict=True):
+        assert cp.array_equal(a.raw, b.raw)
+
+
 @pytest.mark.parametrize("kind", ["q8_0", "q8_k"])
 def test_act_quant_matches_numpy(ops: CupyOps, kind: str) -> None:
     x = _rng().standard_normal((3, 1024), dtype=np.float32) * 3

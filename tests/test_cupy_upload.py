@@ -90,6 +90,12 @@ def test_deferred_uploads_are_read_from_their_file_at_finish(tmp_path: Path, wor
     )
     plain = rng.standard_normal(1000).astype(np.float32)
     undeferred = up.upload(plain)
+    swapped = tmp_path / "swapped.bin"  # replaced between its upload and `finish`: the mapped bytes
+    swapped.write_bytes(blob[:300].tobytes())
+    old = np.memmap(swapped, dtype=np.uint8, mode="r")
+    moved = up.upload(old, (str(swapped), 0, file_identity(str(swapped))), defer=True)
+    (tmp_path / "new.bin").write_bytes(bytes(300))
+    (tmp_path / "new.bin").replace(swapped)
     other = tmp_path / "other.bin"  # the same name, another file by the time it is read: the mapped bytes
     other.write_bytes(bytes(100))
     stale = up.upload(blob[:100], (str(other), 0, (0, 0, 0, 0)), defer=True)
@@ -101,6 +107,7 @@ def test_deferred_uploads_are_read_from_their_file_at_finish(tmp_path: Path, wor
     assert np.array_equal(cp.asnumpy(stacked), blob[offs[0] : offs[0] + sizes[0] + sizes[1]])
     assert np.array_equal(cp.asnumpy(undeferred), plain)
     assert np.array_equal(cp.asnumpy(stale), blob[:100])
+    assert np.array_equal(cp.asnumpy(moved), blob[:300])
 
 
 def test_small_arrays_share_a_buffer_and_later_work_sees_them_before_finish() -> None:

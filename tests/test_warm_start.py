@@ -288,7 +288,7 @@ def test_the_driver_context_is_made_where_a_driver_answers_and_skipped_otherwise
 def test_the_header_is_handed_over_while_the_tokenizer_is_still_being_built(monkeypatch: pytest.MonkeyPatch) -> None:
     """The daemon's plan gets the early header before the tokenizer is built; the model joins the
     tokenizer after its weights (its load phases say so), and a tokenizer that fails to build
-    leaves no early model but the reason."""
+    leaves no early model but the reason, and nothing of the model alive without a collection."""
     import threading
 
     from engine.errors import ModelFormatError
@@ -321,6 +321,39 @@ def test_the_header_is_handed_over_while_the_tokenizer_is_still_being_built(monk
         raise ModelFormatError(gf.path, "tokenizer.ggml.tokens", "made unreadable by the test")
 
     monkeypatch.setattr(Tokenizer, "from_gguf", classmethod(broken))
-    failed = start_prewarm("numpy", options, EarlyLoad(path, 256, "f16", None, budget_bytes=4 << 30))
-    assert failed.done.wait(60) and failed.model is None
-    assert failed.skipped is not None and "made unreadable by the test" in failed.skipped
+    import gc
+
+    from engine.model import Transformer
+
+    def alive() -> int:
+        return sum(isinstance(o, Transformer) for o in gc.get_objects())
+
+    gc.collect()
+    before = alive()
+    gc.disable()  # as during the daemon's start: what the failed load left must go without a collection
+    try:
+        failed = start_prewarm("numpy", options, EarlyLoad(path, 256, "f16", None, budget_bytes=4 << 30))
+        assert failed.done.wait(60) and failed.model is None
+        assert failed.skipped is not None and "made unreadable by the test" in failed.skipped
+        assert alive() == before, "the failed load's weights are still held"
+    finally:
+        gc.enable()
+
+
+def test_the_drivers_context_is_given_back_when_the_prewarm_ends_off_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The context made for a CUDA prewarm is released when the backend turns out not to be CuPy,
+    kept when it is, and its creation time is known once the prewarm is done."""
+    from engine import prewarm
+    from engine.options import EngineOptions
+
+    released: list[int] = []
+    monkeypatch.setattr(prewarm, "driver_context", lambda ordinal=0: 0.25)
+    monkeypatch.setattr(prewarm, "release_driver_context", lambda ordinal=0: released.append(ordinal))
+    for resolved, want in (("native", [0]), ("cupy", [])):
+        released.clear()
+        monkeypatch.setattr(prewarm, "prewarm", lambda backend, options=None, r=resolved: r)
+        rec = prewarm.start_prewarm("cupy", EngineOptions())
+        assert rec.done.wait(60)
+        assert rec.backend == resolved and rec.context_s == 0.25 and released == want
+    rec = prewarm.start_prewarm("numpy", EngineOptions())  # no context asked for
+    assert rec.done.wait(60) and rec.context_s is None

@@ -127,6 +127,9 @@ class CupyOps:
         if self.mmq:
             kernels.mmq_module()  # compiled with the rest, before the first prefill
         self._uploader: Uploader | None = None  # weight transfers in flight (`weight`)
+        # A load starts from an emptied pool: what an unloaded model left cached there goes back to
+        # CUDA (the plan counts no leftovers; the stacked uploads free no pieces that would do it).
+        cp.get_default_memory_pool().free_all_blocks()
 
     # --- weights -------------------------------------------------------------------------
     def weight(self, t: TensorInfo) -> QWeight | cp.ndarray:
@@ -283,10 +286,12 @@ class CupyOps:
 
     def dequant_f16(self, p: QWeight, r0: int, r1: int, out: cp.ndarray) -> None:
         """Rows r0..r1 of one piece as fp16 into `out` [r1 - r0, cols]."""
+        self._settle()
         self._dequant("dequant_h", p, r0, r1, out)
 
     def dequant_f32(self, p: QWeight, r0: int, r1: int, out: cp.ndarray) -> None:
         """Rows r0..r1 of one piece as fp32 into `out` [r1 - r0, cols]."""
+        self._settle()
         self._dequant("dequant_f", p, r0, r1, out)
 
     @staticmethod
@@ -354,6 +359,7 @@ class CupyOps:
         """y[:, col0 : col0 + rows] = xs @ W.T for one piece, its GGUF blocks decoded in the GEMM:
         `mmq_w_<T>` (128-token tiles) or `mmq_h_<T>` (64), as `bn` says or `mmq_tile` picks; K
         split over `splits` blocks (`mmq_splits` picks) whose slices `mmq_sum` adds up."""
+        self._settle()
         rows, cols = p.shape
         t = xs.shape[0]
         assert p.raw is not None  # a piece holds its bytes
@@ -403,6 +409,7 @@ class CupyOps:
     def _mmq_i8(self, p: QWeight, xq: tuple[cp.ndarray, cp.ndarray, cp.ndarray], y: cp.ndarray, col0: int) -> None:
         """y[:, col0 : col0 + rows] = x @ W.T for one piece of an `I8_TYPES` type with `mmq_i8_<T>`
         (64-token tiles), from `act_q8_k_i8`'s rounding of x; K split as `_mmq` splits it."""
+        self._settle()
         rows, cols = p.shape
         q, d, s = xq
         t = q.shape[0]

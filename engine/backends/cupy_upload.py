@@ -39,7 +39,7 @@ same pool, the same order), or into the `out` array given; the staging buffers a
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 import cupy as cp
@@ -93,13 +93,17 @@ class Uploader:
         self._pieces: list[tuple[int, int, int, int]] = []  # staged, not sent: (slot, offset, device address, bytes)
         self._jobs: list[Any] = []  # their host copies
         self._pool: ThreadPoolExecutor | None = None
-        self._deferred: list[tuple[np.ndarray, tuple[str, int, tuple[int, int, int, int]], int]] = []
-        """Uploads read at `finish` (`upload(defer=True)`): (host bytes, source, device address)."""
+        self._deferred: list[tuple[np.ndarray, tuple[str, int, tuple[int, int, int, int]], cp.ndarray]] = []
+        """Uploads read at `finish` (`upload(defer=True)`): (host bytes, source, the array: kept
+        alive until it is filled, so its memory cannot be handed to another array meanwhile)."""
+        self._failed: BaseException | None = None
+        """Why reading the deferred uploads failed (their arrays hold no data; `finish` raises it again)."""
 
     @property
     def deferred(self) -> bool:
-        """Whether deferred uploads wait for `finish` (their arrays hold no data before it)."""
-        return bool(self._deferred)
+        """Whether arrays of deferred uploads are not filled yet (waiting for `finish`, or their
+        reading failed: `finish` then raises why, every time)."""
+        return bool(self._deferred) or self._failed is not None
 
     def upload(
         self,
@@ -123,7 +127,7 @@ class Uploader:
                 f"out: {out.nbytes} bytes, C-contiguous {out.flags.c_contiguous}; host: {host.nbytes} bytes"
             )
         if defer and source is not None and host.size:
-            self._deferred.append((host.reshape(-1).view(np.uint8), source, int(out.data.ptr)))
+            self._deferred.append((host.reshape(-1).view(np.uint8), source, out))
             return out
         src = host.reshape(-1).view(np.uint8)
         fd = _open_same(source) if source is not None and src.size else -1
@@ -177,9 +181,19 @@ class Uploader:
         the GIL a few times a piece and never waits for another, so the load's other threads (the
         daemon's imports) no longer stall each tensor's last read, as a per-tensor wait for its
         jobs did."""
+        if self._failed is not None:
+            raise self._failed
         segs, self._deferred = self._deferred, []
         if not segs:
             return
+        try:
+            self._read(segs)
+        except BaseException as exc:
+            self._failed = exc
+            raise
+
+    def _read(self, segs: list[tuple[np.ndarray, tuple[str, int, tuple[int, int, int, int]], cp.ndarray]]) -> None:
+        """`_read_deferred`'s work on `segs`."""
         for ev in self._events:  # the ring's memory is reused here: its transfers must be done
             if ev is not None:
                 ev.synchronize()
@@ -194,29 +208,35 @@ class Uploader:
         piece = self.slot_bytes // per_slot
         areas = [b[j * piece : (j + 1) * piece] for b in self._bufs for j in range(per_slot)]
         cuts = [(k, a, min(piece, s.size - a)) for k, (s, _, _) in enumerate(segs) for a in range(0, s.size, piece)]
-        workers = max(1, min(self._workers, len(cuts), len(areas) // 2))
+        nbuf = 2 if len(areas) >= 2 else 1  # two buffers a thread (one where the ring is tinier)
+        workers = max(1, min(self._workers, len(cuts), len(areas) // nbuf))
         fds: dict[tuple[str, tuple[int, ...]], int] = {}
         device = cp.cuda.Device().id
+        # the arrays' memory may have been another array's, still read by work queued before: the
+        # threads' streams start after it
+        queued = cp.cuda.Event(disable_timing=True)
+        queued.record(cp.cuda.get_current_stream())
 
         def run(w: int) -> None:
             with cp.cuda.Device(device):
                 stream = cp.cuda.Stream(non_blocking=True)
-                mine = areas[2 * w : 2 * w + 2]
-                events: list[Any] = [None, None]
+                stream.wait_event(queued)
+                mine = areas[nbuf * w : nbuf * w + nbuf]
+                events: list[Any] = [None] * nbuf
                 try:
                     for i, c in enumerate(range(w, len(cuts), workers)):
                         k, a, n = cuts[c]
-                        src, source, ptr = segs[k]
-                        if events[i % 2] is not None:
-                            events[i % 2].synchronize()  # the transfer out of this buffer has left it
-                        dst = mine[i % 2][:n]
+                        src, source, arr = segs[k]
+                        if events[i % nbuf] is not None:
+                            events[i % nbuf].synchronize()  # the transfer out of this buffer has left it
+                        dst = mine[i % nbuf][:n]
                         _fill(dst, src[a : a + n], fds[(source[0], tuple(source[2]))], source[1] + a)
                         cp.cuda.runtime.memcpyAsync(
-                            ptr + a, dst.ctypes.data, n, cp.cuda.runtime.memcpyHostToDevice, stream.ptr
+                            int(arr.data.ptr) + a, dst.ctypes.data, n, cp.cuda.runtime.memcpyHostToDevice, stream.ptr
                         )
                         ev = cp.cuda.Event(disable_timing=True)
                         ev.record(stream)
-                        events[i % 2] = ev
+                        events[i % nbuf] = ev
                 finally:  # done (or failed): its transfers have left the ring before it is reused or freed
                     for ev in events:
                         if ev is not None:
@@ -230,7 +250,12 @@ class Uploader:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="weight-upload")
             done = [self._pool.submit(run, w) for w in range(workers)]
-            errors = [f.exception() for f in done]  # waits for every thread, failed or not
+            try:
+                errors = [f.exception() for f in done]  # waits for every thread, failed or not
+            finally:  # interrupted (Ctrl-C): no descriptor is closed under a thread still reading it
+                for f in done:
+                    f.cancel()
+                wait(done)
             first = next((e for e in errors if e is not None), None)
             if first is not None:
                 raise first

@@ -123,8 +123,9 @@ class Model:
         self.spec: ModelSpec = read_spec(gf)
         self.tokenizer: Tokenizer
         self.chat_template: str | None
-        if not callable(tokenizer):
-            self._text(gf, tokenizer, lap)
+        later = tokenizer if tokenizer is not None and not isinstance(tokenizer, Tokenizer) else None
+        if later is None:  # else a function: the tokenizer is being built meanwhile
+            self._text(gf, tokenizer if isinstance(tokenizer, Tokenizer) else None, lap)
         self.memory_plan: MemoryPlan = plan_memory(
             gf,
             self.spec,
@@ -153,8 +154,8 @@ class Model:
         self.decoder: Any = ops.make_decoder(self.transformer)
         """Optional backend fast path for one-token steps (e.g. a replayed CUDA graph)."""
         lap("decoder")
-        if callable(tokenizer):  # being built meanwhile (the prewarm's reader thread): joined last
-            self._text(gf, tokenizer(), lap)
+        if later is not None:  # being built meanwhile (the prewarm's reader thread): joined last
+            self._text(gf, later(), lap)
         self.lock = PriorityLock()
         """Held by a generation for its whole length: the KV cache holds one sequence."""
         self._thread_lock = threading.Lock()

@@ -172,8 +172,9 @@ class CupyOps:
 
     def finish_uploads(self) -> None:
         """Read the weights deferred from their file, wait for every transfer and free the staging
-        buffers (the model's load calls it after its weights; `make_decoder` and anything that
-        reads a weight before do too)."""
+        buffers (the model's load calls it after its weights; `make_decoder` and the products that
+        read a weight - linear, matmul, gemv, the mmq kernels, dequantize, embed_rows, concat_rows -
+        call it first when uploads are pending)."""
         if self._uploader is not None:
             self._uploader.finish()
             self._uploader = None

@@ -360,23 +360,40 @@ class CupyOps:
         """y[:, col0 : col0 + rows] = xs @ W.T for one piece, its GGUF blocks decoded in the GEMM:
         `mmq_w_<T>` (128-token tiles) or `mmq_h_<T>` (64), as `bn` says or `mmq_tile` picks; K
         split over `splits` blocks (`mmq_splits` picks) whose slices `mmq_sum` adds up."""
-        self._settle()
         rows, cols = p.shape
         t = xs.shape[0]
-        assert p.raw is not None  # a piece holds its bytes
         if bn is None:
             bn = mmq_tile(t, rows, self.sms)
+        self._mmq_launch(f"mmq_{'w' if bn == 128 else 'h'}_{p.type_name}", p, (xs,), y, col0, t, bn, splits)
+
+    def _mmq_launch(
+        self,
+        name: str,
+        p: QWeight,
+        xs: tuple[cp.ndarray, ...],
+        y: cp.ndarray,
+        col0: int,
+        t: int,
+        bn: int,
+        splits: int | None,
+    ) -> None:
+        """Launch the mmq kernel `name` (`bn`-token tiles) of one piece on the chunk's arrays `xs`
+        into y[:, col0 : col0 + rows]; K split over `splits` blocks (None: `mmq_splits` picks)
+        whose slices `mmq_sum` adds up."""
+        self._settle()
+        rows, cols = p.shape
+        assert p.raw is not None  # a piece holds its bytes
         if splits is None:
             splits = mmq_splits(t, rows, cols, self.sms, bn) if self.mmq_split else 1
         part = cp.empty((splits, t, rows), dtype=cp.float32) if splits > 1 else None
         out = np.uint64(y.data.ptr + col0 * 4)
-        kernels.mmq_kernel(f"mmq_{'w' if bn == 128 else 'h'}_{p.type_name}")(
+        kernels.mmq_kernel(name)(
             (-(-t // bn), -(-rows // MMQ_BM), splits),
             (256,),
             (
                 p.raw,
                 np.int64(p.raw.shape[1]),
-                xs,
+                *xs,
                 out,
                 np.int32(y.shape[1]),
                 np.int32(rows),
@@ -410,38 +427,7 @@ class CupyOps:
     def _mmq_i8(self, p: QWeight, xq: tuple[cp.ndarray, cp.ndarray, cp.ndarray], y: cp.ndarray, col0: int) -> None:
         """y[:, col0 : col0 + rows] = x @ W.T for one piece of an `I8_TYPES` type with `mmq_i8_<T>`
         (64-token tiles), from `act_q8_k_i8`'s rounding of x; K split as `_mmq` splits it."""
-        self._settle()
-        rows, cols = p.shape
-        q, d, s = xq
-        t = q.shape[0]
-        assert p.raw is not None
-        splits = mmq_splits(t, rows, cols, self.sms, 64) if self.mmq_split else 1
-        part = cp.empty((splits, t, rows), dtype=cp.float32) if splits > 1 else None
-        out = np.uint64(y.data.ptr + col0 * 4)
-        kernels.mmq_kernel(f"mmq_i8_{p.type_name}")(
-            (-(-t // 64), -(-rows // MMQ_BM), splits),
-            (256,),
-            (
-                p.raw,
-                np.int64(p.raw.shape[1]),
-                q,
-                d,
-                s,
-                out,
-                np.int32(y.shape[1]),
-                np.int32(rows),
-                np.int32(cols),
-                np.int32(t),
-                np.uint64(0 if part is None else part.data.ptr),
-            ),
-        )
-        if part is not None:
-            n = t * rows
-            kernels.mmq_kernel("mmq_sum")(
-                (-(-n // 256),),
-                (256,),
-                (part, np.int32(splits), out, np.int32(y.shape[1]), np.int32(rows), np.int32(t)),
-            )
+        self._mmq_launch(f"mmq_i8_{p.type_name}", p, xq, y, col0, xq[0].shape[0], 64, None)
 
     def matmul(self, w: QWeight, x: cp.ndarray, bias: cp.ndarray | None, aq: str | None = None) -> cp.ndarray:
         """[T, in] x W.T for T > 1: with `mmq_h_<T>` (fp16 precision on sm_80+: `uses_mmq`) one

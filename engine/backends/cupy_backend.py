@@ -15,7 +15,8 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from itertools import groupby
+from typing import Any, TypeVar
 
 import cupy as cp
 import numpy as np
@@ -70,6 +71,14 @@ class QWeight:
 
 def _null() -> np.uint64:
     return np.uint64(0)
+
+
+_T = TypeVar("_T", QWeight, TensorInfo)
+
+
+def _type_runs(items: list[_T]) -> list[list[_T]]:
+    """`items` cut into runs of consecutive items of one `type_name` (each run becomes one buffer)."""
+    return [list(run) for _, run in groupby(items, key=lambda x: x.type_name)]
 
 
 def _rows_of(t: TensorInfo) -> tuple[np.ndarray, tuple[str, int, tuple[int, int, int, int]] | None]:
@@ -148,14 +157,8 @@ class CupyOps:
         (no concatenation, no freed pieces left in the pool)."""
         if self._uploader is None:
             self._uploader = Uploader()
-        runs: list[list[TensorInfo]] = []
-        for t in ts:
-            if runs and runs[-1][0].type_name == t.type_name:
-                runs[-1].append(t)
-            else:
-                runs.append([t])
         pieces = []
-        for run in runs:
+        for run in _type_runs(ts):
             rows = [_rows_of(t) for t in run]
             buf = cp.empty((sum(r.shape[0] for r, _ in rows), rows[0][0].shape[1]), dtype=np.uint8)
             r0 = 0
@@ -193,12 +196,7 @@ class CupyOps:
         if len({p.type_name for p in parts}) == 1 and all(not p.parts for p in parts):
             out = self._stack(parts)
         else:
-            runs: list[list[QWeight]] = []
-            for q in (q for p in parts for q in p.pieces()):
-                if runs and runs[-1][0].type_name == q.type_name:
-                    runs[-1].append(q)
-                else:
-                    runs.append([q])
+            runs = _type_runs([q for p in parts for q in p.pieces()])
             out = QWeight(None, "mixed", (rows, cols), [r[0] if len(r) == 1 else self._stack(r) for r in runs])
         if not self.uses_mmq(out):  # a matrix that prefills through tiles sizes the tile buffer
             self._max_elems = max(self._max_elems, rows * cols)

@@ -199,11 +199,7 @@ class Uploader:
                 ev.synchronize()
         self._events = [None] * len(self._events)
         while len(self._bufs) < self._nslots:
-            mem = cp.cuda.PinnedMemory(self.slot_bytes)
-            self._mems.append(mem)
-            self._bufs.append(np.frombuffer(cp.cuda.PinnedMemoryPointer(mem, 0), np.uint8, self.slot_bytes))
-            self._events.append(None)
-            self._streams.append(0)
+            self._add_slot()
         per_slot = min(self.slot_bytes, -(-2 * self._workers // self._nslots))
         piece = self.slot_bytes // per_slot
         areas = [b[j * piece : (j + 1) * piece] for b in self._bufs for j in range(per_slot)]
@@ -264,16 +260,20 @@ class Uploader:
                 if fd >= 0:
                     os.close(fd)
 
+    def _add_slot(self) -> None:
+        """One more page-locked buffer of the ring (no transfer out of it yet)."""
+        mem = cp.cuda.PinnedMemory(self.slot_bytes)
+        self._mems.append(mem)
+        self._bufs.append(np.frombuffer(cp.cuda.PinnedMemoryPointer(mem, 0), np.uint8, self.slot_bytes))
+        self._events.append(None)
+        self._streams.append(0)
+
     def _advance(self) -> None:
         """Move to the next buffer of the ring, once its previous transfers have left it (a tensor
         longer than the ring sends its staged pieces first)."""
         i = (self._slot + 1) % self._nslots
         if i == len(self._bufs):
-            mem = cp.cuda.PinnedMemory(self.slot_bytes)
-            self._mems.append(mem)
-            self._bufs.append(np.frombuffer(cp.cuda.PinnedMemoryPointer(mem, 0), np.uint8, self.slot_bytes))
-            self._events.append(None)
-            self._streams.append(0)
+            self._add_slot()
         if any(p[0] == i for p in self._pieces):
             self._send()
         ev = self._events[i]

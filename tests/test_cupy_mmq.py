@@ -15,6 +15,7 @@ from tests.gpu import require_cuda
 
 cp = require_cuda()
 
+from engine.backends import cupy_backend  # noqa: E402
 from engine.backends.cupy_backend import CupyOps, QWeight  # noqa: E402
 from engine.backends.cupy_plan import mmq_device  # noqa: E402
 from engine.gguf_file import TensorInfo  # noqa: E402
@@ -69,27 +70,31 @@ def test_mmq_equals_the_fp16_product_for_every_type(t: str) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_matmul_with_mmq_equals_tiles_and_allocates_no_tile() -> None:
+def test_matmul_with_mmq_equals_tiles_and_allocates_no_tile(monkeypatch: pytest.MonkeyPatch) -> None:
     """`CupyOps.matmul` on fp16 precision gives the same product with `mmq_h_<T>` as with
-    dequantized tiles and cuBLAS (mixed-type pieces and a bias included), and the mmq path never
-    allocates the tile buffer."""
+    dequantized tiles and cuBLAS (mixed-type pieces, a bias, pieces cut into several tiles);
+    chunks longer than `cupy_mmq_tokens` take the tiles, and the mmq path never allocates them."""
     rng = np.random.default_rng(5)
-    on = CupyOps(prefill_dtype="float16")
+    on = CupyOps(prefill_dtype="float16", options=EngineOptions(cupy_mmq_tokens=77))
     off = CupyOps(prefill_dtype="float16", options=EngineOptions(cupy_mmq=False))
-    assert on.mmq and not off.mmq
+    long = CupyOps(prefill_dtype="float16", options=EngineOptions(cupy_mmq_tokens=76))
+    assert on.mmq and not off.mmq and long.mmq
     parts = [("Q4_K", 1024), ("Q6_K", 256), ("Q8_0", 320)]
     raws = [(_weight(rng, t, r, 1024), t, r) for t, r in parts]
     bias = rng.standard_normal(1600, dtype=np.float32)
     x = cp.asarray(rng.standard_normal((77, 1024), dtype=np.float32))
+    # a 300-row tile buffer: the Q4_K piece in 4 tiles of 256 rows, the Q8_0 one in 256 + 64
+    monkeypatch.setattr(cupy_backend, "SCRATCH_ELEMS", 300 * 1024)
     outs = []
-    for ops in (on, off):
+    for ops in (on, off, long):
         pieces = [ops.weight(TensorInfo("w", t, (r, 1024), raw)) for raw, t, r in raws]
         w = ops.concat_rows([p for p in pieces if isinstance(p, QWeight)])
         ops.finish_uploads()
-        assert w.type_name == "mixed" and ops.uses_mmq(w) is ops.mmq
+        assert w.type_name == "mixed" and ops.uses_mmq(w, 77) is (ops is on)
         outs.append(cp.asnumpy(ops.matmul(w, x, cp.asarray(bias))))
-    assert rel(outs[0], outs[1]) < 1e-5
-    assert on._scratch is None and off._scratch is not None
+    assert rel(outs[0], outs[1]) < 1e-5 and rel(outs[0], outs[2]) < 1e-5
+    assert on._scratch is None and off._scratch is not None and long._scratch is not None
+    assert long._scratch.nbytes == 300 * 1024 * 2  # fp16 tiles, at most SCRATCH_ELEMS values
 
 
 @pytest.mark.timeout(120)

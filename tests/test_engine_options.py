@@ -62,6 +62,7 @@ def test_defaults_are_the_engines_and_the_value_is_frozen() -> None:
         0,
     )
     assert o.cupy_device_loop is True and o.cupy_mmq is True and o.cupy_mmq_split is True
+    assert o.cupy_mmq_tokens == 128 and o.cupy_mmq_i8 is False
     with pytest.raises(FrozenInstanceError):
         o.threads = 3  # type: ignore[misc]
 
@@ -81,6 +82,8 @@ def test_from_env_parses_every_variable() -> None:
         "GENIE_CUPY_DEVICE_LOOP": "0",
         "GENIE_CUPY_MMQ": "0",
         "GENIE_CUPY_MMQ_SPLIT": "0",
+        "GENIE_CUPY_MMQ_TOKENS": "256",
+        "GENIE_CUPY_MMQ_I8": "1",
         "GENIE_CUPY_ATTN_CHUNK": "64",
         "GENIE_CUPY_ATTN_WARPS": "8",
     }
@@ -96,6 +99,8 @@ def test_from_env_parses_every_variable() -> None:
         cupy_device_loop=False,
         cupy_mmq=False,
         cupy_mmq_split=False,
+        cupy_mmq_tokens=256,
+        cupy_mmq_i8=True,
         attn_chunk=64,
         attn_warps=8,
     )
@@ -183,11 +188,16 @@ def test_cupy_memory_plan_follows_the_prefill_options(tmp_path: Path, monkeypatc
     opts = EngineOptions(cupy_prefill="float16", cupy_mmq=False)
     f16 = plan_memory(gf, spec, 512, "f16", backend="cupy", options=opts)
     assert dict(f32.parts)["prefill_tiles"] == 2 * dict(f16.parts)["prefill_tiles"] > 0
+    opts = EngineOptions(cupy_prefill="float16", prefill_chunk=128)
+    short = plan_memory(gf, spec, 512, "f16", backend="cupy", options=opts)
+    assert dict(short.parts)["prefill_tiles"] == 0  # chunks <= cupy_mmq_tokens: mmq_h_<T> only, no tile
     mmq = plan_memory(gf, spec, 512, "f16", backend="cupy", options=EngineOptions(cupy_prefill="float16"))
-    assert dict(mmq.parts)["prefill_tiles"] == 0  # every matrix multiplied by mmq_h_<T>: no tile
+    assert dict(mmq.parts)["prefill_tiles"] == dict(f16.parts)["prefill_tiles"]  # 512 > 128: tiles
+    opts = EngineOptions(cupy_prefill="float16", cupy_mmq_tokens=512)
+    assert dict(plan_memory(gf, spec, 512, "f16", backend="cupy", options=opts).parts)["prefill_tiles"] == 0
     opts = EngineOptions(cupy_prefill="float16", cupy_mmq_split=False)
     whole = plan_memory(gf, spec, 512, "f16", backend="cupy", options=opts)
-    assert whole.total == f16.total - dict(f16.parts)["prefill_tiles"]
+    assert whole.total == f16.total
     assert mmq.total > whole.total  # the split GEMMs' slices of a short chunk (this shape's peak)
     with pytest.raises(ValueError, match="prefill_dtype"):
         plan_memory(gf, spec, 512, "f16", backend="cupy", options=EngineOptions(cupy_prefill="bf16"))

@@ -91,7 +91,10 @@ def test_cupy_plan_of_a_4b_shape_is_gpu_sized() -> None:
     assert plan.kv == 576 * mib
     assert 3.0e9 < plan.total < 3.6e9 and cpu.total > 15e9
     parts = dict(plan.parts)
-    assert parts["prefill_tiles"] == 0  # every matrix >= 4M values: fp16, multiplied by mmq_h_<T> (no tile)
+    # 512-token chunks: every matrix (>= 4M values: fp16) in 16M-value tiles for cuBLAS
+    assert parts["prefill_tiles"] == cupy_plan.SCRATCH_ELEMS * 2
+    short = dict(plan_memory(gf, spec, 4096, "f16", backend="cupy", prefill_dtype="auto", chunk=128).parts)
+    assert short["prefill_tiles"] == 0  # chunks of <= cupy_mmq_tokens: mmq_h_<T> reads the blocks, no tile
     assert parts["prefill_scores"] == cupy_plan.ATTN_SCORES_BYTES
     assert parts["prefill_kv_rows"] == 32 * mib  # f16 cache: one layer's K/V as float32
 
@@ -108,6 +111,19 @@ def test_tile_precision_rule() -> None:
     assert cupy_plan.tile_dtype("float32", {"Q4_K"}, 19456, 2560) == "float32"
     with pytest.raises(ValueError, match="prefill_dtype"):
         cupy_plan.resolve_prefill_dtype("bf16")
+
+
+def test_tiles_are_even_and_aligned() -> None:
+    """A piece longer than the tile buffer is cut into the fewest tiles that fit, of equal size
+    rounded up to 128 rows (aligned output columns for cuBLAS), covering every row once."""
+    for rows, cap in ((19456, 6553), (9728, 6553), (2560, 4096), (5120, 300), (1000, 50), (129, 128), (640, 128)):
+        t = cupy_plan.tile_rows(rows, cap)
+        n = -(-rows // t)
+        assert t <= cap and n * t >= rows > (n - 1) * t, (rows, cap, t)
+        if rows > cap >= 128:
+            assert t % 128 == 0 and n == -(-rows // (cap - cap % 128)), (rows, cap, t)
+    assert cupy_plan.tile_rows(19456, 6553) == 6528  # 3 tiles, not 6553 + 6553 + 6350 at odd offsets
+    assert cupy_plan.tile_rows(2560, 4096) == 2560
 
 
 def test_attention_score_block_is_bounded() -> None:

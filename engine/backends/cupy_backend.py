@@ -1,11 +1,12 @@
 """CuPy backend: the ops of the forward pass on a CUDA GPU, weights kept quantized on the device.
 
 Weights stay in their GGUF block layout in GPU memory (`QWeight`). One token (decode) runs fused
-dequantize+GEMV kernels (one warp per row); several tokens (prefill) dequantize row tiles into one
-preallocated tile buffer - fp16 (tensor cores) for large matrices, fp32 for small ones and for
-stored F32/BF16 (`prefill_dtype="auto"`, the default; or "float16" / "float32" everywhere) - and
-multiply them with one cuBLAS GemmEx per tile, fp32 accumulation, written straight into the
-output (`cupy_blas`). Prefill attention runs strided-batched GEMMs in blocks of query rows whose
+dequantize+GEMV kernels (one warp per row); several tokens (prefill) multiply fp16-precision
+matrices with `mmq_h_<T>` (the GGUF blocks decoded inside the GEMM) for chunks of at most
+`cupy_mmq_tokens` tokens; otherwise they dequantize row tiles into one preallocated tile buffer -
+fp16 (tensor cores) for large matrices, fp32 for small ones and for stored F32/BF16
+(`prefill_dtype="auto"`, the default; or "float16" / "float32" everywhere) - and multiply them
+with one cuBLAS GemmEx per tile, fp32 accumulation, written straight into the output (`cupy_blas`). Prefill attention runs strided-batched GEMMs in blocks of query rows whose
 scores fit a fixed buffer (`cupy_attention`). What all this allocates is planned before load:
 `cupy_plan`. Kernels: `engine.kernels`.
 """
@@ -29,7 +30,7 @@ from ..options import DEFAULT_OPTIONS, EngineOptions
 from ..quants import dequantize, dequantize_rows
 from .cupy_attention import AttnBuffers, decode_attention, prefill_attention
 from .cupy_blas import CUDA_R_16F, CUDA_R_32F, OP_N, OP_T, gemm
-from .cupy_plan import PREFILL_CHUNK, SCRATCH_ELEMS, mmq_device, resolve_prefill_dtype, tile_dtype
+from .cupy_plan import PREFILL_CHUNK, SCRATCH_ELEMS, mmq_device, resolve_prefill_dtype, tile_dtype, tile_rows
 from .cupy_upload import Uploader
 from .ops import Ops
 
@@ -127,6 +128,8 @@ class CupyOps:
         self.prefill_graphs: Any = None  # prefill graphs (cupy_prefill_graph), set per model
         self.mmq = self.options.cupy_mmq and mmq_device()
         """fp16-precision matrices multiply with `mmq_h_<T>` / `mmq_w_<T>` (no tiles); False: tiles + cuBLAS."""
+        self.mmq_tokens = int(self.options.cupy_mmq_tokens)
+        """The longest chunk `mmq_h_<T>` multiplies; longer ones go through fp16 tiles + cuBLAS."""
         self.mmq_i8 = self.mmq and self.options.cupy_mmq_i8
         """Q4_K pieces of fp16-precision matrices multiply in int8 (`mmq_i8_<T>`) where the chunk rounds to q8_k."""
         self.mmq_split = self.options.cupy_mmq_split
@@ -169,7 +172,7 @@ class CupyOps:
         cols = int(ts[0].shape[1])
         n_rows = sum(int(t.shape[0]) for t in ts)
         out = pieces[0] if len(pieces) == 1 else QWeight(None, "mixed", (n_rows, cols), pieces)
-        if not self.uses_mmq(out):  # a matrix that prefills through tiles sizes the tile buffer
+        if not self.uses_mmq(out, self.prefill_chunk):  # a matrix that prefills through tiles sizes them
             self._max_elems = max(self._max_elems, n_rows * cols)
         return out
 
@@ -198,7 +201,7 @@ class CupyOps:
         else:
             runs = _type_runs([q for p in parts for q in p.pieces()])
             out = QWeight(None, "mixed", (rows, cols), [r[0] if len(r) == 1 else self._stack(r) for r in runs])
-        if not self.uses_mmq(out):  # a matrix that prefills through tiles sizes the tile buffer
+        if not self.uses_mmq(out, self.prefill_chunk):  # a matrix that prefills through tiles sizes them
             self._max_elems = max(self._max_elems, rows * cols)
         return out
 
@@ -348,9 +351,10 @@ class CupyOps:
         self._scratch, self._attn = before[0], before[1]
         self._gemm_ok = dict(before[2])
 
-    def uses_mmq(self, w: QWeight) -> bool:
-        """Whether `matmul` multiplies `w` with `mmq_h_<T>` / `mmq_w_<T>` (fp16 precision, sm_80+, option on)."""
-        return self.mmq and self.tile_dtype(w) == "float16"
+    def uses_mmq(self, w: QWeight, t: int) -> bool:
+        """Whether `matmul` multiplies `w` by a chunk of `t` tokens with `mmq_h_<T>` / `mmq_w_<T>`
+        (fp16 precision, sm_80+, option on, `t` <= `mmq_tokens`); else tiles + cuBLAS."""
+        return self.mmq and t <= self.mmq_tokens and self.tile_dtype(w) == "float16"
 
     def _mmq(
         self, p: QWeight, xs: cp.ndarray, y: cp.ndarray, col0: int, bn: int | None = None, splits: int | None = None
@@ -437,7 +441,7 @@ class CupyOps:
         rows, cols = w.shape
         y = cp.empty((t, rows), dtype=cp.float32)
         self._prefilled = True
-        if self.uses_mmq(w):
+        if self.uses_mmq(w, t):
             bases, base = [], 0
             for p in w.pieces():
                 bases.append(base)
@@ -461,9 +465,10 @@ class CupyOps:
         dt = np.dtype(np.float16 if half else np.float32)
         xs = cp.ascontiguousarray(self.act_quant(x, aq, half=half))
         buf = self._tiles(dt.itemsize, rows * cols)
-        tile = max(1, buf.nbytes // dt.itemsize // cols)
+        cap = buf.nbytes // dt.itemsize // cols
         base = 0
         for p in w.pieces():
+            tile = tile_rows(p.shape[0], cap)
             for r0 in range(0, p.shape[0], tile):
                 r1 = min(p.shape[0], r0 + tile)
                 wt = buf[: (r1 - r0) * cols * dt.itemsize].view(dt).reshape(r1 - r0, cols)

@@ -122,6 +122,30 @@ def test_attention_precision_follows_the_models_products(tmp_path: Path) -> None
     assert fast.transformer.ops.attn_tf32 and not exact.transformer.ops.attn_tf32
 
 
+def test_a_large_models_long_first_chunks_replay_a_graph(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model above GRAPH_MAX_WEIGHTS replays first chunks longer than `cupy_mmq_tokens` (tiles +
+    cuBLAS) from a graph with the eager pass's logits, and runs shorter ones eagerly (mmq)."""
+    import engine.model
+    from engine.backends import cupy_plan
+
+    monkeypatch.setattr(engine.model, "ACT_QUANT", {})
+    monkeypatch.setattr(cupy_plan, "GRAPH_MAX_WEIGHTS", 1)  # this small model counts as large
+    p = write_synthetic_gguf(tmp_path / "m.gguf", "llama", weight_type="Q4_K", seed=4, **{**SHAPE, "n_layers": 2})
+    opts = EngineOptions(cupy_prefill="float16", cupy_mmq_tokens=64)
+    m = load_model(p, backend="cupy", n_ctx=256, kv_dtype="f32", options=opts)
+    tf = m.transformer
+    graphs = tf.ops.prefill_graphs
+    assert graphs is not None and graphs.buckets == (256,) and graphs.shortest == 65
+    assert graphs.bucket_for(64, 0, 1, 256) is None and graphs.bucket_for(65, 0, 1, 256) == 256
+    rng = np.random.default_rng(3)
+    for t in (40, 100, 200):
+        ids = rng.integers(0, 512, t).tolist()
+        got = cp.asnumpy(tf.forward(ids, 0, last_n=1))
+        want = cp.asnumpy(tf.forward(ids, 0, last_n=1, graph=False))
+        np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3)
+    assert len(graphs._graphs) == 1  # the 100- and 200-token chunks share one graph; 40 ran eagerly
+
+
 def test_first_chunk_graph_matches_eager_prefill(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A prompt's first chunk replayed from a CUDA graph (padded to the chunk) gives the eager
     pass's logits and K/V rows, and prompts of other lengths reuse the same graph. Activation
@@ -135,7 +159,7 @@ def test_first_chunk_graph_matches_eager_prefill(tmp_path: Path, monkeypatch: py
     m = load_model(p, backend="cupy", n_ctx=256, kv_dtype="f32", options=EngineOptions(cupy_prefill="float32"))
     tf = m.transformer
     graphs = tf.ops.prefill_graphs
-    assert graphs is not None and graphs.buckets == (256,)
+    assert graphs is not None and graphs.buckets == (256,) and graphs.shortest == 2
     for t in (37, 50, 64, 100):
         ids = rng.integers(0, 512, t).tolist()
         got = cp.asnumpy(tf.forward(ids, 0, last_n=1))

@@ -95,6 +95,8 @@ def test_cupy_plan_of_a_4b_shape_is_gpu_sized() -> None:
     assert parts["prefill_tiles"] == cupy_plan.SCRATCH_ELEMS * 2
     short = dict(plan_memory(gf, spec, 4096, "f16", backend="cupy", prefill_dtype="auto", chunk=128).parts)
     assert short["prefill_tiles"] == 0  # chunks of <= cupy_mmq_tokens: mmq_h_<T> reads the blocks, no tile
+    # a 512-token first chunk replays a graph (its pool: one chunk's activations); 128: none
+    assert parts["prefill_graphs"] - short["prefill_graphs"] > parts["prefill_activations"] / 2
     assert parts["prefill_scores"] == cupy_plan.ATTN_SCORES_BYTES
     assert parts["prefill_kv_rows"] == 32 * mib  # f16 cache: one layer's K/V as float32
 
@@ -124,6 +126,19 @@ def test_tiles_are_even_and_aligned() -> None:
             assert t % 128 == 0 and n == -(-rows // (cap - cap % 128)), (rows, cap, t)
     assert cupy_plan.tile_rows(19456, 6553) == 6528  # 3 tiles, not 6553 + 6553 + 6350 at odd offsets
     assert cupy_plan.tile_rows(2560, 4096) == 2560
+
+
+def test_first_chunk_graph_rule() -> None:
+    """Small models replay every first chunk from a graph; larger ones only chunks longer than
+    `cupy_mmq_tokens` (tiles + cuBLAS, host-bound); forcing overrides both ways."""
+    small, big = 100 << 20, 3 << 30
+    assert cupy_plan.prefill_graph_buckets(small, 512, 4096, None, 128) == ((512,), 2)
+    assert cupy_plan.prefill_graph_buckets(big, 512, 4096, None, 128) == ((512,), 129)
+    assert cupy_plan.prefill_graph_buckets(big, 128, 4096, None, 128) == ((), 0)  # the policies' chunks
+    assert cupy_plan.prefill_graph_buckets(big, 512, 100, None, 128) == ((), 0)  # n_ctx caps the chunk
+    assert cupy_plan.prefill_graph_buckets(big, 512, 4096, None, None) == ((512,), 2)  # no mmq: all tiles
+    assert cupy_plan.prefill_graph_buckets(big, 512, 4096, True, 128) == ((512,), 2)
+    assert cupy_plan.prefill_graph_buckets(small, 512, 4096, False, 128) == ((), 0)
 
 
 def test_attention_score_block_is_bounded() -> None:

@@ -625,7 +625,9 @@ class CupyOps:
             isinstance(lw.wqkv, QWeight) and self.tile_dtype(lw.wqkv) == "float16" for lw in tf.layers
         )
         forced = self.options.cupy_prefill_graph
-        buckets = prefill_graph_buckets(int(tf.weights_bytes), self.prefill_chunk, int(tf.n_ctx), forced)
+        buckets, shortest = prefill_graph_buckets(
+            int(tf.weights_bytes), self.prefill_chunk, int(tf.n_ctx), forced, self.mmq_tokens if self.mmq else None
+        )
         later = later_graph_max(self.prefill_chunk, int(tf.n_ctx), forced)
         if buckets or later:
             from .cupy_prefill_graph import PrefillGraphs
@@ -633,7 +635,7 @@ class CupyOps:
             mats = [w for lw in tf.layers for w in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down) if isinstance(w, QWeight)]
             half = any(self.tile_dtype(w) == "float16" for w in mats)  # as the plan counts them
             pool = later_pool_bytes(tf.spec, later, half, self.mmq and self.mmq_split and half)
-            self.prefill_graphs = PrefillGraphs(buckets, later, pool)
+            self.prefill_graphs = PrefillGraphs(buckets, later, pool, shortest)
         if self.decoder_mode == "off":
             return None
         from .cupy_decoder import CupyDecoder

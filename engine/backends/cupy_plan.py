@@ -238,15 +238,25 @@ GRAPH_MAX_WEIGHTS = 1 << 30
 this size)."""
 
 
-def prefill_graph_buckets(weights: int, chunk: int, n_ctx: int, forced: bool | None = None) -> tuple[int, ...]:
-    """The first-chunk lengths a model of `weights` bytes replays from graphs (empty: none): one,
-    the chunk (a shorter first chunk is padded to it: for a host-bound model a padded graph
-    replay costs less than the eager pass of even a few tokens, and one bucket holds one chunk's
-    activations); `forced` False: none, True: whatever the size, None: by GRAPH_MAX_WEIGHTS."""
-    if forced is False or (forced is None and weights >= GRAPH_MAX_WEIGHTS):
-        return ()
+def prefill_graph_buckets(
+    weights: int, chunk: int, n_ctx: int, forced: bool | None = None, mmq_tokens: int | None = None
+) -> tuple[tuple[int, ...], int]:
+    """The first-chunk lengths a model of `weights` bytes replays from graphs (empty: none) and the
+    shortest first chunk that takes one: one bucket, the chunk (a shorter first chunk is padded to
+    it: for a host-bound pass a padded graph replay costs less than the eager pass of even a few
+    tokens, and one bucket holds one chunk's activations). `forced` False: none; True: whatever the
+    size, from 2 tokens; None: models below GRAPH_MAX_WEIGHTS from 2 tokens, larger ones only for
+    chunks longer than `mmq_tokens` (their GEMMs then run as fp16 tiles + cuBLAS, GPU-fast enough
+    that issuing the pass's ~900 launches is what it waits for: Qwen3-4B's shape at 512 tokens, 21
+    ms of GPU work against 31-55 ms of host time; a shorter chunk keeps the eager mmq pass, never
+    padded more than chunk / `mmq_tokens` times). `mmq_tokens` None: no mmq (tiles for every chunk)."""
     n = min(chunk, n_ctx)
-    return (n,) if n >= 2 else ()
+    if forced is False or n < 2:
+        return (), 0
+    if forced or weights < GRAPH_MAX_WEIGHTS:
+        return (n,), 2
+    shortest = 2 if mmq_tokens is None else mmq_tokens + 1
+    return ((n,), shortest) if n >= shortest else ((), 0)
 
 
 LATER_GRAPH_MAX = 128
@@ -347,10 +357,8 @@ def plan(
     split = mmq and opts.cupy_mmq_split and "float16" in dts
     act = prefill_activation_bytes(spec, t, last_n, half="float16" in dts, split=split)
     w = weights_bytes(gf)
-    first = sum(
-        prefill_activation_bytes(spec, b, 1, half="float16" in dts, split=split)
-        for b in prefill_graph_buckets(w, chunk, n_ctx, opts.cupy_prefill_graph)
-    )
+    buckets, _ = prefill_graph_buckets(w, chunk, n_ctx, opts.cupy_prefill_graph, opts.cupy_mmq_tokens if mmq else None)
+    first = sum(prefill_activation_bytes(spec, b, 1, half="float16" in dts, split=split) for b in buckets)
     later = later_graph_max(chunk, n_ctx, opts.cupy_prefill_graph)
     graphs = int(first * (1 + POOL_SLACK)) + later_graph_bytes(spec, later, "float16" in dts, split)
     return GpuPlan(

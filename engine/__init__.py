@@ -281,11 +281,11 @@ class Model:
         """Start prefilling `ids` at `pos` in pieces (cache must hold exactly `pos` tokens): the
         embedding and the first `n_layers` layers, finished on the device when this returns;
         continue with `prefill_layers`. None where the backend replays this chunk as one graph
-        (`ops.prefill_graphs`): run it whole with `step_logits`."""
+        (`ops.prefill_graphs`, small models: a few ms): run it whole with `step_logits`."""
         with self._thread_lock:
             tf = self.transformer
             graphs = tf.ops.prefill_graphs
-            if graphs is not None and graphs.bucket_for(len(ids), pos, 1, tf.n_ctx) is not None:
+            if graphs is not None and graphs.bucket_for(len(ids), pos, 1, tf.n_ctx, grouped=True) is not None:
                 return None
             del tf.kv.tokens[pos:]
             p = tf.begin_replay(list(ids), pos, n_layers) or tf.begin(list(ids), pos, last_n=1)

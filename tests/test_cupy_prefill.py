@@ -125,7 +125,7 @@ def test_attention_precision_follows_the_models_products(tmp_path: Path) -> None
 def test_a_large_models_long_first_chunks_replay_a_graph(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A model above GRAPH_MAX_WEIGHTS replays first chunks longer than `cupy_mmq_tokens` (tiles +
     cuBLAS) from one graph with the eager pass's logits (within fp16 summation order), and runs
-    shorter ones eagerly (mmq)."""
+    shorter ones, and every chunk prefilled in layer groups (a pause between two), eagerly."""
     import engine.model
 
     monkeypatch.setattr(engine.model, "ACT_QUANT", {})
@@ -145,6 +145,15 @@ def test_a_large_models_long_first_chunks_replay_a_graph(tmp_path: Path, monkeyp
         # fp16 products: the padded GEMMs (256 rows) may take another cuBLAS kernel (measured 4e-4)
         assert rel(got, want) < 2e-3, (t, rel(got, want))
     assert len(graphs._graphs) == 1  # the 100- and 200-token chunks share one graph; 40 ran eagerly
+    assert graphs.grouped_eager and graphs.bucket_for(100, 0, 1, 256, grouped=True) is None
+    ids = rng.integers(0, 512, 100).tolist()
+    want = cp.asnumpy(tf.forward(ids, 0, last_n=1, graph=False)).reshape(-1)
+    p = m.prefill_pass(ids, 0, 1)  # in groups of one layer: eager pieces, not the graph
+    assert p is not None
+    got = None
+    while got is None:
+        got = m.prefill_layers(p, 1)
+    assert np.array_equal(np.asarray(got).reshape(-1), want)
 
 
 def test_first_chunk_graph_matches_eager_prefill(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -160,7 +169,8 @@ def test_first_chunk_graph_matches_eager_prefill(tmp_path: Path, monkeypatch: py
     m = load_model(p, backend="cupy", n_ctx=256, kv_dtype="f32", options=EngineOptions(cupy_prefill="float32"))
     tf = m.transformer
     graphs = tf.ops.prefill_graphs
-    assert graphs is not None and graphs.buckets == (256,) and graphs.shortest == 2
+    assert graphs is not None and graphs.buckets == (256,) and graphs.shortest == 2 and not graphs.grouped_eager
+    assert graphs.bucket_for(50, 0, 1, 256, grouped=True) == 256  # a small model's chunk: one piece
     for t in (37, 50, 64, 100):
         ids = rng.integers(0, 512, t).tolist()
         got = cp.asnumpy(tf.forward(ids, 0, last_n=1))

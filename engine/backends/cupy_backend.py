@@ -616,6 +616,7 @@ class CupyOps:
         """The one-token decode step as fused kernels replayed from a CUDA graph
         (`engine.backends.cupy_decoder`); `engine.Model` uses it for every single-token step."""
         # (called once per loaded model: also where its first-chunk prefill graphs are set up)
+        from . import cupy_plan
         from .cupy_plan import later_graph_max, later_pool_bytes, prefill_graph_buckets
 
         self.finish_uploads()
@@ -635,7 +636,8 @@ class CupyOps:
             mats = [w for lw in tf.layers for w in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down) if isinstance(w, QWeight)]
             half = any(self.tile_dtype(w) == "float16" for w in mats)  # as the plan counts them
             pool = later_pool_bytes(tf.spec, later, half, self.mmq and self.mmq_split and half)
-            self.prefill_graphs = PrefillGraphs(buckets, later, pool, shortest)
+            large = forced is None and int(tf.weights_bytes) >= cupy_plan.GRAPH_MAX_WEIGHTS
+            self.prefill_graphs = PrefillGraphs(buckets, later, pool, shortest, grouped_eager=large)
         if self.decoder_mode == "off":
             return None
         from .cupy_decoder import CupyDecoder

@@ -4,7 +4,8 @@ A 512-token forward pass of a SmolLM2-sized model is ~1,100 CuPy calls of 10-40 
 each while the GPU work behind them takes a few microseconds: the pass takes as long as Python
 takes to issue it. The same holds for a larger model's first chunks that are longer than
 `EngineOptions.cupy_mmq_tokens` (their GEMMs run as fp16 tiles + cuBLAS: Qwen3-4B's shape at 512
-tokens is 21 ms of GPU work behind 31-55 ms of Python). For such models (weights below
+tokens is 21 ms of GPU work behind 31-55 ms of Python; prefilled in layer groups, for a pause
+between two, such a chunk stays eager: `grouped_eager`). For such models (weights below
 `cupy_plan.GRAPH_MAX_WEIGHTS`, 1 GiB) and such chunks (`cupy_plan.prefill_graph_buckets`;
 `EngineOptions.cupy_prefill_graph`, env GENIE_CUPY_PREFILL_GRAPH=0/1, forces it off/on) the first chunk of a prompt (start 0, the common case: a voice assistant's prompt fits one chunk) runs as one graph:
 
@@ -137,9 +138,20 @@ class PrefillGraphs:
     """Prefill graphs of one model: first chunks (`run`, `Transformer.forward` asks before its
     eager pass) and later chunks (`later`, `Transformer.begin_replay`)."""
 
-    def __init__(self, buckets: tuple[int, ...], later_max: int = 0, later_bytes: int = 0, shortest: int = 2) -> None:
+    def __init__(
+        self,
+        buckets: tuple[int, ...],
+        later_max: int = 0,
+        later_bytes: int = 0,
+        shortest: int = 2,
+        grouped_eager: bool = False,
+    ) -> None:
         self.buckets = buckets  # cupy_plan.prefill_graph_buckets
         self.shortest = shortest  # the shortest first chunk a bucket takes (cupy_plan.prefill_graph_buckets)
+        self.grouped_eager = grouped_eager
+        """A prefill in layer groups (a pause between two) runs its first chunk eagerly: set for models
+        above GRAPH_MAX_WEIGHTS, whose graphed chunk would be one long piece (the Qwen3-4B shape's
+        512 tokens: ~21 ms on an H200, against a pause within two groups of 4 layers)."""
         self.later_max = later_max  # cupy_plan.later_graph_max (0: no later-chunk graphs)
         self.later_bytes = later_bytes  # the later pool the plan counts (reserved at the first capture)
         self._graphs: dict[tuple[int, str], _Bucket] = {}
@@ -230,9 +242,10 @@ class PrefillGraphs:
         )
         return e
 
-    def bucket_for(self, t: int, start: int, last_n: int | None, n_ctx: int) -> int | None:
-        """The bucket a forward call of `t` tokens at `start` replays, or None (eager)."""
-        if self.failed or start != 0 or last_n != 1 or t < max(2, self.shortest):
+    def bucket_for(self, t: int, start: int, last_n: int | None, n_ctx: int, grouped: bool = False) -> int | None:
+        """The bucket a forward call of `t` tokens at `start` replays, or None (eager); `grouped`:
+        the caller would run the chunk in layer groups (`grouped_eager` keeps it eager)."""
+        if self.failed or start != 0 or last_n != 1 or t < max(2, self.shortest) or (grouped and self.grouped_eager):
             return None
         return next((b for b in self.buckets if t <= b <= n_ctx), None)
 

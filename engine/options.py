@@ -13,7 +13,7 @@ environment by `EngineOptions.from_env` (the only place the engine reads these v
 | `cupy_mmq_tokens` | `GENIE_CUPY_MMQ_TOKENS` | 128 | the longest chunk the mmq GEMMs take; longer: fp16 tiles + cuBLAS |
 | `cupy_mmq_i8` | `GENIE_CUPY_MMQ_I8` (`1`: on) | False | Q4_K prefill GEMMs multiply int8 (the chunk rounded to q8_k, `mmq_i8_<T>`: llama.cpp's MMQ arithmetic) instead of fp16 |
 | `cupy_mmq_split` | `GENIE_CUPY_MMQ_SPLIT` (`0`: off) | True | chunks of <= 128 tokens split the mmq GEMMs' K over blocks where the grid would not fill the GPU |
-| `cupy_prefill_graph` | `GENIE_CUPY_PREFILL_GRAPH` (`0`/`1`) | None (by model size) | prefill graphs: `0` none, `1` first chunks of every model, unset: first chunks of models < 1 GiB; later chunks of <= 128 tokens either way unless `0` |
+| `cupy_prefill_graph` | `GENIE_CUPY_PREFILL_GRAPH` (`0`/`1`) | None (by model size) | prefill graphs: `0` none, `1` first chunks of every model, unset: first chunks of models < 1 GiB, and larger models' first chunks longer than `cupy_mmq_tokens` unless prefilled in layer groups; later chunks of <= 128 tokens either way unless `0` |
 | `cupy_decoder` | `GENIE_CUPY_DECODER` | "graph" | one-token steps: graph, eager or off |
 | `cupy_device_loop` | `GENIE_CUPY_DEVICE_LOOP` (`0`: off) | True | decode steps chained on the device, tokens read one step behind |
 | `attn_chunk` | `GENIE_CUPY_ATTN_CHUNK` | 32 | fewest positions a decode-attention slice takes |
@@ -53,7 +53,8 @@ class EngineOptions:
     3x faster at 512 tokens; the mmq kernels read each weight once, which wins on short chunks)."""
     cupy_mmq_i8: bool = False
     """Whether CuPy prefill multiplies Q4_K matrices in int8 (`mmq_i8_<T>`: the chunk's rows rounded to
-    q8_k as int8, exact integer products per sub-block) rather than fp16 `mmq_h_<T>` (needs `cupy_mmq`)."""
+    q8_k as int8, exact integer products per sub-block) rather than fp16 `mmq_h_<T>` (needs `cupy_mmq`; chunks of at
+    most `cupy_mmq_tokens`)."""
     cupy_mmq_split: bool = True
     """Whether chunks of <= 128 tokens split the mmq GEMMs' K over blocks where their grid would
     leave the GPU half idle (`mmq_src.mmq_splits`); False: never (other summation order: bits differ)."""

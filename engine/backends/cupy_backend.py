@@ -6,8 +6,9 @@ matrices with `mmq_h_<T>` (the GGUF blocks decoded inside the GEMM) for chunks o
 `cupy_mmq_tokens` tokens; otherwise they dequantize row tiles into one preallocated tile buffer -
 fp16 (tensor cores) for large matrices, fp32 for small ones and for stored F32/BF16
 (`prefill_dtype="auto"`, the default; or "float16" / "float32" everywhere) - and multiply them
-with one cuBLAS GemmEx per tile, fp32 accumulation, written straight into the output (`cupy_blas`). Prefill attention runs strided-batched GEMMs in blocks of query rows whose
-scores fit a fixed buffer (`cupy_attention`). What all this allocates is planned before load:
+with one cuBLAS GemmEx per tile, fp32 accumulation, written straight into the output (`cupy_blas`).
+Prefill attention runs strided-batched GEMMs in blocks of query rows whose scores fit a fixed
+buffer (`cupy_attention`). What all this allocates is planned before load:
 `cupy_plan`. Kernels: `engine.kernels`.
 """
 

@@ -217,12 +217,8 @@ _I8 = r"""
 extern "C" __global__ void act_q8_k_i8(const float* x, signed char* q, float* d, int* s32, int n_groups) {
     int g = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (g >= n_groups) return;
-    const float* xg = x + (long long)g * 256;
     float v[8];
-    #pragma unroll
-    for (int k = 0; k < 8; k++) v[k] = xg[lane + 32*k];
-    int bi = q8k_argmax_abs(v, lane);
-    float iscale = q8k_iscale(xg[bi]);
+    float iscale = q8k_group(x + (long long)g * 256, lane, v);
     #pragma unroll
     for (int k = 0; k < 8; k++) {
         int qv = (int)fminf(rintf(v[k] * iscale), 127.f);

@@ -41,13 +41,8 @@ extern "C" __global__ void kv_store_int8(const float* x, signed char* q, unsigne
 template <typename Y> __device__ __forceinline__ void act_q8_k_body(const float* x, Y* y, int n_groups) {
     int g = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (g >= n_groups) return;
-    const float* xg = x + (long long)g * 256;
     float v[8];
-    #pragma unroll
-    for (int k = 0; k < 8; k++) v[k] = xg[lane + 32*k];
-    int bi = q8k_argmax_abs(v, lane);
-    float mx = xg[bi];
-    float iscale = q8k_iscale(mx);
+    float iscale = q8k_group(x + (long long)g * 256, lane, v);
     float d = iscale != 0.f ? 1.0f / iscale : 0.f;
     #pragma unroll
     for (int k = 0; k < 8; k++) act_store(y + (long long)g * 256 + lane + 32*k, fminf(rintf(v[k] * iscale), 127.f) * d);

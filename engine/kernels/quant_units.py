@@ -26,6 +26,13 @@ __device__ __forceinline__ int q8k_argmax_abs(const float v[8], int lane) {
     return bi;
 }
 __device__ __forceinline__ float q8k_iscale(float mx) { return mx != 0.f ? -127.0f / mx : 0.f; }
+// One warp's group of 256 at xg (global memory): v[k] = xg[lane + 32 k], and the group's iscale.
+__device__ __forceinline__ float q8k_group(const float* xg, int lane, float v[8]) {
+    #pragma unroll
+    for (int k = 0; k < 8; k++) v[k] = xg[lane + 32*k];
+    int bi = q8k_argmax_abs(v, lane);
+    return q8k_iscale(xg[bi]);
+}
 __device__ __forceinline__ float h2f(unsigned short h) {
     float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f;
 }

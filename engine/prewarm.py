@@ -191,10 +191,6 @@ class _Reader:
             raise self.tokenizer_error
         return self.tokenizer
 
-    def result(self) -> tuple[Any, Any]:
-        """(header, tokenizer), once the thread is done; raises what it raised."""
-        return self.header_result(), self.tokenizer_result()
-
 
 def load_early(rec: Prewarm, reader: _Reader | None = None) -> None:
     """Load `rec.early` if its plan fits its budget (the record says what happened); `reader`:

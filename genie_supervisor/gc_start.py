@@ -28,7 +28,7 @@ HOLD_LIMIT_S = 120.0
 """Longest the collector stays off (a start that never gets ready must not grow without bound)."""
 START_SWITCH_S = 0.001
 """The switch interval from `hold` to `release` (then the previous one again)."""
-_switch: list[float] = []  # the interval `hold` replaced
+_switch_before: float | None = None  # the interval `hold` replaced, until `release` puts it back
 
 _lock = threading.Lock()
 _held = False
@@ -37,14 +37,14 @@ _once = False
 
 def hold(limit_s: float = HOLD_LIMIT_S) -> None:
     """Disable the collector until `release` (at most `limit_s` seconds); once per process."""
-    global _held, _once
+    global _held, _once, _switch_before
     with _lock:
         if _once or not gc.isenabled():
             return
         gc.disable()
         _held = _once = True
-        _switch.append(sys.getswitchinterval())
-        sys.setswitchinterval(min(START_SWITCH_S, _switch[0]))
+        _switch_before = sys.getswitchinterval()
+        sys.setswitchinterval(min(START_SWITCH_S, _switch_before))
     timer = threading.Timer(limit_s, release)
     timer.daemon = True
     timer.start()
@@ -53,15 +53,16 @@ def hold(limit_s: float = HOLD_LIMIT_S) -> None:
 def release() -> bool:
     """Freeze the objects alive now and enable the collector, once, if `hold` disabled it;
     whether this call did it."""
-    global _held
+    global _held, _switch_before
     with _lock:
         if not _held:
             return False
         _held = False
         gc.freeze()
         gc.enable()
-        if _switch:
-            sys.setswitchinterval(_switch.pop())
+        if _switch_before is not None:
+            sys.setswitchinterval(_switch_before)
+            _switch_before = None
     return True
 
 

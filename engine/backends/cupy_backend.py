@@ -147,35 +147,41 @@ class CupyOps:
     # --- weights -------------------------------------------------------------------------
     def weight(self, t: TensorInfo) -> QWeight | cp.ndarray:
         """2-D: raw bytes on the device (QWeight); 1-D (norms, biases): float32 array."""
-        if self._uploader is None:  # the load's transfers overlap; `finish_uploads` ends them
-            self._uploader = Uploader()
         if len(t.shape) != 2:
-            return self._uploader.upload(dequantize(t.raw, t.type_name, t.shape))
+            return self._uploads().upload(dequantize(t.raw, t.type_name, t.shape))
         raw, source = _rows_of(t)
-        dev = self._uploader.upload(raw, source, defer=True)
+        dev = self._uploads().upload(raw, source, defer=True)
         return QWeight(dev, t.type_name, (int(t.shape[0]), int(t.shape[1])))
 
     def weight_rows(self, ts: list[TensorInfo]) -> QWeight:
         """`concat_rows([weight(t) for t in ts])` without the pieces' own buffers: each run of one
         type is one buffer, allocated once, and its tensors are uploaded straight into their rows
         (no concatenation, no freed pieces left in the pool)."""
-        if self._uploader is None:
-            self._uploader = Uploader()
+        up = self._uploads()
         pieces = []
         for run in _type_runs(ts):
             rows = [_rows_of(t) for t in run]
             buf = cp.empty((sum(r.shape[0] for r, _ in rows), rows[0][0].shape[1]), dtype=np.uint8)
             r0 = 0
             for raw, source in rows:
-                self._uploader.upload(raw, source, out=buf[r0 : r0 + raw.shape[0]], defer=True)
+                up.upload(raw, source, out=buf[r0 : r0 + raw.shape[0]], defer=True)
                 r0 += raw.shape[0]
             pieces.append(QWeight(buf, run[0].type_name, (int(buf.shape[0]), int(run[0].shape[1]))))
-        cols = int(ts[0].shape[1])
         n_rows = sum(int(t.shape[0]) for t in ts)
-        out = pieces[0] if len(pieces) == 1 else QWeight(None, "mixed", (n_rows, cols), pieces)
-        if not self.uses_mmq(out, self.prefill_chunk):  # a matrix that prefills through tiles sizes them
-            self._max_elems = max(self._max_elems, n_rows * cols)
-        return out
+        out = pieces[0] if len(pieces) == 1 else QWeight(None, "mixed", (n_rows, int(ts[0].shape[1])), pieces)
+        return self._sized(out)
+
+    def _uploads(self) -> Uploader:
+        """The load's uploader (made at its first weight: the transfers overlap; `finish_uploads` ends them)."""
+        if self._uploader is None:
+            self._uploader = Uploader()
+        return self._uploader
+
+    def _sized(self, w: QWeight) -> QWeight:
+        """`w`, a fused matrix the tile buffer is sized for where it may prefill through tiles."""
+        if not self.uses_mmq(w, self.prefill_chunk):
+            self._max_elems = max(self._max_elems, w.shape[0] * w.shape[1])
+        return w
 
     def finish_uploads(self) -> None:
         """Read the weights deferred from their file, wait for every transfer and free the staging
@@ -202,9 +208,7 @@ class CupyOps:
         else:
             runs = _type_runs([q for p in parts for q in p.pieces()])
             out = QWeight(None, "mixed", (rows, cols), [r[0] if len(r) == 1 else self._stack(r) for r in runs])
-        if not self.uses_mmq(out, self.prefill_chunk):  # a matrix that prefills through tiles sizes them
-            self._max_elems = max(self._max_elems, rows * cols)
-        return out
+        return self._sized(out)
 
     @staticmethod
     def _stack(parts: list[QWeight]) -> QWeight:

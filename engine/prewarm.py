@@ -233,23 +233,35 @@ def start_prewarm(
     return rec
 
 
-def driver_context(ordinal: int = 0) -> float | None:
-    """Create device `ordinal`'s primary CUDA context through the driver (libcuda by ctypes, which
-    releases the GIL for the call) and keep it retained for the process; returns the seconds it
-    took, None when there is no driver or device (nothing raised). CuPy's first runtime call then
-    finds the context made: run in a thread while CuPy is imported, the context's creation (~0.2 s
-    on an H200, more on a Jetson) no longer follows the import."""
+def _driver_device(ordinal: int) -> tuple[Any, Any] | None:
+    """libcuda (by ctypes, which releases the GIL for its calls) and device `ordinal`'s handle, the
+    driver initialised; None without a driver library or that device."""
     import ctypes
 
-    t0 = time.perf_counter()
     try:
         lib = ctypes.CDLL("libcuda.so.1")
     except OSError:
         return None
-    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+    dev = ctypes.c_int()
     if lib.cuInit(0) or lib.cuDeviceGet(ctypes.byref(dev), ordinal):
         return None
-    if lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev):
+    return lib, dev
+
+
+def driver_context(ordinal: int = 0) -> float | None:
+    """Create device `ordinal`'s primary CUDA context through the driver (`_driver_device`) and
+    keep it retained for the process; returns the seconds it took, None when there is no driver or
+    device (nothing raised). CuPy's first runtime call then finds the context made: run in a thread
+    while CuPy is imported, the context's creation (~0.2 s on an H200, more on a Jetson) no longer
+    follows the import."""
+    import ctypes
+
+    t0 = time.perf_counter()
+    found = _driver_device(ordinal)
+    if found is None:
+        return None
+    lib, dev = found
+    if lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctypes.c_void_p()), dev):
         return None
     return time.perf_counter() - t0
 
@@ -260,14 +272,9 @@ CONTEXT_WAIT_S = 30.0
 
 def release_driver_context(ordinal: int = 0) -> None:
     """Give back the retain `driver_context` took (the context goes when nothing else holds it)."""
-    import ctypes
-
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return
-    dev = ctypes.c_int()
-    if not lib.cuDeviceGet(ctypes.byref(dev), ordinal):
+    found = _driver_device(ordinal)
+    if found is not None:
+        lib, dev = found
         lib.cuDevicePrimaryCtxRelease(dev)
 
 

@@ -245,7 +245,7 @@ async def test_the_services_first_checks_run_at_once(tmp_path: Path) -> None:
 
 
 class _FakeDriver:
-    """libcuda's four entry points `driver_context` calls, each answering `codes[name]` (0: success)."""
+    """libcuda's entry points `driver_context` and `release_driver_context` call, each answering `codes[name]` (0: success)."""
 
     def __init__(self, **codes: int) -> None:
         self.codes, self.calls = codes, []  # type: ignore[var-annotated]
@@ -262,7 +262,8 @@ def test_the_driver_context_is_made_where_a_driver_answers_and_skipped_otherwise
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """`driver_context` retains the device's primary context through the driver and says how long it
-    took; no driver library, no device or a failing call gives None and raises nothing."""
+    took, `release_driver_context` gives it back; no driver library, no device or a failing call
+    gives None and raises nothing."""
     import ctypes
 
     from engine import prewarm
@@ -282,6 +283,12 @@ def test_the_driver_context_is_made_where_a_driver_answers_and_skipped_otherwise
         got = prewarm.driver_context()
         assert fake.calls == calls
         assert (got is not None and got >= 0) if not codes else got is None
+        fake.calls.clear()
+        prewarm.release_driver_context()  # gives the retain back where the device answers, else nothing
+        released = ["cuInit"] if "cuInit" in codes else ["cuInit", "cuDeviceGet", "cuDevicePrimaryCtxRelease"]
+        assert fake.calls == released
+    monkeypatch.setattr(ctypes, "CDLL", no_lib)
+    prewarm.release_driver_context()  # no driver: nothing raised
 
 
 @pytest.mark.timeout(120)

@@ -48,7 +48,7 @@ def test_jobs_follow_the_launches_and_the_struct_layout() -> None:
             _dev(0x3000),
             np.uint64(0),
             i32(0),
-        ),  # fmt: skip
+        ),
         _launch("attn", _dev(2)),
         _launch(
             "qgemv_Q4_K[9728x2560]",
@@ -62,7 +62,7 @@ def test_jobs_follow_the_launches_and_the_struct_layout() -> None:
             i32(2),
             i32(9728),
             i32(16),
-        ),  # fmt: skip
+        ),
         _launch(
             "qgemv_Q6_K[2560x9728]",
             _dev(0x6000),
@@ -75,7 +75,7 @@ def test_jobs_follow_the_launches_and_the_struct_layout() -> None:
             i32(1),
             i32(0),
             i32(64),
-        ),  # fmt: skip
+        ),
     ]
     table, gemvs = jobs_of(plan)
     assert [g.name for g in gemvs] == [plan[1].name, plan[3].name, plan[4].name]

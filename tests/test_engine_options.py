@@ -28,6 +28,7 @@ VARIABLES = (
     "GENIE_NATIVE_CFLAGS",
     "GENIE_QGEMV_UNROLL",
     "GENIE_QGEMV_UNROLL_GLU",
+    "GENIE_QGEMV_MIN_BLOCKS",
     "GENIE_CUPY_PDL",
     "GENIE_CUPY_PREFILL",
     "GENIE_CUPY_PREFILL_GRAPH",
@@ -62,7 +63,7 @@ def test_defaults_are_the_engines_and_the_value_is_frozen() -> None:
         0,
     )
     assert o.cupy_device_loop is True and o.cupy_mmq is True and o.cupy_mmq_split is True
-    assert o.cupy_mmq_tokens == 128 and o.cupy_mmq_i8 is False
+    assert o.cupy_mmq_tokens == 128 and o.cupy_mmq_i8 is False and o.qgemv_min_blocks == 0
     with pytest.raises(FrozenInstanceError):
         o.threads = 3  # type: ignore[misc]
 
@@ -75,6 +76,7 @@ def test_from_env_parses_every_variable() -> None:
         "GENIE_NATIVE_CFLAGS": " -DA=1  -fno-x ",
         "GENIE_QGEMV_UNROLL": "4",
         "GENIE_QGEMV_UNROLL_GLU": "2",
+        "GENIE_QGEMV_MIN_BLOCKS": "6",
         "GENIE_CUPY_PDL": "0",
         "GENIE_CUPY_PREFILL": "float16",
         "GENIE_CUPY_PREFILL_GRAPH": "1",
@@ -92,6 +94,7 @@ def test_from_env_parses_every_variable() -> None:
         native_cflags=("-DA=1", "-fno-x"),
         qgemv_unroll=4,
         qgemv_unroll_glu=2,
+        qgemv_min_blocks=6,
         cupy_pdl=False,
         cupy_prefill="float16",
         cupy_prefill_graph=True,
@@ -275,6 +278,21 @@ def test_two_piece_gemvs_pair_the_types_that_round_alike() -> None:
         "qgemv_mix_Q6_K_Q4_K": "Q6_K2",
     }
     assert "#define QCW_Q4_K2 6" in src and "#define QCW_Q6_K2 6" in src
+
+
+def test_min_blocks_bounds_every_integer_gemv_and_only_when_asked() -> None:
+    """`qgemv_min_blocks` N puts `__launch_bounds__(256, N)` on every integer GEMV kernel (plain,
+    gate+up, two-piece); 0 keeps the built-in bounds (5 blocks for the 64-value K-quant kernels)."""
+    from engine.kernels import qdot_src
+
+    plain, held = qdot_src.source(["Q4_K", "Q6_K", "Q4_1", "Q8_0"]), qdot_src.source(["Q4_K", "Q4_1"], min_blocks=6)
+    assert "#define QGEMV_MINB" not in plain and "#define QGEMV_MINB 6\n" in held
+    for src in (plain, held):
+        kernels = re.findall(r'extern "C" __global__ void (\w+) (qgemv\w+)\(', src)
+        assert kernels and {b for b, _ in kernels} <= {"QLB_Q4_K2", "QLB_Q6_K2", "QLB_Q4_1", "QLB_Q8_0", "QLB_GLU"}
+    held_defs = held[held.index("#ifdef QGEMV_MINB") : held.index("#else", held.index("#ifdef QGEMV_MINB"))]
+    for name in ("QLB_Q4_1", "QLB_Q8_0", "QLB_KQ2", "QLB_GLU"):
+        assert f"#define {name} __launch_bounds__(256, QGEMV_MINB)" in held_defs
 
 
 def test_short_chunks_split_k_only_where_the_grid_leaves_the_gpu_idle() -> None:

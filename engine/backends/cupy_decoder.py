@@ -100,6 +100,7 @@ class CupyDecoder:
             warps=self.attn_warps,
             qgemv_unroll=opts.qgemv_unroll,
             qgemv_unroll_glu=opts.qgemv_unroll_glu,
+            qgemv_min_blocks=opts.qgemv_min_blocks,
         )
         self.module = _module(src)
         self._fns: dict[str, Any] = {}

@@ -766,10 +766,12 @@ def source(
     warps: int | None = None,
     qgemv_unroll: int = qdot_src.UNROLL,
     qgemv_unroll_glu: int = qdot_src.UNROLL_GLU,
+    qgemv_min_blocks: int = 0,
 ) -> str:
     """The decode module for one model shape and the given weight types (`kv_half` / `kv_int8`:
     the cache's element type; `min_chunk`: fewest positions an attention slice takes;
-    `qgemv_unroll` / `qgemv_unroll_glu`: the integer-dot GEMVs' unrolling, `qdot_src.source`)."""
+    `qgemv_unroll` / `qgemv_unroll_glu` / `qgemv_min_blocks`: the integer-dot GEMVs' unrolling and
+    launch bounds, `qdot_src.source`)."""
     shaped = SHAPED
     width = 8 if (kv_half or kv_int8) else 4  # values a lane loads at once: 16 bytes (8 for int8)
     lpp = lanes_per_pos or ATTN_LANES
@@ -794,5 +796,5 @@ def source(
     }.items():
         shaped = shaped.replace(k, str(v))
     gemv = "".join(GEMV.replace("{T}", t) for t in sorted(set(types)))
-    qdot = qdot_src.source(types, qgemv_unroll, qgemv_unroll_glu)
+    qdot = qdot_src.source(types, qgemv_unroll, qgemv_unroll_glu, qgemv_min_blocks)
     return UNITS + COMMON + grid_src.LAST_BLOCK + qdot_src.round_source() + gemv + qdot + MISC + shaped

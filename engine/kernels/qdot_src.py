@@ -76,14 +76,22 @@ __device__ __forceinline__ void ld16_a2(const unsigned char* p, unsigned int* o)
 #define QU_Q6_K(u) (u)
 #define QU_Q4_1(u) (u)
 #define QU_Q8_0(u) (u)
+#ifdef QGEMV_MINB  // EngineOptions.qgemv_min_blocks (tuning): every integer GEMV held to that many blocks an SM
+#define QLB_Q4_1 __launch_bounds__(256, QGEMV_MINB)
+#define QLB_Q8_0 __launch_bounds__(256, QGEMV_MINB)
+#define QLB_KQ2 __launch_bounds__(256, QGEMV_MINB)
+#define QLB_GLU __launch_bounds__(256, QGEMV_MINB)
+#else
 #define QLB_Q4_1 __launch_bounds__(256)
 #define QLB_Q8_0 __launch_bounds__(256)
+#define QLB_GLU __launch_bounds__(256)
 // The 64-value K-quant codes and their two-piece kernels are held to 48 registers (5 blocks an SM)
 // at the default unroll; a larger tuning unroll needs more registers than that without spilling.
 #if QGEMV_U <= 2
 #define QLB_KQ2 __launch_bounds__(256, 5)
 #else
 #define QLB_KQ2 __launch_bounds__(256)
+#endif
 #endif
 // 64-value chunks a thread loads at once for an unroll u: the bytes of u 32-value chunks
 #define QU_KQ2(u) ((u) > 1 ? (u) / 2 : 1)
@@ -476,7 +484,7 @@ extern "C" __global__ void QLB_{P} qgemv_{T}(
         float* y, const float* __restrict__ bias, int epi, int up_off, int tpr) {
     qgemv_body_{P}<1, QU_{P}(QGEMV_U), false>(W, row_bytes, rows, cols, xq, xd, xs16, y, bias, epi, up_off, tpr, 0, 0);
 }
-extern "C" __global__ void __launch_bounds__(256) qgemv_glu_{T}(
+extern "C" __global__ void QLB_GLU qgemv_glu_{T}(
         const unsigned char* __restrict__ W, long long row_bytes, int rows, int cols,
         const signed char* __restrict__ xq, const float* __restrict__ xd, const int* __restrict__ xs16,
         float* y, const float* __restrict__ bias, int epi, int up_off, int tpr) {
@@ -514,14 +522,20 @@ def mix_pairs(types: list[str] | tuple[str, ...]) -> list[tuple[str, str]]:
     return [(a, b) for a in qt for b in qt if a != b and QTYPES[a] == QTYPES[b]]
 
 
-def source(types: list[str] | tuple[str, ...], unroll: int = UNROLL, unroll_glu: int = UNROLL_GLU) -> str:
+def source(
+    types: list[str] | tuple[str, ...], unroll: int = UNROLL, unroll_glu: int = UNROLL_GLU, min_blocks: int = 0
+) -> str:
     """The integer-dot GEMV kernels for those of `types` that have one (after UNITS + COMMON),
     loading `unroll` chunks at once (`unroll_glu` per row of the fused gate+up kernels), and the
-    two-piece kernels of `mix_pairs(types)`."""
+    two-piece kernels of `mix_pairs(types)`; `min_blocks` > 0 holds every one of them to that many
+    blocks of 256 threads an SM (`__launch_bounds__`; 0: the rule above, 5 for the 64-value K-quant
+    kernels at the default unroll, none for the others)."""
     qt = sorted(t for t in set(types) if t in QTYPES)
     if not qt:
         return ""
     unroll_defs = f"#define QGEMV_U {int(unroll)}\n#define QGEMV_UG {int(unroll_glu)}\n"
+    if min_blocks > 0:
+        unroll_defs += f"#define QGEMV_MINB {int(min_blocks)}\n"
     bodies = sorted({*qt, *(PLAIN[t] for t in qt)})
     kernels = "".join(QGEMV_KERNELS.replace("{T}", t).replace("{P}", PLAIN[t]) for t in qt)
     mixed = "".join(

@@ -160,6 +160,21 @@ def sources(arch: str) -> dict[str, str]:
         min_chunk=32,
         warps=decode_src.attn_warps(4, 64),
     )
+    # the GEMVs held to more blocks an SM (EngineOptions.qgemv_min_blocks, a tuning option)
+    out["decode[every type, min_blocks=6]"] = decode_src.source(
+        every_type,
+        n_heads=8,
+        n_kv_heads=2,
+        head_dim=64,
+        v_head_dim=64,
+        rope_half=32,
+        neox=True,
+        kv_half=True,
+        n_split=16,
+        min_chunk=32,
+        warps=decode_src.attn_warps(4, 64),
+        qgemv_min_blocks=6,
+    )
     return out
 
 

@@ -19,6 +19,7 @@ import re
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -147,34 +148,21 @@ def sources(arch: str) -> dict[str, str]:
     out = {"kernels": kernels.full_source(), "sample": sample_src.source(), "mmq": kernels.mmq_source()}
     out |= decode_sources(SM_COUNTS[arch])
     # every weight type at once (the real models mix more types than the presets: Q5_0, Q8_0, F16, ...)
-    out["decode[every type]"] = decode_src.source(
-        every_type,
-        n_heads=8,
-        n_kv_heads=2,
-        head_dim=64,
-        v_head_dim=64,
-        rope_half=32,
-        neox=True,
-        kv_half=True,
-        n_split=16,
-        min_chunk=32,
-        warps=decode_src.attn_warps(4, 64),
-    )
+    shape: dict[str, Any] = {
+        "n_heads": 8,
+        "n_kv_heads": 2,
+        "head_dim": 64,
+        "v_head_dim": 64,
+        "rope_half": 32,
+        "neox": True,
+        "kv_half": True,
+        "n_split": 16,
+        "min_chunk": 32,
+        "warps": decode_src.attn_warps(4, 64),
+    }
+    out["decode[every type]"] = decode_src.source(every_type, **shape)
     # the GEMVs held to more blocks an SM (EngineOptions.qgemv_min_blocks, a tuning option)
-    out["decode[every type, min_blocks=6]"] = decode_src.source(
-        every_type,
-        n_heads=8,
-        n_kv_heads=2,
-        head_dim=64,
-        v_head_dim=64,
-        rope_half=32,
-        neox=True,
-        kv_half=True,
-        n_split=16,
-        min_chunk=32,
-        warps=decode_src.attn_warps(4, 64),
-        qgemv_min_blocks=6,
-    )
+    out["decode[every type, min_blocks=6]"] = decode_src.source(every_type, **shape, qgemv_min_blocks=6)
     return out
 
 

@@ -65,6 +65,26 @@ def mmq_tile(t: int, rows: int, sms: int) -> int:
 
 
 _COMMON = r"""
+// The store of an mmq block's accumulators acc[2][NJ][4] (mma.sync m16n8 fragments: lane g = lane / 4,
+// t4 = lane % 4; warp tile at m0 + wm, n0 + wn) into Y [T, ldy] transposed, rows < M and tokens < T;
+// with a K split (gridDim.z > 1) into slice blockIdx.z of the partials P [splits, T, M]. A macro,
+// not a function: both kernels (mmq_body_<T>, mmq_i8_Q4_K) keep the code they had.
+#define MMQ_STORE()                                                                    \
+    if (gridDim.z > 1) {                                                               \
+        Y = P + (long long)blockIdx.z * T * M;                                         \
+        ldy = M;                                                                       \
+    }                                                                                  \
+    _Pragma("unroll")                                                                  \
+    for (int i = 0; i < 2; i++)                                                        \
+        _Pragma("unroll")                                                              \
+        for (int j = 0; j < NJ; j++) {                                                 \
+            int m = m0 + wm + 16 * i + g, n = n0 + wn + 8 * j + 2 * t4;                \
+            _Pragma("unroll")                                                          \
+            for (int c = 0; c < 4; c++) {                                              \
+                int mm = m + (c >> 1) * 8, nn = n + (c & 1);                           \
+                if (mm < M && nn < T) Y[(long long)nn * ldy + mm] = acc[i][j][c];      \
+            }                                                                          \
+        }
 #define MMQ_BM 128
 #define MMQ_LDS 72
 __device__ __forceinline__ void mmq_ldsm_x4(unsigned int* r, const unsigned short* p) {
@@ -176,21 +196,7 @@ __device__ __forceinline__ void mmq_body_{T}(const unsigned char* W, long long r
         __syncthreads();
     }
     int g = lane >> 2, t4 = lane & 3;
-    if (gridDim.z > 1) {
-        Y = P + (long long)blockIdx.z * T * M;
-        ldy = M;
-    }
-    #pragma unroll
-    for (int i = 0; i < 2; i++)
-        #pragma unroll
-        for (int j = 0; j < NJ; j++) {
-            int m = m0 + wm + 16 * i + g, n = n0 + wn + 8 * j + 2 * t4;
-            #pragma unroll
-            for (int c = 0; c < 4; c++) {
-                int mm = m + (c >> 1) * 8, nn = n + (c & 1);
-                if (mm < M && nn < T) Y[(long long)nn * ldy + mm] = acc[i][j][c];
-            }
-        }
+    MMQ_STORE();
 #endif
 }
 extern "C" __global__ void __launch_bounds__(256, 2) mmq_h_{T}(const unsigned char* W, long long row_bytes,
@@ -366,21 +372,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) mmq_i8_Q4_K(const unsigned 
         }
         __syncthreads();
     }
-    if (gridDim.z > 1) {
-        Y = P + (long long)blockIdx.z * T * M;
-        ldy = M;
-    }
-    #pragma unroll
-    for (int i = 0; i < 2; i++)
-        #pragma unroll
-        for (int j = 0; j < NJ; j++) {
-            int m = m0 + wm + 16 * i + g, n = n0 + wn + 8 * j + 2 * t4;
-            #pragma unroll
-            for (int c = 0; c < 4; c++) {
-                int mm = m + (c >> 1) * 8, nn = n + (c & 1);
-                if (mm < M && nn < T) Y[(long long)nn * ldy + mm] = acc[i][j][c];
-            }
-        }
+    MMQ_STORE();
 #endif
 }
 """

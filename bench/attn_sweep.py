@@ -1,7 +1,7 @@
 """Decode attention (`attn_decode` of engine.kernels.decode_src) alone: GPU time per launch for
 the SmolLM2-135M and Qwen3-4B head shapes, f16 and int8 caches, several slice sizes and positions.
 
-    python -m bench.attn_sweep [--chunks 32,64,128] [--pos 640,2048,4000] [--out DIR]
+    python -m bench.attn_sweep [--chunks 32,64,128] [--pos 640,2048,4000] [--cluster 0,8] [--out DIR]
 
 Each timing is a CUDA graph of one launch per layer, every layer its own cache (as in a real
 step, so the cache is not served from L2 by the previous launch), replayed 3 times. Every
@@ -75,6 +75,8 @@ def run(
     stage: int = 0,
     lanes: int | None = None,
     warps: int | None = None,
+    cluster: int = 0,
+    cluster_min: int = 192,
 ) -> dict:
     import cupy as cp
 
@@ -98,11 +100,14 @@ def run(
         min_chunk=chunk,
         lanes_per_pos=lanes,
         warps=warps,
+        attn_cluster=cluster,
+        cluster_min=cluster_min,
     )
     if stage:  # profiling: stop the kernel early (1: after the scan, 2: after the slice writes)
         src = f"#define ATT_STAGE {stage}\n" + src
     fn = cp.RawModule(code=src, options=("--std=c++17",)).get_function("attn_decode")
-    nw = warps or decode_src.attn_warps(h // kvh, d)
+    nw = warps or decode_src.attn_warps(h // kvh, d, cluster)
+    blocks = decode_src.attn_blocks(n_split, cluster)
     rng = np.random.default_rng(1)
     q = cp.asarray(rng.standard_normal((h, d)).astype(np.float32))
     ids = cp.asarray(np.array([0, pos, 0, 0], dtype=np.int32))
@@ -117,7 +122,7 @@ def run(
     def launch(i: int) -> None:
         kc, vc, kd, vd = layers[i]
         fn(
-            (kvh, n_split),
+            (kvh, blocks),
             (32 * nw,),
             (
                 q,
@@ -160,6 +165,9 @@ def run(
         "stage": stage,
         "lanes": lanes,
         "warps": nw,
+        "cluster": cluster,
+        "cluster_min": cluster_min,
+        "blocks": blocks,
         "us": round(us, 2),
         "GBps": round(kv_bytes / us / 1e3, 1),
         "rel_err": err,
@@ -174,23 +182,44 @@ def main() -> None:
     ap.add_argument("--stages", default="0", help="0 full; 3 launch only, 1 + scan, 2 + slice writes (profiling)")
     ap.add_argument("--lanes", default="0", help="lanes a position (0: the kernel's rule)")
     ap.add_argument("--warps", default="0", help="warps a block (0: the kernel's rule)")
+    ap.add_argument(
+        "--cluster", default="0", help="blocks of a KV head's thread-block cluster (sm_90; 0: split-K slices)"
+    )
+    ap.add_argument("--cluster-min", default="192", help="positions a cluster block takes before slices are used")
     ap.add_argument("--out", default=None, help="results folder (bench/results: the run is recorded in its index)")
     a = ap.parse_args()
     rows = []
     for shape in SHAPES:
         for kv in a.kv.split(","):
             caches = _caches(shape, kv, 4096)
-            for pos, chunk, stage, lanes, warps in itertools.product(
+            for pos, chunk, stage, lanes, warps, cluster, cmin in itertools.product(
                 map(int, a.pos.split(",")),
                 map(int, a.chunks.split(",")),
                 map(int, a.stages.split(",")),
                 map(int, a.lanes.split(",")),
                 map(int, a.warps.split(",")),
+                map(int, a.cluster.split(",")),
+                map(int, a.cluster_min.split(",")),
             ):
-                r = run(shape, kv, chunk, pos, caches, stage=stage, lanes=lanes or None, warps=warps or None)
+                first = (int(a.chunks.split(",")[0]), int(a.cluster_min.split(",")[0]))
+                if (cluster and (stage or chunk != first[0])) or (not cluster and cmin != first[1]):
+                    continue  # a cluster's blocks cannot stop early; its slices do not depend on the chunk
+                r = run(
+                    shape,
+                    kv,
+                    chunk,
+                    pos,
+                    caches,
+                    stage=stage,
+                    lanes=lanes or None,
+                    warps=warps or None,
+                    cluster=cluster,
+                    cluster_min=cmin,
+                )
                 rows.append(r)
                 print(
-                    f"{shape:9s} {kv:5s} pos {pos:5d} chunk {chunk:4d} stage {stage} lanes {lanes:2d} warps {r['warps']}: "
+                    f"{shape:9s} {kv:5s} pos {pos:5d} chunk {chunk:4d} stage {stage} lanes {lanes:2d} warps {r['warps']} "
+                    f"cluster {cluster}/{cmin} blocks {r['blocks']}: "
                     f"{r['us']:6.2f} us "
                     f"({r['GBps']:7.1f} GB/s of cache)  rel.err {r['rel_err']:.1e}",
                     flush=True,

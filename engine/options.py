@@ -19,6 +19,7 @@ environment by `EngineOptions.from_env` (the only place the engine reads these v
 | `cupy_device_loop` | `GENIE_CUPY_DEVICE_LOOP` (`0`: off) | True | decode steps chained on the device, tokens read one step behind |
 | `attn_chunk` | `GENIE_CUPY_ATTN_CHUNK` | 32 | fewest positions a decode-attention slice takes |
 | `attn_warps` | `GENIE_CUPY_ATTN_WARPS` | 0 (the rule) | warps of a decode-attention block |
+| `attn_cluster` | `GENIE_CUPY_ATTN_CLUSTER` | 8 | sm_90+: blocks of the thread-block cluster that takes one KV head's positions in decode attention (merged through distributed shared memory); 0: split-K slices merged through global memory (always below sm_90) |
 | `prefill_chunk` | — (the caller's) | None (the backend's: CPU 64, CuPy 512) | prompt tokens per prefill pass the caller uses: sizes the memory plan's prefill scratch and CuPy's first-chunk graph |
 """
 
@@ -75,6 +76,10 @@ class EngineOptions:
     """Fewest positions one decode-attention slice takes."""
     attn_warps: int = 0
     """Warps of one decode-attention block; 0: `decode_src.attn_warps`'s rule."""
+    attn_cluster: int = 8
+    """On sm_90+, the blocks of one thread-block cluster that take a KV head's positions in decode
+    attention and merge through distributed shared memory (at most 8); 0: split-K slices of at
+    least `attn_chunk` positions merged through global memory, the only path below sm_90."""
     prefill_chunk: int | None = None
     """Prompt tokens per prefill pass the caller will use (the daemon: the policy's
     `voice.prefill_chunk_tokens`); sizes the plan's prefill scratch and CuPy's first-chunk graph.
@@ -104,6 +109,7 @@ class EngineOptions:
             cupy_device_loop=env.get("GENIE_CUPY_DEVICE_LOOP", "1") != "0",
             attn_chunk=int(env.get("GENIE_CUPY_ATTN_CHUNK", "32")),
             attn_warps=int(env.get("GENIE_CUPY_ATTN_WARPS", "0")),
+            attn_cluster=int(env.get("GENIE_CUPY_ATTN_CLUSTER", "8")),
         )
 
 

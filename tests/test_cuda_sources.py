@@ -25,6 +25,7 @@ import pytest
 
 from engine import kernels
 from engine.kernels import decode_src, ops_src, qdot_src, quant_units, sample_src
+from engine.options import DEFAULT_OPTIONS
 from engine.spec import ARCHITECTURES
 from engine.synth import PRESETS, preset_config
 
@@ -113,9 +114,10 @@ def _compiler() -> tuple[Compiler | None, str]:
 COMPILE, WHERE = _compiler()
 
 
-def decode_sources(sm_counts: tuple[int, ...]) -> dict[str, str]:
+def decode_sources(sm_counts: tuple[int, ...], cluster: int = 0) -> dict[str, str]:
     """The decode module of every synth preset x KV cache type x attention split (as
-    `CupyDecoder.__init__` builds it), by a readable key."""
+    `CupyDecoder.__init__` builds it, with `cluster` blocks a KV head's attention cluster), by a
+    readable key."""
     out = {}
     for name in sorted(PRESETS):
         c = preset_config(name)
@@ -125,7 +127,7 @@ def decode_sources(sm_counts: tuple[int, ...]) -> dict[str, str]:
         for kv in KV_TYPES:
             for n_sm in sm_counts:
                 n_split = max(1, min(64, -(-2 * n_sm // c.n_kv_heads)))
-                out[f"decode[{name},{kv},split={n_split}]"] = decode_src.source(
+                out[f"decode[{name},{kv},split={n_split},cluster={cluster}]"] = decode_src.source(
                     types,
                     n_heads=c.n_heads,
                     n_kv_heads=c.n_kv_heads,
@@ -137,7 +139,8 @@ def decode_sources(sm_counts: tuple[int, ...]) -> dict[str, str]:
                     kv_int8=kv == "int8",
                     n_split=n_split,
                     min_chunk=32,
-                    warps=decode_src.attn_warps(c.n_heads // c.n_kv_heads, hd),
+                    warps=decode_src.attn_warps(c.n_heads // c.n_kv_heads, hd, cluster),
+                    attn_cluster=cluster,
                 )
     return out
 
@@ -146,7 +149,7 @@ def sources(arch: str) -> dict[str, str]:
     """Every translation unit the backend compiles on a GPU of `arch`, by a readable key."""
     every_type = sorted(quant_units.TYPES)
     out = {"kernels": kernels.full_source(), "sample": sample_src.source(), "mmq": kernels.mmq_source()}
-    out |= decode_sources(SM_COUNTS[arch])
+    out |= decode_sources(SM_COUNTS[arch], DEFAULT_OPTIONS.attn_cluster if arch == "sm_90" else 0)
     # every weight type at once (the real models mix more types than the presets: Q5_0, Q8_0, F16, ...)
     shape: dict[str, Any] = {
         "n_heads": 8,
@@ -235,3 +238,17 @@ def test_the_backend_build_compiles(arch: str) -> None:
     assert len(todo) == 3 + len(SM_COUNTS[arch])
     n, failed = compile_all(todo, arch, ())
     assert not failed, f"{len(failed)} of {n} sources do not compile for {arch} ({WHERE})"
+
+
+def test_attention_clusters_only_where_asked() -> None:
+    """The decode module holds cluster code only when built with clusters; a cluster build takes 8 warps
+    up to 512 query values a KV head (else the slices' rule) and whole clusters of `n_split`'s blocks."""
+    shape: dict[str, Any] = {"n_heads": 32, "n_kv_heads": 8, "head_dim": 128, "v_head_dim": 128, "rope_half": 64}
+    plain = decode_src.source(["Q4_K"], **shape, neox=True, kv_half=True, n_split=33)
+    clustered = decode_src.source(["Q4_K"], **shape, neox=True, kv_half=True, n_split=33, attn_cluster=8)
+    assert "#define ATT_CLUSTER 0\n" in plain and "#define NW 4 " in plain
+    assert "#define ATT_CLUSTER 8\n" in clustered and "#define NW 8 " in clustered
+    assert decode_src.attn_warps(4, 128) == 4 and decode_src.attn_warps(4, 128, 8) == 8
+    assert decode_src.attn_warps(8, 128, 8) == 4 and decode_src.attn_warps(3, 64, 8) == 8
+    assert [decode_src.attn_blocks(n, 8) for n in (33, 64, 5)] == [32, 64, 8]
+    assert decode_src.attn_blocks(33, 0) == 33

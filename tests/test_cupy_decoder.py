@@ -168,6 +168,35 @@ def test_programmatic_dependent_launch_matches_plain_launches(tmp_path: Path) ->
     np.testing.assert_array_equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("kv,extra", [("f16", {"head_dim": 128}), ("int8", {"head_dim": 128}), ("f32", {})])
+def test_clustered_attention_matches_split_slices(tmp_path: Path, kv: str, extra: dict) -> None:
+    """Decode attention in thread-block clusters (sm_90) gives the split-K slices' logits to float
+    rounding, where one cluster takes the context (merged in distributed shared memory) and past
+    its 1,536 positions (the module's other blocks as slices), with 8 query heads a KV head."""
+    if int(cp.cuda.Device().compute_capability) < 90:
+        pytest.skip("thread-block clusters need compute capability 9.0")
+    shape = {**SHAPE, "n_heads": 16, **extra}
+    p = write_synthetic_gguf(tmp_path / "m.gguf", "qwen3", weight_type="Q4_K", seed=4, **shape)
+    ids = np.random.default_rng(3).integers(0, SHAPE["n_vocab"], 1700).tolist()
+    steps = [*range(20, 26), *range(1530, 1542), *range(1690, 1700)]  # one cluster; past 1,536 positions: slices
+    outs = []
+    for cluster in (0, 8):
+        m = load_model(p, backend="cupy", n_ctx=2048, kv_dtype=kv, options=replace(EXACT, attn_cluster=cluster))
+        dec = m.decoder
+        assert isinstance(dec, CupyDecoder) and dec.attn_cluster == cluster and dec.mode == "graph"
+        got, start = [], 0
+        for pos in steps:
+            if pos > start:
+                m.step_logits(ids[start:pos], start)
+            got.append(m.step_logits([ids[pos]], pos))
+            start = pos + 1
+        outs.append(np.stack(got))
+        del m, dec
+    assert np.isfinite(outs[1]).all()
+    assert rel(outs[1], outs[0]) < 1e-5, rel(outs[1], outs[0])
+    assert (outs[1].argmax(1) == outs[0].argmax(1)).all()
+
+
 def test_steady_state_decode_allocates_nothing(tmp_path: Path) -> None:
     """500 greedy decode steps through Model.step_sample: no pool allocation, no device
     allocation, pool bytes unchanged."""

@@ -36,6 +36,7 @@ VARIABLES = (
     "GENIE_CUPY_DEVICE_LOOP",
     "GENIE_CUPY_ATTN_CHUNK",
     "GENIE_CUPY_ATTN_WARPS",
+    "GENIE_CUPY_ATTN_CLUSTER",
 )
 
 
@@ -64,6 +65,7 @@ def test_defaults_are_the_engines_and_the_value_is_frozen() -> None:
     )
     assert o.cupy_device_loop is True and o.cupy_mmq is True and o.cupy_mmq_split is True
     assert o.cupy_mmq_tokens == 128 and o.cupy_mmq_i8 is False and o.qgemv_min_blocks == 0
+    assert o.attn_cluster == 8
     with pytest.raises(FrozenInstanceError):
         o.threads = 3  # type: ignore[misc]
 
@@ -88,6 +90,7 @@ def test_from_env_parses_every_variable() -> None:
         "GENIE_CUPY_MMQ_I8": "1",
         "GENIE_CUPY_ATTN_CHUNK": "64",
         "GENIE_CUPY_ATTN_WARPS": "8",
+        "GENIE_CUPY_ATTN_CLUSTER": "0",
     }
     assert EngineOptions.from_env(env) == EngineOptions(
         threads=3,
@@ -106,6 +109,7 @@ def test_from_env_parses_every_variable() -> None:
         cupy_mmq_i8=True,
         attn_chunk=64,
         attn_warps=8,
+        attn_cluster=0,
     )
 
 

@@ -76,10 +76,13 @@ class CupyDecoder:
         e, hd, vd, nh, nkv = s.n_embd, s.head_dim, s.v_head_dim, s.n_heads, s.n_kv_heads
         kv_half = tf.kv.k[0].dtype == cp.float16
         kv_int8 = isinstance(tf.kv.k[0], Int8Rows)
-        self.attn_warps = opts.attn_warps or decode_src.attn_warps(nh // nkv, hd)
         dev = cp.cuda.Device()
         self.n_sm = int(cp.cuda.runtime.getDeviceProperties(dev.id)["multiProcessorCount"])
         self.n_split = max(1, min(64, -(-2 * self.n_sm // nkv)))  # slices of >= 32 positions
+        major = int(dev.compute_capability[:-1] or 0)
+        self.attn_cluster = max(0, min(8, opts.attn_cluster)) if major >= 9 else 0
+        """Blocks of one thread-block cluster in decode attention (0: `n_split` slices)."""
+        self.attn_warps = opts.attn_warps or decode_src.attn_warps(nh // nkv, hd, self.attn_cluster)
         rope_half = int(next(iter(tf.rope.values()))[0].shape[1])
         types = {p.type_name for lw in tf.layers for w in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down) for p in w.pieces()}
         types |= {p.type_name for p in tf.output.pieces()}
@@ -101,9 +104,12 @@ class CupyDecoder:
             qgemv_unroll=opts.qgemv_unroll,
             qgemv_unroll_glu=opts.qgemv_unroll_glu,
             qgemv_min_blocks=opts.qgemv_min_blocks,
+            attn_cluster=self.attn_cluster,
         )
         self.module = _module(src)
         self._fns: dict[str, Any] = {}
+        self.attn_blocks = decode_src.attn_blocks(self.n_split, self.attn_cluster)
+        """Blocks a KV head in decode attention (the grid's second dimension)."""
         # --- buffers (allocated once) -------------------------------------------------------
         f32 = cp.float32
         qkv_rows = tf.layers[0].wqkv.shape[0]
@@ -258,6 +264,7 @@ class CupyDecoder:
             "launches": len(self.plan),
             "pdl": self.pdl,
             "n_split": self.n_split,
+            "attn_cluster": self.attn_cluster,
             "scratch_bytes": self.scratch_bytes,
         }
 

@@ -88,7 +88,7 @@ class _Step:
             self.plan.append(
                 Launch(
                     d.function("attn_decode"),
-                    (nkv, d.n_split),
+                    (nkv, d.attn_blocks),
                     (32 * d.attn_warps,),
                     (
                         d.q,

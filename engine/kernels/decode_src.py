@@ -396,7 +396,7 @@ extern "C" __global__ void __launch_bounds__(128) qkv_post(
     }
 }
 
-// Split-K decode attention. grid (KVH, NSPLIT), NW warps. Positions lo..pos (lo from the sliding
+// Split-K decode attention. grid (KVH, NSPLIT) (ATT_CLUSTER: (KVH, a multiple of it), below), NW warps. Positions lo..pos (lo from the sliding
 // window) are cut into slices of at least MINCHUNK positions (at most NSPLIT slices); each block
 // writes, per query head of its group, the slice's max score pm, sum of exp pl and unnormalised
 // output pacc [H, NSPLIT, DV]; the last block of a KV head to finish (atomic counter, reset by it)
@@ -414,6 +414,32 @@ extern "C" __global__ void __launch_bounds__(128) qkv_post(
 #define PPW (32 / LPP)  // positions a warp step
 #define KPL (D / LPP)
 #define VPL (DV / LPP)
+// ATT_CLUSTER 0: the slices of a KV head are blocks of the grid, merged through global memory by
+// the last one to finish (a fence, an atomic counter, then the partial results read back from L2).
+// N (sm_90): the blocks of a KV head are grouped in thread-block clusters of N. Up to N x CLMIN
+// positions the first cluster alone takes them, split evenly over its blocks (the others return):
+// their partial results stay in shared memory, and after one cluster barrier every block merges its
+// share of the outputs (one rounding group each) through distributed shared memory - no fence, no
+// counter, no round trip through L2. Past that, every block of the grid is a slice as with 0
+// (gridDim.y of them, at most NSPLIT).
+#define ATT_CLUSTER {ATT_CLUSTER}
+#define CLMIN {CLMIN}
+#if ATT_CLUSTER
+#define ATT_BOUNDS __cluster_dims__(1, ATT_CLUSTER, 1) __launch_bounds__(NT)
+__device__ __forceinline__ void cluster_sync_all() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// v at the same shared-memory place in block `rank` of this cluster
+__device__ __forceinline__ float ld_peer(const float* v, unsigned int rank) {
+    unsigned int a = (unsigned int)__cvta_generic_to_shared(v), pa;
+    float r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(pa) : "r"(a), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(r) : "r"(pa));
+    return r;
+}
+#else
+#define ATT_BOUNDS __launch_bounds__(NT)
+#endif
 // n floats from a 16-byte aligned run of the cache (n a multiple of 4 / 8)
 template <int N> __device__ __forceinline__ void ldrow(const float* p, float* o) {
     #pragma unroll
@@ -450,7 +476,7 @@ template <int N> __device__ __forceinline__ void ldrow(const signed char* p, flo
         }
     }
 }
-extern "C" __global__ void __launch_bounds__(NT) attn_decode(
+extern "C" __global__ void ATT_BOUNDS attn_decode(
         const float* __restrict__ q, const kv_t* __restrict__ Kc, const kv_t* __restrict__ Vc,
         const unsigned short* __restrict__ Kd, const unsigned short* __restrict__ Vd, const int* ids,
         float* pm, float* pl, float* pacc, int* counter, float* out, int n_ctx, int window, float scale,
@@ -466,10 +492,29 @@ extern "C" __global__ void __launch_bounds__(NT) attn_decode(
     int pos = ids[1], end = pos + 1;
     int lo = window > 0 ? max(0, pos - window + 1) : 0;
     int len = end - lo;
+#if ATT_CLUSTER
+    __shared__ float cm[G], cl[G], cacc[G][DV];  // this block's partial results, read by the cluster
+    const bool one = len <= ATT_CLUSTER * CLMIN;  // the same in every block: one cluster takes them all
+    int chunk, active, s0, s1;
+    if (one) {
+        if (split >= ATT_CLUSTER) return;  // whole clusters: no block waits at a barrier for one gone
+        chunk = (len + ATT_CLUSTER - 1) / ATT_CLUSTER;  // every block of the cluster runs (maybe empty)
+        active = 1;
+        s0 = min(end, lo + split * chunk);
+        s1 = min(end, s0 + chunk);
+    } else {
+        chunk = max(MINCHUNK, (len + (int)gridDim.y - 1) / (int)gridDim.y);
+        active = (len + chunk - 1) / chunk;
+        if (split >= active) return;
+        s0 = lo + split * chunk;
+        s1 = min(end, s0 + chunk);
+    }
+#else
     int chunk = max(MINCHUNK, (len + NSPLIT - 1) / NSPLIT);
     int active = (len + chunk - 1) / chunk;
     if (split >= active) return;
     int s0 = lo + split * chunk, s1 = min(end, s0 + chunk);
+#endif
     {   // ids[] is written before the step's first kernel; rows < pos are from earlier steps, and
         // the row at pos (written by qkv_post) is only read after the wait (L2 is coherent)
         const char* kb = (const char*)(Kc + ((long long)kvh * n_ctx + s0) * D);
@@ -653,12 +698,63 @@ extern "C" __global__ void __launch_bounds__(NT) attn_decode(
             o += wacc[w][g][d] * e;
             L += wl[w][g] * e;
         }
+#if ATT_CLUSTER
+        if (one) {
+            cacc[g][d] = o;
+            if (d == 0) { cm[g] = M; cl[g] = L; }
+            continue;
+        }
+#endif
         int h = kvh * G + g;
         pacc[((long long)h * NSPLIT + split) * DV + d] = o;
         if (d == 0) { pm[h * NSPLIT + split] = M; pl[h * NSPLIT + split] = L; }
     }
 #if ATT_STAGE == 2
     return;  // profiling: stop after the slice results are written
+#endif
+#if ATT_CLUSTER
+    if (one) {
+        cluster_sync_all();
+        // block `split` merges units split, split + N, ... of the group's outputs (a unit: one
+        // rounding group of the output projection's input, else 32 outputs), each output over
+        // the N blocks' partial results in their shared memory, then rounds the unit
+        constexpr int NV = G * DV;
+        int per = aq == 1 ? 32 : 256, base = kvh * NV;
+        bool rnd = aq && NV % per == 0;
+        int unit = rnd ? per : (NV % 32 == 0 ? 32 : NV);
+        __shared__ float cobuf[NV];
+        for (int u = split; u < NV / unit; u += ATT_CLUSTER) {
+            for (int i = u * unit + tid; i < (u + 1) * unit; i += NT) {
+                int g = i / DV, d = i % DV;
+                float bm[ATT_CLUSTER], bl[ATT_CLUSTER], ba[ATT_CLUSTER];
+                #pragma unroll
+                for (int r = 0; r < ATT_CLUSTER; r++) {
+                    bm[r] = ld_peer(&cm[g], r); bl[r] = ld_peer(&cl[g], r); ba[r] = ld_peer(&cacc[g][d], r);
+                }
+                float M = bm[0];
+                #pragma unroll
+                for (int r = 1; r < ATT_CLUSTER; r++) M = fmaxf(M, bm[r]);
+                float o = 0.f, L = 0.f;
+                #pragma unroll
+                for (int r = 0; r < ATT_CLUSTER; r++) {
+                    float e = bm[r] == NEG_INF ? 0.f : expf(bm[r] - M);
+                    o += ba[r] * e;
+                    L += bl[r] * e;
+                }
+                float v = o / L;
+                out[base + i] = v;
+                cobuf[i - u * unit] = v;
+            }
+            if (rnd) {  // the output projection's input rounding (qprep_x's work) for this unit
+                __syncthreads();
+                int ub = base + u * unit;
+                if (warp == 0) round_group([&](int i) { return cobuf[i - ub]; }, aq, ub / per, lane, xq, xd, xs16);
+                __syncthreads();
+            }
+        }
+        cluster_sync_all();  // this block's partial results stay until every block of the cluster has read them
+        return;
+    }
 #endif
     LAST_BLOCK_OR_RETURN(last, counter + kvh, active);
     if (tid == 0) counter[kvh] = 0;
@@ -740,13 +836,25 @@ but measured slower on an H200: Qwen3-4B shape 12.2 vs 11.7 us at 640 positions,
 4000; bench/attn_sweep.py --lanes 8,16.)"""
 
 
-def attn_warps(group: int, head_dim: int) -> int:
+def attn_warps(group: int, head_dim: int, cluster: int = 0) -> int:
     """Warps of a decode-attention block: 8 where a lane keeps few query/output values
     (group x head_dim / 8 <= 32: two blocks of 256 threads still fit an SM), else 4. Measured on
     an H200 (bench/attn_sweep.py --warps 4,8): SmolLM2 shape 5.9 vs 6.8 us at 640 positions, 9.4
     vs 12.4 at 4000; Qwen3-4B shape 14.8 vs 11.6 and 23.5 vs 20.6 (registers limit it to one
-    block an SM)."""
+    block an SM). In clusters (`cluster` > 0) 8 up to 512 query values a KV head (the warps'
+    partial outputs in shared memory: 16 KB): a cluster's blocks take several times more positions
+    each than a slice, so positions a step matter more than blocks an SM (Qwen3-4B shape at 640
+    positions: 10.1 us with 8 warps, 11.6 with 4; `Model.generate` 1.044x vs 1.010x)."""
+    if cluster and group * head_dim <= 512:
+        return 8
     return 8 if group * head_dim // 8 <= 32 else 4
+
+
+def attn_blocks(n_split: int, cluster: int) -> int:
+    """Blocks a KV head in decode attention: `n_split` slices, or with clusters of `cluster` blocks
+    as many whole clusters as fit in `n_split` (at least one). (Fewer, as many as are resident at
+    once, measured slower past one cluster's positions: Qwen3-4B shape 30.6 vs 22.4 us at 4,000.)"""
+    return cluster * max(1, n_split // cluster) if cluster else n_split
 
 
 def source(
@@ -767,11 +875,16 @@ def source(
     qgemv_unroll: int = qdot_src.UNROLL,
     qgemv_unroll_glu: int = qdot_src.UNROLL_GLU,
     qgemv_min_blocks: int = 0,
+    attn_cluster: int = 0,
+    cluster_min: int = 192,
 ) -> str:
     """The decode module for one model shape and the given weight types (`kv_half` / `kv_int8`:
     the cache's element type; `min_chunk`: fewest positions an attention slice takes;
     `qgemv_unroll` / `qgemv_unroll_glu` / `qgemv_min_blocks`: the integer-dot GEMVs' unrolling and
-    launch bounds, `qdot_src.source`)."""
+    launch bounds, `qdot_src.source`; `attn_cluster`: 0, or the blocks of one thread-block cluster
+    that take a KV head's positions in decode attention, merged through distributed shared memory:
+    sm_90+, up to `attn_cluster` x `cluster_min` positions; longer contexts in slices over the grid,
+    `attn_blocks` blocks a KV head)."""
     shaped = SHAPED
     width = 8 if (kv_half or kv_int8) else 4  # values a lane loads at once: 16 bytes (8 for int8)
     lpp = lanes_per_pos or ATTN_LANES
@@ -791,7 +904,9 @@ def source(
         "{KVQ}": int(kv_int8),
         "{MINCHUNK}": min_chunk,
         "{LPP}": lpp,
-        "{NWARP}": warps or attn_warps(n_heads // n_kv_heads, head_dim),
+        "{NWARP}": warps or attn_warps(n_heads // n_kv_heads, head_dim, attn_cluster),
+        "{ATT_CLUSTER}": attn_cluster,
+        "{CLMIN}": cluster_min,
         "{FASTATT}": int(head_dim % align == 0 and v_head_dim % align == 0),
     }.items():
         shaped = shaped.replace(k, str(v))

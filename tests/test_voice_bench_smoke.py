@@ -23,11 +23,11 @@ from wyoming.asr import Transcript
 from wyoming.audio import AudioChunk, AudioStart, AudioStop
 from wyoming.event import Event
 from wyoming.info import Describe
-from wyoming.server import AsyncEventHandler, AsyncTcpServer
+from wyoming.server import AsyncEventHandler
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped
 
 from bench.voice_path.__main__ import main
-from bench.voice_path.stack import HOST, VoiceStack, free_port
+from bench.voice_path.stack import HOST, VoiceStack
 from bench.voice_path.utterances import Utterance, resample, word_errors
 from tests.models import SMOLLM2, require
 from tests.wyoming_info import server_info
@@ -79,27 +79,34 @@ class _Handler(AsyncEventHandler):
 
 @contextmanager
 def tiny_stack(_workdir: Path) -> Iterator[VoiceStack]:
-    """Both servers in a thread with its own event loop, for the length of the block."""
-    stt, tts = free_port(), free_port()
+    """Both servers in a thread with its own event loop, for the length of the block; each listens on
+    a port the kernel picked when it bound (port 0), so no other process can take it in between."""
+    ports: dict[str, int] = {}
     ready, stop = threading.Event(), None
     loop = asyncio.new_event_loop()
 
     async def serve() -> None:
         nonlocal stop
         stop = asyncio.Event()
-        servers = [AsyncTcpServer(HOST, stt), AsyncTcpServer(HOST, tts)]
-        for server, kind in zip(servers, ("stt", "tts"), strict=True):
-            await server.start(lambda r, w, kind=kind: _Handler(r, w, kind))
+        servers = []
+        for kind in ("stt", "tts"):
+
+            async def client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, kind: str = kind) -> None:
+                await _Handler(reader, writer, kind).run()
+
+            server = await asyncio.start_server(client, HOST, 0)
+            ports[kind] = server.sockets[0].getsockname()[1]
+            servers.append(server)
         ready.set()
         await stop.wait()
         for server in servers:
-            await server.stop()
+            server.close()
 
     thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
     thread.start()
     assert ready.wait(10), "tiny Wyoming servers did not start"
     try:
-        yield VoiceStack(stt, tts, voice="tiny-tone", describe="tiny Wyoming STT/TTS (tests)")
+        yield VoiceStack(ports["stt"], ports["tts"], voice="tiny-tone", describe="tiny Wyoming STT/TTS (tests)")
     finally:
         assert stop is not None
         loop.call_soon_threadsafe(stop.set)

@@ -250,5 +250,7 @@ def test_attention_clusters_only_where_asked() -> None:
     assert "#define ATT_CLUSTER 8\n" in clustered and "#define NW 8 " in clustered
     assert decode_src.attn_warps(4, 128) == 4 and decode_src.attn_warps(4, 128, 8) == 8
     assert decode_src.attn_warps(8, 128, 8) == 4 and decode_src.attn_warps(3, 64, 8) == 8
-    assert [decode_src.attn_blocks(n, 8) for n in (33, 64, 5)] == [32, 64, 8]
+    assert [decode_src.attn_blocks(n, 8) for n in (33, 64, 8)] == [32, 64, 8]
     assert decode_src.attn_blocks(33, 0) == 33
+    with pytest.raises(ValueError, match="does not fit"):
+        decode_src.attn_blocks(5, 8)

@@ -852,9 +852,12 @@ def attn_warps(group: int, head_dim: int, cluster: int = 0) -> int:
 
 def attn_blocks(n_split: int, cluster: int) -> int:
     """Blocks a KV head in decode attention: `n_split` slices, or with clusters of `cluster` blocks
-    as many whole clusters as fit in `n_split` (at least one). (Fewer, as many as are resident at
-    once, measured slower past one cluster's positions: Qwen3-4B shape 30.6 vs 22.4 us at 4,000.)"""
-    return cluster * max(1, n_split // cluster) if cluster else n_split
+    (at most `n_split`: the slices' buffers hold that many) as many whole clusters as fit in
+    `n_split`. (Fewer, as many as are resident at once, measured slower past one cluster's
+    positions: Qwen3-4B shape 30.6 vs 22.4 us at 4,000.)"""
+    if cluster > n_split:
+        raise ValueError(f"a cluster of {cluster} blocks does not fit in {n_split} attention slices")
+    return cluster * (n_split // cluster) if cluster else n_split
 
 
 def source(

@@ -168,11 +168,19 @@ def test_programmatic_dependent_launch_matches_plain_launches(tmp_path: Path) ->
     np.testing.assert_array_equal(outs[0], outs[1])
 
 
-@pytest.mark.parametrize("kv,extra", [("f16", {"head_dim": 128}), ("int8", {"head_dim": 128}), ("f32", {})])
+@pytest.mark.parametrize(
+    "kv,extra",
+    [
+        ("f16", {"head_dim": 128}),
+        ("int8", {"head_dim": 128}),
+        ("f32", {}),
+        ("f16", {"head_dim": 128, "n_heads": 8}),  # 4 query heads a KV head: 8 warps (the Qwen3-4B shape's)
+    ],
+)
 def test_clustered_attention_matches_split_slices(tmp_path: Path, kv: str, extra: dict) -> None:
     """Decode attention in thread-block clusters (sm_90) gives the split-K slices' logits to float
     rounding, where one cluster takes the context (merged in distributed shared memory) and past
-    its 1,536 positions (the module's other blocks as slices), with 8 query heads a KV head."""
+    its 1,536 positions (the module's other blocks as slices), with 8 or 4 query heads a KV head."""
     if int(cp.cuda.Device().compute_capability) < 90:
         pytest.skip("thread-block clusters need compute capability 9.0")
     shape = {**SHAPE, "n_heads": 16, **extra}

@@ -189,6 +189,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="results folder (bench/results: the run is recorded in its index)")
     a = ap.parse_args()
     rows = []
+    first_chunk, first_cmin = int(a.chunks.split(",")[0]), int(a.cluster_min.split(",")[0])
     for shape in SHAPES:
         for kv in a.kv.split(","):
             caches = _caches(shape, kv, 4096)
@@ -201,8 +202,7 @@ def main() -> None:
                 map(int, a.cluster.split(",")),
                 map(int, a.cluster_min.split(",")),
             ):
-                first = (int(a.chunks.split(",")[0]), int(a.cluster_min.split(",")[0]))
-                if (cluster and (stage or chunk != first[0])) or (not cluster and cmin != first[1]):
+                if (cluster and (stage or chunk != first_chunk)) or (not cluster and cmin != first_cmin):
                     continue  # a cluster's blocks cannot stop early; its slices do not depend on the chunk
                 r = run(
                     shape,

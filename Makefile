@@ -24,14 +24,15 @@ ui-assets: $(STAMP)
 	@$(PY) -m genie_supervisor.ui.vendor || echo "ui-assets: the page's charts stay unavailable (see above)"
 
 # Mosquitto is a real part of the tests (MQTT); gcc builds the native CPU kernels at first use
-# (engine/kernels/cpu/, cached under ~/.cache/genie-supervisor/kernels); chromium runs the web page's
-# tests (headless, driven by Playwright). Installed
-# from Debian when missing; without them the MQTT and page tests skip (fail under CI=true) and the
-# engine falls back to pure NumPy.
+# (engine/kernels/cpu/, cached under ~/.cache/genie-supervisor/kernels); g++ builds the GPU kernels'
+# dot products for the host (tests/qdot_host.py); chromium runs the web page's tests (headless,
+# driven by Playwright). Installed from Debian when missing; without them the MQTT, host-kernel
+# and page tests skip (fail under CI=true) and the engine falls back to pure NumPy.
 system-deps:
 	@missing=""; \
 	command -v mosquitto >/dev/null 2>&1 || test -x /usr/sbin/mosquitto || missing="$$missing mosquitto"; \
 	command -v cc >/dev/null 2>&1 || missing="$$missing gcc libc6-dev"; \
+	command -v c++ >/dev/null 2>&1 || missing="$$missing g++"; \
 	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
 	if [ -n "$$missing" ]; then \
 	  if [ -n "$(APT_GET)" ]; then echo "installing$$missing"; \

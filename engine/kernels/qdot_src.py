@@ -48,10 +48,6 @@ PLAIN = {"Q4_K": "Q4_K2", "Q6_K": "Q6_K2", "Q4_1": "Q4_1", "Q8_0": "Q8_0"}
 values instead of 26), 32-value ones in the gate+up kernel (64 needed 64 registers there)."""
 
 QDOT = r"""
-__device__ __forceinline__ unsigned int byte_at3(unsigned int a, unsigned int b, unsigned int c, int i) {
-    unsigned int w = i < 4 ? a : (i < 8 ? b : c);
-    return (w >> (8 * (i & 3))) & 0xffu;
-}
 // 16 bytes at a 2-byte aligned address, as 4 words (5 aligned loads + funnel shifts).
 __device__ __forceinline__ void ld16_a2(const unsigned char* p, unsigned int* o) {
     // aligned by pointer arithmetic, not an integer cast: the loads keep the pointer's space (LDG / LDS)
@@ -95,19 +91,18 @@ __device__ __forceinline__ void ld16_a2(const unsigned char* p, unsigned int* o)
 #endif
 // 64-value chunks a thread loads at once for an unroll u: the bytes of u 32-value chunks
 #define QU_KQ2(u) ((u) > 1 ? (u) / 2 : 1)
-// The 6-bit scales and mins of sub-blocks 2j and 2j + 1 of a Q4_K block from its header h.
-__device__ __forceinline__ void q4k_scales(const uint4& h, int j, int& sc0, int& m0, int& sc1, int& m1) {
-    unsigned int s0 = h.y, s1 = h.z, s2 = h.w;
-    int b0 = 2 * j, b1 = 2 * j + 1;
-    if (j < 2) {
-        sc0 = byte_at3(s0, s1, s2, b0) & 63; m0 = byte_at3(s0, s1, s2, b0 + 4) & 63;
-        sc1 = byte_at3(s0, s1, s2, b1) & 63; m1 = byte_at3(s0, s1, s2, b1 + 4) & 63;
-    } else {
-        unsigned int a0 = byte_at3(s0, s1, s2, b0 + 4), z0 = byte_at3(s0, s1, s2, b0 - 4), y0 = byte_at3(s0, s1, s2, b0);
-        unsigned int a1 = byte_at3(s0, s1, s2, b1 + 4), z1 = byte_at3(s0, s1, s2, b1 - 4), y1 = byte_at3(s0, s1, s2, b1);
-        sc0 = (a0 & 0xF) | ((z0 >> 6) << 4); m0 = (a0 >> 4) | ((y0 >> 6) << 4);
-        sc1 = (a1 & 0xF) | ((z1 >> 6) << 4); m1 = (a1 >> 4) | ((y1 >> 6) << 4);
-    }
+// The 6-bit scales and mins of sub-blocks 2j and 2j + 1 of a Q4_K block from its header h, packed
+// as sc = sc0 | sc1 << 8 and mn = m0 | m1 << 8, without a branch on j (a warp's lanes hold
+// different j). The 12 scale bytes s are h.y, h.z, h.w; pair j's bytes sit at byte 2 (j & 1) of a
+// word: j < 2, sc = s[2j + i] & 63, m = s[2j + 4 + i] & 63; j >= 2, sc = (s[2j + 4 + i] & 15) |
+// (s[2j - 4 + i] >> 6) << 4, m = (s[2j + 4 + i] >> 4) | (s[2j + i] >> 6) << 4 (llama.cpp's
+// get_scale_min_k4).
+__device__ __forceinline__ void q4k_pair(const uint4& h, int j, unsigned int& sc, unsigned int& mn) {
+    unsigned int sh = (j & 1) * 16;
+    unsigned int y = h.y >> sh, z = h.z >> sh, w = h.w >> sh;
+    unsigned int sc_hi = (w & 0x0f0fu) | ((y >> 2) & 0x3030u), mn_hi = ((w >> 4) & 0x0f0fu) | ((z >> 2) & 0x3030u);
+    sc = (j & 2) ? sc_hi : (y & 0x3f3fu);
+    mn = (j & 2) ? mn_hi : (z & 0x3f3fu);
 }
 struct raw_Q4_K { uint4 h; uint4 q; };
 __device__ __forceinline__ void ld_Q4_K(const unsigned char* row, int c, raw_Q4_K& r) {
@@ -121,16 +116,17 @@ __device__ __forceinline__ float dot_Q4_K(const raw_Q4_K& r, int c, const signed
     int sb = c >> 3, k = c & 7, j = k >> 1;
     int e = sb * 256 + 64 * j + 16 * (k & 1);
     int4 xl = *(const int4*)(xq + e), xh = *(const int4*)(xq + e + 32);
-    int sc0, m0, sc1, m1;
-    q4k_scales(r.h, j, sc0, m0, sc1, m1);
+    unsigned int sc, mn;
+    q4k_pair(r.h, j, sc, mn);
+    int s_lo = xs16[e >> 4], s_hi = xs16[(e >> 4) + 2];
     int lo = 0, hi = 0;
     lo = __dp4a((int)(r.q.x & 0x0F0F0F0Fu), xl.x, lo); hi = __dp4a((int)((r.q.x >> 4) & 0x0F0F0F0Fu), xh.x, hi);
     lo = __dp4a((int)(r.q.y & 0x0F0F0F0Fu), xl.y, lo); hi = __dp4a((int)((r.q.y >> 4) & 0x0F0F0F0Fu), xh.y, hi);
     lo = __dp4a((int)(r.q.z & 0x0F0F0F0Fu), xl.z, lo); hi = __dp4a((int)((r.q.z >> 4) & 0x0F0F0F0Fu), xh.z, hi);
     lo = __dp4a((int)(r.q.w & 0x0F0F0F0Fu), xl.w, lo); hi = __dp4a((int)((r.q.w >> 4) & 0x0F0F0F0Fu), xh.w, hi);
     float d = h2f(r.h.x & 0xffff), dm = h2f(r.h.x >> 16);
-    int isc = sc0 * lo + sc1 * hi;
-    int imn = m0 * xs16[e >> 4] + m1 * xs16[(e >> 4) + 2];
+    int isc = (int)(sc & 0xffu) * lo + (int)(sc >> 8) * hi;
+    int imn = (int)(mn & 0xffu) * s_lo + (int)(mn >> 8) * s_hi;
     return xd[sb] * (d * (float)isc - dm * (float)imn);
 }
 
@@ -155,8 +151,8 @@ __device__ __forceinline__ float dot_Q4_K2(const raw_Q4_K2& r, int c, const sign
     const int4* xp = (const int4*)(xq + e);
     int4 xl0 = xp[0], xl1 = xp[1], xh0 = xp[2], xh1 = xp[3];
     int4 s16 = *(const int4*)(xs16 + (e >> 4));
-    int sc0, m0, sc1, m1;
-    q4k_scales(r.h, j, sc0, m0, sc1, m1);
+    unsigned int sc, mn;
+    q4k_pair(r.h, j, sc, mn);
     unsigned int q[8] = {r.q0.x, r.q0.y, r.q0.z, r.q0.w, r.q1.x, r.q1.y, r.q1.z, r.q1.w};
     int xl[8] = {xl0.x, xl0.y, xl0.z, xl0.w, xl1.x, xl1.y, xl1.z, xl1.w};
     int xh[8] = {xh0.x, xh0.y, xh0.z, xh0.w, xh1.x, xh1.y, xh1.z, xh1.w};
@@ -166,12 +162,16 @@ __device__ __forceinline__ float dot_Q4_K2(const raw_Q4_K2& r, int c, const sign
         lo = __dp4a((int)(q[i] & 0x0F0F0F0Fu), xl[i], lo);
         hi = __dp4a((int)((q[i] >> 4) & 0x0F0F0F0Fu), xh[i], hi);
     }
+    int s_lo = s16.x + s16.y, s_hi = s16.z + s16.w;
     float d = h2f(r.h.x & 0xffff), dm = h2f(r.h.x >> 16);
-    int isc = sc0 * lo + sc1 * hi;
-    int imn = m0 * (s16.x + s16.y) + m1 * (s16.z + s16.w);
+    int isc = (int)(sc & 0xffu) * lo + (int)(sc >> 8) * hi;
+    int imn = (int)(mn & 0xffu) * s_lo + (int)(mn >> 8) * s_hi;
     return xd[sb] * (d * (float)isc - dm * (float)imn);
 }
 
+// Q6_K's four 6-bit values v (0..63) of a word as the signed bytes v - 32: v + 96 <= 159 carries
+// into no other byte, and flipping bit 7 subtracts 128 (two instructions; __vsubss4 is emulated).
+#define Q6S(v) ((int)(((v) + 0x60606060u) ^ 0x80808080u))
 struct raw_Q6_K { unsigned int l[4]; unsigned int h[4]; unsigned int sd; int sc; };
 __device__ __forceinline__ void ld_Q6_K(const unsigned char* row, int c, raw_Q6_K& r) {
     const unsigned char* p = row + (long long)(c >> 3) * 210;
@@ -193,10 +193,11 @@ __device__ __forceinline__ float dot_Q6_K(const raw_Q6_K& r, int c, const signed
     #pragma unroll
     for (int i = 0; i < 4; i++) {
         unsigned int ql = r.l[i], qh = r.h[i];
-        unsigned int va = (ql & 0x0F0F0F0Fu) | (((qh >> sh) & 0x03030303u) << 4);
-        unsigned int vb = ((ql >> 4) & 0x0F0F0F0Fu) | (((qh >> (sh + 4)) & 0x03030303u) << 4);
-        sa = __dp4a((int)__vsubss4(va, 0x20202020u), xa_[i], sa);
-        sb_ = __dp4a((int)__vsubss4(vb, 0x20202020u), xb_[i], sb_);
+        unsigned int t = qh >> sh;
+        unsigned int va = (ql & 0x0F0F0F0Fu) + ((t << 4) & 0x30303030u);
+        unsigned int vb = ((ql >> 4) & 0x0F0F0F0Fu) + (t & 0x30303030u);
+        sa = __dp4a(Q6S(va), xa_[i], sa);
+        sb_ = __dp4a(Q6S(vb), xb_[i], sb_);
     }
     int sca = (int)(signed char)(r.sc & 0xff), scb = (int)(signed char)((r.sc >> 8) & 0xff);
     return xd[sb] * h2f(r.sd) * (float)(sca * sa + scb * sb_);
@@ -231,10 +232,11 @@ __device__ __forceinline__ float dot_Q6_K2(const raw_Q6_K2& r, int c, const sign
     #pragma unroll
     for (int i = 0; i < 8; i++) {
         unsigned int ql = r.l[i], qh = r.h[i];
-        unsigned int va = (ql & 0x0F0F0F0Fu) | (((qh >> sh) & 0x03030303u) << 4);
-        unsigned int vb = ((ql >> 4) & 0x0F0F0F0Fu) | (((qh >> (sh + 4)) & 0x03030303u) << 4);
-        sa[i >> 2] = __dp4a((int)__vsubss4(va, 0x20202020u), xa_[i], sa[i >> 2]);
-        sb_[i >> 2] = __dp4a((int)__vsubss4(vb, 0x20202020u), xb_[i], sb_[i >> 2]);
+        unsigned int t = qh >> sh;
+        unsigned int va = (ql & 0x0F0F0F0Fu) + ((t << 4) & 0x30303030u);
+        unsigned int vb = ((ql >> 4) & 0x0F0F0F0Fu) + (t & 0x30303030u);
+        sa[i >> 2] = __dp4a(Q6S(va), xa_[i], sa[i >> 2]);
+        sb_[i >> 2] = __dp4a(Q6S(vb), xb_[i], sb_[i >> 2]);
     }
     int isc = (int)(signed char)(r.sc & 0xff) * sa[0] + (int)(signed char)((r.sc >> 8) & 0xff) * sa[1]
             + (int)(signed char)((r.sc >> 16) & 0xff) * sb_[0] + (int)(signed char)(r.sc >> 24) * sb_[1];

@@ -33,12 +33,17 @@ __device__ __forceinline__ float q8k_group(const float* xg, int lane, float v[8]
     int bi = q8k_argmax_abs(v, lane);
     return q8k_iscale(xg[bi]);
 }
+#ifdef __CUDA_ARCH__
 __device__ __forceinline__ float h2f(unsigned short h) {
     float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f;
 }
 __device__ __forceinline__ unsigned short f2h(float f) {
     unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h;
 }
+#else  // the same conversions on the host (tests/qdot_host.py compiles the integer dot products there)
+__device__ __forceinline__ float h2f(unsigned short h) { _Float16 v; memcpy(&v, &h, 2); return (float)v; }
+__device__ __forceinline__ unsigned short f2h(float f) { _Float16 v = (_Float16)f; unsigned short h; memcpy(&h, &v, 2); return h; }
+#endif
 __device__ __forceinline__ unsigned int ld16(const unsigned char* p) { return *(const unsigned short*)p; }
 __device__ __forceinline__ unsigned int ld32(const unsigned char* p) { return *(const unsigned int*)p; }
 // 32 bytes at a 2-byte aligned p as 8 little-endian words: 8 or 9 aligned 4-byte loads and funnel

@@ -12,6 +12,7 @@ time: a GEMV whose body issues fewer instructions at the same registers is likel
 only `bench.decode_ab` on a GPU says by how much.
 
     python -m bench.sass_loops --against /tmp/prev --preset qwen3-4b-q4_k_m --kernels qgemv
+    python -m bench.sass_loops --against . --set qgemv_glu_wide=1 --kernels qgemv_glu
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ for name in sys.argv[1].split(","):
     for n_sm in map(int, sys.argv[2].split(",")):
         n_split = max(1, min(64, -(-2 * n_sm // c.n_kv_heads)))
         extra = {"attn_cluster": 8} if n_sm == 132 and "attn_cluster" in inspect.signature(decode_src.source).parameters else {}
+        extra.update(json.loads(sys.argv[3]))
         out[f"{name}@{n_sm}"] = decode_src.source(
             sorted({c.weight_type, *c.type_overrides.values()}), n_heads=c.n_heads, n_kv_heads=c.n_kv_heads,
             head_dim=hd, v_head_dim=hd, rope_half=hd // 2, neox=ARCHITECTURES[c.arch].rope_style == "neox",
@@ -58,12 +60,15 @@ SMS = {"sm_90": 132, "sm_87": 16}
 """Multiprocessors that set the attention split of each architecture's module (H100/H200; AGX Orin)."""
 
 
-def sources(checkout: Path, presets: list[str], archs: list[str]) -> dict[str, str]:
-    """The decode modules of `checkout`'s engine, by `preset@sm_count`."""
+def sources(
+    checkout: Path, presets: list[str], archs: list[str], settings: dict[str, int] | None = None
+) -> dict[str, str]:
+    """The decode modules of `checkout`'s engine, by `preset@sm_count`; `settings` are more keyword
+    arguments of its `decode_src.source` (e.g. `qgemv_glu_wide`)."""
     env = {**os.environ, "PYTHONPATH": str(checkout)}
     sms = ",".join(str(SMS[a]) for a in archs)
     r = subprocess.run(
-        [sys.executable, "-c", SOURCES, ",".join(presets), sms],
+        [sys.executable, "-c", SOURCES, ",".join(presets), sms, json.dumps(settings or {})],
         cwd=checkout,
         env=env,
         capture_output=True,
@@ -238,16 +243,22 @@ def profile(srcs: dict[str, str], archs: list[str], kernels: str) -> dict[str, d
     return out
 
 
+def work(fig: dict[str, int]) -> float:
+    """A hot loop's instructions per `IDP` where it has any, else its instructions."""
+    return fig["loop"] / fig["loop_idp"] if fig["loop_idp"] else float(fig["loop"])
+
+
 def table(this: dict[str, dict[str, int]], ref: dict[str, dict[str, int]] | None) -> str:
-    """A markdown table: each kernel's figures (this / reference where given)."""
+    """A markdown table: each kernel's figures (reference -> this where given, and the ratio of the
+    hot loop's instructions per `IDP`, or of its length without `IDP`)."""
     cols = ("regs", "spill", "instructions", "loop", "loop_idp", "loop_ldg")
-    head = "| kernel | " + " | ".join(cols) + (" | loop ratio |" if ref is not None else " |")
+    head = "| kernel | " + " | ".join(cols) + (" | loop ratio (per IDP) |" if ref is not None else " |")
     lines = [head, "|---" * (len(cols) + 1 + (ref is not None)) + "|"]
     for k, v in this.items():
         if ref is not None and k in ref:
             r = ref[k]
             cells = [f"{v[c]}" if v[c] == r[c] else f"{r[c]} -> {v[c]}" for c in cols]
-            ratio = f"{v['loop'] / r['loop']:.3f}x" if r["loop"] else "-"
+            ratio = f"{work(v) / work(r):.3f}x" if work(r) else "-"
             lines.append(f"| {k} | " + " | ".join(cells) + f" | {ratio} |")
         else:
             lines.append(f"| {k} | " + " | ".join(str(v[c]) for c in cols) + (" | new |" if ref is not None else " |"))
@@ -260,11 +271,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arch", default="sm_90,sm_87", help="comma-separated: sm_90 (H100/H200), sm_87 (Orin)")
     ap.add_argument("--kernels", default="qgemv,qprep,attn", help="comma-separated kernel name prefixes")
     ap.add_argument("--against", type=Path, help="another checkout whose engine is the reference")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="NAME=INT",
+        help="a keyword of decode_src.source for this checkout's modules only (e.g. qgemv_glu_wide=1; "
+        "with --against . it compares a setting with the default)",
+    )
     ap.add_argument("--out", type=Path, help="write the figures as JSON here")
     a = ap.parse_args(argv)
     presets = a.preset or ["qwen3-4b-q4_k_m", "smollm2-135m-q4_1"]
     archs = a.arch.split(",")
-    this = profile(sources(ROOT, presets, archs), archs, a.kernels)
+    settings = {k: int(v) for k, v in (x.split("=", 1) for x in a.set)}
+    this = profile(sources(ROOT, presets, archs, settings), archs, a.kernels)
     ref = profile(sources(a.against.resolve(), presets, archs), archs, a.kernels) if a.against else None
     print(table(this, ref))
     if a.out:

@@ -166,6 +166,8 @@ def sources(arch: str) -> dict[str, str]:
     out["decode[every type]"] = decode_src.source(every_type, **shape)
     # the GEMVs held to more blocks an SM (EngineOptions.qgemv_min_blocks, a tuning option)
     out["decode[every type, min_blocks=6]"] = decode_src.source(every_type, **shape, qgemv_min_blocks=6)
+    # the Q4_K gate+up kernel in 64-value chunks (EngineOptions.qgemv_glu_wide, a tuning option)
+    out["decode[every type, glu_wide]"] = decode_src.source(every_type, **shape, qgemv_glu_wide=True)
     return out
 
 

@@ -104,6 +104,7 @@ class CupyDecoder:
             qgemv_unroll=opts.qgemv_unroll,
             qgemv_unroll_glu=opts.qgemv_unroll_glu,
             qgemv_min_blocks=opts.qgemv_min_blocks,
+            qgemv_glu_wide=opts.qgemv_glu_wide,
             attn_cluster=self.attn_cluster,
         )
         self.module = _module(src)

@@ -486,11 +486,14 @@ extern "C" __global__ void QLB_{P} qgemv_{T}(
         float* y, const float* __restrict__ bias, int epi, int up_off, int tpr) {
     qgemv_body_{P}<1, QU_{P}(QGEMV_U), false>(W, row_bytes, rows, cols, xq, xd, xs16, y, bias, epi, up_off, tpr, 0, 0);
 }
-extern "C" __global__ void QLB_GLU qgemv_glu_{T}(
+"""
+# The fused gate+up kernel: two rows a thread, read in chunk code {G} (the type's 32-value code, or
+# with `glu_wide` its 64-value one).
+QGEMV_GLU = r"""extern "C" __global__ void QLB_GLU qgemv_glu_{T}(
         const unsigned char* __restrict__ W, long long row_bytes, int rows, int cols,
         const signed char* __restrict__ xq, const float* __restrict__ xd, const int* __restrict__ xs16,
         float* y, const float* __restrict__ bias, int epi, int up_off, int tpr) {
-    qgemv_body_{T}<2, QU_{T}(QGEMV_UG), false>(W, row_bytes, rows, cols, xq, xd, xs16, y, bias, epi, up_off, tpr, 0, 0);
+    qgemv_body_{G}<2, QU_{G}(QGEMV_UG), false>(W, row_bytes, rows, cols, xq, xd, xs16, y, bias, epi, up_off, tpr, 0, 0);
 }
 """
 
@@ -524,14 +527,25 @@ def mix_pairs(types: list[str] | tuple[str, ...]) -> list[tuple[str, str]]:
     return [(a, b) for a in qt for b in qt if a != b and QTYPES[a] == QTYPES[b]]
 
 
+GLU_WIDE = {"Q4_K": "Q4_K2"}
+"""The 64-value chunk code the gate+up kernel of a type reads with `glu_wide` (Q4_K only: the Q6_K
+one would need 79 registers)."""
+
+
 def source(
-    types: list[str] | tuple[str, ...], unroll: int = UNROLL, unroll_glu: int = UNROLL_GLU, min_blocks: int = 0
+    types: list[str] | tuple[str, ...],
+    unroll: int = UNROLL,
+    unroll_glu: int = UNROLL_GLU,
+    min_blocks: int = 0,
+    glu_wide: bool = False,
 ) -> str:
     """The integer-dot GEMV kernels for those of `types` that have one (after UNITS + COMMON),
     loading `unroll` chunks at once (`unroll_glu` per row of the fused gate+up kernels), and the
     two-piece kernels of `mix_pairs(types)`; `min_blocks` > 0 holds every one of them to that many
     blocks of 256 threads an SM (`__launch_bounds__`; 0: the rule above, 5 for the 64-value K-quant
-    kernels at the default unroll, none for the others)."""
+    kernels at the default unroll, none for the others); `glu_wide`: the Q4_K gate+up kernel reads
+    64-value chunks (`GLU_WIDE`: a third fewer instructions a weight, 63 registers instead of 46 -
+    4 blocks an SM instead of 5; for measuring, `EngineOptions.qgemv_glu_wide`)."""
     qt = sorted(t for t in set(types) if t in QTYPES)
     if not qt:
         return ""
@@ -539,7 +553,11 @@ def source(
     if min_blocks > 0:
         unroll_defs += f"#define QGEMV_MINB {int(min_blocks)}\n"
     bodies = sorted({*qt, *(PLAIN[t] for t in qt)})
-    kernels = "".join(QGEMV_KERNELS.replace("{T}", t).replace("{P}", PLAIN[t]) for t in qt)
+    glu = {t: (GLU_WIDE.get(t, t) if glu_wide else t) for t in qt}
+    kernels = "".join(
+        QGEMV_KERNELS.replace("{T}", t).replace("{P}", PLAIN[t]) + QGEMV_GLU.replace("{T}", t).replace("{G}", glu[t])
+        for t in qt
+    )
     mixed = "".join(
         QGEMV_MIX.replace("{A}", a).replace("{B}", b).replace("{PA}", PLAIN[a]).replace("{PB}", PLAIN[b])
         for a, b in mix_pairs(qt)

@@ -424,6 +424,24 @@ extern "C" __global__ void __launch_bounds__(128) qkv_post(
 // (gridDim.y of them, at most NSPLIT).
 #define ATT_CLUSTER {ATT_CLUSTER}
 #define CLMIN {CLMIN}
+// The online-softmax merge of N partial results, part r's max m(r), sum of exp l(r) and
+// unnormalised output a(r): with M the largest m, each part weighs exp(m - M) (0 for an empty
+// part, m = -inf), o and L their weighted sums; returns M. Used across a block's warps and across
+// a cluster's blocks.
+template <int N, typename FM, typename FL, typename FA>
+__device__ __forceinline__ float merge_parts(FM m, FL l, FA a, float& o, float& L) {
+    float M = m(0);
+    #pragma unroll
+    for (int r = 1; r < N; r++) M = fmaxf(M, m(r));
+    o = 0.f; L = 0.f;
+    #pragma unroll
+    for (int r = 0; r < N; r++) {
+        float e = m(r) == NEG_INF ? 0.f : expf(m(r) - M);
+        o += a(r) * e;
+        L += l(r) * e;
+    }
+    return M;
+}
 #if ATT_CLUSTER
 #define ATT_BOUNDS __cluster_dims__(1, ATT_CLUSTER, 1) __launch_bounds__(NT)
 __device__ __forceinline__ void cluster_sync_all() {
@@ -688,16 +706,9 @@ extern "C" __global__ void ATT_BOUNDS attn_decode(
     __syncthreads();
     for (int i = tid; i < G * DV; i += NT) {
         int g = i / DV, d = i % DV;
-        float M = wm[0][g];
-        #pragma unroll
-        for (int w = 1; w < NW; w++) M = fmaxf(M, wm[w][g]);
-        float o = 0.f, L = 0.f;
-        #pragma unroll
-        for (int w = 0; w < NW; w++) {
-            float e = wm[w][g] == NEG_INF ? 0.f : expf(wm[w][g] - M);
-            o += wacc[w][g][d] * e;
-            L += wl[w][g] * e;
-        }
+        float o, L;
+        float M = merge_parts<NW>([&](int w) { return wm[w][g]; }, [&](int w) { return wl[w][g]; },
+                                  [&](int w) { return wacc[w][g][d]; }, o, L);
 #if ATT_CLUSTER
         if (one) {
             cacc[g][d] = o;
@@ -731,16 +742,9 @@ extern "C" __global__ void ATT_BOUNDS attn_decode(
                 for (int r = 0; r < ATT_CLUSTER; r++) {
                     bm[r] = ld_peer(&cm[g], r); bl[r] = ld_peer(&cl[g], r); ba[r] = ld_peer(&cacc[g][d], r);
                 }
-                float M = bm[0];
-                #pragma unroll
-                for (int r = 1; r < ATT_CLUSTER; r++) M = fmaxf(M, bm[r]);
-                float o = 0.f, L = 0.f;
-                #pragma unroll
-                for (int r = 0; r < ATT_CLUSTER; r++) {
-                    float e = bm[r] == NEG_INF ? 0.f : expf(bm[r] - M);
-                    o += ba[r] * e;
-                    L += bl[r] * e;
-                }
+                float o, L;
+                merge_parts<ATT_CLUSTER>([&](int r) { return bm[r]; }, [&](int r) { return bl[r]; },
+                                         [&](int r) { return ba[r]; }, o, L);
                 float v = o / L;
                 out[base + i] = v;
                 cobuf[i - u * unit] = v;

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import glob
+import hashlib
 import json
 import os
 import re
@@ -221,15 +222,17 @@ def hot_loop(ins: list[tuple[int, str]]) -> dict[str, int]:
     return {"loop": len(body), "loop_idp": sum("IDP" in x for x in body), "loop_ldg": sum("LDG" in x for x in body)}
 
 
-def profile(srcs: dict[str, str], archs: list[str], kernels: str) -> dict[str, dict[str, int]]:
-    """`preset@arch/kernel` -> registers, spill bytes, instructions, hot loop."""
-    lib, tool, out = nvrtc(), nvdisasm(), {}
+def profile(srcs: dict[str, str], archs: list[str], kernels: str) -> tuple[dict[str, dict[str, int]], dict[str, str]]:
+    """(`preset@arch/kernel` -> registers, spill bytes, instructions, hot loop; `preset@arch` -> the
+    SHA-256 of the whole module's cubin)."""
+    lib, tool, out, modules = nvrtc(), nvdisasm(), {}, {}
     for arch in archs:
         for key, src in sorted(srcs.items()):
             preset, sm = key.split("@")
             if int(sm) != SMS[arch]:
                 continue
             b = cubin(lib, src, arch)
+            modules[f"{preset}@{arch}"] = hashlib.sha256(b).hexdigest()
             regs = registers(b)
             for name, ins in sorted(disassemble(tool, b).items()):
                 if not name.startswith(tuple(kernels.split(","))):
@@ -240,7 +243,7 @@ def profile(srcs: dict[str, str], archs: list[str], kernels: str) -> dict[str, d
                     "instructions": len(ins),
                     **hot_loop(ins),
                 }
-    return out
+    return out, modules
 
 
 def work(fig: dict[str, int]) -> float:
@@ -284,12 +287,22 @@ def main(argv: list[str] | None = None) -> int:
     presets = a.preset or ["qwen3-4b-q4_k_m", "smollm2-135m-q4_1"]
     archs = a.arch.split(",")
     settings = {k: int(v) for k, v in (x.split("=", 1) for x in a.set)}
-    this = profile(sources(ROOT, presets, archs, settings), archs, a.kernels)
-    ref = profile(sources(a.against.resolve(), presets, archs), archs, a.kernels) if a.against else None
+    this, mods = profile(sources(ROOT, presets, archs, settings), archs, a.kernels)
+    ref, ref_mods = profile(sources(a.against.resolve(), presets, archs), archs, a.kernels) if a.against else (None, {})
     print(table(this, ref))
+    for key, digest in mods.items():
+        same = {None: "", True: ": the same bytes as the reference's", False: ": differs from the reference's"}
+        print(f"module {key}: cubin sha256 {digest[:16]}{same[ref_mods[key] == digest if key in ref_mods else None]}")
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps({"this": this, "reference": ref, "against": str(a.against)}, indent=1))
+        doc = {
+            "this": this,
+            "reference": ref,
+            "modules": mods,
+            "reference_modules": ref_mods,
+            "against": str(a.against),
+        }
+        a.out.write_text(json.dumps(doc, indent=1))
     return 0
 
 

@@ -50,7 +50,8 @@ def test_a_module_against_itself() -> None:
         missing(str(e))
     assert shutil.which(sass_loops.nvdisasm())
     srcs = sass_loops.sources(sass_loops.ROOT, ["smollm2-135m-q4_1"], ["sm_87"])
-    got = sass_loops.profile(srcs, ["sm_87"], "qgemv_Q4_1")
+    got, modules = sass_loops.profile(srcs, ["sm_87"], "qgemv_Q4_1")
+    assert list(modules) == ["smollm2-135m-q4_1@sm_87"] and len(modules["smollm2-135m-q4_1@sm_87"]) == 64
     fig = got["smollm2-135m-q4_1@sm_87/qgemv_Q4_1"]
     assert 16 <= fig["regs"] <= 255 and fig["spill"] == 0
     assert fig["loop_idp"] == 16 and fig["loop"] > fig["loop_idp"]

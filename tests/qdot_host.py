@@ -2,9 +2,9 @@
 
 A CI machine has no GPU, so without this the kernels' arithmetic (the K-quant scale unpacking,
 the nibble and 6-bit masks, the 2-byte-aligned loads) would only ever be checked on a device. The
-CUDA C of `quant_units.UNITS` + `qdot_src.QDOT` is compiled as C++ with a small header standing in
-for the CUDA intrinsics it uses (`__dp4a`, `__funnelshift_r`, `__ldg`, `uint4`, ...; `h2f` has its
-own host branch in UNITS), plus one entry point per chunk code that loads and dots every chunk of a
+CUDA C of `quant_units.UNITS` + `qdot_src.QDOT` is compiled as C++ after `tests.cuda_host.HEADER`,
+which stands in for the CUDA intrinsics it uses (`__dp4a`, `__funnelshift_r`, `__ldg`, `uint4`, ...;
+`h2f` has its own host branch in UNITS), plus one entry point per chunk code that loads and dots every chunk of a
 row the way one GEMV thread does (`ld_<C>` then `dot_<C>`). The integer sums are the device's
 exactly; the few float operations after them may round differently where the GPU fuses a
 multiply-add, so results are compared with a float tolerance.
@@ -13,7 +13,6 @@ multiply-add, so results are compared with a float tolerance.
 from __future__ import annotations
 
 import ctypes
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -21,31 +20,7 @@ import numpy as np
 
 from engine.kernels import qdot_src
 from engine.kernels.quant_units import UNITS
-
-SHIM = r"""
-#include <cmath>
-#include <cstdlib>
-#include <cstring>
-#define __device__
-#define __forceinline__ inline
-#define __launch_bounds__(...)
-#define __restrict__ __restrict
-struct uint4 { unsigned int x, y, z, w; };
-struct int4 { int x, y, z, w; };
-struct int2 { int x, y; };
-struct float4 { float x, y, z, w; };
-static inline int __dp4a(int a, int b, int c) {
-    for (int i = 0; i < 4; i++) c += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
-    return c;
-}
-static inline unsigned int __funnelshift_r(unsigned int lo, unsigned int hi, unsigned int sh) {
-    sh &= 31u;
-    return sh ? (lo >> sh) | (hi << (32u - sh)) : lo;
-}
-template <typename T> static inline T __ldg(const T* p) { return *p; }
-static inline float __uint_as_float(unsigned int u) { float f; memcpy(&f, &u, 4); return f; }
-template <typename T> static inline T __shfl_xor_sync(unsigned int, T, int) { abort(); }  // no warps here
-"""
+from tests.cuda_host import HEADER
 
 ENTRY = r"""
 extern "C" void dots_{C}(const unsigned char* row, int nc, const signed char* xq, const float* xd,
@@ -65,17 +40,10 @@ PAD = 16
 CuPy's allocation rounding covers it)."""
 
 
-def compiler() -> str | None:
-    """A C++ compiler on PATH, or None."""
-    for cand in ("c++", "g++", "clang++"):
-        if shutil.which(cand):
-            return cand
-    return None
-
-
 def source() -> str:
-    """The translation unit: the intrinsics' stand-ins, UNITS, QDOT and one entry point per code."""
-    return SHIM + UNITS + qdot_src.QDOT + "".join(ENTRY.replace("{C}", c) for c in CODES)
+    """The translation unit: CUDA's stand-ins (`tests.cuda_host.HEADER`), UNITS, QDOT and one entry
+    point per code."""
+    return HEADER + UNITS + qdot_src.QDOT + "".join(ENTRY.replace("{C}", c) for c in CODES)
 
 
 class HostDots:
@@ -85,7 +53,7 @@ class HostDots:
         src = folder / "qdot_host.cpp"
         lib = folder / "qdot_host.so"
         src.write_text(source())
-        cmd = [cxx, "-O2", "-std=c++17", "-ffp-contract=off", "-shared", "-fPIC", "-o", str(lib), str(src)]
+        cmd = [cxx, "-O2", "-std=c++20", "-pthread", "-ffp-contract=off", "-shared", "-fPIC", "-o", str(lib), str(src)]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
         if r.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr[-4000:]}")

@@ -12,8 +12,9 @@ import pytest
 
 from engine.quants import dequantize
 from engine.quants_encode import random_blocks
+from tests.cuda_host import compiler
 from tests.models import missing
-from tests.qdot_host import CODES, GROUP, TYPE_OF, HostDots, activations, chunk_values, compiler
+from tests.qdot_host import CODES, GROUP, TYPE_OF, HostDots, activations, chunk_values
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -20,20 +20,9 @@ import numpy as np  # noqa: E402
 
 import tests.qdot_host as host  # noqa: E402
 from engine.quants_encode import random_blocks  # noqa: E402
+from tests.cuda_host import compiler  # noqa: E402
 
 REFERENCE = "2d8a780"
-VSUB = r"""
-static inline unsigned int __vsubss4(unsigned int a, unsigned int b) {
-    unsigned int r = 0;
-    for (int i = 0; i < 4; i++) {
-        int v = (int)(signed char)(a >> 8 * i) - (int)(signed char)(b >> 8 * i);
-        v = v < -128 ? -128 : v > 127 ? 127 : v;
-        r |= ((unsigned int)v & 0xffu) << 8 * i;
-    }
-    return r;
-}
-"""
-"""The reference's Q6_K code used `__vsubss4` (per-byte saturating subtraction)."""
 
 
 def reference_qdot() -> str:
@@ -50,12 +39,12 @@ def reference_qdot() -> str:
 
 def build(qdot: str) -> host.HostDots:
     """The host library with `qdot` in place of this checkout's QDOT."""
-    keep_q, keep_s = host.qdot_src.QDOT, host.SHIM
-    host.qdot_src.QDOT, host.SHIM = qdot, host.SHIM + VSUB
+    keep = host.qdot_src.QDOT
+    host.qdot_src.QDOT = qdot
     try:
-        return host.HostDots(Path(tempfile.mkdtemp()), host.compiler() or "c++")
+        return host.HostDots(Path(tempfile.mkdtemp()), compiler() or "c++")
     finally:
-        host.qdot_src.QDOT, host.SHIM = keep_q, keep_s
+        host.qdot_src.QDOT = keep
 
 
 def main() -> None:

@@ -1,0 +1,177 @@
+"""CUDA C kernels compiled and run on the host, for checking their arithmetic and indexing on a
+machine without a GPU (CI).
+
+`HEADER` stands in for what the kernels use of CUDA: the qualifiers (`__device__`, `__global__`,
+`__shared__` as a function-static, which is one per block because blocks run one after another),
+the vector types, the integer intrinsics (`__dp4a`, `__funnelshift_r`, `__vsubss4`), the loads
+(`__ldg`, `__ldcg`), and the SIMT part: every thread of a block is a `std::thread` with its own
+`threadIdx`, `__syncthreads` a `std::barrier` of the block, `__syncwarp` and the shuffles a barrier
+of the warp around an exchange slot per lane. A thread that returns drops out of both barriers, as
+an exited thread stops counting on the GPU. Blocks run one after another, each with fresh threads.
+What it does not model: memory ordering between blocks (no atomics or fences are provided, so a
+kernel that needs them does not compile here), warp divergence inside a shuffle (every shuffle is
+taken by the whole warp, as in these kernels), clusters, and float contraction (the host rounds
+each multiply and add; the GPU fuses some, so float results agree to rounding, integer ones exactly).
+
+`HostModule(folder, source)` compiles a translation unit (`HEADER` + `source`) with a C++20
+compiler and gives every `extern "C" __global__` kernel of it a launcher:
+`module.launch("qgemv_Q4_K", grid, block, *args)` with NumPy arrays for pointers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HEADER = r"""
+#include <barrier>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <math.h>
+#include <memory>
+#include <thread>
+#include <vector>
+#define __device__
+#define __global__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __restrict__ __restrict
+#define __shared__ static
+struct uint4 { unsigned int x, y, z, w; };
+struct int4 { int x, y, z, w; };
+struct int2 { int x, y; };
+struct float4 { float x, y, z, w; };
+struct dim3 { unsigned int x, y, z; };
+static inline int __dp4a(int a, int b, int c) {
+    for (int i = 0; i < 4; i++) c += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
+    return c;
+}
+static inline unsigned int __funnelshift_r(unsigned int lo, unsigned int hi, unsigned int sh) {
+    sh &= 31u;
+    return sh ? (lo >> sh) | (hi << (32u - sh)) : lo;
+}
+static inline unsigned int __vsubss4(unsigned int a, unsigned int b) {
+    unsigned int r = 0;
+    for (int i = 0; i < 4; i++) {
+        int v = (int)(signed char)(a >> (8 * i)) - (int)(signed char)(b >> (8 * i));
+        v = v < -128 ? -128 : (v > 127 ? 127 : v);
+        r |= ((unsigned int)v & 0xffu) << (8 * i);
+    }
+    return r;
+}
+template <typename T> static inline T __ldg(const T* p) { return *p; }
+template <typename T> static inline T __ldcg(const T* p) { return *p; }
+static inline float __uint_as_float(unsigned int u) { float f; memcpy(&f, &u, 4); return f; }
+static inline float __int_as_float(int u) { float f; memcpy(&f, &u, 4); return f; }
+
+// SIMT: one std::thread a CUDA thread, one block at a time
+static thread_local dim3 threadIdx, blockIdx;
+static dim3 blockDim, gridDim;
+static std::barrier<>* g_block_bar;
+static std::barrier<>* g_warp_bar[32];
+static unsigned long long g_slot[1024];
+static inline void __syncthreads() { g_block_bar->arrive_and_wait(); }
+static inline void __syncwarp(unsigned int = 0xffffffffu) { g_warp_bar[threadIdx.x >> 5]->arrive_and_wait(); }
+template <typename T> static inline T shfl_from(T v, unsigned int src) {
+    unsigned int w = threadIdx.x >> 5;
+    memcpy(&g_slot[threadIdx.x], &v, sizeof(T));
+    g_warp_bar[w]->arrive_and_wait();
+    T r;
+    memcpy(&r, &g_slot[w * 32 + (src & 31u)], sizeof(T));
+    g_warp_bar[w]->arrive_and_wait();
+    return r;
+}
+template <typename T> static inline T __shfl_xor_sync(unsigned int, T v, int o) { return shfl_from(v, (threadIdx.x & 31u) ^ (unsigned int)o); }
+template <typename T> static inline T __shfl_sync(unsigned int, T v, int src) { return shfl_from(v, (unsigned int)src); }
+template <typename F> static void host_launch(unsigned int grid, unsigned int block, F body) {
+    gridDim = dim3{grid, 1, 1};
+    blockDim = dim3{block, 1, 1};
+    for (unsigned int b = 0; b < grid; b++) {
+        std::barrier<> all((std::ptrdiff_t)block);
+        std::vector<std::unique_ptr<std::barrier<>>> warps;
+        for (unsigned int w = 0; w < (block + 31) / 32; w++) {
+            warps.push_back(std::make_unique<std::barrier<>>((std::ptrdiff_t)(block - 32 * w < 32 ? block - 32 * w : 32)));
+            g_warp_bar[w] = warps.back().get();
+        }
+        g_block_bar = &all;
+        std::vector<std::thread> threads;
+        for (unsigned int t = 0; t < block; t++) {
+            threads.emplace_back([&, t, b] {
+                threadIdx = dim3{t, 0, 0};
+                blockIdx = dim3{b, 0, 0};
+                body();
+                all.arrive_and_drop();
+                g_warp_bar[t >> 5]->arrive_and_drop();
+            });
+        }
+        for (auto& th : threads) th.join();
+    }
+}
+"""
+
+KERNEL = re.compile(r'extern "C" __global__ void (?:\w+(?:\([^)]*\))? )*?(\w+)\(([^)]*)\)\s*\{')
+"""A kernel's name and parameter list (after any launch-bounds macro)."""
+
+
+def compiler() -> str | None:
+    """A C++ compiler on PATH, or None."""
+    for cand in ("c++", "g++", "clang++"):
+        if shutil.which(cand):
+            return cand
+    return None
+
+
+def _ctype(param: str) -> Any:
+    """The ctypes type of one kernel parameter's declaration."""
+    if "*" in param:
+        return ctypes.c_void_p
+    words = param.replace("const", "").split()[:-1]
+    kind = " ".join(words)
+    table = {
+        "int": ctypes.c_int,
+        "long long": ctypes.c_longlong,
+        "float": ctypes.c_float,
+        "unsigned int": ctypes.c_uint,
+    }
+    if kind not in table:
+        raise ValueError(f"unsupported kernel parameter {param!r}")
+    return table[kind]
+
+
+class HostModule:
+    """A CUDA C source compiled for the host, its kernels launchable one block at a time."""
+
+    def __init__(self, folder: Path, source: str, cxx: str, name: str = "module") -> None:
+        kernels = {m.group(1): [p.strip() for p in m.group(2).split(",") if p.strip()] for m in KERNEL.finditer(source)}
+        wrappers = []
+        for k, params in kernels.items():
+            names = ", ".join(re.findall(r"(\w+)\s*$", p)[0] for p in params)
+            wrappers.append(
+                f'extern "C" void host_{k}(unsigned int grid, unsigned int block, {", ".join(params)}) '
+                f"{{ host_launch(grid, block, [&] {{ {k}({names}); }}); }}\n"
+            )
+        src, lib = folder / f"{name}.cpp", folder / f"{name}.so"
+        src.write_text(HEADER + source + "".join(wrappers))
+        cmd = [cxx, "-O1", "-std=c++20", "-pthread", "-ffp-contract=off", "-shared", "-fPIC", "-o", str(lib), str(src)]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if r.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr[-6000:]}")
+        self.lib = ctypes.CDLL(str(lib))
+        self.kernels = kernels
+        for k, params in kernels.items():
+            fn = getattr(self.lib, f"host_{k}")
+            fn.restype = None
+            fn.argtypes = [ctypes.c_uint, ctypes.c_uint, *(_ctype(p) for p in params)]
+
+    def launch(self, kernel: str, grid: int, block: int, *args: Any) -> None:
+        """Run `kernel` over `grid` blocks of `block` threads; NumPy arrays (C-contiguous, kept
+        alive by the caller) for pointers, None for a null pointer, numbers for the rest."""
+        conv = [a.ctypes.data if isinstance(a, np.ndarray) else a for a in args]
+        getattr(self.lib, f"host_{kernel}")(grid, block, *conv)

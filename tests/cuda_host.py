@@ -7,11 +7,14 @@ the vector types, the integer intrinsics (`__dp4a`, `__funnelshift_r`, `__vsubss
 (`__ldg`, `__ldcg`), and the SIMT part: every thread of a block is a `std::thread` with its own
 `threadIdx`, `__syncthreads` a `std::barrier` of the block, `__syncwarp` and the shuffles a barrier
 of the warp around an exchange slot per lane. A thread that returns drops out of both barriers, as
-an exited thread stops counting on the GPU. Blocks run one after another, each with fresh threads.
-What it does not model: memory ordering between blocks (no atomics or fences are provided, so a
-kernel that needs them does not compile here), warp divergence inside a shuffle (every shuffle is
-taken by the whole warp, as in these kernels), clusters, and float contraction (the host rounds
-each multiply and add; the GPU fuses some, so float results agree to rounding, integer ones exactly).
+an exited thread stops counting on the GPU. Blocks run one after another, each with fresh threads,
+so `atomicAdd` and `__threadfence` (the C++ atomics) make "the last block to finish" the last one
+run; dynamic shared memory (`extern __shared__`) is one static buffer. Inline PTX has no host
+meaning: the kernels keep theirs behind `#ifdef __CUDA_ARCH__` with a host branch (`h2f`,
+`prefetch_l2`). What it does not model: blocks running at the same time, warp divergence inside a
+shuffle (every shuffle is taken by the whole warp, as in these kernels), clusters, and float
+contraction (the host rounds each multiply and add; the GPU fuses some, so float results agree to
+rounding, integer ones exactly).
 
 `HostModule(folder, source)` compiles a translation unit (`HEADER` + `source`) with a C++20
 compiler and gives every `extern "C" __global__` kernel of it a launcher:
@@ -30,13 +33,13 @@ from typing import Any
 import numpy as np
 
 HEADER = r"""
-#include <barrier>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <math.h>
-#include <memory>
-#include <thread>
+#include <ucontext.h>
+#include <functional>
 #include <vector>
 #define __device__
 #define __global__
@@ -70,52 +73,93 @@ template <typename T> static inline T __ldg(const T* p) { return *p; }
 template <typename T> static inline T __ldcg(const T* p) { return *p; }
 static inline float __uint_as_float(unsigned int u) { float f; memcpy(&f, &u, 4); return f; }
 static inline float __int_as_float(int u) { float f; memcpy(&f, &u, 4); return f; }
+static inline int __float_as_int(float f) { int u; memcpy(&u, &f, 4); return u; }
+static inline int __float2int_rn(float f) { return (int)rintf(f); }
+static inline int min(int a, int b) { return a < b ? a : b; }
+static inline int max(int a, int b) { return a > b ? a : b; }
 
-// SIMT: one std::thread a CUDA thread, one block at a time
-static thread_local dim3 threadIdx, blockIdx;
+template <typename T> static inline T atomicAdd(T* p, T v) { return std::atomic_ref<T>(*p).fetch_add(v); }
+static inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+static unsigned char g_dyn_smem[228 * 1024];  // `extern __shared__ T name[]` (HostModule rewrites it)
+
+// SIMT: a CUDA thread is a fiber (ucontext) of one host thread; one block at a time, its fibers
+// run in turn, each until it waits at a barrier (or ends)
+static dim3 threadIdx, blockIdx;
 static dim3 blockDim, gridDim;
-static std::barrier<>* g_block_bar;
-static std::barrier<>* g_warp_bar[32];
+struct HostBarrier { int expected, arrived; unsigned int gen; };
+static HostBarrier g_block_bar, g_warp_bar[32];
 static unsigned long long g_slot[1024];
-static inline void __syncthreads() { g_block_bar->arrive_and_wait(); }
-static inline void __syncwarp(unsigned int = 0xffffffffu) { g_warp_bar[threadIdx.x >> 5]->arrive_and_wait(); }
+struct HostFiber { ucontext_t ctx; bool done; };
+static HostFiber g_fiber[1024];
+static char* g_stack[1024];
+static const size_t STACK = 256 * 1024;
+static ucontext_t g_sched;
+static int g_cur;
+static std::function<void()>* g_body;
+static inline void host_yield() { swapcontext(&g_fiber[g_cur].ctx, &g_sched); }
+static inline void host_wait(HostBarrier& b) {
+    unsigned int gen = b.gen;
+    if (++b.arrived >= b.expected) { b.arrived = 0; b.gen++; return; }
+    while (b.gen == gen) host_yield();
+}
+static inline void host_drop(HostBarrier& b) {  // an ended thread no longer counts
+    b.expected--;
+    if (b.arrived > 0 && b.arrived >= b.expected) { b.arrived = 0; b.gen++; }
+}
+static inline void __syncthreads() { host_wait(g_block_bar); }
+static inline void __syncwarp(unsigned int = 0xffffffffu) { host_wait(g_warp_bar[threadIdx.x >> 5]); }
 template <typename T> static inline T shfl_from(T v, unsigned int src) {
     unsigned int w = threadIdx.x >> 5;
     memcpy(&g_slot[threadIdx.x], &v, sizeof(T));
-    g_warp_bar[w]->arrive_and_wait();
+    host_wait(g_warp_bar[w]);
     T r;
     memcpy(&r, &g_slot[w * 32 + (src & 31u)], sizeof(T));
-    g_warp_bar[w]->arrive_and_wait();
+    host_wait(g_warp_bar[w]);
     return r;
 }
 template <typename T> static inline T __shfl_xor_sync(unsigned int, T v, int o) { return shfl_from(v, (threadIdx.x & 31u) ^ (unsigned int)o); }
 template <typename T> static inline T __shfl_sync(unsigned int, T v, int src) { return shfl_from(v, (unsigned int)src); }
-template <typename F> static void host_launch(unsigned int grid, unsigned int block, F body) {
-    gridDim = dim3{grid, 1, 1};
+static void host_fiber_main() {
+    (*g_body)();
+    g_fiber[g_cur].done = true;
+    host_drop(g_block_bar);
+    host_drop(g_warp_bar[threadIdx.x >> 5]);
+}  // returns to g_sched (uc_link)
+template <typename F> static void host_launch(unsigned int gx, unsigned int gy, unsigned int block, F body) {
+    gridDim = dim3{gx, gy, 1};
     blockDim = dim3{block, 1, 1};
-    for (unsigned int b = 0; b < grid; b++) {
-        std::barrier<> all((std::ptrdiff_t)block);
-        std::vector<std::unique_ptr<std::barrier<>>> warps;
-        for (unsigned int w = 0; w < (block + 31) / 32; w++) {
-            warps.push_back(std::make_unique<std::barrier<>>((std::ptrdiff_t)(block - 32 * w < 32 ? block - 32 * w : 32)));
-            g_warp_bar[w] = warps.back().get();
-        }
-        g_block_bar = &all;
-        std::vector<std::thread> threads;
+    std::function<void()> fn = body;
+    g_body = &fn;
+    for (unsigned int b = 0; b < gx * gy; b++) {
+        blockIdx = dim3{b % gx, b / gx, 0};
+        g_block_bar = HostBarrier{(int)block, 0, 0};
+        for (unsigned int w = 0; w < (block + 31) / 32; w++)
+            g_warp_bar[w] = HostBarrier{(int)(block - 32 * w < 32 ? block - 32 * w : 32), 0, 0};
         for (unsigned int t = 0; t < block; t++) {
-            threads.emplace_back([&, t, b] {
-                threadIdx = dim3{t, 0, 0};
-                blockIdx = dim3{b, 0, 0};
-                body();
-                all.arrive_and_drop();
-                g_warp_bar[t >> 5]->arrive_and_drop();
-            });
+            if (!g_stack[t]) g_stack[t] = new char[STACK];
+            getcontext(&g_fiber[t].ctx);
+            g_fiber[t].ctx.uc_stack.ss_sp = g_stack[t];
+            g_fiber[t].ctx.uc_stack.ss_size = STACK;
+            g_fiber[t].ctx.uc_link = &g_sched;
+            g_fiber[t].done = false;
+            makecontext(&g_fiber[t].ctx, host_fiber_main, 0);
         }
-        for (auto& th : threads) th.join();
+        for (bool left = true; left;) {
+            left = false;
+            for (unsigned int t = 0; t < block; t++) {
+                if (g_fiber[t].done) continue;
+                g_cur = (int)t;
+                threadIdx = dim3{t, 0, 0};
+                swapcontext(&g_sched, &g_fiber[t].ctx);
+                left = left || !g_fiber[t].done;
+            }
+        }
     }
 }
 """
 
+DYN_SMEM = re.compile(r"extern __shared__ (\w+) (\w+)\[\];")
+"""Dynamic shared memory, which becomes the host's one static buffer (blocks run one at a time)."""
 KERNEL = re.compile(r'extern "C" __global__ void (?:\w+(?:\([^)]*\))? )*?(\w+)\(([^)]*)\)\s*\{')
 """A kernel's name and parameter list (after any launch-bounds macro)."""
 
@@ -154,12 +198,13 @@ class HostModule:
         for k, params in kernels.items():
             names = ", ".join(re.findall(r"(\w+)\s*$", p)[0] for p in params)
             wrappers.append(
-                f'extern "C" void host_{k}(unsigned int grid, unsigned int block, {", ".join(params)}) '
-                f"{{ host_launch(grid, block, [&] {{ {k}({names}); }}); }}\n"
+                f'extern "C" void host_{k}(unsigned int gx, unsigned int gy, unsigned int block, {", ".join(params)}) '
+                f"{{ host_launch(gx, gy, block, [&] {{ {k}({names}); }}); }}\n"
             )
         src, lib = folder / f"{name}.cpp", folder / f"{name}.so"
+        source = DYN_SMEM.sub(r"\1* \2 = (\1*)g_dyn_smem;", source)
         src.write_text(HEADER + source + "".join(wrappers))
-        cmd = [cxx, "-O1", "-std=c++20", "-pthread", "-ffp-contract=off", "-shared", "-fPIC", "-o", str(lib), str(src)]
+        cmd = [cxx, "-O1", "-std=c++20", "-ffp-contract=off", "-shared", "-fPIC", "-o", str(lib), str(src)]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if r.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr[-6000:]}")
@@ -168,10 +213,12 @@ class HostModule:
         for k, params in kernels.items():
             fn = getattr(self.lib, f"host_{k}")
             fn.restype = None
-            fn.argtypes = [ctypes.c_uint, ctypes.c_uint, *(_ctype(p) for p in params)]
+            fn.argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, *(_ctype(p) for p in params)]
 
-    def launch(self, kernel: str, grid: int, block: int, *args: Any) -> None:
-        """Run `kernel` over `grid` blocks of `block` threads; NumPy arrays (C-contiguous, kept
-        alive by the caller) for pointers, None for a null pointer, numbers for the rest."""
+    def launch(self, kernel: str, grid: int | tuple[int, int], block: int, *args: Any) -> None:
+        """Run `kernel` over `grid` blocks (x, or (x, y)) of `block` threads, one block after another
+        (x fastest); NumPy arrays (C-contiguous, kept alive by the caller) for pointers, None for a
+        null pointer, numbers for the rest."""
+        gx, gy = grid if isinstance(grid, tuple) else (grid, 1)
         conv = [a.ctypes.data if isinstance(a, np.ndarray) else a for a in args]
-        getattr(self.lib, f"host_{kernel}")(grid, block, *conv)
+        getattr(self.lib, f"host_{kernel}")(gx, gy, block, *conv)

@@ -43,6 +43,12 @@ COMMON = r"""
 #define PDL_WAIT()
 #endif
 #define NEG_INF __int_as_float(0xff800000)
+// Ask L2 for the 128-byte line at p (a hint; nothing where this is compiled for the host, tests/cuda_host.py).
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+#ifdef __CUDA_ARCH__
+    asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
+#endif
+}
 __device__ __forceinline__ float warp_sum(float v) {
     #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -121,7 +127,7 @@ __device__ __forceinline__ void dgemv_body_{T}(
             if (rr >= (epi < 2 ? rows : rows + up_off)) break;
             const unsigned char* rp = W + (long long)rr * row_bytes;
             for (long long o = lane * 128; o < row_bytes; o += 32 * 128)
-                asm volatile("prefetch.global.L2 [%0];" :: "l"(rp + o));
+                prefetch_l2(rp + o);
         }
     }
     PDL_WAIT();
@@ -538,8 +544,8 @@ extern "C" __global__ void ATT_BOUNDS attn_decode(
         const char* kb = (const char*)(Kc + ((long long)kvh * n_ctx + s0) * D);
         const char* vb = (const char*)(Vc + ((long long)kvh * n_ctx + s0) * DV);
         int kspan = (s1 - s0) * D * (int)sizeof(kv_t), vspan = (s1 - s0) * DV * (int)sizeof(kv_t);
-        for (int o = tid * 128; o < kspan; o += NT * 128) asm volatile("prefetch.global.L2 [%0];" :: "l"(kb + o));
-        for (int o = tid * 128; o < vspan; o += NT * 128) asm volatile("prefetch.global.L2 [%0];" :: "l"(vb + o));
+        for (int o = tid * 128; o < kspan; o += NT * 128) prefetch_l2(kb + o);
+        for (int o = tid * 128; o < vspan; o += NT * 128) prefetch_l2(vb + o);
     }
     PDL_WAIT();
 #if ATT_STAGE == 3

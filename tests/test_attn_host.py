@@ -1,0 +1,146 @@
+"""The decode step's attention kernel (`attn_decode`, split-K slices merged by the last block of a
+KV head, as every GPU below sm_90 runs it) on the host (tests/cuda_host.py) equals softmax
+attention in float64: f32 / f16 / int8 caches, grouped queries, one position to many slices, a
+sliding window, head sizes on the fast lane path and off it, and the output projection's input
+rounded in the kernel as `qprep_x` would. Skipped without a C++20 compiler (failed under CI=true)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine.backends.numpy_backend import NumpyOps
+from engine.kernels import decode_src
+from tests.cuda_host import HostModule, compiler
+from tests.models import missing
+
+pytestmark = pytest.mark.timeout(600)
+
+N_CTX = 1024
+N_SPLIT = 16
+SHAPES = {
+    "g3-d64": (9, 3, 64),  # SmolLM2's heads: 3 queries a KV head, 64 dims
+    "g4-d128": (8, 2, 128),  # Qwen3-4B's group and head size
+    "g2-d80": (4, 2, 80),  # a head size off the 8-lanes-a-position path
+}
+"""name -> (query heads, KV heads, head size)."""
+KV_TYPES = ("float32", "float16", "int8")
+
+
+@pytest.fixture(scope="module")
+def modules(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], HostModule]:
+    """One decode module per shape and cache type, built on first use."""
+    return {}
+
+
+def module(cache: dict[tuple[str, str], HostModule], tmp: Path, shape: str, kv: str) -> HostModule:
+    """The decode module of `shape` with a `kv` cache, compiled for the host once."""
+    if (shape, kv) not in cache:
+        cxx = compiler()
+        if cxx is None:
+            missing("no C++ compiler (c++, g++ or clang++) to build the attention kernel for the host")
+        h, kvh, d = SHAPES[shape]
+        src = decode_src.source(
+            ["Q8_0"],
+            n_heads=h,
+            n_kv_heads=kvh,
+            head_dim=d,
+            v_head_dim=d,
+            rope_half=d // 2,
+            neox=True,
+            kv_half=kv == "float16",
+            kv_int8=kv == "int8",
+            n_split=N_SPLIT,
+        )
+        folder = tmp / f"{shape}-{kv}"
+        folder.mkdir()
+        cache[(shape, kv)] = HostModule(folder, src, str(cxx), "attn")
+    return cache[(shape, kv)]
+
+
+def cache_of(rng: np.random.Generator, kv: str, kvh: int, d: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    """A random [KVH, N_CTX, D] cache as the kernel reads it (values; int8: per-32 f16 scales) and
+    the float64 values it stands for."""
+    x = rng.standard_normal((kvh, N_CTX, d)).astype(np.float32)
+    if kv == "float32":
+        return x, None, x.astype(np.float64)
+    if kv == "float16":
+        h = x.astype(np.float16)
+        return h.view(np.uint16), None, h.astype(np.float64)
+    blocks = x.reshape(kvh, N_CTX, d // 32, 32)
+    dsc = (np.abs(blocks).max(axis=-1) / 127).astype(np.float16)
+    inv = np.divide(1.0, dsc.astype(np.float32), out=np.zeros(dsc.shape, np.float32), where=dsc != 0)
+    q = np.clip(np.rint(blocks * inv[..., None]), -127, 127).astype(np.int8)
+    vals = q.astype(np.float64) * dsc.astype(np.float64)[..., None]
+    return q.reshape(kvh, N_CTX, d), dsc.view(np.uint16), vals.reshape(kvh, N_CTX, d)
+
+
+CASES = [(shape, kv) for shape in sorted(SHAPES) for kv in KV_TYPES if kv == "float32" or SHAPES[shape][2] % 32 == 0]
+"""Every shape with every cache type that holds it (f16 / int8 rows are whole 32-value blocks)."""
+
+
+@pytest.mark.parametrize("shape,kv", CASES)
+@pytest.mark.parametrize("pos,window", [(0, 0), (40, 0), (700, 0), (700, 100)])
+def test_attention_matches_float64(
+    modules: dict[tuple[str, str], HostModule],
+    tmp_path_factory: pytest.TempPathFactory,
+    shape: str,
+    kv: str,
+    pos: int,
+    window: int,
+) -> None:
+    """out[h] = softmax(scale q_h . K[kvh, lo..pos]) V[kvh, lo..pos] with kvh = h // G, for one
+    position (one slice), two slices and all N_SPLIT = 16 slices (two batches of the merge's 8),
+    with and without a window."""
+    mod = module(modules, tmp_path_factory.mktemp("attn"), shape, kv)
+    h, kvh, d = SHAPES[shape]
+    g = h // kvh
+    rng = np.random.default_rng(pos + 13 * window + len(kv))
+    q = rng.standard_normal((h, d)).astype(np.float32)
+    kc, kd, kf = cache_of(rng, kv, kvh, d)
+    vc, vd, vf = cache_of(rng, kv, kvh, d)
+    ids = np.array([0, pos, 0, 0], np.int32)
+    pm, pl = np.zeros(h * N_SPLIT, np.float32), np.zeros(h * N_SPLIT, np.float32)
+    pacc, counter = np.zeros(h * N_SPLIT * d, np.float32), np.zeros(kvh, np.int32)
+    out = np.full(h * d, np.nan, np.float32)
+    scale = 1 / np.sqrt(d)
+    warps = decode_src.attn_warps(g, d)
+    args = (q, kc, vc, kd, vd, ids, pm, pl, pacc, counter, out, N_CTX, window, np.float32(scale), 0, None, None, None)
+    mod.launch("attn_decode", (kvh, N_SPLIT), 32 * warps, *args)
+    lo = max(0, pos - window + 1) if window else 0
+    want = np.empty((h, d))
+    for i in range(h):
+        s = scale * (kf[i // g, lo : pos + 1] @ q[i].astype(np.float64))
+        p = np.exp(s - s.max())
+        want[i] = (p / p.sum()) @ vf[i // g, lo : pos + 1]
+    assert np.allclose(out.reshape(h, d), want, rtol=2e-5, atol=2e-6), (shape, kv, pos, window)
+    assert counter.tolist() == [0] * kvh  # the last block of each KV head resets its counter
+
+
+@pytest.mark.parametrize("aq", [1, 2])
+def test_attention_rounds_the_output_projection_input(
+    modules: dict[tuple[str, str], HostModule], tmp_path_factory: pytest.TempPathFactory, aq: int
+) -> None:
+    """With `aq` set the merging block also rounds its heads' outputs into the integer GEMV's
+    input (q8_0 / q8_k groups, as `qprep_x` does without a norm)."""
+    mod = module(modules, tmp_path_factory.mktemp("attn"), "g4-d128", "float16")
+    h, kvh, d = SHAPES["g4-d128"]
+    rng = np.random.default_rng(aq)
+    q = rng.standard_normal((h, d)).astype(np.float32)
+    kc, _, _ = cache_of(rng, "float16", kvh, d)
+    vc, _, _ = cache_of(rng, "float16", kvh, d)
+    ids = np.array([0, 300, 0, 0], np.int32)
+    pm, pl = np.zeros(h * N_SPLIT, np.float32), np.zeros(h * N_SPLIT, np.float32)
+    pacc, counter = np.zeros(h * N_SPLIT * d, np.float32), np.zeros(kvh, np.int32)
+    out = np.zeros(h * d, np.float32)
+    xq, xd, xs16 = np.zeros(h * d, np.int8), np.zeros(h * d // 32, np.float32), np.zeros(h * d // 16, np.int32)
+    warps = decode_src.attn_warps(h // kvh, d)
+    args = (q, kc, vc, None, None, ids, pm, pl, pacc, counter, out, N_CTX, 0, np.float32(d**-0.5), aq, xq, xd, xs16)
+    mod.launch("attn_decode", (kvh, N_SPLIT), 32 * warps, *args)
+    group = 32 if aq == 1 else 256
+    ref = NumpyOps.act_quant(out[None], "q8_0" if aq == 1 else "q8_k")[0]
+    got = xq.astype(np.float32) * np.repeat(xd[: h * d // group], group)
+    assert np.allclose(got, ref, rtol=1e-6, atol=1e-7)
+    assert np.array_equal(xs16, xq.astype(np.int32).reshape(-1, 16).sum(axis=1))

@@ -46,7 +46,7 @@ HEADER = r"""
 #define __forceinline__ inline
 #define __launch_bounds__(...)
 #define __restrict__ __restrict
-#define __shared__ static
+#define __cluster_dims__(...)
 struct uint4 { unsigned int x, y, z, w; };
 struct int4 { int x, y, z, w; };
 struct int2 { int x, y; };
@@ -82,20 +82,33 @@ template <typename T> static inline T atomicAdd(T* p, T v) { return std::atomic_
 static inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 static unsigned char g_dyn_smem[228 * 1024];  // `extern __shared__ T name[]` (HostModule rewrites it)
 
-// SIMT: a CUDA thread is a fiber (ucontext) of one host thread; one block at a time, its fibers
-// run in turn, each until it waits at a barrier (or ends)
+// SIMT: a CUDA thread is a fiber (ucontext) of one host thread. The blocks of one thread-block
+// cluster (one block without clusters) run together, each in a slot with its own barriers, shuffle
+// slots and shared memory; the fibers run in turn, each until it waits at a barrier or ends.
+static const int HOST_SLOTS = 16;  // the most blocks of a cluster
+static const int HOST_THREADS = 1024;
 static dim3 threadIdx, blockIdx;
 static dim3 blockDim, gridDim;
+static int g_slot_now;  // the running fiber's block slot (its rank in the cluster)
 struct HostBarrier { int expected, arrived; unsigned int gen; };
-static HostBarrier g_block_bar, g_warp_bar[32];
-static unsigned long long g_slot[1024];
-struct HostFiber { ucontext_t ctx; bool done; };
-static HostFiber g_fiber[1024];
-static char* g_stack[1024];
-static const size_t STACK = 256 * 1024;
+static HostBarrier g_block_bar[HOST_SLOTS], g_warp_bar[HOST_SLOTS][32], g_cluster_bar;
+static unsigned long long g_xchg[HOST_SLOTS][HOST_THREADS];
+struct HostFiber { ucontext_t ctx; bool done; dim3 tid, bid; int slot; };
+static HostFiber g_fiber[HOST_SLOTS * HOST_THREADS];
+static char* g_stack[HOST_SLOTS * HOST_THREADS];
+static const size_t STACK = 128 * 1024;
 static ucontext_t g_sched;
 static int g_cur;
 static std::function<void()>* g_body;
+// __shared__ variables (HostModule rewrites each declaration to this): one per block slot
+struct HostShared { char* base; size_t size; };
+static std::vector<HostShared> g_shared;
+template <typename T, int ID> static inline T& host_shared() {
+    static T s[HOST_SLOTS];
+    static bool known = (g_shared.push_back(HostShared{(char*)s, sizeof(T)}), true);
+    (void)known;
+    return s[g_slot_now];
+}
 static inline void host_yield() { swapcontext(&g_fiber[g_cur].ctx, &g_sched); }
 static inline void host_wait(HostBarrier& b) {
     unsigned int gen = b.gen;
@@ -106,52 +119,78 @@ static inline void host_drop(HostBarrier& b) {  // an ended thread no longer cou
     b.expected--;
     if (b.arrived > 0 && b.arrived >= b.expected) { b.arrived = 0; b.gen++; }
 }
-static inline void __syncthreads() { host_wait(g_block_bar); }
-static inline void __syncwarp(unsigned int = 0xffffffffu) { host_wait(g_warp_bar[threadIdx.x >> 5]); }
+static inline void __syncthreads() { host_wait(g_block_bar[g_slot_now]); }
+static inline void __syncwarp(unsigned int = 0xffffffffu) { host_wait(g_warp_bar[g_slot_now][threadIdx.x >> 5]); }
+static inline void host_cluster_sync() { host_wait(g_cluster_bar); }
+// v in this block's shared memory, read from the same place in the block of cluster rank `rank`
+static inline float host_ld_peer(const float* v, unsigned int rank) {
+    for (const HostShared& sh : g_shared) {
+        char* mine = sh.base + (size_t)g_slot_now * sh.size;
+        if ((const char*)v >= mine && (const char*)v < mine + sh.size)
+            return *(const float*)(sh.base + (size_t)rank * sh.size + ((const char*)v - mine));
+    }
+    abort();  // not a __shared__ variable
+}
 template <typename T> static inline T shfl_from(T v, unsigned int src) {
     unsigned int w = threadIdx.x >> 5;
-    memcpy(&g_slot[threadIdx.x], &v, sizeof(T));
-    host_wait(g_warp_bar[w]);
+    memcpy(&g_xchg[g_slot_now][threadIdx.x], &v, sizeof(T));
+    host_wait(g_warp_bar[g_slot_now][w]);
     T r;
-    memcpy(&r, &g_slot[w * 32 + (src & 31u)], sizeof(T));
-    host_wait(g_warp_bar[w]);
+    memcpy(&r, &g_xchg[g_slot_now][w * 32 + (src & 31u)], sizeof(T));
+    host_wait(g_warp_bar[g_slot_now][w]);
     return r;
 }
 template <typename T> static inline T __shfl_xor_sync(unsigned int, T v, int o) { return shfl_from(v, (threadIdx.x & 31u) ^ (unsigned int)o); }
 template <typename T> static inline T __shfl_sync(unsigned int, T v, int src) { return shfl_from(v, (unsigned int)src); }
 static void host_fiber_main() {
     (*g_body)();
-    g_fiber[g_cur].done = true;
-    host_drop(g_block_bar);
-    host_drop(g_warp_bar[threadIdx.x >> 5]);
+    HostFiber& f = g_fiber[g_cur];
+    f.done = true;
+    host_drop(g_block_bar[f.slot]);
+    host_drop(g_warp_bar[f.slot][f.tid.x >> 5]);
+    host_drop(g_cluster_bar);
 }  // returns to g_sched (uc_link)
-template <typename F> static void host_launch(unsigned int gx, unsigned int gy, unsigned int block, F body) {
+// The grid (gx, gy) in clusters of `cluster` blocks along y (1: no clusters), each cluster's blocks
+// running together, the clusters one after another.
+template <typename F> static void host_launch(unsigned int gx, unsigned int gy, unsigned int block, unsigned int cluster, F body) {
+    if (cluster < 1 || cluster > HOST_SLOTS || gy % cluster || block > HOST_THREADS) abort();
     gridDim = dim3{gx, gy, 1};
     blockDim = dim3{block, 1, 1};
     std::function<void()> fn = body;
     g_body = &fn;
-    for (unsigned int b = 0; b < gx * gy; b++) {
-        blockIdx = dim3{b % gx, b / gx, 0};
-        g_block_bar = HostBarrier{(int)block, 0, 0};
-        for (unsigned int w = 0; w < (block + 31) / 32; w++)
-            g_warp_bar[w] = HostBarrier{(int)(block - 32 * w < 32 ? block - 32 * w : 32), 0, 0};
-        for (unsigned int t = 0; t < block; t++) {
-            if (!g_stack[t]) g_stack[t] = new char[STACK];
-            getcontext(&g_fiber[t].ctx);
-            g_fiber[t].ctx.uc_stack.ss_sp = g_stack[t];
-            g_fiber[t].ctx.uc_stack.ss_size = STACK;
-            g_fiber[t].ctx.uc_link = &g_sched;
-            g_fiber[t].done = false;
-            makecontext(&g_fiber[t].ctx, host_fiber_main, 0);
+    for (unsigned int c = 0; c < gx * (gy / cluster); c++) {
+        unsigned int x = c % gx, y0 = (c / gx) * cluster;
+        g_cluster_bar = HostBarrier{(int)(cluster * block), 0, 0};
+        int n = 0;
+        for (unsigned int r = 0; r < cluster; r++) {
+            g_block_bar[r] = HostBarrier{(int)block, 0, 0};
+            for (unsigned int w = 0; w < (block + 31) / 32; w++)
+                g_warp_bar[r][w] = HostBarrier{(int)(block - 32 * w < 32 ? block - 32 * w : 32), 0, 0};
+            for (unsigned int t = 0; t < block; t++, n++) {
+                HostFiber& f = g_fiber[n];
+                if (!g_stack[n]) g_stack[n] = new char[STACK];
+                getcontext(&f.ctx);
+                f.ctx.uc_stack.ss_sp = g_stack[n];
+                f.ctx.uc_stack.ss_size = STACK;
+                f.ctx.uc_link = &g_sched;
+                f.done = false;
+                f.tid = dim3{t, 0, 0};
+                f.bid = dim3{x, y0 + r, 0};
+                f.slot = (int)r;
+                makecontext(&f.ctx, host_fiber_main, 0);
+            }
         }
         for (bool left = true; left;) {
             left = false;
-            for (unsigned int t = 0; t < block; t++) {
-                if (g_fiber[t].done) continue;
-                g_cur = (int)t;
-                threadIdx = dim3{t, 0, 0};
-                swapcontext(&g_sched, &g_fiber[t].ctx);
-                left = left || !g_fiber[t].done;
+            for (int i = 0; i < n; i++) {
+                HostFiber& f = g_fiber[i];
+                if (f.done) continue;
+                g_cur = i;
+                threadIdx = f.tid;
+                blockIdx = f.bid;
+                g_slot_now = f.slot;
+                swapcontext(&g_sched, &f.ctx);
+                left = left || !f.done;
             }
         }
     }
@@ -159,6 +198,8 @@ template <typename F> static void host_launch(unsigned int gx, unsigned int gy, 
 """
 
 DYN_SMEM = re.compile(r"extern __shared__ (\w+) (\w+)\[\];")
+SHARED = re.compile(r"__shared__\s+((?:unsigned\s+)?\w+)\s+([^;]+);")
+"""A `__shared__` declaration: its element type and its declarators (`a[2][3], b, c[N]`)."""
 """Dynamic shared memory, which becomes the host's one static buffer (blocks run one at a time)."""
 KERNEL = re.compile(r'extern "C" __global__ void (?:\w+(?:\([^)]*\))? )*?(\w+)\(([^)]*)\)\s*\{')
 """A kernel's name and parameter list (after any launch-bounds macro)."""
@@ -170,6 +211,32 @@ def compiler() -> str | None:
         if shutil.which(cand):
             return cand
     return None
+
+
+_ids = iter(range(1, 1 << 30))
+
+
+def _per_block(m: re.Match[str]) -> str:
+    """One `__shared__` declaration as references to per-block storage (`host_shared`)."""
+    kind, decls, out, depth, cur = m.group(1), m.group(2), [], 0, ""
+    for ch in decls + ",":
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+            continue
+        depth += ch == "["
+        depth -= ch == "]"
+        cur += ch
+    refs = []
+    for d in out:
+        name, dims = re.match(r"(\w+)\s*(.*)", d).groups()  # type: ignore[union-attr]
+        n = next(_ids)
+        refs.append(
+            f"{kind} (&{name}){dims} = host_shared<{kind}{dims}, {n}>();"
+            if dims
+            else f"{kind}& {name} = host_shared<{kind}, {n}>();"
+        )
+    return " ".join(refs)
 
 
 def _ctype(param: str) -> Any:
@@ -198,11 +265,11 @@ class HostModule:
         for k, params in kernels.items():
             names = ", ".join(re.findall(r"(\w+)\s*$", p)[0] for p in params)
             wrappers.append(
-                f'extern "C" void host_{k}(unsigned int gx, unsigned int gy, unsigned int block, {", ".join(params)}) '
-                f"{{ host_launch(gx, gy, block, [&] {{ {k}({names}); }}); }}\n"
+                f'extern "C" void host_{k}(unsigned int gx, unsigned int gy, unsigned int block, unsigned int cluster, '
+                f"{', '.join(params)}) {{ host_launch(gx, gy, block, cluster, [&] {{ {k}({names}); }}); }}\n"
             )
         src, lib = folder / f"{name}.cpp", folder / f"{name}.so"
-        source = DYN_SMEM.sub(r"\1* \2 = (\1*)g_dyn_smem;", source)
+        source = SHARED.sub(_per_block, DYN_SMEM.sub(r"\1* \2 = (\1*)g_dyn_smem;", source))
         src.write_text(HEADER + source + "".join(wrappers))
         cmd = [cxx, "-O1", "-std=c++20", "-ffp-contract=off", "-shared", "-fPIC", "-o", str(lib), str(src)]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -213,12 +280,13 @@ class HostModule:
         for k, params in kernels.items():
             fn = getattr(self.lib, f"host_{k}")
             fn.restype = None
-            fn.argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, *(_ctype(p) for p in params)]
+            fn.argtypes = [ctypes.c_uint] * 4 + [_ctype(p) for p in params]
 
-    def launch(self, kernel: str, grid: int | tuple[int, int], block: int, *args: Any) -> None:
-        """Run `kernel` over `grid` blocks (x, or (x, y)) of `block` threads, one block after another
-        (x fastest); NumPy arrays (C-contiguous, kept alive by the caller) for pointers, None for a
-        null pointer, numbers for the rest."""
+    def launch(self, kernel: str, grid: int | tuple[int, int], block: int, *args: Any, cluster: int = 1) -> None:
+        """Run `kernel` over `grid` blocks (x, or (x, y)) of `block` threads, in thread-block
+        clusters of `cluster` blocks along y (the kernel's `__cluster_dims__(1, cluster, 1)`) that
+        run together, one cluster after another (x fastest); NumPy arrays (C-contiguous, kept alive
+        by the caller) for pointers, None for a null pointer, numbers for the rest."""
         gx, gy = grid if isinstance(grid, tuple) else (grid, 1)
         conv = [a.ctypes.data if isinstance(a, np.ndarray) else a for a in args]
-        getattr(self.lib, f"host_{kernel}")(gx, gy, block, *conv)
+        getattr(self.lib, f"host_{kernel}")(gx, gy, block, cluster, *conv)

@@ -1,8 +1,10 @@
-"""The decode step's attention kernel (`attn_decode`, split-K slices merged by the last block of a
-KV head, as every GPU below sm_90 runs it) on the host (tests/cuda_host.py) equals softmax
-attention in float64: f32 / f16 / int8 caches, grouped queries, one position to many slices, a
-sliding window, head sizes on the fast lane path and off it, and the output projection's input
-rounded in the kernel as `qprep_x` would. Skipped without a C++20 compiler (failed under CI=true)."""
+"""The decode step's attention kernel (`attn_decode`) on the host (tests/cuda_host.py) equals
+softmax attention in float64, both as every GPU below sm_90 runs it (split-K slices merged by the
+last block of a KV head) and as sm_90 runs it (thread-block clusters of 8 merging through each
+other's shared memory up to 8 x 192 positions, slices past that): f32 / f16 / int8 caches, grouped
+queries, one position to many slices, a sliding window, head sizes on the fast lane path and off
+it, and the output projection's input rounded in the kernel as `qprep_x` would. Skipped without a
+C++20 compiler (failed under CI=true)."""
 
 from __future__ import annotations
 
@@ -18,8 +20,10 @@ from tests.models import missing
 
 pytestmark = pytest.mark.timeout(600)
 
-N_CTX = 1024
+N_CTX = 2048
 N_SPLIT = 16
+CLUSTER = 8
+"""Blocks of a thread-block cluster in the sm_90 build (`EngineOptions.attn_cluster`)."""
 SHAPES = {
     "g3-d64": (9, 3, 64),  # SmolLM2's heads: 3 queries a KV head, 64 dims
     "g4-d128": (8, 2, 128),  # Qwen3-4B's group and head size
@@ -30,20 +34,23 @@ KV_TYPES = ("float32", "float16", "int8")
 
 
 @pytest.fixture(scope="module")
-def modules(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], HostModule]:
-    """One decode module per shape and cache type, built on first use."""
+def modules(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str, int], HostModule]:
+    """One decode module per shape, cache type and cluster size, built on first use."""
     return {}
 
 
-def module(cache: dict[tuple[str, str], HostModule], tmp: Path, shape: str, kv: str) -> HostModule:
-    """The decode module of `shape` with a `kv` cache, compiled for the host once."""
-    if (shape, kv) not in cache:
+def module(
+    cache: dict[tuple[str, str, int], HostModule], tmp: Path, shape: str, kv: str, cluster: int = 0
+) -> HostModule:
+    """The decode module of `shape` with a `kv` cache (`cluster`: the sm_90 build's thread-block
+    clusters, 0 none), compiled for the host once."""
+    if (shape, kv, cluster) not in cache:
         cxx = compiler()
         if cxx is None:
             missing("no C++ compiler (c++, g++ or clang++) to build the attention kernel for the host")
         h, kvh, d = SHAPES[shape]
         src = decode_src.source(
-            ["Q8_0"],
+            [],  # no weight types: attention, qkv_post and the small kernels only (quicker to build)
             n_heads=h,
             n_kv_heads=kvh,
             head_dim=d,
@@ -53,11 +60,10 @@ def module(cache: dict[tuple[str, str], HostModule], tmp: Path, shape: str, kv: 
             kv_half=kv == "float16",
             kv_int8=kv == "int8",
             n_split=N_SPLIT,
+            attn_cluster=cluster,
         )
-        folder = tmp / f"{shape}-{kv}"
-        folder.mkdir()
-        cache[(shape, kv)] = HostModule(folder, src, str(cxx), "attn")
-    return cache[(shape, kv)]
+        cache[(shape, kv, cluster)] = HostModule(tmp, src, str(cxx), "attn")
+    return cache[(shape, kv, cluster)]
 
 
 def cache_of(rng: np.random.Generator, kv: str, kvh: int, d: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
@@ -81,20 +87,35 @@ CASES = [(shape, kv) for shape in sorted(SHAPES) for kv in KV_TYPES if kv == "fl
 """Every shape with every cache type that holds it (f16 / int8 rows are whole 32-value blocks)."""
 
 
+POSITIONS = [
+    (0, 0, 0),
+    (0, 40, 0),
+    (0, 700, 0),
+    (0, 700, 100),
+    (CLUSTER, 40, 0),
+    (CLUSTER, 700, 100),
+    (CLUSTER, 1700, 0),
+]
+"""(cluster, position, window): one slice, two, all 16 (two merge batches), a window; in clusters
+a few positions, a window inside one cluster, and slices past one cluster's 1,536 positions."""
+
+
 @pytest.mark.parametrize("shape,kv", CASES)
-@pytest.mark.parametrize("pos,window", [(0, 0), (40, 0), (700, 0), (700, 100)])
+@pytest.mark.parametrize("cluster,pos,window", POSITIONS)
 def test_attention_matches_float64(
-    modules: dict[tuple[str, str], HostModule],
+    modules: dict[tuple[str, str, int], HostModule],
     tmp_path_factory: pytest.TempPathFactory,
     shape: str,
     kv: str,
+    cluster: int,
     pos: int,
     window: int,
 ) -> None:
     """out[h] = softmax(scale q_h . K[kvh, lo..pos]) V[kvh, lo..pos] with kvh = h // G, for one
     position (one slice), two slices and all N_SPLIT = 16 slices (two batches of the merge's 8),
-    with and without a window."""
-    mod = module(modules, tmp_path_factory.mktemp("attn"), shape, kv)
+    with and without a window; with clusters, up to 700 positions in one cluster and 1,700 past
+    one cluster's 1,536 in slices."""
+    mod = module(modules, tmp_path_factory.mktemp("attn"), shape, kv, cluster)
     h, kvh, d = SHAPES[shape]
     g = h // kvh
     rng = np.random.default_rng(pos + 13 * window + len(kv))
@@ -106,9 +127,10 @@ def test_attention_matches_float64(
     pacc, counter = np.zeros(h * N_SPLIT * d, np.float32), np.zeros(kvh, np.int32)
     out = np.full(h * d, np.nan, np.float32)
     scale = 1 / np.sqrt(d)
-    warps = decode_src.attn_warps(g, d)
+    warps = decode_src.attn_warps(g, d, cluster)
     args = (q, kc, vc, kd, vd, ids, pm, pl, pacc, counter, out, N_CTX, window, np.float32(scale), 0, None, None, None)
-    mod.launch("attn_decode", (kvh, N_SPLIT), 32 * warps, *args)
+    grid = (kvh, decode_src.attn_blocks(N_SPLIT, cluster))
+    mod.launch("attn_decode", grid, 32 * warps, *args, cluster=max(1, cluster))
     lo = max(0, pos - window + 1) if window else 0
     want = np.empty((h, d))
     for i in range(h):
@@ -119,13 +141,15 @@ def test_attention_matches_float64(
     assert counter.tolist() == [0] * kvh  # the last block of each KV head resets its counter
 
 
+@pytest.mark.parametrize("cluster", [0, CLUSTER])
 @pytest.mark.parametrize("aq", [1, 2])
 def test_attention_rounds_the_output_projection_input(
-    modules: dict[tuple[str, str], HostModule], tmp_path_factory: pytest.TempPathFactory, aq: int
+    modules: dict[tuple[str, str, int], HostModule], tmp_path_factory: pytest.TempPathFactory, aq: int, cluster: int
 ) -> None:
-    """With `aq` set the merging block also rounds its heads' outputs into the integer GEMV's
-    input (q8_0 / q8_k groups, as `qprep_x` does without a norm)."""
-    mod = module(modules, tmp_path_factory.mktemp("attn"), "g4-d128", "float16")
+    """With `aq` set the merging block (with clusters: each block its share of the outputs) also
+    rounds its heads' outputs into the integer GEMV's input (q8_0 / q8_k groups, as `qprep_x`
+    does without a norm)."""
+    mod = module(modules, tmp_path_factory.mktemp("attn"), "g4-d128", "float16", cluster)
     h, kvh, d = SHAPES["g4-d128"]
     rng = np.random.default_rng(aq)
     q = rng.standard_normal((h, d)).astype(np.float32)
@@ -136,9 +160,10 @@ def test_attention_rounds_the_output_projection_input(
     pacc, counter = np.zeros(h * N_SPLIT * d, np.float32), np.zeros(kvh, np.int32)
     out = np.zeros(h * d, np.float32)
     xq, xd, xs16 = np.zeros(h * d, np.int8), np.zeros(h * d // 32, np.float32), np.zeros(h * d // 16, np.int32)
-    warps = decode_src.attn_warps(h // kvh, d)
+    warps = decode_src.attn_warps(h // kvh, d, cluster)
     args = (q, kc, vc, None, None, ids, pm, pl, pacc, counter, out, N_CTX, 0, np.float32(d**-0.5), aq, xq, xd, xs16)
-    mod.launch("attn_decode", (kvh, N_SPLIT), 32 * warps, *args)
+    grid = (kvh, decode_src.attn_blocks(N_SPLIT, cluster))
+    mod.launch("attn_decode", grid, 32 * warps, *args, cluster=max(1, cluster))
     group = 32 if aq == 1 else 256
     ref = NumpyOps.act_quant(out[None], "q8_0" if aq == 1 else "q8_k")[0]
     got = xq.astype(np.float32) * np.repeat(xd[: h * d // group], group)

@@ -41,7 +41,7 @@ def module(cache: dict[tuple[str, str], HostModule], tmp: Path, case: str, kv: s
             missing("no C++ compiler (c++, g++ or clang++) to build qkv_post for the host")
         h, kvh, d, half, neox, _ = CASES[case]
         src = decode_src.source(
-            ["Q8_0"],
+            [],  # no weight types: attention, qkv_post and the small kernels only (quicker to build)
             n_heads=h,
             n_kv_heads=kvh,
             head_dim=d,

@@ -450,16 +450,25 @@ __device__ __forceinline__ float merge_parts(FM m, FL l, FA a, float& o, float& 
 }
 #if ATT_CLUSTER
 #define ATT_BOUNDS __cluster_dims__(1, ATT_CLUSTER, 1) __launch_bounds__(NT)
+// (each with a host branch for tests/cuda_host.py, which runs a cluster's blocks together on the CPU)
 __device__ __forceinline__ void cluster_sync_all() {
+#ifdef __CUDA_ARCH__
     asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#else
+    host_cluster_sync();
+#endif
 }
 // v at the same shared-memory place in block `rank` of this cluster
 __device__ __forceinline__ float ld_peer(const float* v, unsigned int rank) {
+#ifdef __CUDA_ARCH__
     unsigned int a = (unsigned int)__cvta_generic_to_shared(v), pa;
     float r;
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(pa) : "r"(a), "r"(rank));
     asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(r) : "r"(pa));
     return r;
+#else
+    return host_ld_peer(v, rank);
+#endif
 }
 #else
 #define ATT_BOUNDS __launch_bounds__(NT)

@@ -290,3 +290,47 @@ class HostModule:
         gx, gy = grid if isinstance(grid, tuple) else (grid, 1)
         conv = [a.ctypes.data if isinstance(a, np.ndarray) else a for a in args]
         getattr(self.lib, f"host_{kernel}")(gx, gy, block, cluster, *conv)
+
+
+def cxx_or_skip(what: str) -> str:
+    """A C++ compiler; without one the calling test is skipped (failed under CI=true) naming `what`
+    needed it."""
+    from tests.models import missing
+
+    cxx = compiler()
+    if cxx is None:
+        missing(f"no C++ compiler (c++, g++ or clang++) to build {what} for the host")
+    return cxx
+
+
+def decode_module(
+    folder: Path,
+    *,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    kv: str,
+    n_split: int,
+    rope_half: int | None = None,
+    neox: bool = True,
+    cluster: int = 0,
+) -> HostModule:
+    """The decode module of one head shape with no weight types (attention, `qkv_post` and the
+    small kernels: quicker to build) and a `kv` cache ("float32", "float16" or "int8"), for the
+    host; `cluster`: the sm_90 build's thread-block clusters (0: none)."""
+    from engine.kernels import decode_src
+
+    src = decode_src.source(
+        [],
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+        v_head_dim=head_dim,
+        rope_half=head_dim // 2 if rope_half is None else rope_half,
+        neox=neox,
+        kv_half=kv == "float16",
+        kv_int8=kv == "int8",
+        n_split=n_split,
+        attn_cluster=cluster,
+    )
+    return HostModule(folder, src, cxx_or_skip("the decode kernels"), "decode")

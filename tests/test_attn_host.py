@@ -15,8 +15,7 @@ import pytest
 
 from engine.backends.numpy_backend import NumpyOps
 from engine.kernels import decode_src
-from tests.cuda_host import HostModule, compiler
-from tests.models import missing
+from tests.cuda_host import HostModule, decode_module
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -45,24 +44,10 @@ def module(
     """The decode module of `shape` with a `kv` cache (`cluster`: the sm_90 build's thread-block
     clusters, 0 none), compiled for the host once."""
     if (shape, kv, cluster) not in cache:
-        cxx = compiler()
-        if cxx is None:
-            missing("no C++ compiler (c++, g++ or clang++) to build the attention kernel for the host")
         h, kvh, d = SHAPES[shape]
-        src = decode_src.source(
-            [],  # no weight types: attention, qkv_post and the small kernels only (quicker to build)
-            n_heads=h,
-            n_kv_heads=kvh,
-            head_dim=d,
-            v_head_dim=d,
-            rope_half=d // 2,
-            neox=True,
-            kv_half=kv == "float16",
-            kv_int8=kv == "int8",
-            n_split=N_SPLIT,
-            attn_cluster=cluster,
+        cache[(shape, kv, cluster)] = decode_module(
+            tmp, n_heads=h, n_kv_heads=kvh, head_dim=d, kv=kv, n_split=N_SPLIT, cluster=cluster
         )
-        cache[(shape, kv, cluster)] = HostModule(tmp, src, str(cxx), "attn")
     return cache[(shape, kv, cluster)]
 
 

@@ -16,8 +16,7 @@ from engine.kernels import decode_src
 from engine.kernels.quant_units import TYPES
 from engine.quants import dequantize
 from engine.quants_encode import random_blocks, row_bytes
-from tests.cuda_host import HostModule, compiler
-from tests.models import missing
+from tests.cuda_host import HostModule, cxx_or_skip
 from tests.qdot_host import PAD, aligned
 
 pytestmark = pytest.mark.timeout(600)
@@ -29,12 +28,10 @@ EPS = 1e-6
 @pytest.fixture(scope="module")
 def mod(tmp_path_factory: pytest.TempPathFactory) -> HostModule:
     """A decode module with a GEMV, gate+up and embedding kernel for every tensor type."""
-    cxx = compiler()
-    if cxx is None:
-        missing("no C++ compiler (c++, g++ or clang++) to build the decode kernels for the host")
+    cxx = cxx_or_skip("the decode kernels")
     shape = dict(n_heads=4, n_kv_heads=2, head_dim=64, v_head_dim=64, rope_half=32, neox=True, kv_half=True, n_split=4)
     src = decode_src.source(list(TYPES), **shape)  # type: ignore[arg-type]
-    return HostModule(Path(tmp_path_factory.mktemp("decode")), src, str(cxx), "decode")
+    return HostModule(Path(tmp_path_factory.mktemp("decode")), src, cxx, "decode")
 
 
 def weights(rng: np.random.Generator, t: str, rows: int) -> tuple[np.ndarray, np.ndarray, int]:

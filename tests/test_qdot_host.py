@@ -12,8 +12,7 @@ import pytest
 
 from engine.quants import dequantize
 from engine.quants_encode import random_blocks
-from tests.cuda_host import compiler
-from tests.models import missing
+from tests.cuda_host import cxx_or_skip
 from tests.qdot_host import CODES, GROUP, TYPE_OF, HostDots, activations, chunk_values
 
 pytestmark = pytest.mark.timeout(300)
@@ -25,10 +24,8 @@ COLS = 1024
 @pytest.fixture(scope="module")
 def host(tmp_path_factory: pytest.TempPathFactory) -> HostDots:
     """The dot products built once for this module."""
-    cxx = compiler()
-    if cxx is None:
-        missing("no C++ compiler (c++, g++ or clang++) to build the kernels' dot products for the host")
-    return HostDots(Path(tmp_path_factory.mktemp("qdot")), str(cxx))
+    cxx = cxx_or_skip("the kernels' dot products")
+    return HostDots(Path(tmp_path_factory.mktemp("qdot")), cxx)
 
 
 def reference(code: str, row: np.ndarray, xq: np.ndarray, xd: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

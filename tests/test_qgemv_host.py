@@ -16,8 +16,7 @@ from engine.kernels import decode_src, qdot_src
 from engine.kernels.quant_units import UNITS
 from engine.quants import dequantize
 from engine.quants_encode import random_blocks, row_bytes
-from tests.cuda_host import HostModule, compiler
-from tests.models import missing
+from tests.cuda_host import HostModule, cxx_or_skip
 from tests.qdot_host import PAD, activations, aligned
 
 pytestmark = pytest.mark.timeout(600)
@@ -32,21 +31,17 @@ AQ = {t: qdot_src.QTYPES[t] for t in TYPES}
 @pytest.fixture(scope="module")
 def mod(tmp_path_factory: pytest.TempPathFactory) -> HostModule:
     """The integer GEMV kernels of every type, as the decode module has them, built once."""
-    cxx = compiler()
-    if cxx is None:
-        missing("no C++ compiler (c++, g++ or clang++) to build the GEMV kernels for the host")
+    cxx = cxx_or_skip("the GEMV kernels")
     src = UNITS + decode_src.COMMON + qdot_src.round_source() + qdot_src.source(list(TYPES))
-    return HostModule(Path(tmp_path_factory.mktemp("qgemv")), src, str(cxx), "qgemv")
+    return HostModule(Path(tmp_path_factory.mktemp("qgemv")), src, cxx, "qgemv")
 
 
 @pytest.fixture(scope="module")
 def mod_wide(tmp_path_factory: pytest.TempPathFactory) -> HostModule:
     """The Q4_K kernels with the gate+up kernel in 64-value chunks (`qgemv_glu_wide`)."""
-    cxx = compiler()
-    if cxx is None:
-        missing("no C++ compiler (c++, g++ or clang++) to build the GEMV kernels for the host")
+    cxx = cxx_or_skip("the GEMV kernels")
     src = UNITS + decode_src.COMMON + qdot_src.round_source() + qdot_src.source(["Q4_K"], glu_wide=True)
-    return HostModule(Path(tmp_path_factory.mktemp("qgemv_wide")), src, str(cxx), "qgemv_wide")
+    return HostModule(Path(tmp_path_factory.mktemp("qgemv_wide")), src, cxx, "qgemv_wide")
 
 
 def weights(rng: np.random.Generator, t: str, rows: int, cols: int = COLS) -> tuple[np.ndarray, np.ndarray, int]:

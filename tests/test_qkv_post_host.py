@@ -11,9 +11,7 @@ import numpy as np
 import pytest
 
 from engine.backends.numpy_backend import NumpyOps
-from engine.kernels import decode_src
-from tests.cuda_host import HostModule, compiler
-from tests.models import missing
+from tests.cuda_host import HostModule, decode_module
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -36,23 +34,10 @@ def built() -> dict[tuple[str, str], HostModule]:
 def module(cache: dict[tuple[str, str], HostModule], tmp: Path, case: str, kv: str) -> HostModule:
     """The decode module of `case` with a `kv` cache, compiled for the host once."""
     if (case, kv) not in cache:
-        cxx = compiler()
-        if cxx is None:
-            missing("no C++ compiler (c++, g++ or clang++) to build qkv_post for the host")
         h, kvh, d, half, neox, _ = CASES[case]
-        src = decode_src.source(
-            [],  # no weight types: attention, qkv_post and the small kernels only (quicker to build)
-            n_heads=h,
-            n_kv_heads=kvh,
-            head_dim=d,
-            v_head_dim=d,
-            rope_half=half,
-            neox=neox,
-            kv_half=kv == "float16",
-            kv_int8=kv == "int8",
-            n_split=4,
+        cache[(case, kv)] = decode_module(
+            tmp, n_heads=h, n_kv_heads=kvh, head_dim=d, kv=kv, n_split=4, rope_half=half, neox=neox
         )
-        cache[(case, kv)] = HostModule(tmp, src, str(cxx), "qkv_post")
     return cache[(case, kv)]
 
 

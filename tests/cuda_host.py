@@ -44,6 +44,7 @@ HEADER = r"""
 #define __device__
 #define __global__
 #define __forceinline__ inline
+#define __noinline__ __attribute__((noinline))
 #define __launch_bounds__(...)
 #define __restrict__ __restrict
 #define __cluster_dims__(...)

@@ -205,6 +205,26 @@ def test_clustered_attention_matches_split_slices(tmp_path: Path, kv: str, extra
     assert (outs[1].argmax(1) == outs[0].argmax(1)).all()
 
 
+@pytest.mark.parametrize("wt", ["Q4_K", "Q4_1"])
+def test_gate_up_rounding_the_down_input_gives_the_same_logits(tmp_path: Path, wt: str) -> None:
+    """With `qgemv_glu_round` the gate+up GEMV rounds the down projection's input itself (q8_k for
+    Q4_K, q8_0 for Q4_1): one `qprep_x` launch a layer less, and the same logits bit for bit over
+    several steps (the same rounding of the same values; the group counters start each step at 0)."""
+    p = write_synthetic_gguf(tmp_path / "m.gguf", "qwen3", weight_type=wt, seed=6, **SHAPE)
+    ids = np.random.default_rng(6).integers(0, SHAPE["n_vocab"], 16).tolist()
+    outs, preps = [], []
+    for on in (False, True):
+        m = load_model(p, backend="cupy", n_ctx=256, kv_dtype="f16", options=replace(EXACT, qgemv_glu_round=on))
+        dec = m.decoder
+        assert isinstance(dec, CupyDecoder) and (dec.qin2 is not None) == on
+        preps.append(sum(ln.name.startswith("qprep") for ln in dec.plan))
+        m.step_logits(ids[:8], 0)
+        outs.append(np.stack([m.step_logits([ids[pos]], pos) for pos in range(8, 16)]))
+        del m, dec
+    assert preps[1] == preps[0] - SHAPE["n_layers"], preps
+    np.testing.assert_array_equal(outs[1], outs[0])
+
+
 def test_steady_state_decode_allocates_nothing(tmp_path: Path) -> None:
     """500 greedy decode steps through Model.step_sample: no pool allocation, no device
     allocation, pool bytes unchanged."""

@@ -44,6 +44,14 @@ def mod_wide(tmp_path_factory: pytest.TempPathFactory) -> HostModule:
     return HostModule(Path(tmp_path_factory.mktemp("qgemv_wide")), src, cxx, "qgemv_wide")
 
 
+@pytest.fixture(scope="module")
+def mod_round(tmp_path_factory: pytest.TempPathFactory) -> HostModule:
+    """The Q4_K and Q4_1 kernels with the gate+up kernels rounding their outputs (`qgemv_glu_round`)."""
+    cxx = cxx_or_skip("the GEMV kernels")
+    src = UNITS + decode_src.COMMON + qdot_src.round_source() + qdot_src.source(["Q4_K", "Q4_1"], glu_round=True)
+    return HostModule(Path(tmp_path_factory.mktemp("qgemv_round")), src, cxx, "qgemv_round")
+
+
 def weights(rng: np.random.Generator, t: str, rows: int, cols: int = COLS) -> tuple[np.ndarray, np.ndarray, int]:
     """Random stored rows (16-byte aligned, padded as the GPU allocation is), their dequantized
     float64 values, and the bytes a row."""
@@ -152,3 +160,29 @@ def test_two_piece_gemv(mod: HostModule, pair: tuple[str, str]) -> None:
     want = np.concatenate([wa @ x, wb @ x]) + bias
     scale = np.concatenate([np.abs(wa) @ np.abs(x), np.abs(wb) @ np.abs(x)])
     assert close(y, want, scale), pair
+
+
+@pytest.mark.parametrize("t,f,tpr", [("Q4_K", 512, 16), ("Q4_K", 512, 64), ("Q4_1", 96, 8)])
+def test_gate_up_rounds_its_outputs(mod_round: HostModule, t: str, f: int, tpr: int) -> None:
+    """With `qgemv_glu_round` the gate+up kernel's outputs are also rounded into another input
+    buffer exactly as `qprep_x` rounds them (same int8 values, scales and per-16 sums, bit for bit),
+    with the blocks finishing groups in any order over a 5-block grid, and its group counters are
+    left at zero for the next step."""
+    aq = AQ[t]
+    rng = np.random.default_rng(f + tpr)
+    w_buf, w, nb = weights(rng, t, 2 * f)
+    xq, xd, xs16, x = rounded(rng, t)
+    per = 32 if aq == 1 else 256
+    y = np.full(f, np.nan, np.float32)
+    oq, od, os16 = np.zeros(f, np.int8), np.zeros(f // 32, np.float32), np.zeros(f // 16, np.int32)
+    cnt = np.zeros(f // per, np.int32)
+    mod_round.launch(
+        f"qgemv_glu_{t}", 5, 256, w_buf, nb, f, COLS, xq, xd, xs16, y, None, 2, f, tpr, aq, oq, od, os16, cnt
+    )
+    g, u = w[:f] @ x, w[f:] @ x
+    scale = (np.abs(w[:f]) @ np.abs(x)) * np.abs(u) + np.abs(g) * (np.abs(w[f:]) @ np.abs(x))
+    assert close(y, g / (1 + np.exp(-g)) * u, scale)
+    rq, rd, rs16 = np.zeros(f, np.int8), np.zeros(f // 32, np.float32), np.zeros(f // 16, np.int32)
+    mod_round.launch("qprep_x", -(-(f // per) // 8), 256, y, None, np.float32(0), aq, f, rq, rd, rs16)
+    assert np.array_equal(oq, rq) and np.array_equal(od[: f // per], rd[: f // per]) and np.array_equal(os16, rs16)
+    assert not cnt.any()

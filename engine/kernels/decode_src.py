@@ -898,13 +898,15 @@ def source(
     qgemv_unroll_glu: int = qdot_src.UNROLL_GLU,
     qgemv_min_blocks: int = 0,
     qgemv_glu_wide: bool = False,
+    qgemv_glu_round: bool = False,
     attn_cluster: int = 0,
     cluster_min: int = 192,
 ) -> str:
     """The decode module for one model shape and the given weight types (`kv_half` / `kv_int8`:
     the cache's element type; `min_chunk`: fewest positions an attention slice takes;
-    `qgemv_unroll` / `qgemv_unroll_glu` / `qgemv_min_blocks` / `qgemv_glu_wide`: the integer-dot
-    GEMVs' unrolling, launch bounds and gate+up chunk width, `qdot_src.source`; `attn_cluster`: 0, or the blocks of one thread-block cluster
+    `qgemv_unroll` / `qgemv_unroll_glu` / `qgemv_min_blocks` / `qgemv_glu_wide` / `qgemv_glu_round`:
+    the integer-dot GEMVs' unrolling, launch bounds, gate+up chunk width and output rounding,
+    `qdot_src.source`; `attn_cluster`: 0, or the blocks of one thread-block cluster
     that take a KV head's positions in decode attention, merged through distributed shared memory:
     sm_90+, up to `attn_cluster` x `cluster_min` positions; longer contexts in slices over the grid,
     `attn_blocks` blocks a KV head)."""
@@ -934,5 +936,5 @@ def source(
     }.items():
         shaped = shaped.replace(k, str(v))
     gemv = "".join(GEMV.replace("{T}", t) for t in sorted(set(types)))
-    qdot = qdot_src.source(types, qgemv_unroll, qgemv_unroll_glu, qgemv_min_blocks, qgemv_glu_wide)
+    qdot = qdot_src.source(types, qgemv_unroll, qgemv_unroll_glu, qgemv_min_blocks, qgemv_glu_wide, qgemv_glu_round)
     return UNITS + COMMON + grid_src.LAST_BLOCK + qdot_src.round_source() + gemv + qdot + MISC + shaped

@@ -20,6 +20,7 @@ cp = require_cuda()
 import anyio  # noqa: E402
 
 from engine import SamplingParams, load_model  # noqa: E402
+from engine.backends import cupy_plan  # noqa: E402
 from engine.backends.cupy_backend import CupyOps  # noqa: E402
 from engine.backends.cupy_decoder import CupyDecoder  # noqa: E402
 from engine.options import EngineOptions  # noqa: E402
@@ -217,6 +218,7 @@ def test_gate_up_rounding_the_down_input_gives_the_same_logits(tmp_path: Path, w
         m = load_model(p, backend="cupy", n_ctx=256, kv_dtype="f16", options=replace(EXACT, qgemv_glu_round=on))
         dec = m.decoder
         assert isinstance(dec, CupyDecoder) and (dec.qin2 is not None) == on
+        assert cupy_plan.decode_scratch_bytes(m.spec, dec.n_split, glu_round=on) == dec.scratch_bytes
         preps.append(sum(ln.name.startswith("qprep") for ln in dec.plan))
         m.step_logits(ids[:8], 0)
         outs.append(np.stack([m.step_logits([ids[pos]], pos) for pos in range(8, 16)]))

@@ -100,7 +100,7 @@ class QInput:
 
     @property
     def nbytes(self) -> int:
-        return int(self.xq.nbytes + self.xd.nbytes + self.xs16.nbytes)
+        return int(self.xq.nbytes + self.xd.nbytes + self.xs16.nbytes)  # cupy_plan.rounded_input_bytes
 
 
 def gemv_launches(

@@ -123,8 +123,9 @@ def gemv_launches(
     where W's type has an integer dot product and the rounding is on, one `qprep_x` launch rounds
     the input into `qin` (allocated here when not given), then the integer-dot kernel
     (`qgemv_<T>`) reads it; other pieces use the float kernel (`dgemv_<T>`, which prepares its
-    input itself). `out_round` (code, buffer, counters): the gate+up kernel also rounds its outputs
-    into that buffer (a module built with `qgemv_glu_round`; `glu_rounds` says where it applies).
+    input itself). `out_round` (code, buffer, counters), for a module built with `qgemv_glu_round`
+    (whose gate+up kernels take these arguments): the gate+up kernel also rounds its outputs into
+    that buffer by `code` (0: not; `glu_rounds` says where it can).
     `fn(name)` gives a compiled kernel of the decode module."""
     out: list[Launch] = []
     cols = w.shape[1]
@@ -164,10 +165,10 @@ def gemv_launches(
             tpr, blocks = qgemv_grid(p.type_name, rows, n_sm, cols)
             name = f"qgemv_{p.type_name}[{rows}x{cols}]"
             tail: tuple[Any, ...] = (y[r0:], ptr(b), np.int32(epi), np.int32(out_rows or 0), np.int32(tpr))
-            if out_round is not None:
-                if not glu or len(pieces) != 1:
-                    raise ValueError("out_round is for a one-piece gate+up GEMV on the integer path")
+            if out_round is not None and glu:  # a module built with qgemv_glu_round: its gate+up kernels' arguments
                 code2, q2, counters = out_round
+                if code2 and len(pieces) != 1:
+                    raise ValueError("a gate+up GEMV rounds its outputs only as one piece")
                 tail += (np.int32(code2), q2.xq, q2.xd, q2.xs16, counters)
             k = fn(f"qgemv{'_glu' if glu else ''}_{p.type_name}")
             args = (p.raw, np.int64(p.raw.shape[1]), np.int32(rows), np.int32(cols), qin.xq, qin.xd, qin.xs16, *tail)

@@ -114,9 +114,10 @@ class _Step:
             gelu = s.traits.activation != "silu"
             down_ready = False
             if lw.w_gate_up.raw is not None:  # gate and up share a type: one pass, fused GLU
-                # with qgemv_glu_round it also rounds the down projection's input (into d.qin2)
+                # with qgemv_glu_round it also rounds the down projection's input (into d.qin2);
+                # its kernels take the rounding's arguments in every layer (code 0: none)
                 code2 = glu_rounds(lw.w_gate_up, lw.aq["gate_up"], lw.w_down, lw.aq["down"], s.n_ff)
-                out_round = (code2, d.qin2, d.glu_counters) if code2 and d.qin2 is not None else None
+                out_round = (code2, d.qin2, d.glu_counters) if d.qin2 is not None else None
                 self.gemv(
                     lw.w_gate_up,
                     d.x,
@@ -127,7 +128,7 @@ class _Step:
                     out_rows=s.n_ff,
                     out_round=out_round,
                 )
-                down_ready = out_round is not None
+                down_ready = out_round is not None and code2 > 0
             else:
                 self.gemv(lw.w_gate_up, d.x, lw.ffn_norm, lw.aq["gate_up"], d.gu)
                 self.plan.append(

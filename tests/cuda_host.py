@@ -48,10 +48,12 @@ HEADER = r"""
 #define __launch_bounds__(...)
 #define __restrict__ __restrict
 #define __cluster_dims__(...)
+#define __align__(n) alignas(n)
 struct uint4 { unsigned int x, y, z, w; };
 struct int4 { int x, y, z, w; };
 struct int2 { int x, y; };
 struct float4 { float x, y, z, w; };
+static inline uint4 make_uint4(unsigned int x, unsigned int y, unsigned int z, unsigned int w) { return uint4{x, y, z, w}; }
 struct dim3 { unsigned int x, y, z; };
 static inline int __dp4a(int a, int b, int c) {
     for (int i = 0; i < 4; i++) c += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
@@ -105,10 +107,11 @@ static std::function<void()>* g_body;
 struct HostShared { char* base; size_t size; };
 static std::vector<HostShared> g_shared;
 template <typename T, int ID> static inline T& host_shared() {
-    static T s[HOST_SLOTS];
-    static bool known = (g_shared.push_back(HostShared{(char*)s, sizeof(T)}), true);
+    struct alignas(16) Box { T v; };  // each block's copy 16-byte aligned, as __align__(16) asks
+    static Box s[HOST_SLOTS];
+    static bool known = (g_shared.push_back(HostShared{(char*)s, sizeof(Box)}), true);
     (void)known;
-    return s[g_slot_now];
+    return s[g_slot_now].v;
 }
 static inline void host_yield() { swapcontext(&g_fiber[g_cur].ctx, &g_sched); }
 static inline void host_wait(HostBarrier& b) {
@@ -142,6 +145,50 @@ template <typename T> static inline T shfl_from(T v, unsigned int src) {
     return r;
 }
 template <typename T> static inline T __shfl_xor_sync(unsigned int, T v, int o) { return shfl_from(v, (threadIdx.x & 31u) ^ (unsigned int)o); }
+// The warp-wide matrix instructions of the prefill GEMMs (PTX ISA fragment layouts; lane = 4 g + t)
+static const void* g_lane_ptr[HOST_SLOTS][HOST_THREADS];
+static unsigned int g_lane_regs[HOST_SLOTS][HOST_THREADS][6];
+static inline float host_half(unsigned short h) { _Float16 v; memcpy(&v, &h, 2); return (float)v; }
+// ldmatrix.sync.aligned.m8n8.x4.shared.b16: lane l gives row l % 8 of matrix l / 8; matrix j's row
+// l / 4, elements 2 (l % 4) and 2 (l % 4) + 1, come back in r[j]
+static inline void host_ldmatrix_x4(unsigned int* r, const void* p) {
+    unsigned int w = threadIdx.x >> 5, l = threadIdx.x & 31u;
+    g_lane_ptr[g_slot_now][threadIdx.x] = p;
+    host_wait(g_warp_bar[g_slot_now][w]);
+    for (int j = 0; j < 4; j++) {
+        const unsigned short* row = (const unsigned short*)g_lane_ptr[g_slot_now][w * 32 + j * 8 + l / 4];
+        r[j] = (unsigned int)row[2 * (l % 4)] | ((unsigned int)row[2 * (l % 4) + 1] << 16);
+    }
+    host_wait(g_warp_bar[g_slot_now][w]);
+}
+// mma.sync.aligned.m16n8k{16 f16, 32 s8}.row.col: A [16, K] in a[0..3], B [K, 8] in b0, b1, C / D
+// [16, 8] in c[0..3]; E elements of B / 4 bytes: f16 2 a register, s8 4
+template <typename Acc, int E> static inline void host_mma(Acc* c, const unsigned int* a, unsigned int b0, unsigned int b1) {
+    unsigned int w = threadIdx.x >> 5, l = threadIdx.x & 31u, g = l >> 2, t = l & 3u;
+    unsigned int* mine = g_lane_regs[g_slot_now][threadIdx.x];
+    for (int i = 0; i < 4; i++) mine[i] = a[i];
+    mine[4] = b0; mine[5] = b1;
+    host_wait(g_warp_bar[g_slot_now][w]);
+    const int K = 8 * E, H = 4 * E;  // K, and the k a register pair splits at (8 f16, 16 s8)
+    auto elem = [&](unsigned int lane, int reg, int k) -> Acc {
+        unsigned int v = g_lane_regs[g_slot_now][w * 32 + lane][reg];
+        if (E == 2) return (Acc)host_half((unsigned short)(v >> (16 * (k % 2))));
+        return (Acc)(signed char)(v >> (8 * (k % 4)));
+    };
+    for (int q = 0; q < 4; q++) {
+        int row = (int)g + 8 * (q >> 1), col = (int)(2 * t) + (q & 1);
+        Acc sum = 0;
+        for (int k = 0; k < K; k++) {
+            // A[row][k]: lane 4 (row % 8) + (k % H) / E, register (row >= 8) + 2 (k >= H)
+            Acc av = elem(4 * (row % 8) + (k % H) / E, (row >= 8) + 2 * (k >= H), k);
+            // B[k][col]: lane 4 col + (k % H) / E, register (k >= H)
+            Acc bv = elem(4 * col + (k % H) / E, 4 + (k >= H), k);
+            sum += av * bv;
+        }
+        c[q] += sum;
+    }
+    host_wait(g_warp_bar[g_slot_now][w]);
+}
 template <typename T> static inline T __shfl_sync(unsigned int, T v, int src) { return shfl_from(v, (unsigned int)src); }
 static void host_fiber_main() {
     (*g_body)();
@@ -153,14 +200,14 @@ static void host_fiber_main() {
 }  // returns to g_sched (uc_link)
 // The grid (gx, gy) in clusters of `cluster` blocks along y (1: no clusters), each cluster's blocks
 // running together, the clusters one after another.
-template <typename F> static void host_launch(unsigned int gx, unsigned int gy, unsigned int block, unsigned int cluster, F body) {
+template <typename F> static void host_launch(unsigned int gx, unsigned int gy, unsigned int gz, unsigned int block, unsigned int cluster, F body) {
     if (cluster < 1 || cluster > HOST_SLOTS || gy % cluster || block > HOST_THREADS) abort();
-    gridDim = dim3{gx, gy, 1};
+    gridDim = dim3{gx, gy, gz};
     blockDim = dim3{block, 1, 1};
     std::function<void()> fn = body;
     g_body = &fn;
-    for (unsigned int c = 0; c < gx * (gy / cluster); c++) {
-        unsigned int x = c % gx, y0 = (c / gx) * cluster;
+    for (unsigned int c = 0; c < gx * (gy / cluster) * gz; c++) {
+        unsigned int x = c % gx, y0 = ((c / gx) % (gy / cluster)) * cluster, z = c / (gx * (gy / cluster));
         g_cluster_bar = HostBarrier{(int)(cluster * block), 0, 0};
         int n = 0;
         for (unsigned int r = 0; r < cluster; r++) {
@@ -176,7 +223,7 @@ template <typename F> static void host_launch(unsigned int gx, unsigned int gy, 
                 f.ctx.uc_link = &g_sched;
                 f.done = false;
                 f.tid = dim3{t, 0, 0};
-                f.bid = dim3{x, y0 + r, 0};
+                f.bid = dim3{x, y0 + r, z};
                 f.slot = (int)r;
                 makecontext(&f.ctx, host_fiber_main, 0);
             }
@@ -199,7 +246,7 @@ template <typename F> static void host_launch(unsigned int gx, unsigned int gy, 
 """
 
 DYN_SMEM = re.compile(r"extern __shared__ (\w+) (\w+)\[\];")
-SHARED = re.compile(r"__shared__\s+((?:unsigned\s+)?\w+)\s+([^;]+);")
+SHARED = re.compile(r"__shared__\s+(?:__align__\(\d+\)\s+)?((?:unsigned\s+)?\w+)\s+([^;]+);")
 """A `__shared__` declaration: its element type and its declarators (`a[2][3], b, c[N]`)."""
 """Dynamic shared memory, which becomes the host's one static buffer (blocks run one at a time)."""
 KERNEL = re.compile(r'extern "C" __global__ void (?:\w+(?:\([^)]*\))? )*?(\w+)\(([^)]*)\)\s*\{')
@@ -266,8 +313,9 @@ class HostModule:
         for k, params in kernels.items():
             names = ", ".join(re.findall(r"(\w+)\s*$", p)[0] for p in params)
             wrappers.append(
-                f'extern "C" void host_{k}(unsigned int gx, unsigned int gy, unsigned int block, unsigned int cluster, '
-                f"{', '.join(params)}) {{ host_launch(gx, gy, block, cluster, [&] {{ {k}({names}); }}); }}\n"
+                f'extern "C" void host_{k}(unsigned int gx, unsigned int gy, unsigned int gz, unsigned int block, '
+                f"unsigned int cluster, {', '.join(params)}) "
+                f"{{ host_launch(gx, gy, gz, block, cluster, [&] {{ {k}({names}); }}); }}\n"
             )
         src, lib = folder / f"{name}.cpp", folder / f"{name}.so"
         source = SHARED.sub(_per_block, DYN_SMEM.sub(r"\1* \2 = (\1*)g_dyn_smem;", source))
@@ -281,16 +329,17 @@ class HostModule:
         for k, params in kernels.items():
             fn = getattr(self.lib, f"host_{k}")
             fn.restype = None
-            fn.argtypes = [ctypes.c_uint] * 4 + [_ctype(p) for p in params]
+            fn.argtypes = [ctypes.c_uint] * 5 + [_ctype(p) for p in params]
 
-    def launch(self, kernel: str, grid: int | tuple[int, int], block: int, *args: Any, cluster: int = 1) -> None:
-        """Run `kernel` over `grid` blocks (x, or (x, y)) of `block` threads, in thread-block
-        clusters of `cluster` blocks along y (the kernel's `__cluster_dims__(1, cluster, 1)`) that
-        run together, one cluster after another (x fastest); NumPy arrays (C-contiguous, kept alive
-        by the caller) for pointers, None for a null pointer, numbers for the rest."""
-        gx, gy = grid if isinstance(grid, tuple) else (grid, 1)
+    def launch(self, kernel: str, grid: int | tuple[int, ...], block: int, *args: Any, cluster: int = 1) -> None:
+        """Run `kernel` over `grid` blocks (x, (x, y) or (x, y, z)) of `block` threads, in
+        thread-block clusters of `cluster` blocks along y (the kernel's `__cluster_dims__(1,
+        cluster, 1)`) that run together, one cluster after another (x fastest); NumPy arrays
+        (C-contiguous, kept alive by the caller) for pointers, None for a null pointer, numbers for
+        the rest."""
+        gx, gy, gz = (*grid, 1, 1)[:3] if isinstance(grid, tuple) else (grid, 1, 1)
         conv = [a.ctypes.data if isinstance(a, np.ndarray) else a for a in args]
-        getattr(self.lib, f"host_{kernel}")(gx, gy, block, cluster, *conv)
+        getattr(self.lib, f"host_{kernel}")(gx, gy, gz, block, cluster, *conv)
 
 
 def cxx_or_skip(what: str) -> str:

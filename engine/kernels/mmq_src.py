@@ -87,15 +87,26 @@ _COMMON = r"""
         }
 #define MMQ_BM 128
 #define MMQ_LDS 72
+// MMQ_SM80: where the tensor-core code is compiled: sm_80+, and the host (tests/cuda_host.py, whose
+// host_ldmatrix_x4 / host_mma run the warp-wide instructions on the CPU)
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+#define MMQ_SM80 1
+#else
+#define MMQ_SM80 0
+#endif
 __device__ __forceinline__ void mmq_ldsm_x4(unsigned int* r, const unsigned short* p) {
-#if __CUDA_ARCH__ >= 800
+#if !defined(__CUDA_ARCH__)
+    host_ldmatrix_x4(r, p);
+#elif __CUDA_ARCH__ >= 800
     unsigned int a = (unsigned int)__cvta_generic_to_shared(p);
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
 #endif
 }
 __device__ __forceinline__ void mmq_mma(float* c, const unsigned int* a, unsigned int b0, unsigned int b1) {
-#if __CUDA_ARCH__ >= 800
+#if !defined(__CUDA_ARCH__)
+    host_mma<float, 2>(c, a, b0, b1);
+#elif __CUDA_ARCH__ >= 800
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
@@ -142,7 +153,7 @@ __device__ __forceinline__ void mmq_load_{T}(const unsigned char* wrow, bool row
 template <int BN>
 __device__ __forceinline__ void mmq_body_{T}(const unsigned char* W, long long row_bytes, const unsigned short* X,
                                             float* Y, int ldy, int M, int K, int T, float* P) {
-#if __CUDA_ARCH__ >= 800
+#if MMQ_SM80
     constexpr int WN = BN / 2, NJ = WN / 8, XV = BN / 32;  // tokens a warp, its n8 tiles, X loads a thread
     __shared__ __align__(16) unsigned short As[MMQ_BM * MMQ_LDS];
     __shared__ __align__(16) unsigned short Bs[BN * MMQ_LDS];
@@ -238,14 +249,18 @@ extern "C" __global__ void act_q8_k_i8(const float* x, signed char* q, float* d,
 }
 #define MMQ_LDB 80
 __device__ __forceinline__ void mmq_mma_i8(int* c, const unsigned int* a, unsigned int b0, unsigned int b1) {
-#if __CUDA_ARCH__ >= 800
+#if !defined(__CUDA_ARCH__)
+    host_mma<int, 4>(c, a, b0, b1);
+#elif __CUDA_ARCH__ >= 800
     asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
                  : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 #endif
 }
 __device__ __forceinline__ void mmq_ldsm_x4_b(unsigned int* r, const unsigned char* p) {
-#if __CUDA_ARCH__ >= 800
+#if !defined(__CUDA_ARCH__)
+    host_ldmatrix_x4(r, p);
+#elif __CUDA_ARCH__ >= 800
     unsigned int a = (unsigned int)__cvta_generic_to_shared(p);
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
@@ -256,7 +271,7 @@ __device__ __forceinline__ void mmq_ldsm_x4_b(unsigned int* r, const unsigned ch
 // phases conflict-free). Split K as mmq_h_<T> (gridDim.z, slices of P summed by mmq_sum).
 extern "C" __global__ void __launch_bounds__(256, 1) mmq_i8_Q4_K(const unsigned char* W, long long row_bytes,
         const signed char* Xq, const float* Xd, const int* Xs, float* Y, int ldy, int M, int K, int T, float* P) {
-#if __CUDA_ARCH__ >= 800
+#if MMQ_SM80
     constexpr int BN = 64, WN = 32, NJ = 4;
     __shared__ __align__(16) unsigned char As[MMQ_BM * MMQ_LDB];
     __shared__ __align__(16) unsigned char Bs[BN * MMQ_LDB];

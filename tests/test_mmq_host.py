@@ -1,8 +1,8 @@
 """The prefill GEMMs (`mmq_src`: `mmq_h_<T>`, `mmq_w_<T>`, `mmq_sum`, `act_q8_k_i8`,
 `mmq_i8_Q4_K`) on the host (tests/cuda_host.py, whose `host_ldmatrix_x4` / `host_mma` run the
-warp-wide tensor-core instructions by the PTX fragment layouts) against NumPy: fp16 weights and
-inputs with float32 sums, ragged rows, tokens and K, a K split summed by `mmq_sum`, and the int8
-path against llama.cpp's q8_k rounding. Skipped without a C++20 compiler (failed under CI=true)."""
+warp-wide tensor-core instructions by the PTX fragment layouts) against NumPy: every tensor type's
+weights and the inputs in fp16 with float32 sums, ragged rows and tokens, a K split summed by
+`mmq_sum`, and the int8 path against llama.cpp's q8_k rounding. Skipped without a C++20 compiler (failed under CI=true)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 
 from engine import kernels
 from engine.backends.numpy_backend import NumpyOps
+from engine.kernels import quant_units
 from engine.kernels.mmq_src import MMQ_BM
 from engine.quants import dequantize
 from engine.quants_encode import random_blocks, row_bytes
@@ -21,7 +22,8 @@ from tests.qdot_host import PAD, aligned
 
 pytestmark = pytest.mark.timeout(600)
 
-TYPES = ("F16", "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
+TYPES = quant_units.TYPES
+"""Every tensor type: each has its mmq_h_<T> / mmq_w_<T> (the unit decoder inside the GEMM)."""
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +39,8 @@ def weights(rng: np.random.Generator, t: str, rows: int, cols: int) -> tuple[np.
     raw = random_blocks(rng, t, rows, cols, 0.05)
     buf = aligned(raw.size + PAD)
     buf[: raw.size] = raw.reshape(-1)
-    return buf, dequantize(raw, t, (rows, cols)).astype(np.float64), row_bytes(t, cols)
+    vals = dequantize(raw.view(np.float32) if t == "F32" else raw, t, (rows, cols))  # F32: stored bytes as floats
+    return buf, vals.astype(np.float64), row_bytes(t, cols)
 
 
 @pytest.mark.parametrize("t", TYPES)

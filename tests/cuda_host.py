@@ -77,11 +77,14 @@ template <typename T> static inline T __ldcg(const T* p) { return *p; }
 static inline float __uint_as_float(unsigned int u) { float f; memcpy(&f, &u, 4); return f; }
 static inline float __int_as_float(int u) { float f; memcpy(&f, &u, 4); return f; }
 static inline int __float_as_int(float f) { int u; memcpy(&u, &f, 4); return u; }
+static inline unsigned int __float_as_uint(float f) { unsigned int u; memcpy(&u, &f, 4); return u; }
+static inline unsigned long long __double2ull_rn(double x) { return (unsigned long long)nearbyint(x); }
 static inline int __float2int_rn(float f) { return (int)rintf(f); }
 static inline int min(int a, int b) { return a < b ? a : b; }
 static inline int max(int a, int b) { return a > b ? a : b; }
 
 template <typename T> static inline T atomicAdd(T* p, T v) { return std::atomic_ref<T>(*p).fetch_add(v); }
+template <typename T> static inline T atomicOr(T* p, T v) { return std::atomic_ref<T>(*p).fetch_or(v); }
 static inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 static unsigned char g_dyn_smem[228 * 1024];  // `extern __shared__ T name[]` (HostModule rewrites it)
 
@@ -190,6 +193,10 @@ template <typename Acc, int E> static inline void host_mma(Acc* c, const unsigne
     host_wait(g_warp_bar[g_slot_now][w]);
 }
 template <typename T> static inline T __shfl_sync(unsigned int, T v, int src) { return shfl_from(v, (unsigned int)src); }
+template <typename T> static inline T __shfl_up_sync(unsigned int, T v, int d) {
+    unsigned int l = threadIdx.x & 31u;
+    return shfl_from(v, l >= (unsigned int)d ? l - (unsigned int)d : l);
+}
 static void host_fiber_main() {
     (*g_body)();
     HostFiber& f = g_fiber[g_cur];
@@ -249,7 +256,7 @@ DYN_SMEM = re.compile(r"extern __shared__ (\w+) (\w+)\[\];")
 SHARED = re.compile(r"__shared__\s+(?:__align__\(\d+\)\s+)?((?:unsigned\s+)?\w+)\s+([^;]+);")
 """A `__shared__` declaration: its element type and its declarators (`a[2][3], b, c[N]`)."""
 """Dynamic shared memory, which becomes the host's one static buffer (blocks run one at a time)."""
-KERNEL = re.compile(r'extern "C" __global__ void (?:\w+(?:\([^)]*\))? )*?(\w+)\(([^)]*)\)\s*\{')
+KERNEL = re.compile(r'extern "C" __global__ void\s+(?:\w+(?:\([^)]*\))?\s+)*?(\w+)\(([^)]*)\)\s*\{')
 """A kernel's name and parameter list (after any launch-bounds macro)."""
 
 

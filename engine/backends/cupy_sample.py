@@ -159,57 +159,7 @@ class DeviceSampler:
         self._graphs = {}  # captured with the old buffers
 
     def _launches(self, logits_dev: Any, flags: int) -> list[tuple[Any, tuple[Any, ...]]]:
-        g, b = (self.blocks,), (ks.THREADS,)
-        out: list[tuple[Any, tuple[Any, ...]]] = []
-        row = logits_dev
-        if flags & (ks.F_MASK | ks.F_BIAS):
-            args = (logits_dev, self.params_dev, self.mask_dev, self.bias_ids_dev, self.bias_vals_dev, self.xa)
-            out.append((self._adjust, (g, b, args)))
-            row = self.xa
-        out += [
-            (
-                self._prep,
-                (
-                    g,
-                    b,
-                    (
-                        row,
-                        self.params_dev,
-                        self.recent_dev,
-                        self.xw,
-                        self.state,
-                        self.bv,
-                        self.bi,
-                        self.counter,
-                        self.out,
-                    ),
-                ),
-            )
-        ]
-        for sel, bit in ((0, ks.F_TOPK), (1, ks.F_TOPP), (2, ks.F_SAMPLE)):
-            if flags & bit:
-                for shift, nbits in self.schedule:
-                    out.append(
-                        (
-                            self._select,
-                            (
-                                g,
-                                b,
-                                (
-                                    self.xw,
-                                    self.params_dev,
-                                    self.state,
-                                    np.int32(sel),
-                                    np.int32(shift),
-                                    np.int32(nbits),
-                                    self.ghist,
-                                    self.counter,
-                                    self.out,
-                                ),
-                            ),
-                        )
-                    )
-        return out
+        return sample_launches((self._adjust, self._prep, self._select), self, logits_dev, flags)
 
     def _run(self, logits_dev: Any, flags: int, stream: Any) -> None:
         key = (int(logits_dev.data.ptr), flags & (ks.F_TOPK | ks.F_TOPP | ks.F_SAMPLE | ks.F_MASK | ks.F_BIAS))
@@ -382,6 +332,68 @@ class DeviceSampler:
             self.bias_vals_dev.data.ptr, self.bias_vals_host.ctypes.data, 4 * n, h2d, stream.ptr
         )
         self._bias_sent = bias
+
+
+def sample_launches(
+    kernels: tuple[Any, Any, Any], buf: Any, logits_dev: Any, flags: int
+) -> list[tuple[Any, tuple[Any, ...]]]:
+    """One sample's kernel sequence, (kernel, (grid, block, args)) each, for `kernels` = (smp_adjust,
+    smp_prep, smp_select) on the buffers of `buf` (a `DeviceSampler`, or anything with its buffer
+    attributes, `blocks` and `schedule`: tests/test_sample_host.py runs the sequence on the host):
+    the bias / mask stage when `flags` asks, the penalties and the maximum, then the radix-select
+    passes of each active stage (top-k, top-p, the draw)."""
+    adjust, prep, select = kernels
+    g, b = (buf.blocks,), (ks.THREADS,)
+    out: list[tuple[Any, tuple[Any, ...]]] = []
+    row = logits_dev
+    if flags & (ks.F_MASK | ks.F_BIAS):
+        args = (logits_dev, buf.params_dev, buf.mask_dev, buf.bias_ids_dev, buf.bias_vals_dev, buf.xa)
+        out.append((adjust, (g, b, args)))
+        row = buf.xa
+    out += [
+        (
+            prep,
+            (
+                g,
+                b,
+                (
+                    row,
+                    buf.params_dev,
+                    buf.recent_dev,
+                    buf.xw,
+                    buf.state,
+                    buf.bv,
+                    buf.bi,
+                    buf.counter,
+                    buf.out,
+                ),
+            ),
+        )
+    ]
+    for sel, bit in ((0, ks.F_TOPK), (1, ks.F_TOPP), (2, ks.F_SAMPLE)):
+        if flags & bit:
+            for shift, nbits in buf.schedule:
+                out.append(
+                    (
+                        select,
+                        (
+                            g,
+                            b,
+                            (
+                                buf.xw,
+                                buf.params_dev,
+                                buf.state,
+                                np.int32(sel),
+                                np.int32(shift),
+                                np.int32(nbits),
+                                buf.ghist,
+                                buf.counter,
+                                buf.out,
+                            ),
+                        ),
+                    )
+                )
+    return out
 
 
 def _fill(pd: np.ndarray, pi: np.ndarray, params: SamplingParams, u: float, n_recent: int, flags: int) -> None:

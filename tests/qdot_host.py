@@ -119,3 +119,16 @@ def activations(rng: np.random.Generator, cols: int, group: int) -> tuple[np.nda
     xd = rng.uniform(0.001, 0.05, size=cols // group).astype(np.float32)
     xs16 = xq.astype(np.int32).reshape(-1, 16).sum(axis=1).astype(np.int32)
     return xq, xd, xs16
+
+
+def stored_rows(rng: np.random.Generator, t: str, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Random stored rows of type `t` (`random_blocks`: every bit pattern) in a 16-byte aligned
+    buffer padded as the GPU allocation is, their dequantized float64 values, and the bytes a row."""
+    from engine.quants import dequantize
+    from engine.quants_encode import random_blocks, row_bytes
+
+    raw = random_blocks(rng, t, rows, cols, 0.05)
+    buf = aligned(raw.size + PAD)
+    buf[: raw.size] = raw.reshape(-1)
+    vals = dequantize(raw.view(np.float32) if t == "F32" else raw, t, (rows, cols))  # F32: the bytes as floats
+    return buf, vals.astype(np.float64), row_bytes(t, cols)

@@ -14,10 +14,8 @@ import pytest
 from engine.backends.numpy_backend import NumpyOps
 from engine.kernels import decode_src
 from engine.kernels.quant_units import TYPES
-from engine.quants import dequantize
-from engine.quants_encode import random_blocks, row_bytes
 from tests.cuda_host import HostModule, cxx_or_skip
-from tests.qdot_host import PAD, aligned
+from tests.qdot_host import stored_rows
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -34,13 +32,9 @@ def mod(tmp_path_factory: pytest.TempPathFactory) -> HostModule:
     return HostModule(Path(tmp_path_factory.mktemp("decode")), src, cxx, "decode")
 
 
-def weights(rng: np.random.Generator, t: str, rows: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """Random stored rows (16-byte aligned, padded), their float64 values and the bytes a row."""
-    raw = random_blocks(rng, t, rows, COLS, 0.05)
-    buf = aligned(raw.size + PAD)
-    buf[: raw.size] = raw.reshape(-1)
-    vals = dequantize(raw.view(np.float32) if t == "F32" else raw, t, (rows, COLS))  # F32: stored bytes as floats
-    return buf, vals.astype(np.float64), row_bytes(t, COLS)
+def weights(rng: np.random.Generator, t: str, rows: int, cols: int = COLS) -> tuple[np.ndarray, np.ndarray, int]:
+    """Random stored rows, their float64 values and the bytes a row (`qdot_host.stored_rows`)."""
+    return stored_rows(rng, t, rows, cols)
 
 
 @pytest.mark.parametrize("t", TYPES)

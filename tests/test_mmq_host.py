@@ -15,10 +15,8 @@ from engine import kernels
 from engine.backends.numpy_backend import NumpyOps
 from engine.kernels import quant_units
 from engine.kernels.mmq_src import MMQ_BM
-from engine.quants import dequantize
-from engine.quants_encode import random_blocks, row_bytes
 from tests.cuda_host import HostModule, cxx_or_skip
-from tests.qdot_host import PAD, aligned
+from tests.qdot_host import stored_rows
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -35,12 +33,8 @@ def mod(tmp_path_factory: pytest.TempPathFactory) -> HostModule:
 
 
 def weights(rng: np.random.Generator, t: str, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """Random stored rows (16-byte aligned, padded), their float64 values and the bytes a row."""
-    raw = random_blocks(rng, t, rows, cols, 0.05)
-    buf = aligned(raw.size + PAD)
-    buf[: raw.size] = raw.reshape(-1)
-    vals = dequantize(raw.view(np.float32) if t == "F32" else raw, t, (rows, cols))  # F32: stored bytes as floats
-    return buf, vals.astype(np.float64), row_bytes(t, cols)
+    """Random stored rows, their float64 values and the bytes a row (`qdot_host.stored_rows`)."""
+    return stored_rows(rng, t, rows, cols)
 
 
 @pytest.mark.parametrize("t", TYPES)

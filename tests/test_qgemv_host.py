@@ -14,10 +14,8 @@ import pytest
 from engine.backends.numpy_backend import NumpyOps
 from engine.kernels import decode_src, qdot_src
 from engine.kernels.quant_units import UNITS
-from engine.quants import dequantize
-from engine.quants_encode import random_blocks, row_bytes
 from tests.cuda_host import HostModule, cxx_or_skip
-from tests.qdot_host import PAD, activations, aligned
+from tests.qdot_host import activations, stored_rows
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -53,13 +51,8 @@ def mod_round(tmp_path_factory: pytest.TempPathFactory) -> HostModule:
 
 
 def weights(rng: np.random.Generator, t: str, rows: int, cols: int = COLS) -> tuple[np.ndarray, np.ndarray, int]:
-    """Random stored rows (16-byte aligned, padded as the GPU allocation is), their dequantized
-    float64 values, and the bytes a row."""
-    raw = random_blocks(rng, t, rows, cols, 0.05)
-    nb = row_bytes(t, cols)
-    buf = aligned(raw.size + PAD)
-    buf[: raw.size] = raw.reshape(-1)
-    return buf, dequantize(raw, t, (rows, cols)).astype(np.float64), nb
+    """Random stored rows, their float64 values and the bytes a row (`qdot_host.stored_rows`)."""
+    return stored_rows(rng, t, rows, cols)
 
 
 def rounded(

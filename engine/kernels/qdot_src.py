@@ -514,30 +514,29 @@ extern "C" __global__ void QLB_{P} qgemv_{T}(
 }
 """
 # The fused gate+up kernel: two rows a thread, read in chunk code {G} (the type's 32-value code, or
-# with `glu_wide` its 64-value one).
-QGEMV_GLU = r"""extern "C" __global__ void QLB_GLU qgemv_glu_{T}(
+# with `glu_wide` its 64-value one). With `glu_round` (EngineOptions.qgemv_glu_round) its bounds,
+# extra parameters and arguments are GLU_ROUND's: it also rounds its outputs by code `oaq` into
+# oxq / oxd / oxs16 (`ocnt`: a zeroed counter a rounding group, left zeroed).
+QGEMV_GLU = r"""extern "C" __global__ void {BOUNDS} qgemv_glu_{T}(
         const unsigned char* __restrict__ W, long long row_bytes, int rows, int cols,
         const signed char* __restrict__ xq, const float* __restrict__ xd, const int* __restrict__ xs16,
-        float* y, const float* __restrict__ bias, int epi, int up_off, int tpr) {
-    qgemv_body_{G}<2, QU_{G}(QGEMV_UG), false>(W, row_bytes, rows, cols, xq, xd, xs16, y, bias, epi, up_off, tpr, 0, 0);
+        float* y, const float* __restrict__ bias, int epi, int up_off, int tpr{PARAMS}) {
+    qgemv_body_{G}<2, QU_{G}(QGEMV_UG), false>(W, row_bytes, rows, cols, xq, xd, xs16, y, bias, epi, up_off, tpr, 0, 0{ARGS});
 }
 """
-# With `glu_round` (EngineOptions.qgemv_glu_round): the same, rounding its outputs by code `oaq`
-# into oxq / oxd / oxs16 (`ocnt`: a zeroed counter a rounding group, left zeroed). The rounding is
-# a call, not inlined, and the kernel held to 5 blocks an SM: the loop keeps the plain kernel's
-# registers (inlined, the rounding took the kernel from 46 to 64), the rare call may spill.
+GLU_PLAIN = {"{BOUNDS}": "QLB_GLU", "{PARAMS}": "", "{ARGS}": ""}
+"""The gate+up kernel's bounds, extra parameters and arguments without `glu_round`."""
+GLU_ROUND = {
+    "{BOUNDS}": "__launch_bounds__(256, 5)",
+    "{PARAMS}": ",\n        int oaq, signed char* oxq, float* oxd, int* oxs16, int* ocnt",
+    "{ARGS}": ",\n                                          oaq, oxq, oxd, oxs16, ocnt",
+}
+"""The same with `glu_round`. The rounding is a call, not inlined (QGLU_ROUND_FN), and the kernel
+held to 5 blocks an SM: the loop keeps the plain kernel's registers (inlined, the rounding took the
+kernel from 46 to 64), the rare call may spill."""
 QGLU_ROUND_FN = r"""
 __device__ __noinline__ void glu_round_group(const float* y, int aq, int grp, int lane, signed char* xq, float* xd, int* xs16) {
     round_group([&](int i) { return __ldcg(y + i); }, aq, grp, lane, xq, xd, xs16);
-}
-"""
-QGEMV_GLU_ROUND = r"""extern "C" __global__ void __launch_bounds__(256, 5) qgemv_glu_{T}(
-        const unsigned char* __restrict__ W, long long row_bytes, int rows, int cols,
-        const signed char* __restrict__ xq, const float* __restrict__ xd, const int* __restrict__ xs16,
-        float* y, const float* __restrict__ bias, int epi, int up_off, int tpr,
-        int oaq, signed char* oxq, float* oxd, int* oxs16, int* ocnt) {
-    qgemv_body_{G}<2, QU_{G}(QGEMV_UG), false>(W, row_bytes, rows, cols, xq, xd, xs16, y, bias, epi, up_off, tpr, 0, 0,
-                                          oaq, oxq, oxd, oxs16, ocnt);
 }
 """
 
@@ -592,7 +591,7 @@ def source(
     64-value chunks (`GLU_WIDE`: a third fewer instructions a weight, 63 registers instead of 46 -
     4 blocks an SM instead of 5; for measuring, `EngineOptions.qgemv_glu_wide`); `glu_round`: the
     gate+up kernels take five more arguments and round their outputs as the next GEMV's input
-    (`QGEMV_GLU_ROUND`, `EngineOptions.qgemv_glu_round`)."""
+    (`GLU_ROUND`, `EngineOptions.qgemv_glu_round`)."""
     qt = sorted(t for t in set(types) if t in QTYPES)
     if not qt:
         return ""
@@ -605,7 +604,7 @@ def source(
     glu = {t: (GLU_WIDE.get(t, t) if glu_wide else t) for t in qt}
     kernels = "".join(
         QGEMV_KERNELS.replace("{T}", t).replace("{P}", PLAIN[t])
-        + (QGEMV_GLU_ROUND if glu_round else QGEMV_GLU).replace("{T}", t).replace("{G}", glu[t])
+        + _fill(QGEMV_GLU, {"{T}": t, "{G}": glu[t], **(GLU_ROUND if glu_round else GLU_PLAIN)})
         for t in qt
     )
     mixed = "".join(
@@ -613,6 +612,13 @@ def source(
         for a, b in mix_pairs(qt)
     )
     return unroll_defs + QDOT + QPREP + "".join(QGEMV.replace("{T}", t) for t in bodies) + kernels + mixed
+
+
+def _fill(template: str, fields: dict[str, str]) -> str:
+    """`template` with each field replaced by its text."""
+    for k, v in fields.items():
+        template = template.replace(k, v)
+    return template
 
 
 def round_source() -> str:

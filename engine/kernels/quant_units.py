@@ -40,7 +40,7 @@ __device__ __forceinline__ float h2f(unsigned short h) {
 __device__ __forceinline__ unsigned short f2h(float f) {
     unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h;
 }
-#else  // the same conversions on the host (tests/qdot_host.py compiles the integer dot products there)
+#else  // the same conversions on the host (tests/cuda_host.py compiles the kernels there)
 __device__ __forceinline__ float h2f(unsigned short h) { _Float16 v; memcpy(&v, &h, 2); return (float)v; }
 __device__ __forceinline__ unsigned short f2h(float f) { _Float16 v = (_Float16)f; unsigned short h; memcpy(&h, &v, 2); return h; }
 #endif

@@ -85,7 +85,7 @@ def run(
     h, kvh, d, n_layers = SHAPES[shape]
     layers, kref, vref = caches
     n_sm = int(cp.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"])
-    n_split = max(1, min(64, -(-2 * n_sm // kvh)))
+    n_split = decode_src.attn_split(n_sm, kvh)
     src = decode_src.source(
         ["Q8_0"],
         n_heads=h,

@@ -45,7 +45,9 @@ for name in sys.argv[1].split(","):
     c = preset_config(name)
     hd = c.head_dim or c.n_embd // c.n_heads
     for n_sm in map(int, sys.argv[2].split(",")):
-        n_split = max(1, min(64, -(-2 * n_sm // c.n_kv_heads)))
+        # decode_src.attn_split; a checkout from before it had the same rule inline
+        split = getattr(decode_src, "attn_split", lambda s, k: max(1, min(64, -(-2 * s // k))))
+        n_split = split(n_sm, c.n_kv_heads)
         extra = {"attn_cluster": 8} if n_sm == 132 and "attn_cluster" in inspect.signature(decode_src.source).parameters else {}
         extra.update(json.loads(sys.argv[3]))
         out[f"{name}@{n_sm}"] = decode_src.source(

@@ -126,7 +126,7 @@ def decode_sources(sm_counts: tuple[int, ...], cluster: int = 0) -> dict[str, st
         neox = ARCHITECTURES[c.arch].rope_style == "neox"
         for kv in KV_TYPES:
             for n_sm in sm_counts:
-                n_split = max(1, min(64, -(-2 * n_sm // c.n_kv_heads)))
+                n_split = decode_src.attn_split(n_sm, c.n_kv_heads)
                 out[f"decode[{name},{kv},split={n_split},cluster={cluster}]"] = decode_src.source(
                     types,
                     n_heads=c.n_heads,

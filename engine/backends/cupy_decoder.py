@@ -78,7 +78,7 @@ class CupyDecoder:
         kv_int8 = isinstance(tf.kv.k[0], Int8Rows)
         dev = cp.cuda.Device()
         self.n_sm = int(cp.cuda.runtime.getDeviceProperties(dev.id)["multiProcessorCount"])
-        self.n_split = max(1, min(64, -(-2 * self.n_sm // nkv)))  # slices of >= 32 positions
+        self.n_split = decode_src.attn_split(self.n_sm, nkv)
         cluster = max(0, min(8, opts.attn_cluster)) if int(dev.compute_capability) >= 90 else 0
         self.attn_cluster = cluster if cluster <= self.n_split else 0  # the slices' buffers hold n_split
         """Blocks of one thread-block cluster in decode attention (0: `n_split` slices)."""

@@ -869,6 +869,13 @@ def attn_warps(group: int, head_dim: int, cluster: int = 0) -> int:
     return 8 if group * head_dim // 8 <= 32 else 4
 
 
+def attn_split(n_sm: int, n_kv_heads: int) -> int:
+    """The most slices a KV head's positions take in decode attention on a GPU of `n_sm`
+    multiprocessors (`NSPLIT`): two blocks an SM over all KV heads, at most 64 (slices of >= 32
+    positions, `min_chunk`)."""
+    return max(1, min(64, -(-2 * n_sm // n_kv_heads)))
+
+
 def attn_blocks(n_split: int, cluster: int) -> int:
     """Blocks a KV head in decode attention: `n_split` slices, or with clusters of `cluster` blocks
     (at most `n_split`: the slices' buffers hold that many) as many whole clusters as fit in

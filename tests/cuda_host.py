@@ -294,6 +294,18 @@ def _per_block(m: re.Match[str]) -> str:
     return " ".join(refs)
 
 
+def build(folder: Path, source: str, cxx: str, name: str) -> ctypes.CDLL:
+    """C++20 `source` compiled as a shared library in `folder` (no float contraction: each multiply
+    and add rounded, as the tolerances of the host tests assume) and loaded."""
+    src, lib = folder / f"{name}.cpp", folder / f"{name}.so"
+    src.write_text(source)
+    cmd = [cxx, "-O1", "-std=c++20", "-ffp-contract=off", "-shared", "-fPIC", "-o", str(lib), str(src)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr[-6000:]}")
+    return ctypes.CDLL(str(lib))
+
+
 def _ctype(param: str) -> Any:
     """The ctypes type of one kernel parameter's declaration."""
     if "*" in param:
@@ -324,14 +336,8 @@ class HostModule:
                 f"unsigned int cluster, {', '.join(params)}) "
                 f"{{ host_launch(gx, gy, gz, block, cluster, [&] {{ {k}({names}); }}); }}\n"
             )
-        src, lib = folder / f"{name}.cpp", folder / f"{name}.so"
         source = SHARED.sub(_per_block, DYN_SMEM.sub(r"\1* \2 = (\1*)g_dyn_smem;", source))
-        src.write_text(HEADER + source + "".join(wrappers))
-        cmd = [cxx, "-O1", "-std=c++20", "-ffp-contract=off", "-shared", "-fPIC", "-o", str(lib), str(src)]
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        if r.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr[-6000:]}")
-        self.lib = ctypes.CDLL(str(lib))
+        self.lib = build(folder, HEADER + source + "".join(wrappers), cxx, name)
         self.kernels = kernels
         for k, params in kernels.items():
             fn = getattr(self.lib, f"host_{k}")

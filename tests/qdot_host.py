@@ -13,14 +13,13 @@ multiply-add, so results are compared with a float tolerance.
 from __future__ import annotations
 
 import ctypes
-import subprocess
 from pathlib import Path
 
 import numpy as np
 
 from engine.kernels import qdot_src
 from engine.kernels.quant_units import UNITS
-from tests.cuda_host import HEADER
+from tests.cuda_host import HEADER, build
 
 ENTRY = r"""
 extern "C" void dots_{C}(const unsigned char* row, int nc, const signed char* xq, const float* xd,
@@ -50,14 +49,7 @@ class HostDots:
     """The compiled library: `dots(code, row, xq, xd, xs16)` -> one float per chunk of the row."""
 
     def __init__(self, folder: Path, cxx: str) -> None:
-        src = folder / "qdot_host.cpp"
-        lib = folder / "qdot_host.so"
-        src.write_text(source())
-        cmd = [cxx, "-O2", "-std=c++20", "-pthread", "-ffp-contract=off", "-shared", "-fPIC", "-o", str(lib), str(src)]
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-        if r.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr[-4000:]}")
-        self.lib = ctypes.CDLL(str(lib))
+        self.lib = build(folder, source(), cxx, "qdot_host")
         for c in CODES:
             getattr(self.lib, f"dots_{c}").restype = None
 

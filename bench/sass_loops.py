@@ -127,8 +127,8 @@ def nvdisasm() -> str:
         return found
     import importlib.util
 
-    spec = importlib.util.find_spec("nvidia") if importlib.util.find_spec("nvidia") else None
-    for d in spec.submodule_search_locations or [] if spec else []:
+    spec = importlib.util.find_spec("nvidia")
+    for d in (spec.submodule_search_locations or []) if spec else []:
         for p in sorted(glob.glob(f"{d}/*/bin/nvdisasm")):
             return p
     raise SystemExit("no nvdisasm: pip install nvidia-cuda-nvdisasm (or put a CUDA toolkit's on PATH)")

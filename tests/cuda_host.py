@@ -397,3 +397,18 @@ def decode_module(
         attn_cluster=cluster,
     )
     return HostModule(folder, src, cxx_or_skip("the decode kernels"), "decode")
+
+
+class DecodeModules:
+    """`decode_module`s built on first use and kept, each in its own folder of `tmp` (a pytest
+    `TempPathFactory`): `get(**keywords)` with `decode_module`'s keywords."""
+
+    def __init__(self, tmp: Any) -> None:
+        self._tmp = tmp
+        self._built: dict[tuple[tuple[str, Any], ...], HostModule] = {}
+
+    def get(self, **kw: Any) -> HostModule:
+        key = tuple(sorted(kw.items()))
+        if key not in self._built:
+            self._built[key] = decode_module(self._tmp.mktemp("decode"), **kw)
+        return self._built[key]

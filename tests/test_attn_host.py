@@ -8,14 +8,12 @@ C++20 compiler (failed under CI=true)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from engine.backends.numpy_backend import NumpyOps
 from engine.kernels import decode_src
-from tests.cuda_host import HostModule, decode_module
+from tests.cuda_host import DecodeModules, HostModule
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -33,22 +31,16 @@ KV_TYPES = ("float32", "float16", "int8")
 
 
 @pytest.fixture(scope="module")
-def modules(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str, int], HostModule]:
-    """One decode module per shape, cache type and cluster size, built on first use."""
-    return {}
+def modules(tmp_path_factory: pytest.TempPathFactory) -> DecodeModules:
+    """The decode modules of these tests, built on first use."""
+    return DecodeModules(tmp_path_factory)
 
 
-def module(
-    cache: dict[tuple[str, str, int], HostModule], tmp: Path, shape: str, kv: str, cluster: int = 0
-) -> HostModule:
+def module(modules: DecodeModules, shape: str, kv: str, cluster: int = 0) -> HostModule:
     """The decode module of `shape` with a `kv` cache (`cluster`: the sm_90 build's thread-block
-    clusters, 0 none), compiled for the host once."""
-    if (shape, kv, cluster) not in cache:
-        h, kvh, d = SHAPES[shape]
-        cache[(shape, kv, cluster)] = decode_module(
-            tmp, n_heads=h, n_kv_heads=kvh, head_dim=d, kv=kv, n_split=N_SPLIT, cluster=cluster
-        )
-    return cache[(shape, kv, cluster)]
+    clusters, 0 none)."""
+    h, kvh, d = SHAPES[shape]
+    return modules.get(n_heads=h, n_kv_heads=kvh, head_dim=d, kv=kv, n_split=N_SPLIT, cluster=cluster)
 
 
 def cache_of(rng: np.random.Generator, kv: str, kvh: int, d: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
@@ -88,8 +80,7 @@ a few positions, a window inside one cluster, and slices past one cluster's 1,53
 @pytest.mark.parametrize("shape,kv", CASES)
 @pytest.mark.parametrize("cluster,pos,window", POSITIONS)
 def test_attention_matches_float64(
-    modules: dict[tuple[str, str, int], HostModule],
-    tmp_path_factory: pytest.TempPathFactory,
+    modules: DecodeModules,
     shape: str,
     kv: str,
     cluster: int,
@@ -100,7 +91,7 @@ def test_attention_matches_float64(
     position (one slice), two slices and all N_SPLIT = 16 slices (two batches of the merge's 8),
     with and without a window; with clusters, up to 700 positions in one cluster and 1,700 past
     one cluster's 1,536 in slices."""
-    mod = module(modules, tmp_path_factory.mktemp("attn"), shape, kv, cluster)
+    mod = module(modules, shape, kv, cluster)
     h, kvh, d = SHAPES[shape]
     g = h // kvh
     rng = np.random.default_rng(pos + 13 * window + len(kv))
@@ -128,13 +119,11 @@ def test_attention_matches_float64(
 
 @pytest.mark.parametrize("cluster", [0, CLUSTER])
 @pytest.mark.parametrize("aq", [1, 2])
-def test_attention_rounds_the_output_projection_input(
-    modules: dict[tuple[str, str, int], HostModule], tmp_path_factory: pytest.TempPathFactory, aq: int, cluster: int
-) -> None:
+def test_attention_rounds_the_output_projection_input(modules: DecodeModules, aq: int, cluster: int) -> None:
     """With `aq` set the merging block (with clusters: each block its share of the outputs) also
     rounds its heads' outputs into the integer GEMV's input (q8_0 / q8_k groups, as `qprep_x`
     does without a norm)."""
-    mod = module(modules, tmp_path_factory.mktemp("attn"), "g4-d128", "float16", cluster)
+    mod = module(modules, "g4-d128", "float16", cluster)
     h, kvh, d = SHAPES["g4-d128"]
     rng = np.random.default_rng(aq)
     q = rng.standard_normal((h, d)).astype(np.float32)

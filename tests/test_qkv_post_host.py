@@ -5,13 +5,11 @@ per-head norms, f32 / f16 / int8 caches. Skipped without a C++20 compiler (faile
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from engine.backends.numpy_backend import NumpyOps
-from tests.cuda_host import HostModule, decode_module
+from tests.cuda_host import DecodeModules
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -26,30 +24,18 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def built() -> dict[tuple[str, str], HostModule]:
-    """Modules compiled so far, by (case, cache type)."""
-    return {}
-
-
-def module(cache: dict[tuple[str, str], HostModule], tmp: Path, case: str, kv: str) -> HostModule:
-    """The decode module of `case` with a `kv` cache, compiled for the host once."""
-    if (case, kv) not in cache:
-        h, kvh, d, half, neox, _ = CASES[case]
-        cache[(case, kv)] = decode_module(
-            tmp, n_heads=h, n_kv_heads=kvh, head_dim=d, kv=kv, n_split=4, rope_half=half, neox=neox
-        )
-    return cache[(case, kv)]
+def modules(tmp_path_factory: pytest.TempPathFactory) -> DecodeModules:
+    """The decode modules of these tests, built on first use."""
+    return DecodeModules(tmp_path_factory)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("kv", ["float32", "float16", "int8"])
-def test_qkv_post_matches_numpy(
-    built: dict[tuple[str, str], HostModule], tmp_path_factory: pytest.TempPathFactory, case: str, kv: str
-) -> None:
+def test_qkv_post_matches_numpy(modules: DecodeModules, case: str, kv: str) -> None:
     """Q = rope(norm(q)), the cache's row POS of K = rope(norm(k)) and of V = v (rounded as the
     cache stores: f16, or int8 with one f16 scale a 32 values), every other row untouched."""
-    mod = module(built, tmp_path_factory.mktemp("qkv"), case, kv)
     h, kvh, d, half, neox, norms = CASES[case]
+    mod = modules.get(n_heads=h, n_kv_heads=kvh, head_dim=d, kv=kv, n_split=4, rope_half=half, neox=neox)
     rng = np.random.default_rng(len(case) + len(kv))
     qkv = rng.standard_normal(h * d + 2 * kvh * d).astype(np.float32)
     qn = (rng.random(d) + 0.5).astype(np.float32) if norms else None

@@ -1,24 +1,28 @@
 """CUDA C kernels compiled and run on the host, for checking their arithmetic and indexing on a
 machine without a GPU (CI).
 
-`HEADER` stands in for what the kernels use of CUDA: the qualifiers (`__device__`, `__global__`,
-`__shared__` as a function-static, which is one per block because blocks run one after another),
+`HEADER` stands in for what the kernels use of CUDA: the qualifiers (`__device__`, `__global__`),
 the vector types, the integer intrinsics (`__dp4a`, `__funnelshift_r`, `__vsubss4`), the loads
-(`__ldg`, `__ldcg`), and the SIMT part: every thread of a block is a `std::thread` with its own
-`threadIdx`, `__syncthreads` a `std::barrier` of the block, `__syncwarp` and the shuffles a barrier
-of the warp around an exchange slot per lane. A thread that returns drops out of both barriers, as
-an exited thread stops counting on the GPU. Blocks run one after another, each with fresh threads,
-so `atomicAdd` and `__threadfence` (the C++ atomics) make "the last block to finish" the last one
-run; dynamic shared memory (`extern __shared__`) is one static buffer. Inline PTX has no host
-meaning: the kernels keep theirs behind `#ifdef __CUDA_ARCH__` with a host branch (`h2f`,
-`prefetch_l2`). What it does not model: blocks running at the same time, warp divergence inside a
-shuffle (every shuffle is taken by the whole warp, as in these kernels), clusters, and float
-contraction (the host rounds each multiply and add; the GPU fuses some, so float results agree to
-rounding, integer ones exactly).
+(`__ldg`, `__ldcg`), the warp-wide matrix instructions (`ldmatrix`, `mma.sync`, in their PTX
+fragment layouts), and the SIMT part: every thread of a block is a fiber of one host thread (a
+stack of its own, switched by a few instructions on x86-64, `ucontext` elsewhere) with its own
+`threadIdx`; `__syncthreads`, `__syncwarp` and the shuffles are barriers that switch to the next
+fiber until all have arrived. A thread that returns drops out of its barriers, as an exited
+thread stops counting on the GPU. The blocks of one thread-block cluster run together, each with
+its own `__shared__` storage (peer reads: `host_ld_peer`); clusters (or blocks) run one after
+another, so `atomicAdd` and `__threadfence` (the C++ atomics) make "the last block to finish" the
+last one run, and dynamic shared memory (`extern __shared__`) is one static buffer. Inline PTX has
+no host meaning: the kernels keep theirs behind `#ifdef __CUDA_ARCH__` with a host branch (`h2f`,
+`prefetch_l2`, `ld_peer`). What it does not model: blocks of different clusters running at the
+same time (a block spinning on another's flag would never return), warp divergence inside a
+shuffle (every shuffle is taken by the whole warp, as in these kernels), and float contraction
+(the host rounds each multiply and add; the GPU fuses some, so float results agree to rounding,
+integer ones exactly).
 
 `HostModule(folder, source)` compiles a translation unit (`HEADER` + `source`) with a C++20
 compiler and gives every `extern "C" __global__` kernel of it a launcher:
-`module.launch("qgemv_Q4_K", grid, block, *args)` with NumPy arrays for pointers.
+`module.launch("qgemv_Q4_K", grid, block, *args)` with NumPy arrays for pointers. The whole CUDA
+backend runs on it through `tests/host_cupy` (a stand-in for CuPy).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ HEADER = r"""
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
+#include <cstdint>
 #include <cstring>
 #include <math.h>
 #include <ucontext.h>
@@ -54,6 +59,7 @@ struct int4 { int x, y, z, w; };
 struct int2 { int x, y; };
 struct float4 { float x, y, z, w; };
 static inline uint4 make_uint4(unsigned int x, unsigned int y, unsigned int z, unsigned int w) { return uint4{x, y, z, w}; }
+static inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
 struct dim3 { unsigned int x, y, z; };
 static inline int __dp4a(int a, int b, int c) {
     for (int i = 0; i < 4; i++) c += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
@@ -88,7 +94,55 @@ template <typename T> static inline T atomicOr(T* p, T v) { return std::atomic_r
 static inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 static unsigned char g_dyn_smem[228 * 1024];  // `extern __shared__ T name[]` (HostModule rewrites it)
 
-// SIMT: a CUDA thread is a fiber (ucontext) of one host thread. The blocks of one thread-block
+// Fibers: a stack and a saved context each, switched without a system call on x86-64 (ucontext's
+// swapcontext saves the signal mask through one, which made it most of the time of a launch).
+#if defined(__x86_64__)
+extern "C" void host_switch(void** save_sp, void* to_sp);
+// callee-saved registers pushed on the stack being left, its stack pointer saved, the other's
+// restored and its registers popped; `ret` resumes it (or enters a new fiber's entry function)
+asm(R"(
+    .text
+    .globl host_switch
+    .hidden host_switch
+host_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+)");
+struct HostCtx { void* sp; };
+static inline void ctx_init(HostCtx& c, char* stack, size_t size, void (*entry)()) {
+    void** top = (void**)(((uintptr_t)(stack + size)) & ~(uintptr_t)15);
+    *--top = nullptr;        // the entry's return address (it never returns): rsp % 16 == 8 there
+    *--top = (void*)entry;   // where host_switch's `ret` goes
+    for (int i = 0; i < 6; i++) *--top = nullptr;  // rbp, rbx, r12-r15
+    c.sp = top;
+}
+static inline void ctx_swap(HostCtx& from, HostCtx& to) { host_switch(&from.sp, to.sp); }
+#else
+struct HostCtx { ucontext_t uc; };
+static inline void ctx_init(HostCtx& c, char* stack, size_t size, void (*entry)()) {
+    getcontext(&c.uc);
+    c.uc.uc_stack.ss_sp = stack;
+    c.uc.uc_stack.ss_size = size;
+    c.uc.uc_link = nullptr;
+    makecontext(&c.uc, entry, 0);
+}
+static inline void ctx_swap(HostCtx& from, HostCtx& to) { swapcontext(&from.uc, &to.uc); }
+#endif
+
+// SIMT: a CUDA thread is a fiber of one host thread. The blocks of one thread-block
 // cluster (one block without clusters) run together, each in a slot with its own barriers, shuffle
 // slots and shared memory; the fibers run in turn, each until it waits at a barrier or ends.
 static const int HOST_SLOTS = 16;  // the most blocks of a cluster
@@ -99,11 +153,11 @@ static int g_slot_now;  // the running fiber's block slot (its rank in the clust
 struct HostBarrier { int expected, arrived; unsigned int gen; };
 static HostBarrier g_block_bar[HOST_SLOTS], g_warp_bar[HOST_SLOTS][32], g_cluster_bar;
 static unsigned long long g_xchg[HOST_SLOTS][HOST_THREADS];
-struct HostFiber { ucontext_t ctx; bool done; dim3 tid, bid; int slot; };
+struct HostFiber { HostCtx ctx; bool done; dim3 tid, bid; int slot; };
 static HostFiber g_fiber[HOST_SLOTS * HOST_THREADS];
 static char* g_stack[HOST_SLOTS * HOST_THREADS];
 static const size_t STACK = 128 * 1024;
-static ucontext_t g_sched;
+static HostCtx g_sched;
 static int g_cur;
 static std::function<void()>* g_body;
 // __shared__ variables (HostModule rewrites each declaration to this): one per block slot
@@ -116,7 +170,7 @@ template <typename T, int ID> static inline T& host_shared() {
     (void)known;
     return s[g_slot_now].v;
 }
-static inline void host_yield() { swapcontext(&g_fiber[g_cur].ctx, &g_sched); }
+static inline void host_yield() { ctx_swap(g_fiber[g_cur].ctx, g_sched); }
 static inline void host_wait(HostBarrier& b) {
     unsigned int gen = b.gen;
     if (++b.arrived >= b.expected) { b.arrived = 0; b.gen++; return; }
@@ -204,7 +258,9 @@ static void host_fiber_main() {
     host_drop(g_block_bar[f.slot]);
     host_drop(g_warp_bar[f.slot][f.tid.x >> 5]);
     host_drop(g_cluster_bar);
-}  // returns to g_sched (uc_link)
+    ctx_swap(f.ctx, g_sched);  // never resumed: a done fiber is not run again
+    abort();
+}
 // The grid (gx, gy) in clusters of `cluster` blocks along y (1: no clusters), each cluster's blocks
 // running together, the clusters one after another.
 template <typename F> static void host_launch(unsigned int gx, unsigned int gy, unsigned int gz, unsigned int block, unsigned int cluster, F body) {
@@ -224,15 +280,11 @@ template <typename F> static void host_launch(unsigned int gx, unsigned int gy, 
             for (unsigned int t = 0; t < block; t++, n++) {
                 HostFiber& f = g_fiber[n];
                 if (!g_stack[n]) g_stack[n] = new char[STACK];
-                getcontext(&f.ctx);
-                f.ctx.uc_stack.ss_sp = g_stack[n];
-                f.ctx.uc_stack.ss_size = STACK;
-                f.ctx.uc_link = &g_sched;
+                ctx_init(f.ctx, g_stack[n], STACK, host_fiber_main);
                 f.done = false;
                 f.tid = dim3{t, 0, 0};
                 f.bid = dim3{x, y0 + r, z};
                 f.slot = (int)r;
-                makecontext(&f.ctx, host_fiber_main, 0);
             }
         }
         for (bool left = true; left;) {
@@ -244,7 +296,7 @@ template <typename F> static void host_launch(unsigned int gx, unsigned int gy, 
                 threadIdx = f.tid;
                 blockIdx = f.bid;
                 g_slot_now = f.slot;
-                swapcontext(&g_sched, &f.ctx);
+                ctx_swap(g_sched, f.ctx);
                 left = left || !f.done;
             }
         }
@@ -253,9 +305,9 @@ template <typename F> static void host_launch(unsigned int gx, unsigned int gy, 
 """
 
 DYN_SMEM = re.compile(r"extern __shared__ (\w+) (\w+)\[\];")
+"""Dynamic shared memory, which becomes the host's one static buffer (blocks run one at a time)."""
 SHARED = re.compile(r"__shared__\s+(?:__align__\(\d+\)\s+)?((?:unsigned\s+)?\w+)\s+([^;]+);")
 """A `__shared__` declaration: its element type and its declarators (`a[2][3], b, c[N]`)."""
-"""Dynamic shared memory, which becomes the host's one static buffer (blocks run one at a time)."""
 KERNEL = re.compile(r'extern "C" __global__ void\s+(?:\w+(?:\([^)]*\))?\s+)*?(\w+)\(([^)]*)\)\s*\{')
 """A kernel's name and parameter list (after any launch-bounds macro)."""
 

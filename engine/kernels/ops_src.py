@@ -208,9 +208,7 @@ extern "C" __global__ void argmax(const float* x, int n, long long* out) {
 # Decode attention (one query position), one block per query head, for a KV cache of type KT.
 ATTN_HELPERS = r"""
 __device__ __forceinline__ float ldkv_float(const float* p) { return *p; }
-__device__ __forceinline__ float ldkv_half(const unsigned short* p) {
-    float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(*p)); return f;
-}
+__device__ __forceinline__ float ldkv_half(const unsigned short* p) { return h2f(*p); }
 """
 ATTN = r"""
 extern "C" __global__ void attn_decode_{N}(const float* q, const {KT}* K, const {KT}* V,

@@ -348,12 +348,16 @@ def _per_block(m: re.Match[str]) -> str:
 
 def build(folder: Path, source: str, cxx: str, name: str) -> ctypes.CDLL:
     """C++20 `source` compiled as a shared library in `folder` (no float contraction: each multiply
-    and add rounded, as the tolerances of the host tests assume) and loaded."""
+    and add rounded, as the tolerances of the host tests assume) and loaded; a library built there
+    from the same source before is loaded as it is."""
     src, lib = folder / f"{name}.cpp", folder / f"{name}.so"
+    if lib.exists() and src.exists() and src.read_text() == source:
+        return ctypes.CDLL(str(lib))
     src.write_text(source)
     cmd = [cxx, "-O1", "-std=c++20", "-ffp-contract=off", "-shared", "-fPIC", "-o", str(lib), str(src)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if r.returncode != 0:
+        lib.unlink(missing_ok=True)  # not to be taken for this source's library later
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr[-6000:]}")
     return ctypes.CDLL(str(lib))
 

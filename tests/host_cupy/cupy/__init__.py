@@ -132,6 +132,14 @@ def _itemsize(dtype: Any) -> int:
     return int(np.dtype(dtype).itemsize)
 
 
+def full(shape: Any, fill_value: Any, dtype: Any = None) -> ndarray:
+    return _new(np.full(shape, fill_value, dtype))
+
+
+def array_equal(a: Any, b: Any) -> bool:
+    return bool(np.array_equal(np.asarray(a), np.asarray(b)))
+
+
 def empty_like(a: Any, dtype: Any = None) -> ndarray:
     return empty(np.shape(a), dtype or a.dtype)
 
@@ -192,6 +200,19 @@ def _cache_dir() -> Path:
     return d
 
 
+@contextmanager
+def _folder_lock(folder: Path) -> Iterator[None]:
+    """Held while building into `folder`, across processes."""
+    import fcntl
+
+    with open(folder / ".lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def _cxx() -> str:
     from tests.cuda_host import compiler
 
@@ -201,7 +222,11 @@ def _cxx() -> str:
     return cxx
 
 
-_CLUSTER = re.compile(r"__cluster_dims__\(\s*(\d+)\s*,\s*(\d+)\s*,\s*(\d+)\s*\)\s*(?:\w+(?:\([^)]*\))?\s+)*?(\w+)\(")
+_CLUSTER = re.compile(
+    r"__cluster_dims__\(\s*(\d+)\s*,\s*(\d+)\s*,\s*(\d+)\s*\)\s*(?:\w+(?:\((?:[^()]|\([^()]*\))*\))?\s+)*?(?!__)(\w+)\("
+)
+"""A kernel declared with cluster dims: its name after any other qualifiers (`__launch_bounds__((32 * 8))`;
+CUDA's names begin with two underscores, no kernel's does)."""
 
 
 def _clusters(src: str, cxx: str) -> dict[str, int]:
@@ -262,7 +287,8 @@ class RawModule:
                 cxx = _cxx()
                 folder = _cache_dir() / key
                 folder.mkdir(exist_ok=True)
-                RawModule._built[key] = (HostModule(folder, code, cxx, "module"), _clusters(code, cxx))
+                with _folder_lock(folder):  # another process may build the same source
+                    RawModule._built[key] = (HostModule(folder, code, cxx, "module"), _clusters(code, cxx))
         self._host, self._cluster = RawModule._built[key]
 
     def get_function(self, name: str) -> _Function:
@@ -305,7 +331,8 @@ class ElementwiseKernel:
         )
         folder = _cache_dir() / f"ew_{hashlib.sha256(src.encode()).hexdigest()[:20]}"
         folder.mkdir(exist_ok=True)
-        lib = build(folder, src, _cxx(), self._name)
+        with _folder_lock(folder):
+            lib = build(folder, src, _cxx(), self._name)
         lib.ew.restype = None
         return lib
 
@@ -319,9 +346,12 @@ class ElementwiseKernel:
         flat = [np.ascontiguousarray(np.broadcast_to(a, shape)) for a in ins]
         res = [np.empty(shape, dtype=t) for t, _ in self._out]
         self._lib.ew(ctypes.c_longlong(int(np.prod(shape))), *[ctypes.c_void_p(a.ctypes.data) for a in flat + res])
-        for o, r in zip(outs, res, strict=True):
-            np.asarray(o)[...] = r
-        got = [_dev(o) for o in outs] if outs else [_new(r) for r in res]
+        if not outs:
+            got = [_new(r) for r in res]
+        else:
+            for o, r in zip(outs, res, strict=True):
+                np.asarray(o)[...] = r
+            got = [_dev(o) for o in outs]
         return got[0] if len(got) == 1 else tuple(got)
 
 

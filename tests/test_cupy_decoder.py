@@ -227,6 +227,35 @@ def test_gate_up_rounding_the_down_input_gives_the_same_logits(tmp_path: Path, w
     np.testing.assert_array_equal(outs[1], outs[0])
 
 
+VARIANTS = {
+    "glu_wide": {"qgemv_glu_wide": True},
+    "glu_wide+round": {"qgemv_glu_wide": True, "qgemv_glu_round": True},
+    "unroll4": {"qgemv_unroll": 4, "qgemv_unroll_glu": 4},
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_gemv_variants_give_the_default_logits(tmp_path: Path, variant: str) -> None:
+    """The decode GEMV knobs waiting for a GPU's verdict (`qgemv_glu_wide`: the Q4_K gate+up kernel
+    in 64-value chunks; with `qgemv_glu_round`; four chunks a thread) change how the integer sums
+    are split among threads, not what they are: the logits of the default decoder's steps (Q4_K
+    layers, a Q6_K piece) to float rounding, the same argmax."""
+    extra = {"type_overrides": {"blk.0.ffn_up.weight": "Q6_K", "blk.1.ffn_down.weight": "Q6_K"}}
+    p = write_synthetic_gguf(tmp_path / "m.gguf", "qwen3", weight_type="Q4_K", seed=8, **{**SHAPE, **extra})
+    ids = np.random.default_rng(8).integers(0, SHAPE["n_vocab"], 16).tolist()
+    outs, sources = [], []
+    for opts in (EXACT, replace(EXACT, **VARIANTS[variant])):
+        m = load_model(p, backend="cupy", n_ctx=256, kv_dtype="f16", options=opts)
+        assert isinstance(m.decoder, CupyDecoder) and m.decoder.mode == "graph"
+        sources.append(m.decoder.module)
+        m.step_logits(ids[:8], 0)
+        outs.append(np.stack([m.step_logits([ids[pos]], pos) for pos in range(8, 16)]))
+        del m
+    assert sources[0] is not sources[1]  # the knob did build another module
+    assert rel(outs[1], outs[0]) < 1e-5, rel(outs[1], outs[0])
+    assert (outs[1].argmax(1) == outs[0].argmax(1)).all()
+
+
 def test_steady_state_decode_allocates_nothing(tmp_path: Path) -> None:
     """500 greedy decode steps through Model.step_sample: no pool allocation, no device
     allocation, pool bytes unchanged."""

@@ -34,8 +34,13 @@ RUNS: dict[str, tuple[str, str, dict[str, str], int]] = {
         4,
     ),
     # the eager fallback, the gate+up kernel rounding the down projection's input
-    # (qgemv_glu_round), two-type matrices in one launch
-    "decoder-wiring": ("test_cupy_decoder.py", "eager_fallback or gate_up_rounding or two_type_matrix", {}, 9),
+    # (qgemv_glu_round), the GEMV knobs against the default, two-type matrices in one launch
+    "decoder-wiring": (
+        "test_cupy_decoder.py",
+        "eager_fallback or gate_up_rounding or gemv_variants or two_type_matrix",
+        {},
+        12,
+    ),
     "chain": ("test_cupy_chain.py", "sampled-all", {}, 1),
     "sampler": (
         "test_cupy_sample.py",

@@ -56,7 +56,6 @@ from numpy import (  # noqa: F401 - the dtype names CuPy exports
 )
 
 __version__ = "0.0-host"
-_capture_stack: list[list[Callable[[], None]]] = []  # not used across threads: captures are per stream
 
 
 class _Pointer:
@@ -668,26 +667,12 @@ class _Cuda:
 cuda = _Cuda
 
 
-class _Pool:
-    def used_bytes(self) -> int:
-        return 0
-
-    def total_bytes(self) -> int:
-        return 0
-
-    def free_all_blocks(self, stream: Any = None) -> None:
-        pass
-
-    def set_limit(self, size: int | None = None, fraction: float | None = None) -> None:
-        pass
+_default_pool = MemoryPool()  # no accounting: the memory hooks count allocations (`MemoryHook`)
 
 
-_default_pool = _Pool()
-
-
-def get_default_memory_pool() -> _Pool:
+def get_default_memory_pool() -> MemoryPool:
     return _default_pool
 
 
-def get_default_pinned_memory_pool() -> _Pool:
+def get_default_pinned_memory_pool() -> MemoryPool:
     return _default_pool

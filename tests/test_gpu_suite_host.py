@@ -1,10 +1,10 @@
 """The CUDA backend's own tests (`tests/test_cupy_*.py`, marked gpu) run on the host: child
 pytest processes whose `cupy` is the stand-in in `tests/host_cupy` (kernels compiled for the host
 by `tests/cuda_host.py`), so the whole device path - weight upload, the decoder's launch list and
-its graph, the prefill GEMMs, the device sampler, the decode loop chained on the device - runs in
-CI without a GPU, on small synthetic models. A selection keeps it to a few minutes (a step of the
-3-layer test model takes ~0.15 s there); each child must pass exactly the tests asked for, none
-skipped.
+its graph, the prefill GEMMs and attention, the device sampler, the decode loop chained on the
+device - runs in CI without a GPU, on small synthetic models. A selection keeps it to a few
+minutes (a step of the 3-layer test model takes ~0.15 s there); each child must pass exactly the
+tests asked for, none skipped.
 """
 
 from __future__ import annotations
@@ -49,6 +49,14 @@ RUNS: dict[str, tuple[str, str, dict[str, str], int]] = {
         4,
     ),
     "mmq": ("test_cupy_mmq.py", "matmul or int8", {}, 4),
+    # prefill: blocked attention on f32 / f16 / int8 caches, fp16 tiles' argmax, the tile rule
+    # (its graphs stay GPU-only: the stand-in cannot record array arithmetic in a capture)
+    "prefill": (
+        "test_cupy_prefill.py",
+        "blocked_prefill_attention or attention_precision or auto_tiles or fp16_tiles and (qwen3-Q4_K or gemma3-Q5_K)",
+        {},
+        16,
+    ),
 }
 
 

@@ -19,6 +19,9 @@ What it is:
   arithmetic must fall back or be switched off (the engine's prefill graphs:
   `EngineOptions.cupy_prefill_graph=False`).
 
+`empty` fills with 0xFF bytes (NaN, -1), so a kernel reading memory nobody wrote shows; memory
+hooks (`cuda.memory_hook.MemoryHook`) hear of every device array allocated, as a pool malloc.
+
 The device it reports: `HOST_CUPY_SMS` multiprocessors (default 4, so grids stay small) of compute
 capability `HOST_CUPY_CC` (default "87", the Orin's; "90" turns on the H200's clusters).
 Not modelled: concurrency (blocks, streams), memory pools' accounting, PDL (`libcuda` is not

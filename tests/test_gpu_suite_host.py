@@ -48,6 +48,10 @@ RUNS: dict[str, tuple[str, str, dict[str, str], int]] = {
         {},
         4,
     ),
+    # the generic path's kernels against their NumPy twins: GEMV, prefill matmul and dequantisation
+    # of every type, activation rounding, norms, RoPE, attention, GLU, argmax, the int8 KV store
+    "backend-ops": ("test_cupy_backend.py", "not model_logits and not smollm2", {}, 63),
+    "sample-mask": ("test_cupy_sample_mask.py", "mask_and_bias and 1000", {}, 1),
     "mmq": ("test_cupy_mmq.py", "matmul or int8", {}, 4),
     # prefill: blocked attention on f32 / f16 / int8 caches, fp16 tiles' argmax, the tile rule
     # (its graphs stay GPU-only: the stand-in cannot record array arithmetic in a capture)

@@ -98,8 +98,7 @@ class ndarray(np.ndarray):  # noqa: N801 - CuPy's name
 
     def __array_finalize__(self, obj: Any) -> None:
         if obj is not None and self.flags.owndata:  # astype, copy: new memory, not a view
-            for h in _hooks:
-                h.malloc_preprocess(device_id=0, size=self.nbytes, mem_size=self.nbytes)
+            _heard(self.nbytes)
 
     def __setitem__(self, key: Any, value: Any) -> None:
         _guard()
@@ -113,10 +112,15 @@ def _dev(a: Any) -> ndarray:
 _hooks: list[Any] = []  # memory hooks entered (`cuda.memory_hook.MemoryHook`)
 
 
-def _new(a: np.ndarray) -> ndarray:
-    """`a` (freshly allocated) as a device array, told to the memory hooks as a pool malloc."""
+def _heard(nbytes: int) -> None:
+    """A device allocation of `nbytes`, told to the memory hooks as a pool malloc."""
     for h in _hooks:
-        h.malloc_preprocess(device_id=0, size=a.nbytes, mem_size=a.nbytes)
+        h.malloc_preprocess(device_id=0, size=nbytes, mem_size=nbytes)
+
+
+def _new(a: np.ndarray) -> ndarray:
+    """`a` (freshly allocated) as a device array (`_heard`)."""
+    _heard(a.nbytes)
     return a.view(ndarray)
 
 
@@ -126,12 +130,8 @@ def zeros(shape: Any, dtype: Any = float, order: str = "C") -> ndarray:
 
 def empty(shape: Any, dtype: Any = float, order: str = "C") -> ndarray:
     """Filled with 0xFF bytes (NaN, -1), not zeros: a kernel that reads what nobody wrote shows."""
-    n = int(np.prod(shape, dtype=np.int64)) * _itemsize(dtype)
+    n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
     return _new(np.full(n, 0xFF, dtype=np.uint8).view(np.dtype(dtype)).reshape(shape))
-
-
-def _itemsize(dtype: Any) -> int:
-    return int(np.dtype(dtype).itemsize)
 
 
 def full(shape: Any, fill_value: Any, dtype: Any = None) -> ndarray:
@@ -203,14 +203,17 @@ def _cache_dir() -> Path:
 
 
 @contextmanager
-def _folder_lock(folder: Path) -> Iterator[None]:
-    """Held while building into `folder`, across processes."""
+def _build_folder(name: str) -> Iterator[Path]:
+    """The cache folder `name` (`HOST_CUPY_CACHE`), locked across processes while building in it:
+    another child may build the same source (`cuda_host.build` then loads the library as it is)."""
     import fcntl
 
+    folder = _cache_dir() / name
+    folder.mkdir(exist_ok=True)
     with open(folder / ".lock", "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
-            yield
+            yield folder
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
 
@@ -287,9 +290,7 @@ class RawModule:
         with RawModule._lock:
             if key not in RawModule._built:
                 cxx = _cxx()
-                folder = _cache_dir() / key
-                folder.mkdir(exist_ok=True)
-                with _folder_lock(folder):  # another process may build the same source
+                with _build_folder(key) as folder:
                     RawModule._built[key] = (HostModule(folder, code, cxx, "module"), _clusters(code, cxx))
         self._host, self._cluster = RawModule._built[key]
 
@@ -331,9 +332,7 @@ class ElementwiseKernel:
             f'extern "C" void ew(long long count, {", ".join(params)}) {{\n'
             f"  for (long long i = 0; i < count; i++) {{ {loads} {decl} {{ {self._op}; }} {stores} }}\n}}\n"
         )
-        folder = _cache_dir() / f"ew_{hashlib.sha256(src.encode()).hexdigest()[:20]}"
-        folder.mkdir(exist_ok=True)
-        with _folder_lock(folder):
+        with _build_folder(f"ew_{hashlib.sha256(src.encode()).hexdigest()[:20]}") as folder:
             lib = build(folder, src, _cxx(), self._name)
         lib.ew.restype = None
         return lib
@@ -361,9 +360,9 @@ class ElementwiseKernel:
 _local = threading.local()
 
 
-def _capturing(stream: Any = None) -> list[Callable[[], None]] | None:
-    s = stream if stream is not None else _current()
-    return getattr(s, "_recording", None) if s is not None else None
+def _capturing(stream: Stream | None = None) -> list[Callable[[], None]] | None:
+    """The ops being recorded on `stream` (the current one by default), None if not capturing."""
+    return (stream or _current())._recording
 
 
 def _queue(op: Callable[[], None], stream: Any = None) -> None:
@@ -387,6 +386,11 @@ class _Graph:
 
 
 _streams: dict[int, Any] = {}
+
+
+def _stream_at(ptr: int | None) -> Stream:
+    """The stream of a raw stream handle (0 / None: the null stream)."""
+    return _streams.get(int(ptr or 0), _null)
 
 
 class Stream:
@@ -475,8 +479,7 @@ class _Runtime:
 
     @staticmethod
     def memcpyAsync(dst: int, src: int, size: int, kind: int, stream: int) -> None:
-        s = _streams.get(int(stream or 0), _null)
-        _queue(lambda: ctypes.memmove(int(dst), int(src), int(size)), s)
+        _queue(lambda: ctypes.memmove(int(dst), int(src), int(size)), _stream_at(stream))
 
     @staticmethod
     def memcpy(dst: int, src: int, size: int, kind: int) -> None:
@@ -602,8 +605,8 @@ def PinnedMemoryPointer(mem: PinnedMemory, offset: int) -> memoryview:  # noqa: 
     return memoryview(mem._buf)[int(offset) :]
 
 
-def _alloc_pinned_memory(size: int) -> Any:
-    return bytearray(max(1, int(size)))
+def _alloc_pinned_memory(size: int) -> memoryview:
+    return PinnedMemoryPointer(PinnedMemory(size), 0)
 
 
 @contextmanager

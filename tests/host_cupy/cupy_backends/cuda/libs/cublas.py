@@ -45,8 +45,7 @@ def _gemm(opa: int, opb: int, m: int, n: int, k: int, alpha: float, a: Any, b: A
 
 
 def _queue(handle: int, op: Any) -> None:
-    stream = cupy._streams.get(_stream.get(int(handle), 0), cupy._null)
-    cupy._queue(op, stream)
+    cupy._queue(op, cupy._stream_at(_stream.get(int(handle))))
 
 
 def gemmEx(handle: int, opa: int, opb: int, m: int, n: int, k: int, alpha: int, *rest: Any) -> None:  # noqa: N802

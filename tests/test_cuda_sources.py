@@ -127,21 +127,28 @@ def decode_sources(sm_counts: tuple[int, ...], cluster: int = 0) -> dict[str, st
         for kv in KV_TYPES:
             for n_sm in sm_counts:
                 n_split = decode_src.attn_split(n_sm, c.n_kv_heads)
+                shape: dict[str, Any] = {
+                    "n_heads": c.n_heads,
+                    "n_kv_heads": c.n_kv_heads,
+                    "head_dim": hd,
+                    "v_head_dim": hd,
+                    "rope_half": hd // 2,
+                    "neox": neox,
+                    "kv_half": kv == "float16",
+                    "kv_int8": kv == "int8",
+                    "n_split": n_split,
+                    "min_chunk": 32,
+                }
                 out[f"decode[{name},{kv},split={n_split},cluster={cluster}]"] = decode_src.source(
                     types,
-                    n_heads=c.n_heads,
-                    n_kv_heads=c.n_kv_heads,
-                    head_dim=hd,
-                    v_head_dim=hd,
-                    rope_half=hd // 2,
-                    neox=neox,
-                    kv_half=kv == "float16",
-                    kv_int8=kv == "int8",
-                    n_split=n_split,
-                    min_chunk=32,
+                    **shape,
                     warps=decode_src.attn_warps(c.n_heads // c.n_kv_heads, hd, cluster),
                     attn_cluster=cluster,
                 )
+                if cluster:  # the plain attention a clustered decoder runs past one cluster (plan_long)
+                    out[f"decode-long[{name},{kv},split={n_split}]"] = decode_src.source(
+                        types, **shape, warps=decode_src.attn_warps(c.n_heads // c.n_kv_heads, hd), attention_only=True
+                    )
     return out
 
 

@@ -180,8 +180,9 @@ def test_programmatic_dependent_launch_matches_plain_launches(tmp_path: Path) ->
 )
 def test_clustered_attention_matches_split_slices(tmp_path: Path, kv: str, extra: dict) -> None:
     """Decode attention in thread-block clusters (sm_90) gives the split-K slices' logits to float
-    rounding, where one cluster takes the context (merged in distributed shared memory) and past
-    its 1,536 positions (the module's other blocks as slices), with 8 or 4 query heads a KV head."""
+    rounding where one cluster takes the context (merged in distributed shared memory), and past its
+    1,536 positions (the plain kernel's slices, `plan_long`), with 8 or 4 query heads a KV head; a
+    step may differ more only where the output projection's int8 input rounds one value the other way."""
     if int(cp.cuda.Device().compute_capability) < 90:
         pytest.skip("thread-block clusters need compute capability 9.0")
     shape = {**SHAPE, "n_heads": 16, **extra}
@@ -202,8 +203,48 @@ def test_clustered_attention_matches_split_slices(tmp_path: Path, kv: str, extra
         outs.append(np.stack(got))
         del m, dec
     assert np.isfinite(outs[1]).all()
-    assert rel(outs[1], outs[0]) < 1e-5, rel(outs[1], outs[0])
+    steps_rel = [rel(a, b) for a, b in zip(outs[1], outs[0], strict=True)]
+    # Q4_K's output projection reads the attention output rounded to int8: a float-rounding
+    # difference at a rounding boundary moves one value a step (one step in 28 had 1.3e-3 on an H200)
+    assert sorted(steps_rel)[-2] < 1e-5 and max(steps_rel) < 5e-3, steps_rel
     assert (outs[1].argmax(1) == outs[0].argmax(1)).all()
+
+
+def test_long_contexts_run_the_plain_attention_kernel(tmp_path: Path) -> None:
+    """Past one cluster's positions (`long_from`) a clustered decoder's steps run the plain split-K
+    attention kernel: from the same cache, its logits equal those of a decoder built without
+    clusters bit for bit; chained steps go to the plan of their own position."""
+    if int(cp.cuda.Device().compute_capability) < 90:
+        pytest.skip("thread-block clusters need compute capability 9.0")
+    shape = {**SHAPE, "n_heads": 8, "head_dim": 128}
+    p = write_synthetic_gguf(tmp_path / "m.gguf", "qwen3", weight_type="Q4_1", seed=4, **shape)
+    ids = np.random.default_rng(3).integers(0, SHAPE["n_vocab"], 1600).tolist()
+    outs, runs = [], []
+    for cluster in (8, 0):
+        m = load_model(p, backend="cupy", n_ctx=2048, kv_dtype="f16", options=replace(EXACT, attn_cluster=cluster))
+        dec = m.decoder
+        assert isinstance(dec, CupyDecoder) and dec.mode == "graph"
+        assert (dec.long_from, dec.graph_long is not None) == ((1536, True) if cluster else (0, False))
+        got = []
+        for pos in (1536, 1590):
+            m.transformer.kv.tokens = []
+            m.step_logits(ids[:pos], 0)  # the same prefill: the same cache
+            got.append(m.step_logits([ids[pos]], pos))
+        outs.append(np.stack(got))
+        if cluster:
+
+            def spy(pos: int, run: Any = dec._run) -> None:
+                runs.append(pos)
+                run(pos)
+
+            dec._run = spy  # type: ignore[method-assign]
+            m.transformer.kv.tokens = []
+            assert len(_generate(m, ids[:1530], 12)) == 12
+            assert dec.chained is not None and dec.chained.launches >= 10
+        del m, dec
+    np.testing.assert_array_equal(outs[0], outs[1])
+    # each chained step ran at its own position (the plan is chosen by it), across long_from
+    assert runs == list(range(runs[0], runs[0] + len(runs))) and runs[0] <= 1530 and runs[-1] >= 1540, runs
 
 
 @pytest.mark.parametrize("wt", ["Q4_K", "Q4_1"])

@@ -54,6 +54,8 @@ class CupyChain:
         self.params = SamplingParams(temperature=0.0)
         self.greedy = True
         self._cap = np.int32(0)
+        self.pos = 0
+        """The position of the next chained step (the decoder picks its plan by it)."""
         self.launches = 0
         """Chained steps queued so far (tests and benchmarks)."""
 
@@ -71,6 +73,7 @@ class CupyChain:
         if len(window) > max(cap, 0):
             raise ValueError(f"window of {len(window)} ids, the ring holds {cap}")
         self._cap = np.int32(cap)
+        self.pos = pos
         stream = dec.stream
         # work queued on the caller's stream (a generic prefill) comes first
         dec._ready.record(cp.cuda.get_current_stream())
@@ -87,10 +90,8 @@ class CupyChain:
         repetition window this step sees."""
         dec = self.dec
         stream = dec.stream
-        if dec.graph is not None:
-            dec.graph.launch(stream)
-        else:
-            dec._eager()
+        dec._run(self.pos)
+        self.pos += 1
         sampler = dec.device_sampler
         pick = self._pick_greedy
         if not self.greedy:

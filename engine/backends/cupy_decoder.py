@@ -112,6 +112,30 @@ class CupyDecoder:
         self._fns: dict[str, Any] = {}
         self.attn_blocks = decode_src.attn_blocks(self.n_split, self.attn_cluster)
         """Blocks a KV head in decode attention (the grid's second dimension)."""
+        # Past one cluster's positions the clustered kernel's blocks are slices over the grid, of
+        # as many warps as in a cluster: slower there than the plain kernel's slices (Qwen3-4B
+        # shape at 4,000 positions: 32.1 vs 22.4 us), so a second graph runs the plain kernel
+        self.long_from = self.attn_cluster * decode_src.CLUSTER_MIN if self.attn_cluster else 0
+        """Attended positions past which a step runs `plan_long` (0: one plan at every length)."""
+        self.long_warps = opts.attn_warps or decode_src.attn_warps(nh // nkv, hd)
+        self.long_module = None
+        if self.long_from:
+            long_src = decode_src.source(
+                sorted(types),
+                n_heads=nh,
+                n_kv_heads=nkv,
+                head_dim=hd,
+                v_head_dim=vd,
+                rope_half=rope_half,
+                neox=s.traits.rope_style == "neox",
+                kv_half=kv_half,
+                n_split=self.n_split,
+                kv_int8=kv_int8,
+                min_chunk=opts.attn_chunk,
+                warps=self.long_warps,
+                attention_only=True,
+            )
+            self.long_module = _module(long_src)
         # --- buffers (allocated once) -------------------------------------------------------
         f32 = cp.float32
         qkv_rows = tf.layers[0].wqkv.shape[0]
@@ -150,16 +174,22 @@ class CupyDecoder:
         """Bytes of the step's device buffers (`cupy_plan.decode_scratch_bytes` counts them)."""
         # --- the step as a list of launches, then one graph ---------------------------------
         self.plan: list[Launch] = step_launches(self)
+        self.plan_long: list[Launch] | None = step_launches(self, long=True) if self.long_from else None
+        """The step past `long_from` attended positions (the layers without a shorter window run
+        the plain kernel's `n_split` slices); None where `plan` serves every length."""
         self.pdl = False
         self._set_pdl(pdl_launcher(use_pdl and opts.cupy_pdl))
         self.stream = cp.cuda.Stream(non_blocking=True)
         self._ready = cp.cuda.Event(block=False, disable_timing=True)
         self.graph: Any = None
+        self.graph_long: Any = None
         self.mode = "eager"
         # one eager run compiles/loads everything (position n_ctx-1: overwritten before it is read)
         self.ids_host[:] = (0, self.n_ctx - 1, 0, 0)
         self._upload_ids()
         self._eager()
+        if self.plan_long is not None:
+            self._eager(long=True)
         self.stream.synchronize()
         if use_graph:
             self._capture()
@@ -169,24 +199,35 @@ class CupyDecoder:
         on the host (its row for a token only the device knows cannot be looked up there)."""
 
     # --- building ---------------------------------------------------------------------------
-    def function(self, name: str) -> Any:
-        """The kernel `name` of this decoder's module (compiled for its shape and types)."""
-        fn = self._fns.get(name)
+    def function(self, name: str, long: bool = False) -> Any:
+        """The kernel `name` of this decoder's module (compiled for its shape and types); `long`:
+        of the module `plan_long` takes its attention from."""
+        key = f"long:{name}" if long else name
+        fn = self._fns.get(key)
         if fn is None:
-            fn = self._fns[name] = self.module.get_function(name)
+            module = self.long_module if long else self.module
+            if module is None:
+                raise ValueError(f"decoder has no second attention module for {name}")
+            fn = self._fns[key] = module.get_function(name)
         return fn
+
+    def _plans(self) -> list[list[Launch]]:
+        """`plan`, and `plan_long` where there is one."""
+        return [self.plan] if self.plan_long is None else [self.plan, self.plan_long]
 
     def _set_pdl(self, lib: Any) -> None:
         """Launch every kernel but the first as a programmatic dependent launch (lib: libcuda
         from `pdl_launcher`, or None for plain launches)."""
         try:
-            for launch in self.plan[1:]:
-                launch.use_pdl(lib)
+            for plan in self._plans():
+                for launch in plan[1:]:
+                    launch.use_pdl(lib)
         except (AttributeError, TypeError) as exc:  # a CuPy whose kernels hide their CUfunction
             log.warning("decode step: programmatic dependent launch unavailable (%s); plain launches", exc)
             lib = None
-            for launch in self.plan:
-                launch.use_pdl(None)
+            for plan in self._plans():
+                for launch in plan:
+                    launch.use_pdl(None)
         self.pdl = lib is not None
 
     def _capture(self) -> None:
@@ -205,25 +246,38 @@ class CupyDecoder:
             self._capture_once()
         except Exception as exc:  # driver / CuPy without graph support: eager launches
             log.warning("decode step: CUDA graph capture failed (%s: %s); launching eagerly", type(exc).__name__, exc)
-            self.graph = None
+            self.graph = self.graph_long = None
             self.mode = "eager"
 
     def _capture_once(self) -> None:
-        with self.stream:
-            self.stream.begin_capture()
-            try:
-                for launch in self.plan:
-                    launch()
-            finally:
-                graph = self.stream.end_capture()
-        self.graph = graph
+        graphs = []
+        for plan in self._plans():
+            with self.stream:
+                self.stream.begin_capture()
+                try:
+                    for launch in plan:
+                        launch()
+                finally:
+                    graphs.append(self.stream.end_capture())
+        self.graph = graphs[0]
+        self.graph_long = graphs[1] if len(graphs) > 1 else None
         self.mode = "graph"
 
     # --- running ----------------------------------------------------------------------------
-    def _eager(self) -> None:
+    def _eager(self, long: bool = False) -> None:
         with self.stream:
-            for launch in self.plan:
+            for launch in self.plan_long if long and self.plan_long is not None else self.plan:
                 launch()
+
+    def _run(self, pos: int) -> None:
+        """Queue the step at position `pos` on the stream (`ids` already holds it): its graph, or
+        its launches eagerly; past `long_from` attended positions `plan_long`'s."""
+        long = 0 < self.long_from <= pos
+        graph = self.graph_long if long else self.graph
+        if graph is not None:
+            graph.launch(self.stream)
+        else:
+            self._eager(long)
 
     def _upload_ids(self) -> None:
         cp.cuda.runtime.memcpyAsync(self.ids.data.ptr, self.ids_host.ctypes.data, 8, _H2D, self.stream.ptr)
@@ -244,10 +298,7 @@ class CupyDecoder:
             np.multiply(row, self.embed_scale, out=self.x_host)
             cp.cuda.runtime.memcpyAsync(self.x.data.ptr, self.x_host.ctypes.data, self.x.nbytes, _H2D, self.stream.ptr)
         self._upload_ids()
-        if self.graph is not None:
-            self.graph.launch(self.stream)
-        else:
-            self._eager()
+        self._run(pos)
 
     def logits(self, token: int, pos: int) -> np.ndarray:
         """Feed `token` at `pos` (K/V written at `pos`); the logits [vocab] as float32 on the host."""
@@ -273,6 +324,7 @@ class CupyDecoder:
             "pdl": self.pdl,
             "n_split": self.n_split,
             "attn_cluster": self.attn_cluster,
+            "long_from": self.long_from,
             "scratch_bytes": self.scratch_bytes,
         }
 

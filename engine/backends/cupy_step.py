@@ -27,16 +27,19 @@ def _cache_arrays(layer: Any) -> tuple[Any, Any]:
     return layer, None
 
 
-def step_launches(decoder: CupyDecoder) -> list[Launch]:
-    """The launches of `decoder`'s step, on its buffers and kernels (`CupyDecoder.function`)."""
-    return _Step(decoder).build()
+def step_launches(decoder: CupyDecoder, long: bool = False) -> list[Launch]:
+    """The launches of `decoder`'s step, on its buffers and kernels (`CupyDecoder.function`);
+    `long`: past `decoder.long_from` attended positions (`CupyDecoder.plan_long`), where the layers
+    whose window does not keep the context within one cluster run the plain attention kernel."""
+    return _Step(decoder, long).build()
 
 
 class _Step:
     """Builds one decoder's launch list (`build`)."""
 
-    def __init__(self, decoder: CupyDecoder) -> None:
+    def __init__(self, decoder: CupyDecoder, long: bool = False) -> None:
         self.d = decoder
+        self.long = long
         self.plan: list[Launch] = []
 
     def build(self) -> list[Launch]:
@@ -85,11 +88,12 @@ class _Step:
             window = s.sliding_window if s.is_swa_layer(i) else 0
             # attention's last block per KV head also rounds its heads for the output projection
             o_round = rounds_input(lw.wo, lw.aq["o"], (nh // nkv) * s.v_head_dim)
+            plain = self.long and not 0 < window <= d.long_from  # a window may keep it in one cluster
             self.plan.append(
                 Launch(
-                    d.function("attn_decode"),
-                    (nkv, d.attn_blocks),
-                    (32 * d.attn_warps,),
+                    d.function("attn_decode", long=plain),
+                    (nkv, d.n_split if plain else d.attn_blocks),
+                    (32 * (d.long_warps if plain else d.attn_warps),),
                     (
                         d.q,
                         *cache,

@@ -855,6 +855,11 @@ but measured slower on an H200: Qwen3-4B shape 12.2 vs 11.7 us at 640 positions,
 4000; bench/attn_sweep.py --lanes 8,16.)"""
 
 
+CLUSTER_MIN = 192
+"""Fewest positions a block of a decode-attention cluster takes before the context is cut into
+slices over the grid instead (`CLMIN`): one cluster of N blocks takes up to N x 192 positions."""
+
+
 def attn_warps(group: int, head_dim: int, cluster: int = 0) -> int:
     """Warps of a decode-attention block: 8 where a lane keeps few query/output values
     (group x head_dim / 8 <= 32: two blocks of 256 threads still fit an SM), else 4. Measured on
@@ -907,7 +912,8 @@ def source(
     qgemv_glu_wide: bool = False,
     qgemv_glu_round: bool = False,
     attn_cluster: int = 0,
-    cluster_min: int = 192,
+    cluster_min: int = CLUSTER_MIN,
+    attention_only: bool = False,
 ) -> str:
     """The decode module for one model shape and the given weight types (`kv_half` / `kv_int8`:
     the cache's element type; `min_chunk`: fewest positions an attention slice takes;
@@ -916,7 +922,8 @@ def source(
     `qdot_src.source`; `attn_cluster`: 0, or the blocks of one thread-block cluster
     that take a KV head's positions in decode attention, merged through distributed shared memory:
     sm_90+, up to `attn_cluster` x `cluster_min` positions; longer contexts in slices over the grid,
-    `attn_blocks` blocks a KV head)."""
+    `attn_blocks` blocks a KV head; `attention_only`: without the GEMVs, for a second module whose
+    `attn_decode` a decoder runs past one cluster's positions, `CupyDecoder.long_from`)."""
     shaped = SHAPED
     width = 8 if (kv_half or kv_int8) else 4  # values a lane loads at once: 16 bytes (8 for int8)
     lpp = lanes_per_pos or ATTN_LANES
@@ -942,6 +949,8 @@ def source(
         "{FASTATT}": int(head_dim % align == 0 and v_head_dim % align == 0),
     }.items():
         shaped = shaped.replace(k, str(v))
+    if attention_only:
+        return UNITS + COMMON + grid_src.LAST_BLOCK + qdot_src.round_source() + shaped
     gemv = "".join(GEMV.replace("{T}", t) for t in sorted(set(types)))
     qdot = qdot_src.source(types, qgemv_unroll, qgemv_unroll_glu, qgemv_min_blocks, qgemv_glu_wide, qgemv_glu_round)
     return UNITS + COMMON + grid_src.LAST_BLOCK + qdot_src.round_source() + gemv + qdot + MISC + shaped

@@ -42,6 +42,9 @@ RUNS: dict[str, tuple[str, str, dict[str, str], int]] = {
         12,
     ),
     "chain": ("test_cupy_chain.py", "sampled-all", {}, 1),
+    # the H200's path (clusters, compute capability 9.0): past one cluster's positions the plain
+    # attention kernel (plan_long), chosen by position also for chained steps
+    "decoder-long": ("test_cupy_decoder.py", "long_contexts", {"HOST_CUPY_CC": "90", "HOST_CUPY_SMS": "8"}, 1),
     "sampler": (
         "test_cupy_sample.py",
         "matches_host_sampler and not 151936 and not 49152 or eager_launches or sampled_decode_allocates",

@@ -88,18 +88,21 @@ class CupyDecoder:
         types |= {p.type_name for p in tf.output.pieces()}
         if not isinstance(tf.embed_table, TensorInfo):
             types.add(tf.embed_table.type_name)
+        shape: dict[str, Any] = {
+            "n_heads": nh,
+            "n_kv_heads": nkv,
+            "head_dim": hd,
+            "v_head_dim": vd,
+            "rope_half": rope_half,
+            "neox": s.traits.rope_style == "neox",
+            "kv_half": kv_half,
+            "n_split": self.n_split,
+            "kv_int8": kv_int8,
+            "min_chunk": opts.attn_chunk,
+        }
         src = decode_src.source(
             sorted(types),
-            n_heads=nh,
-            n_kv_heads=nkv,
-            head_dim=hd,
-            v_head_dim=vd,
-            rope_half=rope_half,
-            neox=s.traits.rope_style == "neox",
-            kv_half=kv_half,
-            n_split=self.n_split,
-            kv_int8=kv_int8,
-            min_chunk=opts.attn_chunk,
+            **shape,
             warps=self.attn_warps,
             qgemv_unroll=opts.qgemv_unroll,
             qgemv_unroll_glu=opts.qgemv_unroll_glu,
@@ -120,21 +123,7 @@ class CupyDecoder:
         self.long_warps = opts.attn_warps or decode_src.attn_warps(nh // nkv, hd)
         self.long_module = None
         if self.long_from:
-            long_src = decode_src.source(
-                sorted(types),
-                n_heads=nh,
-                n_kv_heads=nkv,
-                head_dim=hd,
-                v_head_dim=vd,
-                rope_half=rope_half,
-                neox=s.traits.rope_style == "neox",
-                kv_half=kv_half,
-                n_split=self.n_split,
-                kv_int8=kv_int8,
-                min_chunk=opts.attn_chunk,
-                warps=self.long_warps,
-                attention_only=True,
-            )
+            long_src = decode_src.source(sorted(types), **shape, warps=self.long_warps, attention_only=True)
             self.long_module = _module(long_src)
         # --- buffers (allocated once) -------------------------------------------------------
         f32 = cp.float32

@@ -105,7 +105,7 @@ def _pdl_library() -> Any:
     import cupy as cp
 
     try:
-        major = int(cp.cuda.Device().compute_capability[:-1] or 0)
+        cc = int(cp.cuda.Device().compute_capability)  # "90" for 9.0, as cupy_plan and the decoder read it
         driver = int(cp.cuda.runtime.driverGetVersion())
         lib = ctypes.CDLL("libcuda.so.1")
         lib.cuLaunchKernelEx.restype = ctypes.c_int
@@ -113,12 +113,8 @@ def _pdl_library() -> Any:
     except (OSError, AttributeError, cp.cuda.runtime.CUDARuntimeError) as exc:
         log.info("programmatic dependent launch unavailable: %s", exc)
         return None
-    if major < 9 or driver < 12030:
-        log.info(
-            "programmatic dependent launch unavailable: compute capability %s, driver %d",
-            cp.cuda.Device().compute_capability,
-            driver,
-        )
+    if cc < 90 or driver < 12030:
+        log.info("programmatic dependent launch unavailable: compute capability %d, driver %d", cc, driver)
         return None
     return lib
 

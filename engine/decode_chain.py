@@ -116,7 +116,7 @@ class DecodeChain:
             raise RuntimeError(f"{len(self.queued)} steps queued: every slot is in use")
         u = self.sampler.uniform() if self.params.temperature > 0.0 else 0.0
         slot = self._launched % self.device.slots
-        self.device.launch(slot, u, min(pos + 1, self._window))
+        self.device.launch(slot, u, min(pos + 1, self._window), pos)
         self._launched += 1
         self.queued.append((slot, pos))
         self._next_pos = pos + 1

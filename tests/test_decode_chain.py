@@ -51,8 +51,9 @@ class FakeDeviceChain:
         self.ring = list(window) + [0] * (self.cap - len(window))
         self.w = len(window) % self.cap if self.cap else 0
 
-    def launch(self, slot: int, u: float, n_recent: int) -> None:
+    def launch(self, slot: int, u: float, n_recent: int, pos: int) -> None:
         assert slot not in self.pending, "a slot reused while its step is queued"
+        assert pos == self.pos, "the host's position is the device's"
         logits = self.tf.ops.to_host(self.tf.forward([self.token], self.pos, last_n=1))[0]
         pick = Sampler(self.params).pick(logits, u, self.ring[:n_recent])
         self.pending[slot] = pick

@@ -54,8 +54,6 @@ class CupyChain:
         self.params = SamplingParams(temperature=0.0)
         self.greedy = True
         self._cap = np.int32(0)
-        self.pos = 0
-        """The position of the next chained step (the decoder picks its plan by it)."""
         self.launches = 0
         """Chained steps queued so far (tests and benchmarks)."""
 
@@ -73,7 +71,6 @@ class CupyChain:
         if len(window) > max(cap, 0):
             raise ValueError(f"window of {len(window)} ids, the ring holds {cap}")
         self._cap = np.int32(cap)
-        self.pos = pos
         stream = dec.stream
         # work queued on the caller's stream (a generic prefill) comes first
         dec._ready.record(cp.cuda.get_current_stream())
@@ -84,14 +81,14 @@ class CupyChain:
         if not self.greedy:
             sampler.prepare(params, window if cap else (), stream)
 
-    def launch(self, slot: int, u: float, n_recent: int) -> None:
+    def launch(self, slot: int, u: float, n_recent: int, pos: int) -> None:
         """Queue one step (its token and position from the device), its pick into slot `slot`
         (0..slots-1, one no queued step uses); `u`: the sampler's draw, `n_recent`: ids of the
-        repetition window this step sees."""
+        repetition window this step sees, `pos`: the position it feeds (the host's count, which
+        picks the decoder's plan)."""
         dec = self.dec
         stream = dec.stream
-        dec._run(self.pos)
-        self.pos += 1
+        dec._run(pos)
         sampler = dec.device_sampler
         pick = self._pick_greedy
         if not self.greedy:

@@ -25,6 +25,7 @@ benchmark: prefill by tile precision, memory, llama.cpp).
 
     python -m bench.decode_ab --against /tmp/prev --preset qwen3-4b-q4_k_m --preset smollm2-135m-q4_1 --backend cupy
     python -m bench.decode_ab --against /tmp/prev --model m.gguf --backend native --tokens 32
+    python -m bench.decode_ab --against . --env GENIE_CUPY_ATTN_QKV=1 --preset qwen3-4b-q4_k_m --backend cupy
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ RESULTS = ROOT / "bench" / "results"
 FIGURES = ("prefill_tok_s", "generate_tok_s", "gpu_replay_tok_s")
 
 CHILD = r"""
-import hashlib, json, sys, time
+import hashlib, json, os, sys, time
 import anyio
 import numpy as np
 from engine import SamplingParams, load_model
@@ -80,7 +81,8 @@ for _ in range(gen_runs):
     m.transformer.kv.tokens = []
     rates.append(anyio.run(generate))
 out = {"logits_sha": fp.hexdigest()[:16], "generate_tok_s": float(np.median(rates)),
-       "prefill_tok_s": n_prompt / float(np.median(pre[1:]))}
+       "prefill_tok_s": n_prompt / float(np.median(pre[1:])),
+       "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("GENIE_")}}
 dec = getattr(m, "decoder", None)
 if dec is not None and hasattr(dec, "_launch") and hasattr(dec, "stream"):
     import cupy as cp
@@ -98,9 +100,10 @@ print("RESULT " + json.dumps(out), flush=True)
 """
 
 
-def sample(code: Path, model: str, a: argparse.Namespace) -> dict[str, Any]:
-    """One fresh process of checkout `code` on `model`: its RESULT line."""
-    env = dict(os.environ)
+def sample(code: Path, model: str, a: argparse.Namespace, extra: dict[str, str] | None = None) -> dict[str, Any]:
+    """One fresh process of checkout `code` on `model` (`extra`: more environment variables): its
+    RESULT line (with the `GENIE_*` variables it ran with)."""
+    env = {**os.environ, **(extra or {})}
     env["PYTHONPATH"] = os.pathsep.join([str(code), *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]])
     args = [str(v) for v in (model, a.backend, a.n_ctx, a.prompt, a.tokens, a.steps, a.gen_runs)]
     proc = subprocess.run(
@@ -167,7 +170,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds a sample may take")
     ap.add_argument("--out", default=str(RESULTS), help="folder of the result file")
     ap.add_argument("--tag", default="", help="suffix of the result file name")
+    ap.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an environment variable of this checkout's processes only (repeatable; with --against . "
+        "it compares an EngineOptions setting, e.g. GENIE_CUPY_ATTN_QKV=1, with the default)",
+    )
     a = ap.parse_args(argv)
+    extra = dict(kv.split("=", 1) for kv in a.env)
     sides = {"this": ROOT, "reference": Path(a.against).resolve()}
     if not (sides["reference"] / "engine").is_dir():
         ap.error(f"--against {a.against}: no engine/ folder there")
@@ -185,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         for rnd in range(a.rounds):
             for side, code in sides.items() if rnd % 2 == 0 else reversed(sides.items()):
                 for model in models:
-                    s = {"round": rnd, "side": side, "model": Path(model).stem, **sample(code, model, a)}
+                    env = extra if side == "this" else None
+                    s = {"round": rnd, "side": side, "model": Path(model).stem, **sample(code, model, a, env)}
                     print(json.dumps(s), flush=True)
                     samples.append(s)
     rows = summarise(samples)

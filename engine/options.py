@@ -22,6 +22,7 @@ environment by `EngineOptions.from_env` (the only place the engine reads these v
 | `attn_chunk` | `GENIE_CUPY_ATTN_CHUNK` | 32 | fewest positions a decode-attention slice takes |
 | `attn_warps` | `GENIE_CUPY_ATTN_WARPS` | 0 (the rule) | warps of a decode-attention block |
 | `attn_cluster` | `GENIE_CUPY_ATTN_CLUSTER` | 8 | sm_90+: blocks of the thread-block cluster that takes one KV head's positions in decode attention (merged through distributed shared memory); 0: split-K slices merged through global memory (always below sm_90) |
+| `attn_qkv` | `GENIE_CUPY_ATTN_QKV` (`1`: on) | False | decode attention also does `qkv_post`'s work (Q/K norm, RoPE, the new K/V rows): one launch a layer less, the same logits |
 | `prefill_chunk` | — (the caller's) | None (the backend's: CPU 64, CuPy 512) | prompt tokens per prefill pass the caller uses: sizes the memory plan's prefill scratch and CuPy's first-chunk graph |
 """
 
@@ -91,6 +92,10 @@ class EngineOptions:
     """On sm_90+, the blocks of one thread-block cluster that take a KV head's positions in decode
     attention and merge through distributed shared memory (at most 8); 0: split-K slices of at
     least `attn_chunk` positions merged through global memory, the only path below sm_90."""
+    attn_qkv: bool = False
+    """Whether decode attention also does `qkv_post`'s work for its KV head (every block rotates
+    its group's queries, the block holding the position writes the new K/V rows and reads them
+    from shared memory): one launch a layer less, bit-identical logits; off until measured on a GPU."""
     prefill_chunk: int | None = None
     """Prompt tokens per prefill pass the caller will use (the daemon: the policy's
     `voice.prefill_chunk_tokens`); sizes the plan's prefill scratch and CuPy's first-chunk graph.
@@ -123,6 +128,7 @@ class EngineOptions:
             attn_chunk=int(env.get("GENIE_CUPY_ATTN_CHUNK", "32")),
             attn_warps=int(env.get("GENIE_CUPY_ATTN_WARPS", "0")),
             attn_cluster=int(env.get("GENIE_CUPY_ATTN_CLUSTER", "8")),
+            attn_qkv=env.get("GENIE_CUPY_ATTN_QKV", "0") == "1",
         )
 
 

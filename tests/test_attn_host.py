@@ -143,3 +143,64 @@ def test_attention_rounds_the_output_projection_input(modules: DecodeModules, aq
     got = xq.astype(np.float32) * np.repeat(xd[: h * d // group], group)
     assert np.allclose(got, ref, rtol=1e-6, atol=1e-7)
     assert np.array_equal(xs16, xq.astype(np.int32).reshape(-1, 16).sum(axis=1))
+
+
+QKV_CASES = [
+    ("g4-d128", "float16", 8, 700, 0, True, 1),  # clusters, Q/K norms, neox pairs, the O input rounded
+    ("g4-d128", "int8", 8, 1700, 0, True, 0),  # slices past one cluster, int8 rows
+    ("g4-d128", "float16", 8, 0, 0, True, 0),  # the first position: the new rows alone
+    ("g3-d64", "float32", 0, 40, 0, False, 0),  # no Q/K norms, interleaved pairs
+    ("g3-d64", "int8", 0, 5, 0, True, 2),  # int8 rows in one slice, q8_k rounding
+    ("g2-d80", "float32", 0, 300, 100, True, 0),  # the one-position-a-warp loop, a window, partial rotation
+]
+"""(shape, cache, cluster, position, window, neox with Q/K norms, output rounding code)."""
+
+
+@pytest.mark.parametrize("shape,kv,cluster,pos,window,normed,aq", QKV_CASES)
+def test_attention_doing_qkv_post_matches_both_kernels(
+    modules: DecodeModules, shape: str, kv: str, cluster: int, pos: int, window: int, normed: bool, aq: int
+) -> None:
+    """With `attn_qkv` one attention launch on the QKV GEMV's raw output gives, bit for bit, what
+    `qkv_post` then attention give: the outputs, the cache (the new K/V rows and int8 scales at
+    the position, nothing else touched) and the output projection's rounded input."""
+    h, kvh, d = SHAPES[shape]
+    half = d // 4 if d % 64 else d // 2  # g2-d80: a partial rotation
+    rng = np.random.default_rng(pos + window + len(kv))
+    qkv = rng.standard_normal(h * d + 2 * kvh * d).astype(np.float32)
+    qn = (rng.random(d) + 0.5).astype(np.float32) if normed else None
+    kn = (rng.random(d) + 0.5).astype(np.float32) if normed else None
+    cos, sin = NumpyOps.rope_tables(N_CTX, 2 * half, 10000.0, 1.0)
+    kc0, kd0, _ = cache_of(rng, kv, kvh, d)
+    vc0, vd0, _ = cache_of(rng, kv, kvh, d)
+    ids = np.array([0, pos, 0, 0], np.int32)
+    eps = np.float32(1e-6)
+    results = []
+    for fused in (False, True):
+        mod = modules.get(
+            n_heads=h, n_kv_heads=kvh, head_dim=d, kv=kv, n_split=N_SPLIT, rope_half=half, neox=normed,
+            cluster=cluster, attn_qkv=fused,
+        )  # fmt: skip
+        kc, vc = kc0.copy(), vc0.copy()
+        kd, vd = (None, None) if kd0 is None else (kd0.copy(), vd0.copy())
+        pm, pl = np.zeros(h * N_SPLIT, np.float32), np.zeros(h * N_SPLIT, np.float32)
+        pacc, counter = np.zeros(h * N_SPLIT * d, np.float32), np.zeros(kvh, np.int32)
+        out = np.full(h * d, np.nan, np.float32)
+        xq, xd, xs16 = np.zeros(h * d, np.int8), np.zeros(h * d // 32, np.float32), np.zeros(h * d // 16, np.int32)
+        rounded = (xq, xd, xs16) if aq else (None, None, None)
+        q = qkv
+        if not fused:
+            q = np.full(h * d, np.nan, np.float32)
+            mod.launch("qkv_post", h + 2 * kvh, 128, qkv, q, kc, vc, kd, vd, ids, cos, sin, qn, kn, N_CTX, eps)
+        tail = (kc, vc, kd, vd, cos, sin, qn, kn, eps) if fused else ()
+        args = (q, kc, vc, kd, vd, ids, pm, pl, pacc, counter, out, N_CTX, window, np.float32(d**-0.5), aq, *rounded)
+        grid = (kvh, decode_src.attn_blocks(N_SPLIT, cluster))
+        mod.launch(
+            "attn_decode", grid, 32 * decode_src.attn_warps(h // kvh, d, cluster), *args, *tail, cluster=max(1, cluster)
+        )
+        results.append([out, kc, vc, *(a for a in (kd, vd) if a is not None), *((xq, xd, xs16) if aq else ())])
+    separate, fused_ = results
+    assert np.isfinite(separate[0]).all()
+    for a, b in zip(separate, fused_, strict=True):
+        assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+    changed = (separate[1] != kc0).any(axis=-1)
+    assert not changed[:, np.arange(N_CTX) != pos].any()  # only the row at the position was written

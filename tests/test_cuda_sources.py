@@ -149,6 +149,23 @@ def decode_sources(sm_counts: tuple[int, ...], cluster: int = 0) -> dict[str, st
                     out[f"decode-long[{name},{kv},split={n_split}]"] = decode_src.source(
                         types, **shape, warps=decode_src.attn_warps(c.n_heads // c.n_kv_heads, hd), attention_only=True
                     )
+                # attention doing qkv_post's work (EngineOptions.attn_qkv), both modules
+                out[f"decode-qkv[{name},{kv},split={n_split},cluster={cluster}]"] = decode_src.source(
+                    [],
+                    **shape,
+                    warps=decode_src.attn_warps(c.n_heads // c.n_kv_heads, hd, cluster),
+                    attn_cluster=cluster,
+                    attention_only=True,
+                    attn_qkv=True,
+                )
+                if cluster:
+                    out[f"decode-qkv-long[{name},{kv},split={n_split}]"] = decode_src.source(
+                        [],
+                        **shape,
+                        warps=decode_src.attn_warps(c.n_heads // c.n_kv_heads, hd),
+                        attention_only=True,
+                        attn_qkv=True,
+                    )
     return out
 
 

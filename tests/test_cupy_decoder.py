@@ -268,6 +268,41 @@ def test_gate_up_rounding_the_down_input_gives_the_same_logits(tmp_path: Path, w
     np.testing.assert_array_equal(outs[1], outs[0])
 
 
+ATTN_QKV_CASES = [
+    ("qwen3", "Q4_K", {"head_dim": 128}, "f16"),  # Q/K norms, neox pairs
+    ("llama", "Q4_1", {}, "int8"),  # no Q/K norms, interleaved pairs, int8 rows
+    ("gemma3", "Q5_K", {"sliding_window": 16, "n_layers": 6}, "f32"),  # windows, f32 rows
+    ("qwen3", "Q8_0", {"head_dim": 96}, "int8"),  # the one-position-a-warp attention loop
+]
+
+
+@pytest.mark.parametrize("arch,t,extra,kv", ATTN_QKV_CASES)
+def test_attention_doing_qkv_post_gives_the_same_logits(
+    tmp_path: Path, arch: str, t: str, extra: dict, kv: str
+) -> None:
+    """With `attn_qkv` decode attention does `qkv_post`'s work (no `qkv_post` launch): the same
+    logits over steps past a sliding window and the same chained greedy tokens (the same queries
+    and cache rows; bit for bit where the compiler contracts both kernels' float operations alike,
+    as the host build's tests/test_attn_host.py asserts)."""
+    p = write_synthetic_gguf(tmp_path / "m.gguf", arch, weight_type=t, seed=9, **{**SHAPE, **extra})
+    ids = np.random.default_rng(9).integers(0, SHAPE["n_vocab"], 40).tolist()
+    outs, gens, posts = [], [], []
+    for on in (False, True):
+        m = load_model(p, backend="cupy", n_ctx=256, kv_dtype=kv, options=replace(EXACT, attn_qkv=on))
+        dec = m.decoder
+        assert isinstance(dec, CupyDecoder) and dec.mode == "graph"
+        posts.append(sum(ln.name == "qkv_post" for ln in dec.plan))
+        m.step_logits(ids[:8], 0)
+        outs.append(np.stack([m.step_logits([ids[pos]], pos) for pos in range(8, 28)]))
+        m.transformer.kv.tokens = []
+        gens.append(_generate(m, ids[:30], 12))
+        del m, dec
+    assert posts == [extra.get("n_layers", SHAPE["n_layers"]), 0], posts
+    assert rel(outs[1], outs[0]) < 1e-6, rel(outs[1], outs[0])
+    assert (outs[1].argmax(1) == outs[0].argmax(1)).all()
+    assert gens[1] == gens[0]
+
+
 VARIANTS = {
     "glu_wide": {"qgemv_glu_wide": True},
     "glu_wide+round": {"qgemv_glu_wide": True, "qgemv_glu_round": True},

@@ -3,6 +3,7 @@ and the report gives each figure's ratio and whether the logits agree."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -35,13 +36,17 @@ def test_summary_gives_medians_ratios_and_flags_differing_logits() -> None:
 
 
 def test_a_checkout_against_itself_decodes_the_same_logits(tmp_path: Path) -> None:
-    """The real SmolLM2 on the native kernels, this checkout against itself: both sides sampled, identical logits, a result file written."""
+    """The real SmolLM2 on the native kernels, this checkout against itself with two threads
+    (`--env`, this side's processes only): both sides sampled, identical logits, a result file written."""
     model = require(SMOLLM2)
     argv = ["--against", str(decode_ab.ROOT), "--model", str(model), "--backend", "native", "--prompt", "24"]
     argv += ["--tokens", "6", "--steps", "3", "--gen-runs", "1", "--rounds", "1", "--out", str(tmp_path)]
+    argv += ["--env", "GENIE_THREADS=2"]
     assert decode_ab.main(argv) == 0
     (out,) = tmp_path.glob("decode_ab-*.md")
     text = out.read_text()
     assert '"side": "this"' in text and '"side": "reference"' in text
     assert "| identical |" in text and "DIFFER" not in text
     assert "| prefill_tok_s |" in text and "| generate_tok_s |" in text
+    samples = [json.loads(ln) for ln in text.splitlines() if ln.startswith("{")]
+    assert [s["env"].get("GENIE_THREADS") for s in samples] == ["2", None], samples

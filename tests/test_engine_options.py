@@ -65,7 +65,7 @@ def test_defaults_are_the_engines_and_the_value_is_frozen() -> None:
     )
     assert o.cupy_device_loop is True and o.cupy_mmq is True and o.cupy_mmq_split is True
     assert o.cupy_mmq_tokens == 128 and o.cupy_mmq_i8 is False and o.qgemv_min_blocks == 0
-    assert o.attn_cluster == 8 and o.qgemv_glu_wide is False and o.qgemv_glu_round is False
+    assert o.attn_cluster == 8 and o.qgemv_glu_wide is False and o.qgemv_glu_round is False and o.attn_qkv is False
     with pytest.raises(FrozenInstanceError):
         o.threads = 3  # type: ignore[misc]
 
@@ -93,6 +93,7 @@ def test_from_env_parses_every_variable() -> None:
         "GENIE_CUPY_ATTN_CHUNK": "64",
         "GENIE_CUPY_ATTN_WARPS": "8",
         "GENIE_CUPY_ATTN_CLUSTER": "0",
+        "GENIE_CUPY_ATTN_QKV": "1",
     }
     assert EngineOptions.from_env(env) == EngineOptions(
         threads=3,
@@ -114,6 +115,7 @@ def test_from_env_parses_every_variable() -> None:
         attn_chunk=64,
         attn_warps=8,
         attn_cluster=0,
+        attn_qkv=True,
     )
 
 

@@ -110,6 +110,7 @@ class CupyDecoder:
             qgemv_glu_wide=opts.qgemv_glu_wide,
             qgemv_glu_round=opts.qgemv_glu_round,
             attn_cluster=self.attn_cluster,
+            attn_qkv=opts.attn_qkv,
         )
         self.module = _module(src)
         self._fns: dict[str, Any] = {}
@@ -123,7 +124,9 @@ class CupyDecoder:
         self.long_warps = opts.attn_warps or decode_src.attn_warps(nh // nkv, hd)
         self.long_module = None
         if self.long_from:
-            long_src = decode_src.source(sorted(types), **shape, warps=self.long_warps, attention_only=True)
+            long_src = decode_src.source(
+                sorted(types), **shape, warps=self.long_warps, attention_only=True, attn_qkv=opts.attn_qkv
+            )
             self.long_module = _module(long_src)
         # --- buffers (allocated once) -------------------------------------------------------
         f32 = cp.float32

@@ -65,26 +65,29 @@ class _Step:
             cache = (kc, vc, ptr(kd), ptr(vd), d.ids)  # the layer's K/V cache and scales, token + position
             cos, sin = tf.rope[s.layer_rope_base(i)]
             self.gemv(lw.wqkv, d.x, lw.attn_norm, lw.aq["qkv"], d.qkv, lw.bqkv)
-            self.plan.append(
-                Launch(
-                    d.function("qkv_post"),
-                    (nh + 2 * nkv,),
-                    (128,),
-                    (
-                        d.qkv,
-                        d.q,
-                        *cache,
-                        cos,
-                        sin,
-                        ptr(lw.q_norm),
-                        ptr(lw.k_norm),
-                        np.int32(d.n_ctx),
-                        eps,
-                    ),
-                    0,
-                    "qkv_post",
+            fused = d.options.attn_qkv  # attention does qkv_post's work (ATT_QKV): no launch of its own
+            post = (*cache[:4], cos, sin, ptr(lw.q_norm), ptr(lw.k_norm), eps)
+            if not fused:
+                self.plan.append(
+                    Launch(
+                        d.function("qkv_post"),
+                        (nh + 2 * nkv,),
+                        (128,),
+                        (
+                            d.qkv,
+                            d.q,
+                            *cache,
+                            cos,
+                            sin,
+                            ptr(lw.q_norm),
+                            ptr(lw.k_norm),
+                            np.int32(d.n_ctx),
+                            eps,
+                        ),
+                        0,
+                        "qkv_post",
+                    )
                 )
-            )
             window = s.sliding_window if s.is_swa_layer(i) else 0
             # attention's last block per KV head also rounds its heads for the output projection
             o_round = rounds_input(lw.wo, lw.aq["o"], (nh // nkv) * s.v_head_dim)
@@ -95,7 +98,7 @@ class _Step:
                     (nkv, d.n_split if plain else d.attn_blocks),
                     (32 * (d.long_warps if plain else d.attn_warps),),
                     (
-                        d.q,
+                        d.qkv if fused else d.q,
                         *cache,
                         d.pm,
                         d.pl,
@@ -109,6 +112,7 @@ class _Step:
                         d.qin.xq,
                         d.qin.xd,
                         d.qin.xs16,
+                        *(post if fused else ()),
                     ),
                     0,
                     "attn",

@@ -518,11 +518,6 @@ template <int N> __device__ __forceinline__ void ldrow(const signed char* p, flo
 // arithmetic in the same order as qkv_post (its 128 threads a head are 4 warps of this block), so the
 // same queries and cache rows: one launch a layer less. (Else qkv_post runs before: `q` is its output.)
 #define ATT_QKV {ATT_QKV}
-#if ATT_QKV
-#define ATT_NEW(s) ((s) == pos)  // the new rows: not in the cache yet for this block's reads
-#else
-#define ATT_NEW(s) false
-#endif
 // qkv_post's RoPE partner of element d (the value d's rotation pairs it with)
 __device__ __forceinline__ int rope_partner(int d) { return NEOX ? (d < HALF ? d + HALF : d - HALF) : d ^ 1; }
 extern "C" __global__ void ATT_BOUNDS attn_decode(
@@ -572,6 +567,25 @@ extern "C" __global__ void ATT_BOUNDS attn_decode(
         for (int o = tid * 128; o < kspan; o += NT * 128) prefetch_l2(kb + o);
         for (int o = tid * 128; o < vspan; o += NT * 128) prefetch_l2(vb + o);
     }
+#if FASTATT
+    int oct = lane / LPP, ol = lane % LPP;
+    const kv_t* Kh = Kc + (long long)kvh * n_ctx * D;
+    const kv_t* Vh = Vc + (long long)kvh * n_ctx * DV;
+    const unsigned short* Khd = KVQ ? Kd + (long long)kvh * n_ctx * (D / 32) : nullptr;
+    const unsigned short* Vhd = KVQ ? Vd + (long long)kvh * n_ctx * (DV / 32) : nullptr;
+    float kn[KPL], vn[VPL], ksn = 1.f, vsn = 1.f;  // int8 cache: a lane's run is one scale block
+    int sb = s0 + warp * PPW;
+    // This lane's first K/V rows are loaded before the wait: rows before pos were written by
+    // earlier graph launches (complete), row pos is this step's (after the wait, or from shared
+    // memory with ATT_QKV) - the first step's load latency overlaps the kernel before.
+    auto ld_first = [&](int s) {
+        ldrow<KPL>(Kh + (long long)s * D + ol * KPL, kn);
+        ldrow<VPL>(Vh + (long long)s * DV + ol * VPL, vn);
+        ksn = KV_SCALE(Khd, (long long)s * D + ol * KPL);
+        vsn = KV_SCALE(Vhd, (long long)s * DV + ol * VPL);
+    };
+    if (sb + oct < s1 && sb + oct != pos) ld_first(sb + oct);
+#endif
 #if ATT_QKV
     // qkv_post's work: unit u < G is query head kvh G + u, unit G the key head (the owner of pos
     // only); qkv_post's 4 warps a unit are "virtual warps" vw = 4 u + w, taken by this block's
@@ -697,16 +711,9 @@ extern "C" __global__ void ATT_BOUNDS attn_decode(
     // LPP lanes a position (each an aligned run of D/LPP key and DV/LPP value dims), 32/LPP
     // positions a warp step: log2(LPP) shuffles per score instead of 5, several scores in flight.
     // Each 8-lane group keeps its own online softmax; the four are merged at the end by shuffles.
-    // The first K/V rows and this lane's slice of the group's queries are loaded together
-    // (no shared-memory staging, no barrier), then each step loads the next rows before it
-    // uses the current ones (one step ahead), so load latency is paid about once a block.
-    int oct = lane / LPP, ol = lane % LPP;
-    const kv_t* Kh = Kc + (long long)kvh * n_ctx * D;
-    const kv_t* Vh = Vc + (long long)kvh * n_ctx * DV;
-    const unsigned short* Khd = KVQ ? Kd + (long long)kvh * n_ctx * (D / 32) : nullptr;
-    const unsigned short* Vhd = KVQ ? Vd + (long long)kvh * n_ctx * (DV / 32) : nullptr;
-    float kn[KPL], vn[VPL], ksn = 1.f, vsn = 1.f;  // int8 cache: a lane's run is one scale block
-    int sb = s0 + warp * PPW;
+    // The first K/V rows (before the wait, above) and this lane's slice of the group's queries
+    // need no shared-memory staging or barrier; each step loads the next rows before it uses the
+    // current ones (one step ahead), so load latency is paid about once a block.
 #if ATT_QKV
     // position pos: this lane's run of the new K / V rows (and scales) from shared memory
     auto ld_new = [&]() {
@@ -718,15 +725,6 @@ extern "C" __global__ void ATT_BOUNDS attn_decode(
         vsn = KVQ ? vsc_[(ol * VPL) >> 5] : 1.f;
     };
 #endif
-    {
-        int s = sb + oct;
-        if (s < s1 && !ATT_NEW(s)) {
-            ldrow<KPL>(Kh + (long long)s * D + ol * KPL, kn);
-            ldrow<VPL>(Vh + (long long)s * DV + ol * VPL, vn);
-            ksn = KV_SCALE(Khd, (long long)s * D + ol * KPL);
-            vsn = KV_SCALE(Vhd, (long long)s * DV + ol * VPL);
-        }
-    }
     float qr[G][KPL];
 #if ATT_QKV
     qkv_here();
@@ -737,6 +735,7 @@ extern "C" __global__ void ATT_BOUNDS attn_decode(
         for (int i = 0; i < KPL; i++) qr[g][i] = qs_[g][ol * KPL + i];
     }
 #else
+    if (sb + oct == pos && pos < s1) ld_first(pos);  // the row qkv_post wrote this step
     #pragma unroll
     for (int g = 0; g < G; g++) ldrow<KPL>(q + (kvh * G + g) * D + ol * KPL, qr[g]);
 #endif

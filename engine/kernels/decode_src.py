@@ -310,6 +310,21 @@ __device__ __forceinline__ void stkv_q8(signed char* q, unsigned short* dsc, int
     q[i] = (signed char)(d > 0.f ? __float2int_rn(v / d) : 0);
     if ((i & 31) == 0) dsc[i >> 5] = f2h(d);
 }
+// Element i of a new cache row stored as qkv_post stores it (f16 / f32, or int8 by stkv_q8's
+// rule: a whole warp holds the 32 values of a scale block), returned as the attention loop reads
+// it back (int8: the integer, its block's scale kept in sc[i / 32]).
+__device__ __forceinline__ float stkv_kept(kv_t* row, unsigned short* dsc, int i, float v, float* sc) {
+#if KVQ
+    float d = warp_max(fabsf(v)) / 127.0f;
+    signed char q = (signed char)(d > 0.f ? __float2int_rn(v / d) : 0);
+    row[i] = q;
+    if ((i & 31) == 0) { dsc[i >> 5] = f2h(d); sc[i >> 5] = h2f(f2h(d)); }
+    return (float)q;
+#else
+    stkv(row + i, v);
+    return sizeof(kv_t) == 2 ? h2f(f2h(v)) : v;
+#endif
+}
 // scale of element `idx` of a layer's int8 cache (1 without KVQ)
 #if KVQ
 #define KV_SCALE(dsc, idx) h2f((dsc)[(idx) >> 5])
@@ -620,7 +635,7 @@ extern "C" __global__ void ATT_BOUNDS attn_decode(
     return;  // profiling: the launch alone
 #endif
 #if ATT_QKV
-    // (a lambda: each attention loop below calls it after issuing its first K/V row loads)
+    // (a lambda: each attention loop below calls it, its first K/V rows already requested)
     auto qkv_here = [&]() {
         float xo[RW][DK], xp[RW][DK];
         #pragma unroll
@@ -638,22 +653,8 @@ extern "C" __global__ void ATT_BOUNDS attn_decode(
         if (own) {  // the value row: stored as qkv_post stores it, kept as the cache will read it
             const float* src = q + H * D + KVH * D + kvh * DV;
             kv_t* dst = Vw + ((long long)kvh * n_ctx + pos) * DV;
-            for (int i = tid; i < DV; i += NT) {
-                float v = src[i];
-#if KVQ
-                float dd = warp_max(fabsf(v)) / 127.0f;
-                signed char qv = (signed char)(dd > 0.f ? __float2int_rn(v / dd) : 0);
-                dst[i] = qv;
-                if ((i & 31) == 0) {
-                    Vdw[((long long)kvh * n_ctx + pos) * (DV / 32) + (i >> 5)] = f2h(dd);
-                    vsc_[i >> 5] = h2f(f2h(dd));
-                }
-                vs_[i] = (float)qv;
-#else
-                stkv(dst + i, v);
-                vs_[i] = sizeof(kv_t) == 2 ? h2f(f2h(v)) : v;  // as ldkv reads it back
-#endif
-            }
+            for (int i = tid; i < DV; i += NT)
+                vs_[i] = stkv_kept(dst, KVQ ? Vdw + ((long long)kvh * n_ctx + pos) * (DV / 32) : nullptr, i, src[i], vsc_);
         }
         #pragma unroll
         for (int r = 0; r < RW; r++) {
@@ -689,19 +690,7 @@ extern "C" __global__ void ATT_BOUNDS attn_decode(
                 }
                 if (u < G) { qs_[u][d] = o; continue; }
                 kv_t* dst = Kw + ((long long)kvh * n_ctx + pos) * D;
-#if KVQ
-                float dd = warp_max(fabsf(o)) / 127.0f;
-                signed char qv = (signed char)(dd > 0.f ? __float2int_rn(o / dd) : 0);
-                dst[d] = qv;
-                if ((d & 31) == 0) {
-                    Kdw[((long long)kvh * n_ctx + pos) * (D / 32) + (d >> 5)] = f2h(dd);
-                    ksc_[d >> 5] = h2f(f2h(dd));
-                }
-                qs_[G][d] = (float)qv;
-#else
-                stkv(dst + d, o);
-                qs_[G][d] = sizeof(kv_t) == 2 ? h2f(f2h(o)) : o;
-#endif
+                qs_[G][d] = stkv_kept(dst, KVQ ? Kdw + ((long long)kvh * n_ctx + pos) * (D / 32) : nullptr, d, o, ksc_);
             }
         }
         __syncthreads();

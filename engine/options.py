@@ -10,6 +10,7 @@ environment by `EngineOptions.from_env` (the only place the engine reads these v
 | `qgemv_min_blocks` | `GENIE_QGEMV_MIN_BLOCKS` | 0 (the rule) | blocks of 256 threads an SM every integer decode GEMV is held to (launch bounds: fewer registers, maybe spills) |
 | `qgemv_glu_wide` | `GENIE_QGEMV_GLU_WIDE` (`1`: on) | False | the Q4_K gate+up decode GEMV reads 64-value chunks (fewer instructions, more registers) |
 | `qgemv_glu_round` | `GENIE_QGEMV_GLU_ROUND` (`1`: on) | False | the gate+up decode GEMV rounds its outputs as the down projection's input (one `qprep_x` launch a layer less) |
+| `qgemv_pipe` | `GENIE_QGEMV_PIPE` (`1`: on) | False | every integer decode GEMV software-pipelined: a thread's next chunks are requested before its current ones are summed (two buffers, 64 registers) |
 | `cupy_pdl` | `GENIE_CUPY_PDL` (`0`: off) | True | programmatic dependent launch in the decode step |
 | `cupy_prefill` | `GENIE_CUPY_PREFILL` | "auto" | prefill tile precision: auto, float16, float32 |
 | `cupy_mmq` | `GENIE_CUPY_MMQ` (`0`: off) | True | fp16 prefill GEMMs read the GGUF blocks (`mmq_h_<T>` / `mmq_w_<T>`, sm_80+) instead of dequantized tiles + cuBLAS |
@@ -58,6 +59,11 @@ class EngineOptions:
     (the block that completes a rounding group rounds it), so that projection needs no `qprep_x`
     launch: one launch a layer less, a counter and a second rounded-input buffer more (13 KB on the
     Qwen3-4B shape); off until measured on a GPU."""
+    qgemv_pipe: bool = False
+    """Whether every integer decode GEMV is software-pipelined (`QGEMV_PIPE`): each thread requests
+    its next chunks (the next ones of the row, or the next row group's first) into a second buffer
+    before summing the current ones, so it keeps a load in flight while it computes - the same sums
+    in the same order, at 64 registers (4 blocks an SM) instead of 48; off until measured on a GPU."""
     cupy_pdl: bool = True
     """Whether the CUDA decode step uses programmatic dependent launch where the device has it."""
     cupy_prefill: str = "auto"
@@ -116,6 +122,7 @@ class EngineOptions:
             qgemv_min_blocks=int(env.get("GENIE_QGEMV_MIN_BLOCKS", "0")),
             qgemv_glu_wide=env.get("GENIE_QGEMV_GLU_WIDE", "0") == "1",
             qgemv_glu_round=env.get("GENIE_QGEMV_GLU_ROUND", "0") == "1",
+            qgemv_pipe=env.get("GENIE_QGEMV_PIPE", "0") == "1",
             cupy_pdl=env.get("GENIE_CUPY_PDL", "1") != "0",
             cupy_prefill=env.get("GENIE_CUPY_PREFILL", "auto"),
             cupy_mmq=env.get("GENIE_CUPY_MMQ", "1") != "0",

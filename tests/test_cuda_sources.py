@@ -194,6 +194,8 @@ def sources(arch: str) -> dict[str, str]:
     out["decode[every type, glu_wide]"] = decode_src.source(every_type, **shape, qgemv_glu_wide=True)
     # the gate+up kernels rounding their outputs (EngineOptions.qgemv_glu_round)
     out["decode[every type, glu_round]"] = decode_src.source(every_type, **shape, qgemv_glu_round=True)
+    # every GEMV software-pipelined (EngineOptions.qgemv_pipe)
+    out["decode[every type, pipe]"] = decode_src.source(every_type, **shape, qgemv_pipe=True)
     return out
 
 

@@ -307,13 +307,17 @@ VARIANTS = {
     "glu_wide": {"qgemv_glu_wide": True},
     "glu_wide+round": {"qgemv_glu_wide": True, "qgemv_glu_round": True},
     "unroll4": {"qgemv_unroll": 4, "qgemv_unroll_glu": 4},
+    "pipe": {"qgemv_pipe": True},
 }
+SAME_ORDER = {"pipe"}
+"""Variants that sum the same chunks in the same order as the default: their logits are the same bits."""
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_gemv_variants_give_the_default_logits(tmp_path: Path, variant: str) -> None:
     """The decode GEMV knobs waiting for a GPU's verdict (`qgemv_glu_wide`: the Q4_K gate+up kernel
-    in 64-value chunks; with `qgemv_glu_round`; four chunks a thread) change how the integer sums
+    in 64-value chunks; with `qgemv_glu_round`; four chunks a thread; `qgemv_pipe`: the next chunks
+    requested before the current ones are summed - bit for bit) change how the integer sums
     are split among threads, not what they are: the logits of the default decoder's steps (Q4_K
     layers, a Q6_K piece) to float rounding, the same argmax."""
     extra = {"type_overrides": {"blk.0.ffn_up.weight": "Q6_K", "blk.1.ffn_down.weight": "Q6_K"}}
@@ -330,6 +334,8 @@ def test_gemv_variants_give_the_default_logits(tmp_path: Path, variant: str) -> 
     assert sources[0] is not sources[1]  # the knob did build another module
     assert rel(outs[1], outs[0]) < 1e-5, rel(outs[1], outs[0])
     assert (outs[1].argmax(1) == outs[0].argmax(1)).all()
+    if variant in SAME_ORDER:
+        np.testing.assert_array_equal(outs[1], outs[0])
 
 
 def test_steady_state_decode_allocates_nothing(tmp_path: Path) -> None:
@@ -365,21 +371,24 @@ QCASES = [
 ]
 
 
-def _gemv_module(types: list[str]) -> tuple[Any, int]:
-    """A small decode module with the GEMVs of `types`, and the GPU's multiprocessor count."""
+def _gemv_module(types: list[str], pipe: bool = False) -> tuple[Any, int]:
+    """A small decode module with the GEMVs of `types` (`pipe`: software-pipelined,
+    `EngineOptions.qgemv_pipe`), and the GPU's multiprocessor count."""
     from engine.backends import cupy_decoder as cd
     from engine.kernels import decode_src
 
     shape = {"n_heads": 4, "n_kv_heads": 2, "head_dim": 64, "v_head_dim": 64, "rope_half": 32}
-    mod = cd._module(decode_src.source(types, **shape, neox=True, kv_half=True, n_split=8))
+    mod = cd._module(decode_src.source(types, **shape, neox=True, kv_half=True, n_split=8, qgemv_pipe=pipe))
     return mod, int(cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["multiProcessorCount"])
 
 
+@pytest.mark.parametrize("pipe", [False, True])
 @pytest.mark.parametrize("epi", [0, 1, 2])
 @pytest.mark.parametrize("t,rows,cols", QCASES)
-def test_qgemv_matches_numpy_and_float_path(t: str, rows: int, cols: int, epi: int) -> None:
+def test_qgemv_matches_numpy_and_float_path(t: str, rows: int, cols: int, epi: int, pipe: bool) -> None:
     """norm + llama.cpp rounding + integer dot products == NumPy (rms_norm, act_quant, W @ x),
-    and == the float kernel with the same rounding up to float summation order."""
+    and == the float kernel with the same rounding up to float summation order; software-pipelined
+    too (`qgemv_pipe`)."""
     from engine.backends import cupy_gemv
     from engine.backends.numpy_backend import NumpyOps
     from engine.gguf_file import TensorInfo
@@ -408,7 +417,7 @@ def test_qgemv_matches_numpy_and_float_path(t: str, rows: int, cols: int, epi: i
     else:
         g, u = acc[:rows], acc[rows:]
         ref = g / (1 + np.exp(-g)) * u
-    mod, n_sm = _gemv_module([t])
+    mod, n_sm = _gemv_module([t], pipe)
     outs = {}
     for use_q in (True, False):
         cupy_gemv.USE_QGEMV = use_q
@@ -450,11 +459,13 @@ def test_qgemv_matches_numpy_and_float_path(t: str, rows: int, cols: int, epi: i
     "ta,tb,ra,rb,cols",
     [("Q4_K", "Q6_K", 5120, 1024, 2560), ("Q6_K", "Q4_K", 77, 300, 512), ("Q8_0", "Q4_1", 640, 129, 576)],
 )
+@pytest.mark.parametrize("pipe", [False, True])
 def test_two_type_matrix_in_one_launch_matches_a_launch_a_piece(
-    ta: str, tb: str, ra: int, rb: int, cols: int, epi: int
+    ta: str, tb: str, ra: int, rb: int, cols: int, epi: int, pipe: bool
 ) -> None:
     """A matrix of two pieces of two types (a Q4_K_M QKV) runs as one `qgemv_mix` launch that
-    gives the same bits as one launch a piece, bias or adding epilogue included."""
+    gives the same bits as one launch a piece, bias or adding epilogue included (software-pipelined
+    too, `qgemv_pipe`)."""
     from engine.backends import cupy_gemv
     from engine.gguf_file import TensorInfo
     from engine.kernels import qdot_src
@@ -469,7 +480,7 @@ def test_two_type_matrix_in_one_launch_matches_a_launch_a_piece(
     w = ops.concat_rows(parts)
     assert [p.type_name for p in w.pieces()] == [ta, tb]
     aq = {1: "q8_0", 2: "q8_k"}[qdot_src.QTYPES[ta]]
-    mod, n_sm = _gemv_module([ta, tb])
+    mod, n_sm = _gemv_module([ta, tb], pipe)
     x, nw = (
         cp.asarray(rng.standard_normal(cols, dtype=np.float32)),
         cp.asarray(rng.random(cols, dtype=np.float32) + 0.5),

@@ -65,7 +65,13 @@ def test_defaults_are_the_engines_and_the_value_is_frozen() -> None:
     )
     assert o.cupy_device_loop is True and o.cupy_mmq is True and o.cupy_mmq_split is True
     assert o.cupy_mmq_tokens == 128 and o.cupy_mmq_i8 is False and o.qgemv_min_blocks == 0
-    assert o.attn_cluster == 8 and o.qgemv_glu_wide is False and o.qgemv_glu_round is False and o.attn_qkv is False
+    assert (
+        o.attn_cluster == 8
+        and o.qgemv_glu_wide is False
+        and o.qgemv_glu_round is False
+        and o.attn_qkv is False
+        and o.qgemv_pipe is False
+    )
     with pytest.raises(FrozenInstanceError):
         o.threads = 3  # type: ignore[misc]
 
@@ -81,6 +87,7 @@ def test_from_env_parses_every_variable() -> None:
         "GENIE_QGEMV_MIN_BLOCKS": "6",
         "GENIE_QGEMV_GLU_WIDE": "1",
         "GENIE_QGEMV_GLU_ROUND": "1",
+        "GENIE_QGEMV_PIPE": "1",
         "GENIE_CUPY_PDL": "0",
         "GENIE_CUPY_PREFILL": "float16",
         "GENIE_CUPY_PREFILL_GRAPH": "1",
@@ -103,6 +110,7 @@ def test_from_env_parses_every_variable() -> None:
         qgemv_min_blocks=6,
         qgemv_glu_wide=True,
         qgemv_glu_round=True,
+        qgemv_pipe=True,
         cupy_pdl=False,
         cupy_prefill="float16",
         cupy_prefill_graph=True,

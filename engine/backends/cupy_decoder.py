@@ -109,6 +109,7 @@ class CupyDecoder:
             qgemv_min_blocks=opts.qgemv_min_blocks,
             qgemv_glu_wide=opts.qgemv_glu_wide,
             qgemv_glu_round=opts.qgemv_glu_round,
+            qgemv_pipe=opts.qgemv_pipe,
             attn_cluster=self.attn_cluster,
             attn_qkv=opts.attn_qkv,
         )

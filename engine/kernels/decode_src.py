@@ -1085,6 +1085,7 @@ def source(
     qgemv_min_blocks: int = 0,
     qgemv_glu_wide: bool = False,
     qgemv_glu_round: bool = False,
+    qgemv_pipe: bool = False,
     attn_cluster: int = 0,
     cluster_min: int = CLUSTER_MIN,
     attention_only: bool = False,
@@ -1092,8 +1093,9 @@ def source(
 ) -> str:
     """The decode module for one model shape and the given weight types (`kv_half` / `kv_int8`:
     the cache's element type; `min_chunk`: fewest positions an attention slice takes;
-    `qgemv_unroll` / `qgemv_unroll_glu` / `qgemv_min_blocks` / `qgemv_glu_wide` / `qgemv_glu_round`:
-    the integer-dot GEMVs' unrolling, launch bounds, gate+up chunk width and output rounding,
+    `qgemv_unroll` / `qgemv_unroll_glu` / `qgemv_min_blocks` / `qgemv_glu_wide` / `qgemv_glu_round` /
+    `qgemv_pipe`: the integer-dot GEMVs' unrolling, launch bounds, gate+up chunk width, output
+    rounding and software pipelining,
     `qdot_src.source`; `attn_cluster`: 0, or the blocks of one thread-block cluster
     that take a KV head's positions in decode attention, merged through distributed shared memory:
     sm_90+, up to `attn_cluster` x `cluster_min` positions; longer contexts in slices over the grid,
@@ -1130,5 +1132,7 @@ def source(
     if attention_only:
         return UNITS + COMMON + grid_src.LAST_BLOCK + qdot_src.round_source() + shaped
     gemv = "".join(GEMV.replace("{T}", t) for t in sorted(set(types)))
-    qdot = qdot_src.source(types, qgemv_unroll, qgemv_unroll_glu, qgemv_min_blocks, qgemv_glu_wide, qgemv_glu_round)
+    qdot = qdot_src.source(
+        types, qgemv_unroll, qgemv_unroll_glu, qgemv_min_blocks, qgemv_glu_wide, qgemv_glu_round, qgemv_pipe
+    )
     return UNITS + COMMON + grid_src.LAST_BLOCK + qdot_src.round_source() + gemv + qdot + MISC + shaped

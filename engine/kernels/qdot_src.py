@@ -83,8 +83,10 @@ __device__ __forceinline__ void ld16_a2(const unsigned char* p, unsigned int* o)
 #define QLB_GLU __launch_bounds__(256)
 // The 64-value K-quant codes and their two-piece kernels are held to 48 registers (5 blocks an SM)
 // at the default unroll; a larger tuning unroll needs more registers than that without spilling.
-#if QGEMV_U <= 2
+#if QGEMV_U <= 2 && !QGEMV_PIPE
 #define QLB_KQ2 __launch_bounds__(256, 5)
+#elif QGEMV_PIPE  // two chunk buffers a thread (EngineOptions.qgemv_pipe): 64 registers, 4 blocks an SM
+#define QLB_KQ2 __launch_bounds__(256, 4)
 #else
 #define QLB_KQ2 __launch_bounds__(256)
 #endif
@@ -424,33 +426,11 @@ __device__ __forceinline__ void qgemv_body_{T}(
     int nc = cols >> QCW_{T};
     int ngroups = (rows + rpb - 1) / rpb;
     int width = tpr < 32 ? tpr : 32;
-    raw_{T} buf[NR][U];
-    // the first weight chunks are loaded before waiting for the kernel that writes the input
-    PDL_LAUNCH();
-    bool pre = (SUB ? bid : blockIdx.x) < ngroups;
-    if (pre) {
-        qload_{T}<NR, U>(buf, W, row_bytes, (SUB ? bid : blockIdx.x) * rpb + rl, rows, up_off, t, tpr, nc);
-    }
-    PDL_WAIT();
-    for (int g = SUB ? bid : blockIdx.x; g < ngroups; g += SUB ? nblk : gridDim.x) {
+    int g0 = SUB ? bid : blockIdx.x, gs = SUB ? nblk : gridDim.x;
+    // a row group's sums, reduced over its threads and stored (every thread of the block calls it
+    // for the same group at the same point: the barriers below are uniform)
+    auto finish = [&](int g, float (&acc)[NR]) {
         int row = g * rpb + rl;
-        float acc[NR];
-        #pragma unroll
-        for (int r = 0; r < NR; r++) acc[r] = 0.f;
-        for (int c0 = t; c0 - t < nc; c0 += U * tpr) {
-            if (!pre) qload_{T}<NR, U>(buf, W, row_bytes, row, rows, up_off, c0, tpr, nc);
-            pre = false;
-            if (row < rows) {
-                #pragma unroll
-                for (int r = 0; r < NR; r++) {
-                    #pragma unroll
-                    for (int u = 0; u < U; u++) {
-                        int c = c0 + u * tpr;
-                        if (c < nc) acc[r] += dot_{T}(buf[r][u], c, xq, xd, xs16);
-                    }
-                }
-            }
-        }
         #pragma unroll
         for (int r = 0; r < NR; r++) {
             for (int o = width >> 1; o > 0; o >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);
@@ -502,7 +482,77 @@ __device__ __forceinline__ void qgemv_body_{T}(
             }
         }
 #endif
+    };
+    // U chunks of each of the NR rows of this thread in row group g from chunk c0, summed into acc
+    auto dots = [&](const raw_{T} (&b)[NR][U], int g, int c0, float (&acc)[NR]) {
+        if (g * rpb + rl < rows) {
+            #pragma unroll
+            for (int r = 0; r < NR; r++) {
+                #pragma unroll
+                for (int u = 0; u < U; u++) {
+                    int c = c0 + u * tpr;
+                    if (c < nc) acc[r] += dot_{T}(b[r][u], c, xq, xd, xs16);
+                }
+            }
+        }
+    };
+    raw_{T} buf[NR][U];
+    // the first weight chunks are loaded before waiting for the kernel that writes the input
+    PDL_LAUNCH();
+    if (g0 < ngroups) qload_{T}<NR, U>(buf, W, row_bytes, g0 * rpb + rl, rows, up_off, t, tpr, nc);
+    PDL_WAIT();
+#if QGEMV_PIPE
+    // EngineOptions.qgemv_pipe: software-pipelined - the chunks of this thread's next work item
+    // (the next U chunks of the row, or the next row group's first) are requested before the
+    // current ones are summed, into a second buffer (the two alternate), so every thread keeps a
+    // load in flight while it computes. The same sums in the same order as the loop below.
+    raw_{T} buf2[NR][U];
+    float acc[NR];
+    #pragma unroll
+    for (int r = 0; r < NR; r++) acc[r] = 0.f;
+    int g = g0, c0 = t;
+    // (g, c0) -> the work item after it
+    auto next = [&](int& gn, int& cn) {
+        cn += U * tpr;
+        if (cn - t >= nc) { cn = t; gn += gs; }
+    };
+    while (g < ngroups) {
+        int g1 = g, c1 = c0;
+        next(g1, c1);
+        if (g1 < ngroups) qload_{T}<NR, U>(buf2, W, row_bytes, g1 * rpb + rl, rows, up_off, c1, tpr, nc);
+        dots(buf, g, c0, acc);
+        if (g1 != g) {
+            finish(g, acc);
+            #pragma unroll
+            for (int r = 0; r < NR; r++) acc[r] = 0.f;
+        }
+        if (g1 >= ngroups) break;
+        int g2 = g1, c2 = c1;
+        next(g2, c2);
+        if (g2 < ngroups) qload_{T}<NR, U>(buf, W, row_bytes, g2 * rpb + rl, rows, up_off, c2, tpr, nc);
+        dots(buf2, g1, c1, acc);
+        if (g2 != g1) {
+            finish(g1, acc);
+            #pragma unroll
+            for (int r = 0; r < NR; r++) acc[r] = 0.f;
+        }
+        g = g2; c0 = c2;
     }
+#else
+    bool pre = g0 < ngroups;
+    for (int g = g0; g < ngroups; g += gs) {
+        int row = g * rpb + rl;
+        float acc[NR];
+        #pragma unroll
+        for (int r = 0; r < NR; r++) acc[r] = 0.f;
+        for (int c0 = t; c0 - t < nc; c0 += U * tpr) {
+            if (!pre) qload_{T}<NR, U>(buf, W, row_bytes, row, rows, up_off, c0, tpr, nc);
+            pre = false;
+            dots(buf, g, c0, acc);
+        }
+        finish(g, acc);
+    }
+#endif
 }
 """
 QGEMV_KERNELS = r"""
@@ -582,6 +632,7 @@ def source(
     min_blocks: int = 0,
     glu_wide: bool = False,
     glu_round: bool = False,
+    pipe: bool = False,
 ) -> str:
     """The integer-dot GEMV kernels for those of `types` that have one (after UNITS + COMMON),
     loading `unroll` chunks at once (`unroll_glu` per row of the fused gate+up kernels), and the
@@ -591,11 +642,12 @@ def source(
     64-value chunks (`GLU_WIDE`: a third fewer instructions a weight, 63 registers instead of 46 -
     4 blocks an SM instead of 5; for measuring, `EngineOptions.qgemv_glu_wide`); `glu_round`: the
     gate+up kernels take five more arguments and round their outputs as the next GEMV's input
-    (`GLU_ROUND`, `EngineOptions.qgemv_glu_round`)."""
+    (`GLU_ROUND`, `EngineOptions.qgemv_glu_round`); `pipe`: every body software-pipelined, the
+    next chunks requested before the current ones are summed (QGEMV_PIPE, `EngineOptions.qgemv_pipe`)."""
     qt = sorted(t for t in set(types) if t in QTYPES)
     if not qt:
         return ""
-    unroll_defs = f"#define QGEMV_U {int(unroll)}\n#define QGEMV_UG {int(unroll_glu)}\n"
+    unroll_defs = f"#define QGEMV_U {int(unroll)}\n#define QGEMV_UG {int(unroll_glu)}\n#define QGEMV_PIPE {int(pipe)}\n"
     if min_blocks > 0:
         unroll_defs += f"#define QGEMV_MINB {int(min_blocks)}\n"
     if glu_round:

@@ -11,6 +11,7 @@ environment by `EngineOptions.from_env` (the only place the engine reads these v
 | `qgemv_glu_wide` | `GENIE_QGEMV_GLU_WIDE` (`1`: on) | False | the Q4_K gate+up decode GEMV reads 64-value chunks (fewer instructions, more registers) |
 | `qgemv_glu_round` | `GENIE_QGEMV_GLU_ROUND` (`1`: on) | False | the gate+up decode GEMV rounds its outputs as the down projection's input (one `qprep_x` launch a layer less) |
 | `qgemv_pipe` | `GENIE_QGEMV_PIPE` (`1`: on) | False | every integer decode GEMV software-pipelined: a thread's next chunks are requested before its current ones are summed (two buffers, 64 registers) |
+| `qgemv_row_budget` | `GENIE_QGEMV_ROW_BUDGET` | 0 (5; 4 with `qgemv_pipe`) | row groups an SM the integer decode GEMVs' threads a row are chosen for (`qgemv_config`: the most threads a row that keep the grid within this many blocks an SM) |
 | `cupy_pdl` | `GENIE_CUPY_PDL` (`0`: off) | True | programmatic dependent launch in the decode step |
 | `cupy_prefill` | `GENIE_CUPY_PREFILL` | "auto" | prefill tile precision: auto, float16, float32 |
 | `cupy_mmq` | `GENIE_CUPY_MMQ` (`0`: off) | True | fp16 prefill GEMMs read the GGUF blocks (`mmq_h_<T>` / `mmq_w_<T>`, sm_80+) instead of dequantized tiles + cuBLAS |
@@ -64,6 +65,10 @@ class EngineOptions:
     its next chunks (the next ones of the row, or the next row group's first) into a second buffer
     before summing the current ones, so it keeps a load in flight while it computes - the same sums
     in the same order, at 64 registers (4 blocks an SM) instead of 48; off until measured on a GPU."""
+    qgemv_row_budget: int = 0
+    """Row groups of 256 threads an SM that `qgemv_config` sizes the integer GEMVs' threads a row
+    for (the most threads a row whose grid stays within it); 0: the kernels' resident blocks, 5
+    (4 with `qgemv_pipe`). Measured at 5 (session 39: 3, 4, 8, 10 gave 0.80-1.00x)."""
     cupy_pdl: bool = True
     """Whether the CUDA decode step uses programmatic dependent launch where the device has it."""
     cupy_prefill: str = "auto"
@@ -123,6 +128,7 @@ class EngineOptions:
             qgemv_glu_wide=env.get("GENIE_QGEMV_GLU_WIDE", "0") == "1",
             qgemv_glu_round=env.get("GENIE_QGEMV_GLU_ROUND", "0") == "1",
             qgemv_pipe=env.get("GENIE_QGEMV_PIPE", "0") == "1",
+            qgemv_row_budget=int(env.get("GENIE_QGEMV_ROW_BUDGET", "0")),
             cupy_pdl=env.get("GENIE_CUPY_PDL", "1") != "0",
             cupy_prefill=env.get("GENIE_CUPY_PREFILL", "auto"),
             cupy_mmq=env.get("GENIE_CUPY_MMQ", "1") != "0",

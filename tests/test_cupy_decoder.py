@@ -371,6 +371,19 @@ QCASES = [
 ]
 
 
+@pytest.mark.parametrize("budget,want", [(5, [32, 16, 64, 64, 8]), (4, [32, 8, 32, 32, 8])])
+def test_gemv_threads_a_row_keep_one_wave_of_the_row_budget(budget: int, want: list[int]) -> None:
+    """`qgemv_config` gives the Qwen3-4B shape's GEMVs (Q, gate+up rows, down, O, head) on 132 SMs
+    the most threads a row whose grid stays within `budget` blocks an SM (5: the default kernels'
+    resident blocks; 4: the software-pipelined ones')."""
+    from engine.backends.cupy_gemv import qgemv_grid
+
+    shapes = [(4096, 2560), (9728, 2560), (2560, 9728), (2560, 4096), (151936, 2560)]
+    got = [qgemv_grid("Q4_K", rows, 132, cols, budget) for rows, cols in shapes]
+    assert [tpr for tpr, _ in got] == want
+    assert all(blocks <= budget * 132 for _, blocks in got[:4])  # the head's grid is capped (8 an SM)
+
+
 def _gemv_module(types: list[str], pipe: bool = False) -> tuple[Any, int]:
     """A small decode module with the GEMVs of `types` (`pipe`: software-pipelined,
     `EngineOptions.qgemv_pipe`), and the GPU's multiprocessor count."""

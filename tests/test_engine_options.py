@@ -71,6 +71,7 @@ def test_defaults_are_the_engines_and_the_value_is_frozen() -> None:
         and o.qgemv_glu_round is False
         and o.attn_qkv is False
         and o.qgemv_pipe is False
+        and o.qgemv_row_budget == 0
     )
     with pytest.raises(FrozenInstanceError):
         o.threads = 3  # type: ignore[misc]
@@ -88,6 +89,7 @@ def test_from_env_parses_every_variable() -> None:
         "GENIE_QGEMV_GLU_WIDE": "1",
         "GENIE_QGEMV_GLU_ROUND": "1",
         "GENIE_QGEMV_PIPE": "1",
+        "GENIE_QGEMV_ROW_BUDGET": "4",
         "GENIE_CUPY_PDL": "0",
         "GENIE_CUPY_PREFILL": "float16",
         "GENIE_CUPY_PREFILL_GRAPH": "1",
@@ -111,6 +113,7 @@ def test_from_env_parses_every_variable() -> None:
         qgemv_glu_wide=True,
         qgemv_glu_round=True,
         qgemv_pipe=True,
+        qgemv_row_budget=4,
         cupy_pdl=False,
         cupy_prefill="float16",
         cupy_prefill_graph=True,

@@ -83,6 +83,8 @@ class CupyDecoder:
         self.attn_cluster = cluster if cluster <= self.n_split else 0  # the slices' buffers hold n_split
         """Blocks of one thread-block cluster in decode attention (0: `n_split` slices)."""
         self.attn_warps = opts.attn_warps or decode_src.attn_warps(nh // nkv, hd, self.attn_cluster)
+        self.row_budget = opts.qgemv_row_budget or (4 if opts.qgemv_pipe else 5)
+        """Row groups an SM the integer GEMVs' threads a row are chosen for (`qgemv_config`)."""
         rope_half = int(next(iter(tf.rope.values()))[0].shape[1])
         types = {p.type_name for lw in tf.layers for w in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down) for p in w.pieces()}
         types |= {p.type_name for p in tf.output.pieces()}

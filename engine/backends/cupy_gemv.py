@@ -59,8 +59,9 @@ USE_QGEMV = True  # integer dot products where the activation rounding is on (Fa
 USE_MIX = True  # a matrix of two pieces of two types in one launch (False: a launch a piece)
 
 
-def qgemv_config(type_name: str, rows: int, n_sm: int, cols: int = 0) -> tuple[int, int]:
-    """(threads per row, grid cap in blocks per SM) of the integer GEMV.
+def qgemv_config(type_name: str, rows: int, n_sm: int, cols: int = 0, budget: int = 5) -> tuple[int, int]:
+    """(threads per row, grid cap in blocks per SM) of the integer GEMV (`budget`: row groups an SM,
+    the kernels' resident blocks: 5, 4 with `EngineOptions.qgemv_pipe`).
 
     Inputs of >= 1536 values (v7, timed with the weights coming from DRAM, each launch after an
     L2 flush: bench/results/decode_profile-*-v7a*/v7b*.txt): the most threads a row (64, 32, 16) that
@@ -70,7 +71,7 @@ def qgemv_config(type_name: str, rows: int, n_sm: int, cols: int = 0) -> tuple[i
     the heads (>= 32768 rows) 8 (SmolLM2 head 9.8 vs 12.4 us); Q6_K likes a cap of 8."""
     if cols >= 1536:
         for tpr in (64, 32, 16):
-            if rows * tpr <= 5 * n_sm * 256:
+            if rows * tpr <= budget * n_sm * 256:
                 return tpr, 8
         return 8, 8
     if rows >= 32768:
@@ -82,9 +83,9 @@ def qgemv_config(type_name: str, rows: int, n_sm: int, cols: int = 0) -> tuple[i
     return tpr, (8 if type_name == "Q6_K" else 4)
 
 
-def qgemv_grid(type_name: str, rows: int, n_sm: int, cols: int) -> tuple[int, int]:
+def qgemv_grid(type_name: str, rows: int, n_sm: int, cols: int, budget: int = 5) -> tuple[int, int]:
     """(threads per row, blocks) of an integer GEMV launch over `rows` rows (`qgemv_config`)."""
-    tpr, cap = qgemv_config(type_name, rows, n_sm, cols)
+    tpr, cap = qgemv_config(type_name, rows, n_sm, cols, budget)
     return tpr, max(1, min(-(-rows // (256 // tpr)), cap * n_sm))
 
 
@@ -118,6 +119,7 @@ def gemv_launches(
     qin: QInput | None = None,
     input_ready: bool = False,
     out_round: tuple[int, QInput, cp.ndarray] | None = None,
+    budget: int = 5,
 ) -> list[Launch]:
     """The launches of y = W @ prep(x) (norm by `nw`, llama.cpp rounding `aq`) with epilogue `epi`:
     where W's type has an integer dot product and the rounding is on, one `qprep_x` launch rounds
@@ -125,7 +127,7 @@ def gemv_launches(
     (`qgemv_<T>`) reads it; other pieces use the float kernel (`dgemv_<T>`, which prepares its
     input itself). `out_round` (code, buffer, counters), for a module built with `qgemv_glu_round`
     (whose gate+up kernels take these arguments): the gate+up kernel also rounds its outputs into
-    that buffer by `code` (0: not; `glu_rounds` says where it can).
+    that buffer by `code` (0: not; `glu_rounds` says where it can). `budget`: `qgemv_config`'s.
     `fn(name)` gives a compiled kernel of the decode module."""
     out: list[Launch] = []
     cols = w.shape[1]
@@ -147,7 +149,7 @@ def gemv_launches(
     pieces = w.pieces()
     if mixes(pieces, aq, epi, out_rows):  # two pieces of two types: one launch (qgemv_mix_<A>_<B>)
         (pa, pb), q = pieces, prep()
-        (tpr_a, blocks_a), (tpr_b, blocks_b) = (qgemv_grid(p.type_name, p.shape[0], n_sm, cols) for p in pieces)
+        (tpr_a, blocks_a), (tpr_b, blocks_b) = (qgemv_grid(p.type_name, p.shape[0], n_sm, cols, budget) for p in pieces)
         mix_args: tuple[Any, ...] = (pa.raw, np.int64(pa.raw.shape[1]), np.int32(pa.shape[0]), np.int32(tpr_a))
         mix_args += (np.int32(blocks_a), pb.raw, np.int64(pb.raw.shape[1]), np.int32(pb.shape[0]), np.int32(tpr_b))
         mix_args += (np.int32(cols), q.xq, q.xd, q.xs16, y, ptr(bias), np.int32(epi))
@@ -162,7 +164,7 @@ def gemv_launches(
         if USE_QGEMV and qdot_src.QTYPES.get(p.type_name) == code:
             qin = prep()
             glu = epi >= 2
-            tpr, blocks = qgemv_grid(p.type_name, rows, n_sm, cols)
+            tpr, blocks = qgemv_grid(p.type_name, rows, n_sm, cols, budget)
             name = f"qgemv_{p.type_name}[{rows}x{cols}]"
             tail: tuple[Any, ...] = (y[r0:], ptr(b), np.int32(epi), np.int32(out_rows or 0), np.int32(tpr))
             if out_round is not None and glu:  # a module built with qgemv_glu_round: its gate+up kernels' arguments

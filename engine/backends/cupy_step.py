@@ -204,6 +204,7 @@ class _Step:
                 d.qin if qin is None else qin,
                 input_ready,
                 out_round,
+                d.row_budget,
             )
         )
 

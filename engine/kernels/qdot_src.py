@@ -510,33 +510,25 @@ __device__ __forceinline__ void qgemv_body_{T}(
     float acc[NR];
     #pragma unroll
     for (int r = 0; r < NR; r++) acc[r] = 0.f;
-    int g = g0, c0 = t;
-    // (g, c0) -> the work item after it
-    auto next = [&](int& gn, int& cn) {
-        cn += U * tpr;
+    // one work item (g, c0), whose chunks are in `from`: the next item's are requested into
+    // `into`, these summed, the row group closed where it ends; (g, c0) becomes the next item
+    auto step = [&](const raw_{T} (&from)[NR][U], raw_{T} (&into)[NR][U], int& g, int& c0) {
+        int gn = g, cn = c0 + U * tpr;
         if (cn - t >= nc) { cn = t; gn += gs; }
-    };
-    while (g < ngroups) {
-        int g1 = g, c1 = c0;
-        next(g1, c1);
-        if (g1 < ngroups) qload_{T}<NR, U>(buf2, W, row_bytes, g1 * rpb + rl, rows, up_off, c1, tpr, nc);
-        dots(buf, g, c0, acc);
-        if (g1 != g) {
+        if (gn < ngroups) qload_{T}<NR, U>(into, W, row_bytes, gn * rpb + rl, rows, up_off, cn, tpr, nc);
+        dots(from, g, c0, acc);
+        if (gn != g) {
             finish(g, acc);
             #pragma unroll
             for (int r = 0; r < NR; r++) acc[r] = 0.f;
         }
-        if (g1 >= ngroups) break;
-        int g2 = g1, c2 = c1;
-        next(g2, c2);
-        if (g2 < ngroups) qload_{T}<NR, U>(buf, W, row_bytes, g2 * rpb + rl, rows, up_off, c2, tpr, nc);
-        dots(buf2, g1, c1, acc);
-        if (g2 != g1) {
-            finish(g1, acc);
-            #pragma unroll
-            for (int r = 0; r < NR; r++) acc[r] = 0.f;
-        }
-        g = g2; c0 = c2;
+        g = gn; c0 = cn;
+    };
+    int g = g0, c0 = t;
+    while (g < ngroups) {
+        step(buf, buf2, g, c0);
+        if (g >= ngroups) break;
+        step(buf2, buf, g, c0);
     }
 #else
     bool pre = g0 < ngroups;

@@ -320,6 +320,9 @@ class CupyDecoder:
             "n_split": self.n_split,
             "attn_cluster": self.attn_cluster,
             "long_from": self.long_from,
+            "attn_qkv": self.options.attn_qkv,
+            "qgemv_pipe": self.options.qgemv_pipe,
+            "row_budget": self.row_budget,
             "scratch_bytes": self.scratch_bytes,
         }
 

@@ -42,7 +42,7 @@ RUNS: dict[str, tuple[str, str, dict[str, str], int]] = {
         "eager_fallback or gate_up_rounding or gemv_variants or two_type_matrix"
         " or attention_doing_qkv and (qwen3-Q4_K or llama-Q4_1)",
         {},
-        15,
+        21,
     ),
     "chain": ("test_cupy_chain.py", "sampled-all", {}, 1),
     # the H200's path (clusters, compute capability 9.0): past one cluster's positions the plain

@@ -305,21 +305,24 @@ __device__ __forceinline__ void stkv(float* p, float v) { *p = v; }
 __device__ __forceinline__ void stkv(unsigned short* p, float v) { *p = f2h(v); }
 // int8 cache (KVQ): element i of a row, stored by a whole warp holding 32 consecutive elements
 // (one scale block): d = max|v| / 127, q = rint(v / d), scale stored as fp16 (engine.kv_cache).
-__device__ __forceinline__ void stkv_q8(signed char* q, unsigned short* dsc, int i, float v) {
+// Returns q; `sc` (if not null) keeps the block's scale as the cache holds it in sc[i / 32].
+__device__ __forceinline__ signed char stkv_q8(signed char* q, unsigned short* dsc, int i, float v,
+                                               float* sc = nullptr) {
     float d = warp_max(fabsf(v)) / 127.0f;
-    q[i] = (signed char)(d > 0.f ? __float2int_rn(v / d) : 0);
-    if ((i & 31) == 0) dsc[i >> 5] = f2h(d);
+    signed char r = (signed char)(d > 0.f ? __float2int_rn(v / d) : 0);
+    q[i] = r;
+    if ((i & 31) == 0) {
+        dsc[i >> 5] = f2h(d);
+        if (sc) sc[i >> 5] = h2f(f2h(d));
+    }
+    return r;
 }
-// Element i of a new cache row stored as qkv_post stores it (f16 / f32, or int8 by stkv_q8's
-// rule: a whole warp holds the 32 values of a scale block), returned as the attention loop reads
-// it back (int8: the integer, its block's scale kept in sc[i / 32]).
+// Element i of a new cache row stored as qkv_post stores it (f16 / f32, or int8 by stkv_q8),
+// returned as the attention loop reads it back (int8: the integer, its block's scale kept in
+// sc[i / 32]).
 __device__ __forceinline__ float stkv_kept(kv_t* row, unsigned short* dsc, int i, float v, float* sc) {
 #if KVQ
-    float d = warp_max(fabsf(v)) / 127.0f;
-    signed char q = (signed char)(d > 0.f ? __float2int_rn(v / d) : 0);
-    row[i] = q;
-    if ((i & 31) == 0) { dsc[i >> 5] = f2h(d); sc[i >> 5] = h2f(f2h(d)); }
-    return (float)q;
+    return (float)stkv_q8(row, dsc, i, v, sc);
 #else
     stkv(row + i, v);
     return sizeof(kv_t) == 2 ? h2f(f2h(v)) : v;

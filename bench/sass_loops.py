@@ -12,7 +12,7 @@ time: a GEMV whose body issues fewer instructions at the same registers is likel
 only `bench.decode_ab` on a GPU says by how much.
 
     python -m bench.sass_loops --against /tmp/prev --preset qwen3-4b-q4_k_m --kernels qgemv
-    python -m bench.sass_loops --against . --set qgemv_glu_wide=1 --kernels qgemv_glu
+    python -m bench.sass_loops --against . --set qgemv_pipe=1 --kernels qgemv
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def sources(
     checkout: Path, presets: list[str], archs: list[str], settings: dict[str, int] | None = None
 ) -> dict[str, str]:
     """The decode modules of `checkout`'s engine, by `preset@sm_count`; `settings` are more keyword
-    arguments of its `decode_src.source` (e.g. `qgemv_glu_wide`)."""
+    arguments of its `decode_src.source` (e.g. `qgemv_pipe`)."""
     env = {**os.environ, "PYTHONPATH": str(checkout)}
     sms = ",".join(str(SMS[a]) for a in archs)
     r = subprocess.run(
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="NAME=INT",
-        help="a keyword of decode_src.source for this checkout's modules only (e.g. qgemv_glu_wide=1; "
+        help="a keyword of decode_src.source for this checkout's modules only (e.g. qgemv_pipe=1; "
         "with --against . it compares a setting with the default)",
     )
     ap.add_argument("--out", type=Path, help="write the figures as JSON here")

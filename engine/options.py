@@ -8,8 +8,6 @@ environment by `EngineOptions.from_env` (the only place the engine reads these v
 | `qgemv_unroll` | `GENIE_QGEMV_UNROLL` | 2 | chunks a thread of `qgemv_<T>` loads at once |
 | `qgemv_unroll_glu` | `GENIE_QGEMV_UNROLL_GLU` | 1 | the same for each row of `qgemv_glu_<T>` |
 | `qgemv_min_blocks` | `GENIE_QGEMV_MIN_BLOCKS` | 0 (the rule) | blocks of 256 threads an SM every integer decode GEMV is held to (launch bounds: fewer registers, maybe spills) |
-| `qgemv_glu_wide` | `GENIE_QGEMV_GLU_WIDE` (`1`: on) | False | the Q4_K gate+up decode GEMV reads 64-value chunks (fewer instructions, more registers) |
-| `qgemv_glu_round` | `GENIE_QGEMV_GLU_ROUND` (`1`: on) | False | the gate+up decode GEMV rounds its outputs as the down projection's input (one `qprep_x` launch a layer less) |
 | `qgemv_pipe` | `GENIE_QGEMV_PIPE` (`1`: on) | False | every integer decode GEMV software-pipelined: a thread's next chunks are requested before its current ones are summed (two buffers, 64 registers) |
 | `qgemv_row_budget` | `GENIE_QGEMV_ROW_BUDGET` | 0 (5; 4 with `qgemv_pipe`) | row groups an SM the integer decode GEMVs' threads a row are chosen for (`qgemv_config`: the most threads a row that keep the grid within this many blocks an SM) |
 | `cupy_pdl` | `GENIE_CUPY_PDL` (`0`: off) | True | programmatic dependent launch in the decode step |
@@ -51,15 +49,6 @@ class EngineOptions:
     """Blocks of 256 threads an SM that every integer decode GEMV is held to (`__launch_bounds__`,
     for tuning: fewer registers a thread, maybe spills); 0: the built-in rule (5 for the 64-value
     K-quant kernels at the default unroll: 48 registers; none for the others)."""
-    qgemv_glu_wide: bool = False
-    """Whether the Q4_K gate+up decode GEMV reads 64-value chunks (`qdot_src.GLU_WIDE`): a third
-    fewer instructions a weight at 63 registers instead of 46 (4 blocks an SM instead of 5); off
-    until measured on a GPU."""
-    qgemv_glu_round: bool = False
-    """Whether the fused gate+up decode GEMV also rounds its outputs as the down projection's input
-    (the block that completes a rounding group rounds it), so that projection needs no `qprep_x`
-    launch: one launch a layer less, a counter and a second rounded-input buffer more (13 KB on the
-    Qwen3-4B shape); off until measured on a GPU."""
     qgemv_pipe: bool = False
     """Whether every integer decode GEMV is software-pipelined (`QGEMV_PIPE`): each thread requests
     its next chunks (the next ones of the row, or the next row group's first) into a second buffer
@@ -125,8 +114,6 @@ class EngineOptions:
             qgemv_unroll=int(env.get("GENIE_QGEMV_UNROLL", "2")),
             qgemv_unroll_glu=int(env.get("GENIE_QGEMV_UNROLL_GLU", "1")),
             qgemv_min_blocks=int(env.get("GENIE_QGEMV_MIN_BLOCKS", "0")),
-            qgemv_glu_wide=env.get("GENIE_QGEMV_GLU_WIDE", "0") == "1",
-            qgemv_glu_round=env.get("GENIE_QGEMV_GLU_ROUND", "0") == "1",
             qgemv_pipe=env.get("GENIE_QGEMV_PIPE", "0") == "1",
             qgemv_row_budget=int(env.get("GENIE_QGEMV_ROW_BUDGET", "0")),
             cupy_pdl=env.get("GENIE_CUPY_PDL", "1") != "0",

@@ -190,10 +190,6 @@ def sources(arch: str) -> dict[str, str]:
     out["decode[every type]"] = decode_src.source(every_type, **shape)
     # the GEMVs held to more blocks an SM (EngineOptions.qgemv_min_blocks, a tuning option)
     out["decode[every type, min_blocks=6]"] = decode_src.source(every_type, **shape, qgemv_min_blocks=6)
-    # the Q4_K gate+up kernel in 64-value chunks (EngineOptions.qgemv_glu_wide, a tuning option)
-    out["decode[every type, glu_wide]"] = decode_src.source(every_type, **shape, qgemv_glu_wide=True)
-    # the gate+up kernels rounding their outputs (EngineOptions.qgemv_glu_round)
-    out["decode[every type, glu_round]"] = decode_src.source(every_type, **shape, qgemv_glu_round=True)
     # every GEMV software-pipelined (EngineOptions.qgemv_pipe)
     out["decode[every type, pipe]"] = decode_src.source(every_type, **shape, qgemv_pipe=True)
     return out

@@ -65,14 +65,7 @@ def test_defaults_are_the_engines_and_the_value_is_frozen() -> None:
     )
     assert o.cupy_device_loop is True and o.cupy_mmq is True and o.cupy_mmq_split is True
     assert o.cupy_mmq_tokens == 128 and o.cupy_mmq_i8 is False and o.qgemv_min_blocks == 0
-    assert (
-        o.attn_cluster == 8
-        and o.qgemv_glu_wide is False
-        and o.qgemv_glu_round is False
-        and o.attn_qkv is False
-        and o.qgemv_pipe is False
-        and o.qgemv_row_budget == 0
-    )
+    assert o.attn_cluster == 8 and o.attn_qkv is False and o.qgemv_pipe is False and o.qgemv_row_budget == 0
     with pytest.raises(FrozenInstanceError):
         o.threads = 3  # type: ignore[misc]
 
@@ -86,8 +79,6 @@ def test_from_env_parses_every_variable() -> None:
         "GENIE_QGEMV_UNROLL": "4",
         "GENIE_QGEMV_UNROLL_GLU": "2",
         "GENIE_QGEMV_MIN_BLOCKS": "6",
-        "GENIE_QGEMV_GLU_WIDE": "1",
-        "GENIE_QGEMV_GLU_ROUND": "1",
         "GENIE_QGEMV_PIPE": "1",
         "GENIE_QGEMV_ROW_BUDGET": "4",
         "GENIE_CUPY_PDL": "0",
@@ -110,8 +101,6 @@ def test_from_env_parses_every_variable() -> None:
         qgemv_unroll=4,
         qgemv_unroll_glu=2,
         qgemv_min_blocks=6,
-        qgemv_glu_wide=True,
-        qgemv_glu_round=True,
         qgemv_pipe=True,
         qgemv_row_budget=4,
         cupy_pdl=False,
@@ -299,29 +288,6 @@ def test_two_piece_gemvs_pair_the_types_that_round_alike() -> None:
         "qgemv_mix_Q6_K_Q4_K": "Q6_K2",
     }
     assert "#define QCW_Q4_K2 6" in src and "#define QCW_Q6_K2 6" in src
-
-
-def test_wide_gate_up_reads_64_value_q4k_chunks_only_when_asked() -> None:
-    """`qgemv_glu_wide` makes the Q4_K gate+up kernel read 64-value chunks and leaves every other
-    kernel (and, off, the whole source) as it was."""
-    from engine.kernels import decode_src, qdot_src
-
-    def bodies(src: str) -> dict[str, str]:
-        out = {}
-        for part in src.split('extern "C" __global__')[1:]:
-            name, body = re.search(r"(qgemv\w+)\(", part), re.search(r"qgemv_body_(\w+)<", part)
-            if name and body:
-                out[name.group(1)] = body.group(1)
-        return out
-
-    narrow, wide = (qdot_src.source(["Q4_K", "Q6_K", "Q4_1"], glu_wide=w) for w in (False, True))
-    assert bodies(narrow)["qgemv_glu_Q4_K"] == "Q4_K" and bodies(wide)["qgemv_glu_Q4_K"] == "Q4_K2"
-    assert {k: v for k, v in bodies(wide).items() if k != "qgemv_glu_Q4_K"} == {
-        k: v for k, v in bodies(narrow).items() if k != "qgemv_glu_Q4_K"
-    }
-    shape = dict(n_heads=8, n_kv_heads=2, head_dim=64, v_head_dim=64, rope_half=32, neox=True, kv_half=True, n_split=8)
-    assert decode_src.source(["Q4_K"], **shape) == decode_src.source(["Q4_K"], **shape, qgemv_glu_wide=False)  # type: ignore[arg-type]
-    assert "qgemv_body_Q4_K2<2," in decode_src.source(["Q4_K"], **shape, qgemv_glu_wide=True)  # type: ignore[arg-type]
 
 
 def test_min_blocks_bounds_every_integer_gemv_and_only_when_asked() -> None:

@@ -33,16 +33,14 @@ RUNS: dict[str, tuple[str, str, dict[str, str], int]] = {
         {},
         4,
     ),
-    # the eager fallback, the gate+up kernel rounding the down projection's input
-    # (qgemv_glu_round), the GEMV knobs against the default (qgemv_pipe too), two-type matrices in
+    # the eager fallback, the GEMV knobs against the default (qgemv_pipe too), two-type matrices in
     # one launch (with and without qgemv_pipe),
     # attention doing qkv_post's work (attn_qkv: norms + neox pairs, an int8 cache)
     "decoder-wiring": (
         "test_cupy_decoder.py",
-        "eager_fallback or gate_up_rounding or gemv_variants or two_type_matrix"
-        " or attention_doing_qkv and (qwen3-Q4_K or llama-Q4_1)",
+        "eager_fallback or gemv_variants or two_type_matrix or attention_doing_qkv and (qwen3-Q4_K or llama-Q4_1)",
         {},
-        21,
+        17,
     ),
     "chain": ("test_cupy_chain.py", "sampled-all", {}, 1),
     # the H200's path (clusters, compute capability 9.0): past one cluster's positions the plain

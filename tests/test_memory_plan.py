@@ -99,12 +99,6 @@ def test_cupy_plan_of_a_4b_shape_is_gpu_sized() -> None:
     assert parts["prefill_graphs"] - short["prefill_graphs"] > parts["prefill_activations"] / 2
     assert parts["prefill_scores"] == cupy_plan.ATTN_SCORES_BYTES
     assert parts["prefill_kv_rows"] == 32 * mib  # f16 cache: one layer's K/V as float32
-    # qgemv_glu_round: a second rounded input of n_ff values and a counter a 32 of them
-    from engine.options import EngineOptions
-
-    rounding = plan_memory(gf, spec, 4096, "f16", backend="cupy", options=EngineOptions(qgemv_glu_round=True))
-    ff = p["n_ff"]
-    assert rounding.decode_scratch - plan.decode_scratch == cupy_plan.rounded_input_bytes(ff) + 4 * (ff // 32)
 
 
 def test_tile_precision_rule() -> None:

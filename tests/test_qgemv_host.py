@@ -34,22 +34,6 @@ def mod(tmp_path_factory: pytest.TempPathFactory) -> HostModule:
     return HostModule(Path(tmp_path_factory.mktemp("qgemv")), src, cxx, "qgemv")
 
 
-@pytest.fixture(scope="module")
-def mod_wide(tmp_path_factory: pytest.TempPathFactory) -> HostModule:
-    """The Q4_K kernels with the gate+up kernel in 64-value chunks (`qgemv_glu_wide`)."""
-    cxx = cxx_or_skip("the GEMV kernels")
-    src = UNITS + decode_src.COMMON + qdot_src.round_source() + qdot_src.source(["Q4_K"], glu_wide=True)
-    return HostModule(Path(tmp_path_factory.mktemp("qgemv_wide")), src, cxx, "qgemv_wide")
-
-
-@pytest.fixture(scope="module")
-def mod_round(tmp_path_factory: pytest.TempPathFactory) -> HostModule:
-    """The Q4_K and Q4_1 kernels with the gate+up kernels rounding their outputs (`qgemv_glu_round`)."""
-    cxx = cxx_or_skip("the GEMV kernels")
-    src = UNITS + decode_src.COMMON + qdot_src.round_source() + qdot_src.source(["Q4_K", "Q4_1"], glu_round=True)
-    return HostModule(Path(tmp_path_factory.mktemp("qgemv_round")), src, cxx, "qgemv_round")
-
-
 def weights(rng: np.random.Generator, t: str, rows: int, cols: int = COLS) -> tuple[np.ndarray, np.ndarray, int]:
     """Random stored rows, their float64 values and the bytes a row (`qdot_host.stored_rows`)."""
     return stored_rows(rng, t, rows, cols)
@@ -114,12 +98,10 @@ def test_plain_gemv_store_and_add(mod: HostModule, t: str, tpr: int) -> None:
     assert close(y, y0 + w @ x, scale), (t, tpr)
 
 
-@pytest.mark.parametrize("t", [*TYPES, "Q4_K wide"])
+@pytest.mark.parametrize("t", TYPES)
 @pytest.mark.parametrize("epi", [2, 3])
-def test_gate_up_gemv(mod: HostModule, mod_wide: HostModule, t: str, epi: int) -> None:
-    """`qgemv_glu_<T>`: output r is SwiGLU (2) or GeGLU (3) of gate row r and up row r + F (also
-    with the Q4_K kernel in 64-value chunks, `qgemv_glu_wide`)."""
-    t, m = (t, mod) if t in TYPES else ("Q4_K", mod_wide)
+def test_gate_up_gemv(mod: HostModule, t: str, epi: int) -> None:
+    """`qgemv_glu_<T>`: output r is SwiGLU (2) or GeGLU (3) of gate row r and up row r + F."""
     rng = np.random.default_rng(epi + 11 * TYPES.index(t))
     f = 21
     w_buf, w, nb = weights(rng, t, 2 * f)
@@ -131,7 +113,7 @@ def test_gate_up_gemv(mod: HostModule, mod_wide: HostModule, t: str, epi: int) -
         else 0.5 * g * (1 + np.tanh(0.7978845608028654 * (g + 0.044715 * g**3))) * u
     )
     y = np.full(f, np.nan, np.float32)
-    m.launch(f"qgemv_glu_{t}", 3, 256, w_buf, nb, f, COLS, xq, xd, xs16, y, None, epi, f, 16)
+    mod.launch(f"qgemv_glu_{t}", 3, 256, w_buf, nb, f, COLS, xq, xd, xs16, y, None, epi, f, 16)
     scale = (np.abs(w[:f]) @ np.abs(x)) * np.abs(u) + np.abs(g) * (np.abs(w[f:]) @ np.abs(x))
     assert close(y, want, scale), (t, epi)
 
@@ -153,29 +135,3 @@ def test_two_piece_gemv(mod: HostModule, pair: tuple[str, str]) -> None:
     want = np.concatenate([wa @ x, wb @ x]) + bias
     scale = np.concatenate([np.abs(wa) @ np.abs(x), np.abs(wb) @ np.abs(x)])
     assert close(y, want, scale), pair
-
-
-@pytest.mark.parametrize("t,f,tpr", [("Q4_K", 512, 16), ("Q4_K", 512, 64), ("Q4_1", 96, 8)])
-def test_gate_up_rounds_its_outputs(mod_round: HostModule, t: str, f: int, tpr: int) -> None:
-    """With `qgemv_glu_round` the gate+up kernel's outputs are also rounded into another input
-    buffer exactly as `qprep_x` rounds them (same int8 values, scales and per-16 sums, bit for bit),
-    with the blocks finishing groups in any order over a 5-block grid, and its group counters are
-    left at zero for the next step."""
-    aq = AQ[t]
-    rng = np.random.default_rng(f + tpr)
-    w_buf, w, nb = weights(rng, t, 2 * f)
-    xq, xd, xs16, x = rounded(rng, t)
-    per = 32 if aq == 1 else 256
-    y = np.full(f, np.nan, np.float32)
-    oq, od, os16 = np.zeros(f, np.int8), np.zeros(f // 32, np.float32), np.zeros(f // 16, np.int32)
-    cnt = np.zeros(f // per, np.int32)
-    mod_round.launch(
-        f"qgemv_glu_{t}", 5, 256, w_buf, nb, f, COLS, xq, xd, xs16, y, None, 2, f, tpr, aq, oq, od, os16, cnt
-    )
-    g, u = w[:f] @ x, w[f:] @ x
-    scale = (np.abs(w[:f]) @ np.abs(x)) * np.abs(u) + np.abs(g) * (np.abs(w[f:]) @ np.abs(x))
-    assert close(y, g / (1 + np.exp(-g)) * u, scale)
-    rq, rd, rs16 = np.zeros(f, np.int8), np.zeros(f // 32, np.float32), np.zeros(f // 16, np.int32)
-    mod_round.launch("qprep_x", -(-(f // per) // 8), 256, y, None, np.float32(0), aq, f, rq, rd, rs16)
-    assert np.array_equal(oq, rq) and np.array_equal(od[: f // per], rd[: f // per]) and np.array_equal(os16, rs16)
-    assert not cnt.any()

@@ -109,8 +109,6 @@ class CupyDecoder:
             qgemv_unroll=opts.qgemv_unroll,
             qgemv_unroll_glu=opts.qgemv_unroll_glu,
             qgemv_min_blocks=opts.qgemv_min_blocks,
-            qgemv_glu_wide=opts.qgemv_glu_wide,
-            qgemv_glu_round=opts.qgemv_glu_round,
             qgemv_pipe=opts.qgemv_pipe,
             attn_cluster=self.attn_cluster,
             attn_qkv=opts.attn_qkv,
@@ -146,10 +144,6 @@ class CupyDecoder:
         self.gu = cp.zeros(2 * s.n_ff, dtype=f32)
         self.act = cp.zeros(s.n_ff, dtype=f32)
         self.qin = QInput(max(e, s.n_ff, nh * vd))  # the rounded input of every integer GEMV
-        # EngineOptions.qgemv_glu_round: the gate+up GEMV rounds the down projection's input into
-        # a second buffer (it still reads its own from `qin`), with a counter a rounding group
-        self.qin2 = QInput(s.n_ff) if opts.qgemv_glu_round else None
-        self.glu_counters = cp.zeros(max(1, s.n_ff // 32), dtype=cp.int32) if opts.qgemv_glu_round else None
         self.out_logits = cp.zeros(tf.output.shape[0], dtype=f32)
         self._ids_mem = cp.cuda.alloc_pinned_memory(16)
         self.ids_host = np.frombuffer(self._ids_mem, np.int32, 4)
@@ -163,9 +157,7 @@ class CupyDecoder:
         self.x_host = np.frombuffer(self._x_mem, np.float32, e)
         self.embed_scale = np.float32(math.sqrt(e)) if s.traits.embed_scale else np.float32(1.0)
         buffers = [a for a in vars(self).values() if isinstance(a, cp.ndarray)]  # the arrays above
-        self.scratch_bytes = int(
-            sum(a.nbytes for a in buffers) + self.qin.nbytes + (self.qin2.nbytes if self.qin2 else 0)
-        )
+        self.scratch_bytes = int(sum(a.nbytes for a in buffers) + self.qin.nbytes)
         """Bytes of the step's device buffers (`cupy_plan.decode_scratch_bytes` counts them)."""
         # --- the step as a list of launches, then one graph ---------------------------------
         self.plan: list[Launch] = step_launches(self)

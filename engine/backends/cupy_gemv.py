@@ -118,16 +118,13 @@ def gemv_launches(
     out_rows: int | None = None,
     qin: QInput | None = None,
     input_ready: bool = False,
-    out_round: tuple[int, QInput, cp.ndarray] | None = None,
     budget: int = 5,
 ) -> list[Launch]:
     """The launches of y = W @ prep(x) (norm by `nw`, llama.cpp rounding `aq`) with epilogue `epi`:
     where W's type has an integer dot product and the rounding is on, one `qprep_x` launch rounds
     the input into `qin` (allocated here when not given), then the integer-dot kernel
     (`qgemv_<T>`) reads it; other pieces use the float kernel (`dgemv_<T>`, which prepares its
-    input itself). `out_round` (code, buffer, counters), for a module built with `qgemv_glu_round`
-    (whose gate+up kernels take these arguments): the gate+up kernel also rounds its outputs into
-    that buffer by `code` (0: not; `glu_rounds` says where it can). `budget`: `qgemv_config`'s.
+    input itself). `budget`: `qgemv_config`'s.
     `fn(name)` gives a compiled kernel of the decode module."""
     out: list[Launch] = []
     cols = w.shape[1]
@@ -166,12 +163,7 @@ def gemv_launches(
             glu = epi >= 2
             tpr, blocks = qgemv_grid(p.type_name, rows, n_sm, cols, budget)
             name = f"qgemv_{p.type_name}[{rows}x{cols}]"
-            tail: tuple[Any, ...] = (y[r0:], ptr(b), np.int32(epi), np.int32(out_rows or 0), np.int32(tpr))
-            if out_round is not None and glu:  # a module built with qgemv_glu_round: its gate+up kernels' arguments
-                code2, q2, counters = out_round
-                if code2 and len(pieces) != 1:
-                    raise ValueError("a gate+up GEMV rounds its outputs only as one piece")
-                tail += (np.int32(code2), q2.xq, q2.xd, q2.xs16, counters)
+            tail = (y[r0:], ptr(b), np.int32(epi), np.int32(out_rows or 0), np.int32(tpr))
             k = fn(f"qgemv{'_glu' if glu else ''}_{p.type_name}")
             args = (p.raw, np.int64(p.raw.shape[1]), np.int32(rows), np.int32(cols), qin.xq, qin.xd, qin.xs16, *tail)
             out.append(Launch(k, (blocks,), (256,), args, 0, name))
@@ -218,16 +210,6 @@ def mixes(pieces: list[Any], aq: str | None, epi: int, out_rows: int | None = No
         and types in qdot_src.mix_pairs(types)  # the kernels the module has
         and qdot_src.QTYPES[types[0]] == code
     )
-
-
-def glu_rounds(w_gate_up: Any, aq: str | None, w_down: Any, aq_down: str | None, n_ff: int) -> int:
-    """The rounding code the fused gate+up GEMV applies to its `n_ff` outputs for the down
-    projection with `qgemv_glu_round` (`gemv_launches`' `out_round`), or 0 where it cannot: the
-    gate+up matrix is not one piece on the integer path, or the down projection takes no rounded
-    input (`rounds_input`)."""
-    pieces = w_gate_up.pieces()
-    one = len(pieces) == 1 and qdot_src.QTYPES.get(pieces[0].type_name) == AQ_CODE[aq]
-    return rounds_input(w_down, aq_down, n_ff) if USE_QGEMV and AQ_CODE[aq] and one else 0
 
 
 def rounds_input(w: Any, aq: str | None, group: int) -> int:

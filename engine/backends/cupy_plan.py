@@ -148,12 +148,10 @@ def rounded_input_bytes(cols: int) -> int:
     return cols + 4 * max(1, cols // 32) + 4 * max(1, cols // 16)
 
 
-def decode_scratch_bytes(spec: ModelSpec, n_split: int = DECODE_MAX_SPLIT, glu_round: bool = False) -> int:
+def decode_scratch_bytes(spec: ModelSpec, n_split: int = DECODE_MAX_SPLIT) -> int:
     """`CupyDecoder.scratch_bytes` from the shape: its fixed activation buffers (ids, x, tmp, qkv,
     q, attention output and split partials, gate/up, GLU output, logits, counters, argmax partials)
-    and the rounded-input buffer (int8 values, a float scale per 32, an int32 sum per 16);
-    `glu_round` (`EngineOptions.qgemv_glu_round`): a second rounded input of `n_ff` values and a
-    counter a 32 of them."""
+    and the rounded-input buffer (int8 values, a float scale per 32, an int32 sum per 16)."""
     e, hd, vd = spec.n_embd, spec.head_dim, spec.v_head_dim
     nh, nkv, ff = spec.n_heads, spec.n_kv_heads, spec.n_ff
     floats = (
@@ -169,10 +167,7 @@ def decode_scratch_bytes(spec: ModelSpec, n_split: int = DECODE_MAX_SPLIT, glu_r
         + ARGMAX_BLOCKS  # best_v
     )
     ints = 4 + (nkv + 1) + ARGMAX_BLOCKS  # ids, counters, best_i
-    if glu_round:
-        ints += max(1, ff // 32)  # glu_counters
-    qin = rounded_input_bytes(max(e, ff, nh * vd)) + (rounded_input_bytes(ff) if glu_round else 0)
-    return 4 * (floats + ints) + qin
+    return 4 * (floats + ints) + rounded_input_bytes(max(e, ff, nh * vd))
 
 
 def prefill_activation_bytes(
@@ -374,7 +369,7 @@ def plan(
         kv=kv_bytes(spec, n_ctx, kv_dtype),
         graphs=graphs,
         tables=rope_table_bytes(spec, n_ctx),
-        decode_scratch=decode_scratch_bytes(spec, glu_round=opts.qgemv_glu_round),
+        decode_scratch=decode_scratch_bytes(spec),
         tiles=elems * itemsize,
         kv_rows=kv_rows,
         scores=scores,

@@ -13,7 +13,7 @@ import cupy as cp
 import numpy as np
 
 from ..kv_cache import Int8Rows
-from .cupy_gemv import Launch, QInput, gemv_launches, glu_rounds, ptr, rounds_input
+from .cupy_gemv import Launch, gemv_launches, ptr, rounds_input
 from .cupy_plan import ARGMAX_BLOCKS
 
 if TYPE_CHECKING:
@@ -102,23 +102,10 @@ class _Step:
             )
             self.residual(lw.wo, d.attn, lw.aq["o"], lw.post_attn_norm, input_ready=o_round > 0)
             gelu = s.traits.activation != "silu"
-            down_ready = False
             if lw.w_gate_up.raw is not None:  # gate and up share a type: one pass, fused GLU
-                # with qgemv_glu_round it also rounds the down projection's input (into d.qin2);
-                # its kernels take the rounding's arguments in every layer (code 0: none)
-                code2 = glu_rounds(lw.w_gate_up, lw.aq["gate_up"], lw.w_down, lw.aq["down"], s.n_ff)
-                out_round = (code2, d.qin2, d.glu_counters) if d.qin2 is not None else None
                 self.gemv(
-                    lw.w_gate_up,
-                    d.x,
-                    lw.ffn_norm,
-                    lw.aq["gate_up"],
-                    d.act,
-                    epi=3 if gelu else 2,
-                    out_rows=s.n_ff,
-                    out_round=out_round,
+                    lw.w_gate_up, d.x, lw.ffn_norm, lw.aq["gate_up"], d.act, epi=3 if gelu else 2, out_rows=s.n_ff
                 )
-                down_ready = out_round is not None and code2 > 0
             else:
                 self.gemv(lw.w_gate_up, d.x, lw.ffn_norm, lw.aq["gate_up"], d.gu)
                 self.plan.append(
@@ -131,7 +118,7 @@ class _Step:
                         "glu",
                     )
                 )
-            self.residual(lw.w_down, d.act, lw.aq["down"], lw.post_ffn_norm, down_ready, d.qin2 if down_ready else None)
+            self.residual(lw.w_down, d.act, lw.aq["down"], lw.post_ffn_norm)
         self.gemv(tf.output, d.x, tf.output_norm, tf.output_aq, d.out_logits)
         self.plan.append(
             Launch(
@@ -163,12 +150,9 @@ class _Step:
         epi: int = 0,
         out_rows: int | None = None,
         input_ready: bool = False,
-        qin: QInput | None = None,
-        out_round: tuple[int, QInput, cp.ndarray] | None = None,
     ) -> None:
         """y = W @ prep(x) with epilogue `epi` (0 store+bias, 1 add, 2 SwiGLU, 3 GeGLU);
-        `input_ready`: x was already rounded into `qin` (default `d.qin`) by the launch before;
-        `out_round`: the gate+up GEMV also rounds its outputs (`gemv_launches`)."""
+        `input_ready`: x was already rounded into `d.qin` by the launch before."""
         d = self.d
         self.plan.extend(
             gemv_launches(
@@ -183,10 +167,9 @@ class _Step:
                 bias,
                 epi,
                 out_rows,
-                d.qin if qin is None else qin,
+                d.qin,
                 input_ready,
-                out_round,
-                d.row_budget,
+                budget=d.row_budget,
             )
         )
 
@@ -197,15 +180,13 @@ class _Step:
         aq: str | None,
         post_norm: cp.ndarray | None,
         input_ready: bool = False,
-        qin: QInput | None = None,
     ) -> None:
-        """x += W @ inp, or x += rms_norm(W @ inp) * post_norm (gemma3); `input_ready` / `qin` as
-        in `gemv`."""
+        """x += W @ inp, or x += rms_norm(W @ inp) * post_norm (gemma3); `input_ready` as in `gemv`."""
         d = self.d
         if post_norm is None:
-            self.gemv(w, inp, None, aq, d.x, epi=1, input_ready=input_ready, qin=qin)
+            self.gemv(w, inp, None, aq, d.x, epi=1, input_ready=input_ready)
             return
-        self.gemv(w, inp, None, aq, d.tmp, input_ready=input_ready, qin=qin)
+        self.gemv(w, inp, None, aq, d.tmp, input_ready=input_ready)
         self.plan.append(
             Launch(
                 d.function("add_rmsnorm"),

@@ -415,11 +415,7 @@ template <int NR, int U, bool SUB>
 __device__ __forceinline__ void qgemv_body_{T}(
         const unsigned char* __restrict__ W, long long row_bytes, int rows, int cols,
         const signed char* __restrict__ xq, const float* __restrict__ xd, const int* __restrict__ xs16,
-        float* y, const float* __restrict__ bias, int epi, int up_off, int tpr, int bid, int nblk
-#if QGLU_ROUND
-        , int oaq = 0, signed char* oxq = nullptr, float* oxd = nullptr, int* oxs16 = nullptr, int* ocnt = nullptr
-#endif
-        ) {
+        float* y, const float* __restrict__ bias, int epi, int up_off, int tpr, int bid, int nblk) {
     __shared__ float part[NR][8];
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     int rpb = 256 / tpr, t = tid % tpr, rl = tid / tpr;
@@ -460,28 +456,6 @@ __device__ __forceinline__ void qgemv_body_{T}(
                 y[row] = epi == 2 ? glu_silu(acc[0], acc[NR - 1]) : glu_gelu(acc[0], acc[NR - 1]);
             }
         }
-#if QGLU_ROUND
-        // EngineOptions.qgemv_glu_round: the gate+up kernel also rounds its outputs as the next
-        // GEMV's input (qprep_x's work, into other buffers than the ones it reads). A block's rows
-        // g rpb .. lie in one rounding group (rpb divides it); the block that completes a group
-        // (a counter a group: fence, atomic, as LAST_BLOCK_OR_RETURN) rounds it with one warp.
-        if (NR == 2 && oaq) {
-            __shared__ int glast;
-            int per = oaq == 1 ? 32 : 256, grp = (g * rpb) / per;
-            int n = min(rpb, rows - g * rpb);
-            __syncthreads();  // this block's stores of the group are issued
-            if (tid == 0) {
-                __threadfence();
-                glast = atomicAdd(ocnt + grp, n) + n == min(per, rows - grp * per);
-            }
-            __syncthreads();
-            if (glast && warp == 0) {
-                __threadfence();
-                glu_round_group(y, oaq, grp, lane, oxq, oxd, oxs16);
-                if (lane == 0) ocnt[grp] = 0;
-            }
-        }
-#endif
     };
     // U chunks of each of the NR rows of this thread in row group g from chunk c0, summed into acc
     auto dots = [&](const raw_{T} (&b)[NR][U], int g, int c0, float (&acc)[NR]) {
@@ -555,30 +529,12 @@ extern "C" __global__ void QLB_{P} qgemv_{T}(
     qgemv_body_{P}<1, QU_{P}(QGEMV_U), false>(W, row_bytes, rows, cols, xq, xd, xs16, y, bias, epi, up_off, tpr, 0, 0);
 }
 """
-# The fused gate+up kernel: two rows a thread, read in chunk code {G} (the type's 32-value code, or
-# with `glu_wide` its 64-value one). With `glu_round` (EngineOptions.qgemv_glu_round) its bounds,
-# extra parameters and arguments are GLU_ROUND's: it also rounds its outputs by code `oaq` into
-# oxq / oxd / oxs16 (`ocnt`: a zeroed counter a rounding group, left zeroed).
-QGEMV_GLU = r"""extern "C" __global__ void {BOUNDS} qgemv_glu_{T}(
+# The fused gate+up kernel: two rows a thread (rows r and r + up_off), in the type's 32-value chunks.
+QGEMV_GLU = r"""extern "C" __global__ void QLB_GLU qgemv_glu_{T}(
         const unsigned char* __restrict__ W, long long row_bytes, int rows, int cols,
         const signed char* __restrict__ xq, const float* __restrict__ xd, const int* __restrict__ xs16,
-        float* y, const float* __restrict__ bias, int epi, int up_off, int tpr{PARAMS}) {
-    qgemv_body_{G}<2, QU_{G}(QGEMV_UG), false>(W, row_bytes, rows, cols, xq, xd, xs16, y, bias, epi, up_off, tpr, 0, 0{ARGS});
-}
-"""
-GLU_PLAIN = {"{BOUNDS}": "QLB_GLU", "{PARAMS}": "", "{ARGS}": ""}
-"""The gate+up kernel's bounds, extra parameters and arguments without `glu_round`."""
-GLU_ROUND = {
-    "{BOUNDS}": "__launch_bounds__(256, 5)",
-    "{PARAMS}": ",\n        int oaq, signed char* oxq, float* oxd, int* oxs16, int* ocnt",
-    "{ARGS}": ",\n                                          oaq, oxq, oxd, oxs16, ocnt",
-}
-"""The same with `glu_round`. The rounding is a call, not inlined (QGLU_ROUND_FN), and the kernel
-held to 5 blocks an SM: the loop keeps the plain kernel's registers (inlined, the rounding took the
-kernel from 46 to 64), the rare call may spill."""
-QGLU_ROUND_FN = r"""
-__device__ __noinline__ void glu_round_group(const float* y, int aq, int grp, int lane, signed char* xq, float* xd, int* xs16) {
-    round_group([&](int i) { return __ldcg(y + i); }, aq, grp, lane, xq, xd, xs16);
+        float* y, const float* __restrict__ bias, int epi, int up_off, int tpr) {
+    qgemv_body_{T}<2, QU_{T}(QGEMV_UG), false>(W, row_bytes, rows, cols, xq, xd, xs16, y, bias, epi, up_off, tpr, 0, 0);
 }
 """
 
@@ -612,29 +568,18 @@ def mix_pairs(types: list[str] | tuple[str, ...]) -> list[tuple[str, str]]:
     return [(a, b) for a in qt for b in qt if a != b and QTYPES[a] == QTYPES[b]]
 
 
-GLU_WIDE = {"Q4_K": "Q4_K2"}
-"""The 64-value chunk code the gate+up kernel of a type reads with `glu_wide` (Q4_K only: the Q6_K
-one would need 79 registers)."""
-
-
 def source(
     types: list[str] | tuple[str, ...],
     unroll: int = UNROLL,
     unroll_glu: int = UNROLL_GLU,
     min_blocks: int = 0,
-    glu_wide: bool = False,
-    glu_round: bool = False,
     pipe: bool = False,
 ) -> str:
     """The integer-dot GEMV kernels for those of `types` that have one (after UNITS + COMMON),
     loading `unroll` chunks at once (`unroll_glu` per row of the fused gate+up kernels), and the
     two-piece kernels of `mix_pairs(types)`; `min_blocks` > 0 holds every one of them to that many
     blocks of 256 threads an SM (`__launch_bounds__`; 0: the rule above, 5 for the 64-value K-quant
-    kernels at the default unroll, none for the others); `glu_wide`: the Q4_K gate+up kernel reads
-    64-value chunks (`GLU_WIDE`: a third fewer instructions a weight, 63 registers instead of 46 -
-    4 blocks an SM instead of 5; for measuring, `EngineOptions.qgemv_glu_wide`); `glu_round`: the
-    gate+up kernels take five more arguments and round their outputs as the next GEMV's input
-    (`GLU_ROUND`, `EngineOptions.qgemv_glu_round`); `pipe`: every body software-pipelined, the
+    kernels at the default unroll, none for the others); `pipe`: every body software-pipelined, the
     next chunks requested before the current ones are summed (QGEMV_PIPE, `EngineOptions.qgemv_pipe`)."""
     qt = sorted(t for t in set(types) if t in QTYPES)
     if not qt:
@@ -642,27 +587,15 @@ def source(
     unroll_defs = f"#define QGEMV_U {int(unroll)}\n#define QGEMV_UG {int(unroll_glu)}\n#define QGEMV_PIPE {int(pipe)}\n"
     if min_blocks > 0:
         unroll_defs += f"#define QGEMV_MINB {int(min_blocks)}\n"
-    if glu_round:
-        unroll_defs += "#define QGLU_ROUND 1\n" + QGLU_ROUND_FN
     bodies = sorted({*qt, *(PLAIN[t] for t in qt)})
-    glu = {t: (GLU_WIDE.get(t, t) if glu_wide else t) for t in qt}
     kernels = "".join(
-        QGEMV_KERNELS.replace("{T}", t).replace("{P}", PLAIN[t])
-        + _fill(QGEMV_GLU, {"{T}": t, "{G}": glu[t], **(GLU_ROUND if glu_round else GLU_PLAIN)})
-        for t in qt
+        QGEMV_KERNELS.replace("{T}", t).replace("{P}", PLAIN[t]) + QGEMV_GLU.replace("{T}", t) for t in qt
     )
     mixed = "".join(
         QGEMV_MIX.replace("{A}", a).replace("{B}", b).replace("{PA}", PLAIN[a]).replace("{PB}", PLAIN[b])
         for a, b in mix_pairs(qt)
     )
     return unroll_defs + QDOT + QPREP + "".join(QGEMV.replace("{T}", t) for t in bodies) + kernels + mixed
-
-
-def _fill(template: str, fields: dict[str, str]) -> str:
-    """`template` with each field replaced by its text."""
-    for k, v in fields.items():
-        template = template.replace(k, v)
-    return template
 
 
 def round_source() -> str:

@@ -21,6 +21,7 @@ import argparse
 import ctypes
 import glob
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -29,6 +30,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -83,14 +85,18 @@ def sources(
     return dict(json.loads(r.stdout))
 
 
-def nvrtc() -> ctypes.CDLL:
-    """libnvrtc from the nvidia-cuda-nvrtc-cu12 wheel, else the loader's search path."""
-    import importlib.util
-
+def nvrtc_libraries() -> Iterator[str]:
+    """Where libnvrtc may be: the nvidia-cuda-nvrtc-cu12 wheel, then the loader's search path
+    (also what tests/test_cuda_sources.py tries)."""
     spec = importlib.util.find_spec("nvidia.cuda_nvrtc") if importlib.util.find_spec("nvidia") else None
-    folders = (spec.submodule_search_locations or []) if spec else []
-    names = [p for d in folders for p in glob.glob(f"{d}/lib/libnvrtc.so*")]
-    for name in [*sorted(n for n in names if "alt" not in n), "libnvrtc.so.12", "libnvrtc.so"]:
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        yield from sorted(str(p) for p in (Path(folder) / "lib").glob("libnvrtc.so*") if "alt" not in p.name)
+    yield from ("libnvrtc.so.12", "libnvrtc.so")
+
+
+def nvrtc() -> ctypes.CDLL:
+    """The first libnvrtc of `nvrtc_libraries` that loads."""
+    for name in nvrtc_libraries():
         try:
             return ctypes.CDLL(name)
         except OSError:

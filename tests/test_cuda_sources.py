@@ -13,16 +13,15 @@ the backend builds them.
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from bench.sass_loops import nvrtc_libraries
 from engine import kernels
 from engine.kernels import decode_src, ops_src, qdot_src, quant_units, sample_src
 from engine.options import DEFAULT_OPTIONS
@@ -90,17 +89,9 @@ def _cupy_compiler() -> Compiler:
     return compile_
 
 
-def _libraries() -> Iterator[str]:
-    """Where libnvrtc may be: the nvidia-cuda-nvrtc-cu12 wheel, then the loader's search path."""
-    spec = importlib.util.find_spec("nvidia.cuda_nvrtc") if importlib.util.find_spec("nvidia") else None
-    for folder in (spec.submodule_search_locations or []) if spec else []:
-        yield from sorted(str(p) for p in (Path(folder) / "lib").glob("libnvrtc.so*") if "alt" not in p.name)
-    yield from ("libnvrtc.so.12", "libnvrtc.so")
-
-
 def _compiler() -> tuple[Compiler | None, str]:
     """The first NVRTC that loads, and why there is none otherwise."""
-    for name in _libraries():
+    for name in nvrtc_libraries():
         try:
             return _ctypes_compiler(ctypes.CDLL(name)), name
         except OSError:

@@ -66,7 +66,7 @@ SMS = {"sm_90": 132, "sm_87": 16}
 
 
 def sources(
-    checkout: Path, presets: list[str], archs: list[str], settings: dict[str, int] | None = None
+    checkout: Path, presets: list[str], archs: list[str], settings: dict[str, Any] | None = None
 ) -> dict[str, str]:
     """The decode modules of `checkout`'s engine, by `preset@sm_count`; `settings` are more keyword
     arguments of its `decode_src.source` (e.g. `qgemv_pipe`)."""
@@ -286,15 +286,18 @@ def main(argv: list[str] | None = None) -> int:
         "--set",
         action="append",
         default=[],
-        metavar="NAME=INT",
-        help="a keyword of decode_src.source for this checkout's modules only (e.g. qgemv_pipe=1; "
-        "with --against . it compares a setting with the default)",
+        metavar="NAME=VALUE",
+        help="a keyword of decode_src.source for this checkout's modules only, an integer or a "
+        "comma-separated list (e.g. qgemv_pipe=1, qgemv_pipe=Q4_K; with --against . it compares a "
+        "setting with the default)",
     )
     ap.add_argument("--out", type=Path, help="write the figures as JSON here")
     a = ap.parse_args(argv)
     presets = a.preset or ["qwen3-4b-q4_k_m", "smollm2-135m-q4_1"]
     archs = a.arch.split(",")
-    settings = {k: int(v) for k, v in (x.split("=", 1) for x in a.set)}
+    settings: dict[str, Any] = {
+        k: int(v) if v.lstrip("-").isdigit() else v.split(",") for k, v in (x.split("=", 1) for x in a.set)
+    }
     this, mods = profile(sources(ROOT, presets, archs, settings), archs, a.kernels)
     ref, ref_mods = profile(sources(a.against.resolve(), presets, archs), archs, a.kernels) if a.against else (None, {})
     print(table(this, ref))

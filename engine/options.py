@@ -9,7 +9,8 @@ environment by `EngineOptions.from_env` (the only place the engine reads these v
 | `qgemv_unroll_glu` | `GENIE_QGEMV_UNROLL_GLU` | 1 | the same for each row of `qgemv_glu_<T>` |
 | `qgemv_min_blocks` | `GENIE_QGEMV_MIN_BLOCKS` | 0 (the rule) | blocks of 256 threads an SM every integer decode GEMV is held to (launch bounds: fewer registers, maybe spills) |
 | `qgemv_pipe` | `GENIE_QGEMV_PIPE` (`1`: on) | False | every integer decode GEMV software-pipelined: a thread's next chunks are requested before its current ones are summed (two buffers, 64 registers) |
-| `qgemv_row_budget` | `GENIE_QGEMV_ROW_BUDGET` | 0 (5; 4 with `qgemv_pipe`) | row groups an SM the integer decode GEMVs' threads a row are chosen for (`qgemv_config`: the most threads a row that keep the grid within this many blocks an SM) |
+| `qgemv_pipe_types` | `GENIE_QGEMV_PIPE_TYPES` (comma-separated, e.g. `Q4_K`) | () (every type) | with `qgemv_pipe`, only these weight types' GEMVs are pipelined (Q6_K's two buffers spill at 64 registers) |
+| `qgemv_row_budget` | `GENIE_QGEMV_ROW_BUDGET` | 0 (5; 4 for a pipelined launch) | row groups an SM the integer decode GEMVs' threads a row are chosen for (`qgemv_config`: the most threads a row that keep the grid within this many blocks an SM) |
 | `cupy_pdl` | `GENIE_CUPY_PDL` (`0`: off) | True | programmatic dependent launch in the decode step |
 | `cupy_prefill` | `GENIE_CUPY_PREFILL` | "auto" | prefill tile precision: auto, float16, float32 |
 | `cupy_mmq` | `GENIE_CUPY_MMQ` (`0`: off) | True | fp16 prefill GEMMs read the GGUF blocks (`mmq_h_<T>` / `mmq_w_<T>`, sm_80+) instead of dequantized tiles + cuBLAS |
@@ -54,10 +55,14 @@ class EngineOptions:
     its next chunks (the next ones of the row, or the next row group's first) into a second buffer
     before summing the current ones, so it keeps a load in flight while it computes - the same sums
     in the same order, at 64 registers (4 blocks an SM) instead of 48; off until measured on a GPU."""
+    qgemv_pipe_types: tuple[str, ...] = ()
+    """With `qgemv_pipe`, the weight types (GGUF names) whose integer decode GEMVs are pipelined;
+    empty: every type. (The Q6_K bodies' two chunk buffers spill 16 bytes at 64 registers, the
+    Q4_K ones none: `GENIE_QGEMV_PIPE_TYPES=Q4_K` measures the pipe without the spill.)"""
     qgemv_row_budget: int = 0
     """Row groups of 256 threads an SM that `qgemv_config` sizes the integer GEMVs' threads a row
     for (the most threads a row whose grid stays within it); 0: the kernels' resident blocks, 5
-    (4 with `qgemv_pipe`). Measured at 5 (session 39: 3, 4, 8, 10 gave 0.80-1.00x)."""
+    (4 for a launch running a `qgemv_pipe` body). Measured at 5 (session 39: 3, 4, 8, 10 gave 0.80-1.00x)."""
     cupy_pdl: bool = True
     """Whether the CUDA decode step uses programmatic dependent launch where the device has it."""
     cupy_prefill: str = "auto"
@@ -115,6 +120,9 @@ class EngineOptions:
             qgemv_unroll_glu=int(env.get("GENIE_QGEMV_UNROLL_GLU", "1")),
             qgemv_min_blocks=int(env.get("GENIE_QGEMV_MIN_BLOCKS", "0")),
             qgemv_pipe=env.get("GENIE_QGEMV_PIPE", "0") == "1",
+            qgemv_pipe_types=tuple(
+                t.strip().upper() for t in env.get("GENIE_QGEMV_PIPE_TYPES", "").split(",") if t.strip()
+            ),
             qgemv_row_budget=int(env.get("GENIE_QGEMV_ROW_BUDGET", "0")),
             cupy_pdl=env.get("GENIE_CUPY_PDL", "1") != "0",
             cupy_prefill=env.get("GENIE_CUPY_PREFILL", "auto"),

@@ -183,6 +183,8 @@ def sources(arch: str) -> dict[str, str]:
     out["decode[every type, min_blocks=6]"] = decode_src.source(every_type, **shape, qgemv_min_blocks=6)
     # every GEMV software-pipelined (EngineOptions.qgemv_pipe)
     out["decode[every type, pipe]"] = decode_src.source(every_type, **shape, qgemv_pipe=True)
+    # the Q4_K kernels only (EngineOptions.qgemv_pipe_types): pipelined and plain bodies in one module
+    out["decode[every type, pipe Q4_K]"] = decode_src.source(every_type, **shape, qgemv_pipe=["Q4_K"])
     return out
 
 

@@ -284,29 +284,34 @@ def test_attention_doing_qkv_post_gives_the_same_logits(
 VARIANTS = {
     "unroll4": {"qgemv_unroll": 4, "qgemv_unroll_glu": 4},
     "pipe": {"qgemv_pipe": True},
+    "pipe Q4_K": {"qgemv_pipe": True, "qgemv_pipe_types": ("Q4_K",)},
 }
-SAME_ORDER = {"pipe"}
+SAME_ORDER = {"pipe", "pipe Q4_K"}
 """Variants that sum the same chunks in the same order as the default: their logits are the same bits."""
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_gemv_variants_give_the_default_logits(tmp_path: Path, variant: str) -> None:
     """The decode GEMV knobs (four chunks a thread; `qgemv_pipe`: the next chunks requested before
-    the current ones are summed - bit for bit) change how the integer sums
-    are split among threads, not what they are: the logits of the default decoder's steps (Q4_K
+    the current ones are summed - bit for bit - for every type or, with `qgemv_pipe_types`, the
+    Q4_K kernels only, beside plain Q6_K ones in the same two-piece launches) change how the integer
+    sums are split among threads, not what they are: the logits of the default decoder's steps (Q4_K
     layers, a Q6_K piece) to float rounding, the same argmax."""
     extra = {"type_overrides": {"blk.0.ffn_up.weight": "Q6_K", "blk.1.ffn_down.weight": "Q6_K"}}
     p = write_synthetic_gguf(tmp_path / "m.gguf", "qwen3", weight_type="Q4_K", seed=8, **{**SHAPE, **extra})
     ids = np.random.default_rng(8).integers(0, SHAPE["n_vocab"], 16).tolist()
-    outs, sources = [], []
+    outs, sources, piped = [], [], []
     for opts in (EXACT, replace(EXACT, **VARIANTS[variant])):
         m = load_model(p, backend="cupy", n_ctx=256, kv_dtype="f16", options=opts)
         assert isinstance(m.decoder, CupyDecoder) and m.decoder.mode == "graph"
         sources.append(m.decoder.module)
+        piped.append(m.decoder.describe()["qgemv_pipe"])
         m.step_logits(ids[:8], 0)
         outs.append(np.stack([m.step_logits([ids[pos]], pos) for pos in range(8, 16)]))
         del m
     assert sources[0] is not sources[1]  # the knob did build another module
+    want = {"pipe": ["Q4_K", "Q6_K"], "pipe Q4_K": ["Q4_K"]}.get(variant, [])
+    assert piped == [[], want], piped
     assert rel(outs[1], outs[0]) < 1e-5, rel(outs[1], outs[0])
     assert (outs[1].argmax(1) == outs[0].argmax(1)).all()
     if variant in SAME_ORDER:
@@ -359,7 +364,7 @@ def test_gemv_threads_a_row_keep_one_wave_of_the_row_budget(budget: int, want: l
     assert all(blocks <= budget * 132 for _, blocks in got[:4])  # the head's grid is capped (8 an SM)
 
 
-def _gemv_module(types: list[str], pipe: bool = False) -> tuple[Any, int]:
+def _gemv_module(types: list[str], pipe: bool | tuple[str, ...] = False) -> tuple[Any, int]:
     """A small decode module with the GEMVs of `types` (`pipe`: software-pipelined,
     `EngineOptions.qgemv_pipe`), and the GPU's multiprocessor count."""
     from engine.backends import cupy_decoder as cd
@@ -442,18 +447,20 @@ def test_qgemv_matches_numpy_and_float_path(t: str, rows: int, cols: int, epi: i
     assert vs_numpy < 1e-3, vs_numpy
 
 
+TWO_TYPES = [("Q4_K", "Q6_K", 5120, 1024, 2560), ("Q6_K", "Q4_K", 77, 300, 512), ("Q8_0", "Q4_1", 640, 129, 576)]
+
+
 @pytest.mark.parametrize("epi", [0, 1])
 @pytest.mark.parametrize(
-    "ta,tb,ra,rb,cols",
-    [("Q4_K", "Q6_K", 5120, 1024, 2560), ("Q6_K", "Q4_K", 77, 300, 512), ("Q8_0", "Q4_1", 640, 129, 576)],
+    "ta,tb,ra,rb,cols,pipe",
+    [(*c, p) for c in TWO_TYPES for p in (False, True)] + [(*c, ("Q4_K",)) for c in TWO_TYPES[:2]],
 )
-@pytest.mark.parametrize("pipe", [False, True])
 def test_two_type_matrix_in_one_launch_matches_a_launch_a_piece(
-    ta: str, tb: str, ra: int, rb: int, cols: int, epi: int, pipe: bool
+    ta: str, tb: str, ra: int, rb: int, cols: int, epi: int, pipe: bool | tuple[str, ...]
 ) -> None:
     """A matrix of two pieces of two types (a Q4_K_M QKV) runs as one `qgemv_mix` launch that
     gives the same bits as one launch a piece, bias or adding epilogue included (software-pipelined
-    too, `qgemv_pipe`)."""
+    too, `qgemv_pipe`: every body, or the Q4_K piece's only, beside a plain Q6_K one)."""
     from engine.backends import cupy_gemv
     from engine.gguf_file import TensorInfo
     from engine.kernels import qdot_src
@@ -469,6 +476,7 @@ def test_two_type_matrix_in_one_launch_matches_a_launch_a_piece(
     assert [p.type_name for p in w.pieces()] == [ta, tb]
     aq = {1: "q8_0", 2: "q8_k"}[qdot_src.QTYPES[ta]]
     mod, n_sm = _gemv_module([ta, tb], pipe)
+    piped = qdot_src.pipelined([ta, tb], pipe)
     x, nw = (
         cp.asarray(rng.standard_normal(cols, dtype=np.float32)),
         cp.asarray(rng.random(cols, dtype=np.float32) + 0.5),
@@ -480,7 +488,9 @@ def test_two_type_matrix_in_one_launch_matches_a_launch_a_piece(
         cupy_gemv.USE_MIX = mix
         try:
             y = cp.asarray(y0)
-            ls = cupy_gemv.gemv_launches(mod.get_function, n_sm, w, x, nw, np.float32(1e-6), aq, y, bias, epi)
+            ls = cupy_gemv.gemv_launches(
+                mod.get_function, n_sm, w, x, nw, np.float32(1e-6), aq, y, bias, epi, piped=piped
+            )
         finally:
             cupy_gemv.USE_MIX = True
         for ln in ls:

@@ -36,7 +36,7 @@ import numpy as np
 
 from ..errors import ContextOverflowError
 from ..gguf_file import TensorInfo
-from ..kernels import decode_src
+from ..kernels import decode_src, qdot_src
 from ..kv_cache import Int8Rows
 from ..options import DEFAULT_OPTIONS, EngineOptions
 from ..quants import dequantize_rows
@@ -83,13 +83,16 @@ class CupyDecoder:
         self.attn_cluster = cluster if cluster <= self.n_split else 0  # the slices' buffers hold n_split
         """Blocks of one thread-block cluster in decode attention (0: `n_split` slices)."""
         self.attn_warps = opts.attn_warps or decode_src.attn_warps(nh // nkv, hd, self.attn_cluster)
-        self.row_budget = opts.qgemv_row_budget or (4 if opts.qgemv_pipe else 5)
-        """Row groups an SM the integer GEMVs' threads a row are chosen for (`qgemv_config`)."""
+        self.row_budget = opts.qgemv_row_budget
+        """Row groups an SM the integer GEMVs' threads a row are chosen for (`qgemv_config`; 0: the
+        rule, 4 for a launch running a pipelined body, else 5)."""
         rope_half = int(next(iter(tf.rope.values()))[0].shape[1])
         types = {p.type_name for lw in tf.layers for w in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down) for p in w.pieces()}
         types |= {p.type_name for p in tf.output.pieces()}
         if not isinstance(tf.embed_table, TensorInfo):
             types.add(tf.embed_table.type_name)
+        self.piped = tuple(qdot_src.pipelined(types, (opts.qgemv_pipe_types or True) if opts.qgemv_pipe else False))
+        """The weight types whose integer GEMVs run software-pipelined bodies (`qgemv_pipe`)."""
         shape: dict[str, Any] = {
             "n_heads": nh,
             "n_kv_heads": nkv,
@@ -109,7 +112,7 @@ class CupyDecoder:
             qgemv_unroll=opts.qgemv_unroll,
             qgemv_unroll_glu=opts.qgemv_unroll_glu,
             qgemv_min_blocks=opts.qgemv_min_blocks,
-            qgemv_pipe=opts.qgemv_pipe,
+            qgemv_pipe=self.piped,
             attn_cluster=self.attn_cluster,
             attn_qkv=opts.attn_qkv,
         )
@@ -313,7 +316,7 @@ class CupyDecoder:
             "attn_cluster": self.attn_cluster,
             "long_from": self.long_from,
             "attn_qkv": self.options.attn_qkv,
-            "qgemv_pipe": self.options.qgemv_pipe,
+            "qgemv_pipe": list(self.piped),
             "row_budget": self.row_budget,
             "scratch_bytes": self.scratch_bytes,
         }

@@ -8,6 +8,7 @@ Kernels: `engine.kernels.decode_src` and `engine.kernels.qdot_src`.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import cupy as cp
@@ -118,13 +119,15 @@ def gemv_launches(
     out_rows: int | None = None,
     qin: QInput | None = None,
     input_ready: bool = False,
-    budget: int = 5,
+    budget: int = 0,
+    piped: Collection[str] = (),
 ) -> list[Launch]:
     """The launches of y = W @ prep(x) (norm by `nw`, llama.cpp rounding `aq`) with epilogue `epi`:
     where W's type has an integer dot product and the rounding is on, one `qprep_x` launch rounds
     the input into `qin` (allocated here when not given), then the integer-dot kernel
     (`qgemv_<T>`) reads it; other pieces use the float kernel (`dgemv_<T>`, which prepares its
-    input itself). `budget`: `qgemv_config`'s.
+    input itself). `budget`: `qgemv_config`'s (0: 4 for a launch running a body of a type in
+    `piped` - the module's software-pipelined ones, 4 blocks an SM - else 5).
     `fn(name)` gives a compiled kernel of the decode module."""
     out: list[Launch] = []
     cols = w.shape[1]
@@ -146,7 +149,8 @@ def gemv_launches(
     pieces = w.pieces()
     if mixes(pieces, aq, epi, out_rows):  # two pieces of two types: one launch (qgemv_mix_<A>_<B>)
         (pa, pb), q = pieces, prep()
-        (tpr_a, blocks_a), (tpr_b, blocks_b) = (qgemv_grid(p.type_name, p.shape[0], n_sm, cols, budget) for p in pieces)
+        rb = budget or (4 if pa.type_name in piped or pb.type_name in piped else 5)
+        (tpr_a, blocks_a), (tpr_b, blocks_b) = (qgemv_grid(p.type_name, p.shape[0], n_sm, cols, rb) for p in pieces)
         mix_args: tuple[Any, ...] = (pa.raw, np.int64(pa.raw.shape[1]), np.int32(pa.shape[0]), np.int32(tpr_a))
         mix_args += (np.int32(blocks_a), pb.raw, np.int64(pb.raw.shape[1]), np.int32(pb.shape[0]), np.int32(tpr_b))
         mix_args += (np.int32(cols), q.xq, q.xd, q.xs16, y, ptr(bias), np.int32(epi))
@@ -161,7 +165,7 @@ def gemv_launches(
         if USE_QGEMV and qdot_src.QTYPES.get(p.type_name) == code:
             qin = prep()
             glu = epi >= 2
-            tpr, blocks = qgemv_grid(p.type_name, rows, n_sm, cols, budget)
+            tpr, blocks = qgemv_grid(p.type_name, rows, n_sm, cols, budget or (4 if p.type_name in piped else 5))
             name = f"qgemv_{p.type_name}[{rows}x{cols}]"
             tail = (y[r0:], ptr(b), np.int32(epi), np.int32(out_rows or 0), np.int32(tpr))
             k = fn(f"qgemv{'_glu' if glu else ''}_{p.type_name}")

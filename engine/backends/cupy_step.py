@@ -170,6 +170,7 @@ class _Step:
                 d.qin,
                 input_ready,
                 budget=d.row_budget,
+                piped=d.piped,
             )
         )
 

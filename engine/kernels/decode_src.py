@@ -27,6 +27,8 @@ filled per shape), read as CUDA, not as Python; splitting it would scatter one t
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from . import grid_src, qdot_src
 from .quant_units import UNITS
 
@@ -1086,7 +1088,7 @@ def source(
     qgemv_unroll: int = qdot_src.UNROLL,
     qgemv_unroll_glu: int = qdot_src.UNROLL_GLU,
     qgemv_min_blocks: int = 0,
-    qgemv_pipe: bool = False,
+    qgemv_pipe: bool | Collection[str] = False,
     attn_cluster: int = 0,
     cluster_min: int = CLUSTER_MIN,
     attention_only: bool = False,
@@ -1095,7 +1097,7 @@ def source(
     """The decode module for one model shape and the given weight types (`kv_half` / `kv_int8`:
     the cache's element type; `min_chunk`: fewest positions an attention slice takes;
     `qgemv_unroll` / `qgemv_unroll_glu` / `qgemv_min_blocks` / `qgemv_pipe`: the integer-dot GEMVs'
-    unrolling, launch bounds and software pipelining, `qdot_src.source`; `attn_cluster`: 0, or the blocks of one thread-block cluster
+    unrolling, launch bounds and software pipelining (True, or the types pipelined), `qdot_src.source`; `attn_cluster`: 0, or the blocks of one thread-block cluster
     that take a KV head's positions in decode attention, merged through distributed shared memory:
     sm_90+, up to `attn_cluster` x `cluster_min` positions; longer contexts in slices over the grid,
     `attn_blocks` blocks a KV head; `attention_only`: without the GEMVs, for a second module whose

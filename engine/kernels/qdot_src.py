@@ -30,6 +30,8 @@ contribution given the int8 activations `xq`, their per-block scales `xd` (per 3
 256 for q8_k) and per-16 sums `xs16`.
 """
 
+from collections.abc import Collection
+
 from ..options import DEFAULT_OPTIONS
 
 UNROLL = DEFAULT_OPTIONS.qgemv_unroll
@@ -76,6 +78,7 @@ __device__ __forceinline__ void ld16_a2(const unsigned char* p, unsigned int* o)
 #define QLB_Q4_1 __launch_bounds__(256, QGEMV_MINB)
 #define QLB_Q8_0 __launch_bounds__(256, QGEMV_MINB)
 #define QLB_KQ2 __launch_bounds__(256, QGEMV_MINB)
+#define QLB_KQ2P __launch_bounds__(256, QGEMV_MINB)
 #define QLB_GLU __launch_bounds__(256, QGEMV_MINB)
 #else
 #define QLB_Q4_1 __launch_bounds__(256)
@@ -83,13 +86,14 @@ __device__ __forceinline__ void ld16_a2(const unsigned char* p, unsigned int* o)
 #define QLB_GLU __launch_bounds__(256)
 // The 64-value K-quant codes and their two-piece kernels are held to 48 registers (5 blocks an SM)
 // at the default unroll; a larger tuning unroll needs more registers than that without spilling.
-#if QGEMV_U <= 2 && !QGEMV_PIPE
+#if QGEMV_U <= 2
 #define QLB_KQ2 __launch_bounds__(256, 5)
-#elif QGEMV_PIPE  // two chunk buffers a thread (EngineOptions.qgemv_pipe): 64 registers, 4 blocks an SM
-#define QLB_KQ2 __launch_bounds__(256, 4)
 #else
 #define QLB_KQ2 __launch_bounds__(256)
 #endif
+// QLB_KQ2P: the same kernels with a software-pipelined body (QPIPE_<C>, EngineOptions.qgemv_pipe:
+// two chunk buffers a thread): 64 registers, 4 blocks an SM
+#define QLB_KQ2P __launch_bounds__(256, 4)
 #endif
 // 64-value chunks a thread loads at once for an unroll u: the bytes of u 32-value chunks
 #define QU_KQ2(u) ((u) > 1 ? (u) / 2 : 1)
@@ -475,7 +479,7 @@ __device__ __forceinline__ void qgemv_body_{T}(
     PDL_LAUNCH();
     if (g0 < ngroups) qload_{T}<NR, U>(buf, W, row_bytes, g0 * rpb + rl, rows, up_off, t, tpr, nc);
     PDL_WAIT();
-#if QGEMV_PIPE
+#if QPIPE_{T}
     // EngineOptions.qgemv_pipe: software-pipelined - the chunks of this thread's next work item
     // (the next U chunks of the row, or the next row group's first) are requested before the
     // current ones are summed, into a second buffer (the two alternate), so every thread keeps a
@@ -522,7 +526,7 @@ __device__ __forceinline__ void qgemv_body_{T}(
 }
 """
 QGEMV_KERNELS = r"""
-extern "C" __global__ void QLB_{P} qgemv_{T}(
+extern "C" __global__ void {BOUNDS} qgemv_{T}(
         const unsigned char* __restrict__ W, long long row_bytes, int rows, int cols,
         const signed char* __restrict__ xq, const float* __restrict__ xd, const int* __restrict__ xs16,
         float* y, const float* __restrict__ bias, int epi, int up_off, int tpr) {
@@ -543,9 +547,10 @@ QGEMV_GLU = r"""extern "C" __global__ void QLB_GLU qgemv_glu_{T}(
 # A's `rows_a` outputs. Each block runs one body, so its registers and shared memory are the larger
 # of the two kernels', and the rows and sums are those of two separate launches (same bits). Its
 # launch bounds are its chunk codes' (the two round alike, so they share them: QLB_KQ2 for the
-# K-quants, none for Q4_1 / Q8_0, which spill 28 bytes under QLB_KQ2).
+# K-quants - QLB_KQ2P where either body is software-pipelined - none for Q4_1 / Q8_0, which spill
+# 28 bytes under QLB_KQ2).
 QGEMV_MIX = r"""
-extern "C" __global__ void QLB_{PA} qgemv_mix_{A}_{B}(
+extern "C" __global__ void {BOUNDS} qgemv_mix_{A}_{B}(
         const unsigned char* __restrict__ Wa, long long rba, int rows_a, int tpr_a, int nblk_a,
         const unsigned char* __restrict__ Wb, long long rbb, int rows_b, int tpr_b, int cols,
         const signed char* __restrict__ xq, const float* __restrict__ xd, const int* __restrict__ xs16,
@@ -568,34 +573,61 @@ def mix_pairs(types: list[str] | tuple[str, ...]) -> list[tuple[str, str]]:
     return [(a, b) for a in qt for b in qt if a != b and QTYPES[a] == QTYPES[b]]
 
 
+KQ2 = ("Q4_K2", "Q6_K2")
+"""The 64-value K-quant chunk codes, whose plain and two-piece kernels have launch bounds (QLB_KQ2)."""
+
+
 def source(
     types: list[str] | tuple[str, ...],
     unroll: int = UNROLL,
     unroll_glu: int = UNROLL_GLU,
     min_blocks: int = 0,
-    pipe: bool = False,
+    pipe: bool | Collection[str] = False,
 ) -> str:
     """The integer-dot GEMV kernels for those of `types` that have one (after UNITS + COMMON),
     loading `unroll` chunks at once (`unroll_glu` per row of the fused gate+up kernels), and the
     two-piece kernels of `mix_pairs(types)`; `min_blocks` > 0 holds every one of them to that many
     blocks of 256 threads an SM (`__launch_bounds__`; 0: the rule above, 5 for the 64-value K-quant
-    kernels at the default unroll, none for the others); `pipe`: every body software-pipelined, the
-    next chunks requested before the current ones are summed (QGEMV_PIPE, `EngineOptions.qgemv_pipe`)."""
+    kernels at the default unroll, none for the others); `pipe`: the bodies of these types (True:
+    every type) software-pipelined, the next chunks requested before the current ones are summed
+    (QPIPE_<C>, `EngineOptions.qgemv_pipe` / `qgemv_pipe_types`; `pipelined` says which)."""
     qt = sorted(t for t in set(types) if t in QTYPES)
     if not qt:
         return ""
-    unroll_defs = f"#define QGEMV_U {int(unroll)}\n#define QGEMV_UG {int(unroll_glu)}\n#define QGEMV_PIPE {int(pipe)}\n"
+    piped = pipelined(qt, pipe)
+    unroll_defs = f"#define QGEMV_U {int(unroll)}\n#define QGEMV_UG {int(unroll_glu)}\n"
     if min_blocks > 0:
         unroll_defs += f"#define QGEMV_MINB {int(min_blocks)}\n"
     bodies = sorted({*qt, *(PLAIN[t] for t in qt)})
+    codes = {c for t in piped for c in (t, PLAIN[t])}
+    unroll_defs += "".join(f"#define QPIPE_{c} {int(c in codes)}\n" for c in bodies)
+
+    def bounds(code: str, piped_body: bool) -> str:
+        """A plain or two-piece kernel's launch bounds: its first chunk code's (QLB_KQ2P where a
+        64-value K-quant kernel runs a pipelined body)."""
+        return "QLB_KQ2P" if code in KQ2 and piped_body else f"QLB_{code}"
+
     kernels = "".join(
-        QGEMV_KERNELS.replace("{T}", t).replace("{P}", PLAIN[t]) + QGEMV_GLU.replace("{T}", t) for t in qt
+        QGEMV_KERNELS.replace("{BOUNDS}", bounds(PLAIN[t], t in piped)).replace("{T}", t).replace("{P}", PLAIN[t])
+        + QGEMV_GLU.replace("{T}", t)
+        for t in qt
     )
     mixed = "".join(
-        QGEMV_MIX.replace("{A}", a).replace("{B}", b).replace("{PA}", PLAIN[a]).replace("{PB}", PLAIN[b])
+        QGEMV_MIX.replace("{BOUNDS}", bounds(PLAIN[a], a in piped or b in piped))
+        .replace("{A}", a)
+        .replace("{B}", b)
+        .replace("{PA}", PLAIN[a])
+        .replace("{PB}", PLAIN[b])
         for a, b in mix_pairs(qt)
     )
     return unroll_defs + QDOT + QPREP + "".join(QGEMV.replace("{T}", t) for t in bodies) + kernels + mixed
+
+
+def pipelined(types: Collection[str], pipe: bool | Collection[str]) -> list[str]:
+    """Those of `types` with an integer GEMV whose bodies `pipe` (True or 1: every type, False or 0:
+    none, else the types named) software-pipelines."""
+    want = (set(QTYPES) if pipe else set()) if isinstance(pipe, (bool, int)) else set(pipe)
+    return sorted(t for t in set(types) if t in QTYPES and t in want)
 
 
 def round_source() -> str:

@@ -21,7 +21,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -110,23 +109,8 @@ def bench(model: Any, label: str, tokens: int, runs: int) -> list[dict[str, Any]
 
 
 def _gpu_rows(tokens: int, runs: int, workdir: str | None) -> list[dict[str, Any]]:
-    try:
-        from engine.backends import cuda_available
-        from engine.synth import preset_config, write_config
-
-        ok, why = cuda_available()
-    except ImportError as exc:
-        ok, why = False, str(exc)
-    if not ok:
-        print(f"GPU part skipped: {why}", flush=True)
-        return []
-    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
-        path = os.path.join(tmp, "qwen3-4b.gguf")
-        write_config(path, preset_config("qwen3-4b-q4_k_m", fast=True))
-        model = load_model(path, backend="cupy", n_ctx=1024)
-        rows = bench(model, "qwen3-4b (synthetic)", tokens, runs)
-        model.close()
-        return rows
+    with cpu_gpu.synthetic_gpu_model(workdir, n_ctx=1024) as got:
+        return [] if got is None else bench(got[0], "qwen3-4b (synthetic)", tokens, runs)
 
 
 def _write(rows: list[dict[str, Any]], out: Path, command: str, load: str) -> Path:

@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +53,34 @@ def result_path(a: argparse.Namespace, name: str) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     suffix = "gpu" if a.gpu_only else "cpu" if a.cpu_only else "all"
     return out_dir / f"{name}-{time.strftime('%Y%m%d')}-{suffix}.md"
+
+
+@contextmanager
+def synthetic_gpu_model(workdir: str | None, **load: Any) -> Iterator[tuple[Any, str] | None]:
+    """The GPU part's model: the Qwen3-4B-shaped synthetic GGUF (`qwen3-4b-q4_k_m`, fast) written into
+    a temporary folder under `workdir` and loaded on the CUDA backend with `load` (n_ctx, kv_dtype),
+    as (model, folder), closed on exit; None, after printing why, where CUDA is not usable."""
+    try:
+        from engine.backends import cuda_available
+
+        ok, why = cuda_available()
+    except ImportError as exc:
+        ok, why = False, str(exc)
+    if not ok:
+        print(f"GPU part skipped: {why}", flush=True)
+        yield None
+        return
+    from engine import load_model
+    from engine.synth import preset_config, write_config
+
+    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+        path = os.path.join(tmp, "qwen3-4b.gguf")
+        write_config(path, preset_config("qwen3-4b-q4_k_m", fast=True))
+        model = load_model(path, backend="cupy", **load)
+        try:
+            yield model, tmp
+        finally:
+            model.close()
 
 
 def save(out: Path, rows: list[dict[str, Any]], record: Record) -> None:

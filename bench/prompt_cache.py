@@ -173,23 +173,8 @@ def bench(model: Model, label: str, tokens: int, runs: int, workdir: str) -> dic
 
 
 def _gpu_row(tokens: int, runs: int, kv: str, workdir: str | None) -> list[dict[str, Any]]:
-    try:
-        from engine.backends import cuda_available
-        from engine.synth import preset_config, write_config
-
-        ok, why = cuda_available()
-    except ImportError as exc:
-        ok, why = False, str(exc)
-    if not ok:
-        print(f"GPU part skipped: {why}", flush=True)
-        return []
-    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
-        path = os.path.join(tmp, "qwen3-4b.gguf")
-        write_config(path, preset_config("qwen3-4b-q4_k_m", fast=True))
-        model = load_model(path, backend="cupy", n_ctx=tokens + 512, kv_dtype=kv)
-        row = bench(model, "qwen3-4b-q4_k_m (synthetic)", tokens, runs, tmp)
-        model.close()
-        return [row]
+    with cpu_gpu.synthetic_gpu_model(workdir, n_ctx=tokens + 512, kv_dtype=kv) as got:
+        return [] if got is None else [bench(got[0], "qwen3-4b-q4_k_m (synthetic)", tokens, runs, got[1])]
 
 
 def _write(rows: list[dict[str, Any]], out: Path, command: str) -> Path:

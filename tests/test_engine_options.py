@@ -71,6 +71,27 @@ def test_defaults_are_the_engines_and_the_value_is_frozen() -> None:
         o.threads = 3  # type: ignore[misc]
 
 
+def test_every_option_and_variable_is_documented() -> None:
+    """Every `EngineOptions` field and every variable `from_env` reads has a row in the module's
+    table and in docs/engine.md (an option added without its documentation fails here)."""
+    import dataclasses
+
+    import engine.options
+
+    src = (ENGINE / "options.py").read_text(encoding="utf-8")
+    rows = {
+        "engine/options.py": engine.options.__doc__ or "",
+        "docs/engine.md": (ENGINE.parent / "docs" / "engine.md").read_text(encoding="utf-8"),
+    }
+    names = [f"`{f.name}`" for f in dataclasses.fields(EngineOptions)]
+    variables = sorted(set(re.findall(r'env\.get\("(GENIE_\w+)"', src)))
+    assert len(variables) >= len(names) - 2  # threads and prefill_chunk read two / none
+    for where, text in rows.items():
+        table = "\n".join(line for line in text.splitlines() if line.startswith("| `"))
+        missing = [n for n in names if n not in table] + [v for v in variables if v not in table]
+        assert not missing, (where, missing)
+
+
 def test_from_env_parses_every_variable() -> None:
     """Each variable sets its field with the parsing the engine always used."""
     env = {

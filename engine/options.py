@@ -10,6 +10,7 @@ environment by `EngineOptions.from_env` (the only place the engine reads these v
 | `qgemv_min_blocks` | `GENIE_QGEMV_MIN_BLOCKS` | 0 (the rule) | blocks of 256 threads an SM every integer decode GEMV is held to (launch bounds: fewer registers, maybe spills) |
 | `qgemv_pipe` | `GENIE_QGEMV_PIPE` (`1`: on) | False | every integer decode GEMV software-pipelined: a thread's next chunks are requested before its current ones are summed (two buffers, 64 registers) |
 | `qgemv_pipe_types` | `GENIE_QGEMV_PIPE_TYPES` (comma-separated, e.g. `Q4_K`) | () (every type) | with `qgemv_pipe`, only these weight types' GEMVs are pipelined (Q6_K's two buffers spill at 64 registers) |
+| `qgemv_async` | `GENIE_QGEMV_ASYNC` (`2` or `3`) | 0 (off) | the Q4_K integer decode GEMVs copy their weights to shared memory by cp.async (sm_80+), that many work items ahead of the one they sum (gate+up: 2); instead of `qgemv_pipe` for Q4_K |
 | `qgemv_row_budget` | `GENIE_QGEMV_ROW_BUDGET` | 0 (5; 4 for a pipelined launch) | row groups an SM the integer decode GEMVs' threads a row are chosen for (`qgemv_config`: the most threads a row that keep the grid within this many blocks an SM) |
 | `cupy_pdl` | `GENIE_CUPY_PDL` (`0`: off) | True | programmatic dependent launch in the decode step |
 | `cupy_prefill` | `GENIE_CUPY_PREFILL` | "auto" | prefill tile precision: auto, float16, float32 |
@@ -59,6 +60,12 @@ class EngineOptions:
     """With `qgemv_pipe`, the weight types (GGUF names) whose integer decode GEMVs are pipelined;
     empty: every type. (The Q6_K bodies' two chunk buffers spill 16 bytes at 64 registers, the
     Q4_K ones none: `GENIE_QGEMV_PIPE_TYPES=Q4_K` measures the pipe without the spill.)"""
+    qgemv_async: int = 0
+    """Stages (2 or 3; 0: off) of the Q4_K integer decode GEMVs' cp.async form (`QASYNC_<C>`): each
+    thread copies its next work items' weights into its own shared-memory slots (sm_80+: no
+    registers held) and sums the oldest, so 2 (gate+up: 1) stay in flight at the kernels' 48
+    registers and 5 blocks an SM - the same sums in the same order; takes the place of
+    `qgemv_pipe` for Q4_K. Off until measured on a GPU."""
     qgemv_row_budget: int = 0
     """Row groups of 256 threads an SM that `qgemv_config` sizes the integer GEMVs' threads a row
     for (the most threads a row whose grid stays within it); 0: the kernels' resident blocks, 5
@@ -123,6 +130,7 @@ class EngineOptions:
             qgemv_pipe_types=tuple(
                 t.strip().upper() for t in env.get("GENIE_QGEMV_PIPE_TYPES", "").split(",") if t.strip()
             ),
+            qgemv_async=int(env.get("GENIE_QGEMV_ASYNC", "0")),
             qgemv_row_budget=int(env.get("GENIE_QGEMV_ROW_BUDGET", "0")),
             cupy_pdl=env.get("GENIE_CUPY_PDL", "1") != "0",
             cupy_prefill=env.get("GENIE_CUPY_PREFILL", "auto"),

@@ -185,6 +185,8 @@ def sources(arch: str) -> dict[str, str]:
     out["decode[every type, pipe]"] = decode_src.source(every_type, **shape, qgemv_pipe=True)
     # the Q4_K kernels only (EngineOptions.qgemv_pipe_types): pipelined and plain bodies in one module
     out["decode[every type, pipe Q4_K]"] = decode_src.source(every_type, **shape, qgemv_pipe=["Q4_K"])
+    # the Q4_K bodies copying by cp.async (EngineOptions.qgemv_async), the others pipelined
+    out["decode[every type, async 3 + pipe]"] = decode_src.source(every_type, **shape, qgemv_pipe=True, qgemv_async=3)
     return out
 
 

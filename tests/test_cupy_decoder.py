@@ -285,8 +285,10 @@ VARIANTS = {
     "unroll4": {"qgemv_unroll": 4, "qgemv_unroll_glu": 4},
     "pipe": {"qgemv_pipe": True},
     "pipe Q4_K": {"qgemv_pipe": True, "qgemv_pipe_types": ("Q4_K",)},
+    "async 3": {"qgemv_async": 3},
+    "async 2 + pipe": {"qgemv_async": 2, "qgemv_pipe": True},
 }
-SAME_ORDER = {"pipe", "pipe Q4_K"}
+SAME_ORDER = {"pipe", "pipe Q4_K", "async 3", "async 2 + pipe"}
 """Variants that sum the same chunks in the same order as the default: their logits are the same bits."""
 
 
@@ -294,10 +296,13 @@ SAME_ORDER = {"pipe", "pipe Q4_K"}
 def test_gemv_variants_give_the_default_logits(tmp_path: Path, variant: str) -> None:
     """The decode GEMV knobs (four chunks a thread; `qgemv_pipe`: the next chunks requested before
     the current ones are summed - bit for bit - for every type or, with `qgemv_pipe_types`, the
-    Q4_K kernels only, beside plain Q6_K ones in the same two-piece launches) change how the integer
-    sums are split among threads, not what they are: the logits of the default decoder's steps (Q4_K
-    layers, a Q6_K piece) to float rounding, the same argmax."""
-    extra = {"type_overrides": {"blk.0.ffn_up.weight": "Q6_K", "blk.1.ffn_down.weight": "Q6_K"}}
+    Q4_K kernels only, beside plain Q6_K ones in the same two-piece launches; `qgemv_async`: the
+    Q4_K weights copied to shared memory by cp.async, alone or beside pipelined Q6_K kernels - bit
+    for bit) change how the integer sums are split among threads, not what they are: the logits of
+    the default decoder's steps (Q4_K layers; a Q6_K gate+up piece, down matrix and V piece, the
+    last in a two-piece QKV launch) to float rounding, the same argmax."""
+    overrides = {"blk.0.ffn_up.weight": "Q6_K", "blk.1.ffn_down.weight": "Q6_K", "blk.1.attn_v.weight": "Q6_K"}
+    extra = {"type_overrides": overrides}
     p = write_synthetic_gguf(tmp_path / "m.gguf", "qwen3", weight_type="Q4_K", seed=8, **{**SHAPE, **extra})
     ids = np.random.default_rng(8).integers(0, SHAPE["n_vocab"], 16).tolist()
     outs, sources, piped = [], [], []
@@ -310,7 +315,7 @@ def test_gemv_variants_give_the_default_logits(tmp_path: Path, variant: str) -> 
         outs.append(np.stack([m.step_logits([ids[pos]], pos) for pos in range(8, 16)]))
         del m
     assert sources[0] is not sources[1]  # the knob did build another module
-    want = {"pipe": ["Q4_K", "Q6_K"], "pipe Q4_K": ["Q4_K"]}.get(variant, [])
+    want = {"pipe": ["Q4_K", "Q6_K"], "pipe Q4_K": ["Q4_K"], "async 2 + pipe": ["Q6_K"]}.get(variant, [])
     assert piped == [[], want], piped
     assert rel(outs[1], outs[0]) < 1e-5, rel(outs[1], outs[0])
     assert (outs[1].argmax(1) == outs[0].argmax(1)).all()

@@ -135,3 +135,53 @@ def test_two_piece_gemv(mod: HostModule, pair: tuple[str, str]) -> None:
     want = np.concatenate([wa @ x, wb @ x]) + bias
     scale = np.concatenate([np.abs(wa) @ np.abs(x), np.abs(wb) @ np.abs(x)])
     assert close(y, want, scale), pair
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def mod_async(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> HostModule:
+    """The Q4_K and Q6_K kernels with the Q4_K bodies' cp.async form (`qgemv_async`, 2 or 3 stages;
+    a plain copy on the host: what is checked is which slot holds which item)."""
+    cxx = cxx_or_skip("the GEMV kernels")
+    src = qdot_src.source(["Q4_K", "Q6_K"], async_stages=request.param)
+    assert f"#define QASYNC_S {request.param}\n" in src and "#define QASYNC_Q4_K2 1\n" in src
+    src = UNITS + decode_src.COMMON + qdot_src.round_source() + src
+    return HostModule(Path(tmp_path_factory.mktemp(f"qgemv_async{request.param}")), src, cxx, "qgemv_async")
+
+
+@pytest.mark.parametrize("tpr", [8, 16, 64, 256])
+def test_async_copies_give_the_default_kernels_bits(mod: HostModule, mod_async: HostModule, tpr: int) -> None:
+    """With `qgemv_async` the Q4_K kernels sum the same chunks in the same order as the default
+    ones: plain (a partial last row group, two blocks striding over the groups, from 8 to 256
+    threads a row), gate+up and both two-piece kernels give the default module's bits."""
+    rng = np.random.default_rng(100 + tpr)
+    rows, cols = 37, max(COLS, 64 * tpr)
+    w_buf, _, nb = weights(rng, "Q4_K", rows, cols)
+    xq, xd, xs16, _ = rounded(rng, "Q4_K", cols)
+    bias = rng.standard_normal(rows).astype(np.float32)
+    outs = []
+    for m in (mod, mod_async):
+        y = np.full(rows, np.nan, np.float32)
+        m.launch("qgemv_Q4_K", 2, 256, w_buf, nb, rows, cols, xq, xd, xs16, y, bias, 0, 0, tpr)
+        outs.append(y)
+    assert np.isfinite(outs[0]).all()
+    np.testing.assert_array_equal(outs[1], outs[0])
+    f = 21
+    g_buf, _, gnb = weights(rng, "Q4_K", 2 * f, cols)
+    outs = []
+    for m in (mod, mod_async):
+        y = np.full(f, np.nan, np.float32)
+        m.launch("qgemv_glu_Q4_K", 3, 256, g_buf, gnb, f, cols, xq, xd, xs16, y, None, 2, f, tpr)
+        outs.append(y)
+    np.testing.assert_array_equal(outs[1], outs[0])
+    v_buf, _, vnb = weights(rng, "Q6_K", 9, cols)
+    for name, a, b in (
+        ("qgemv_mix_Q4_K_Q6_K", (w_buf, nb, rows), (v_buf, vnb, 9)),
+        ("qgemv_mix_Q6_K_Q4_K", (v_buf, vnb, 9), (w_buf, nb, rows)),
+    ):
+        outs = []
+        for m in (mod, mod_async):
+            y = np.full(a[2] + b[2], np.nan, np.float32)
+            m.launch(name, 4, 256, a[0], a[1], a[2], tpr, 2, b[0], b[1], b[2], 64, cols, xq, xd, xs16, y, None, 0)
+            outs.append(y)
+        assert np.isfinite(outs[0]).all(), name
+        np.testing.assert_array_equal(outs[1], outs[0])

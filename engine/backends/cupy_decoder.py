@@ -91,8 +91,10 @@ class CupyDecoder:
         types |= {p.type_name for p in tf.output.pieces()}
         if not isinstance(tf.embed_table, TensorInfo):
             types.add(tf.embed_table.type_name)
-        self.piped = tuple(qdot_src.pipelined(types, (opts.qgemv_pipe_types or True) if opts.qgemv_pipe else False))
-        """The weight types whose integer GEMVs run software-pipelined bodies (`qgemv_pipe`)."""
+        pipe = (opts.qgemv_pipe_types or True) if opts.qgemv_pipe else False
+        self.piped = tuple(qdot_src.pipelined(types, pipe, opts.qgemv_async))
+        """The weight types whose integer GEMVs run software-pipelined bodies (`qgemv_pipe`; not
+        those with a cp.async body, `qgemv_async`)."""
         shape: dict[str, Any] = {
             "n_heads": nh,
             "n_kv_heads": nkv,
@@ -113,6 +115,7 @@ class CupyDecoder:
             qgemv_unroll_glu=opts.qgemv_unroll_glu,
             qgemv_min_blocks=opts.qgemv_min_blocks,
             qgemv_pipe=self.piped,
+            qgemv_async=opts.qgemv_async,
             attn_cluster=self.attn_cluster,
             attn_qkv=opts.attn_qkv,
         )
@@ -317,6 +320,7 @@ class CupyDecoder:
             "long_from": self.long_from,
             "attn_qkv": self.options.attn_qkv,
             "qgemv_pipe": list(self.piped),
+            "qgemv_async": self.options.qgemv_async,
             "row_budget": self.row_budget,
             "scratch_bytes": self.scratch_bytes,
         }

@@ -1089,6 +1089,7 @@ def source(
     qgemv_unroll_glu: int = qdot_src.UNROLL_GLU,
     qgemv_min_blocks: int = 0,
     qgemv_pipe: bool | Collection[str] = False,
+    qgemv_async: int = 0,
     attn_cluster: int = 0,
     cluster_min: int = CLUSTER_MIN,
     attention_only: bool = False,
@@ -1097,7 +1098,8 @@ def source(
     """The decode module for one model shape and the given weight types (`kv_half` / `kv_int8`:
     the cache's element type; `min_chunk`: fewest positions an attention slice takes;
     `qgemv_unroll` / `qgemv_unroll_glu` / `qgemv_min_blocks` / `qgemv_pipe`: the integer-dot GEMVs'
-    unrolling, launch bounds and software pipelining (True, or the types pipelined), `qdot_src.source`; `attn_cluster`: 0, or the blocks of one thread-block cluster
+    unrolling, launch bounds and software pipelining (True, or the types pipelined), `qgemv_async`:
+    cp.async stages of the Q4_K bodies, `qdot_src.source`; `attn_cluster`: 0, or the blocks of one thread-block cluster
     that take a KV head's positions in decode attention, merged through distributed shared memory:
     sm_90+, up to `attn_cluster` x `cluster_min` positions; longer contexts in slices over the grid,
     `attn_blocks` blocks a KV head; `attention_only`: without the GEMVs, for a second module whose
@@ -1133,5 +1135,5 @@ def source(
     if attention_only:
         return UNITS + COMMON + grid_src.LAST_BLOCK + qdot_src.round_source() + shaped
     gemv = "".join(GEMV.replace("{T}", t) for t in sorted(set(types)))
-    qdot = qdot_src.source(types, qgemv_unroll, qgemv_unroll_glu, qgemv_min_blocks, qgemv_pipe)
+    qdot = qdot_src.source(types, qgemv_unroll, qgemv_unroll_glu, qgemv_min_blocks, qgemv_pipe, qgemv_async)
     return UNITS + COMMON + grid_src.LAST_BLOCK + qdot_src.round_source() + gemv + qdot + MISC + shaped

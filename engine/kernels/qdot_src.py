@@ -111,11 +111,20 @@ __device__ __forceinline__ void q4k_pair(const uint4& h, int j, unsigned int& sc
     mn = (j & 2) ? mn_hi : (z & 0x3f3fu);
 }
 struct raw_Q4_K { uint4 h; uint4 q; };
-__device__ __forceinline__ void ld_Q4_K(const unsigned char* row, int c, raw_Q4_K& r) {
+// src_<C>: the QNP_<C> 16-byte pieces of chunk c (16-byte aligned), the members of raw_<C> in order
+#define QNP_Q4_K 2
+#define QBB_Q4_K 144  // bytes a 256-value block
+__device__ __forceinline__ void src_Q4_K(const unsigned char* row, int c, const uint4* (&s)[2]) {
     const unsigned char* p = row + (long long)(c >> 3) * 144;
     int k = c & 7;
-    r.h = __ldg((const uint4*)p);
-    r.q = __ldg((const uint4*)(p + 16 + 32 * (k >> 1) + 16 * (k & 1)));
+    s[0] = (const uint4*)p;
+    s[1] = (const uint4*)(p + 16 + 32 * (k >> 1) + 16 * (k & 1));
+}
+__device__ __forceinline__ void ld_Q4_K(const unsigned char* row, int c, raw_Q4_K& r) {
+    const uint4* s[2];
+    src_Q4_K(row, c, s);
+    r.h = __ldg(s[0]);
+    r.q = __ldg(s[1]);
 }
 __device__ __forceinline__ float dot_Q4_K(const raw_Q4_K& r, int c, const signed char* xq,
                                           const float* xd, const int* xs16) {
@@ -143,12 +152,21 @@ __device__ __forceinline__ float dot_Q4_K(const raw_Q4_K& r, int c, const signed
 #define QU_Q4_K2(u) QU_KQ2(u)
 #define QLB_Q4_K2 QLB_KQ2  // 48 registers at the default unroll (59 unbounded), no spills: 5 blocks an SM
 struct raw_Q4_K2 { uint4 h; uint4 q0; uint4 q1; };
-__device__ __forceinline__ void ld_Q4_K2(const unsigned char* row, int c, raw_Q4_K2& r) {
+#define QNP_Q4_K2 3
+#define QBB_Q4_K2 144
+__device__ __forceinline__ void src_Q4_K2(const unsigned char* row, int c, const uint4* (&s)[3]) {
     const unsigned char* p = row + (long long)(c >> 2) * 144;
     int j = c & 3;
-    r.h = __ldg((const uint4*)p);
-    r.q0 = __ldg((const uint4*)(p + 16 + 32 * j));
-    r.q1 = __ldg((const uint4*)(p + 32 + 32 * j));
+    s[0] = (const uint4*)p;
+    s[1] = (const uint4*)(p + 16 + 32 * j);
+    s[2] = (const uint4*)(p + 32 + 32 * j);
+}
+__device__ __forceinline__ void ld_Q4_K2(const unsigned char* row, int c, raw_Q4_K2& r) {
+    const uint4* s[3];
+    src_Q4_K2(row, c, s);
+    r.h = __ldg(s[0]);
+    r.q0 = __ldg(s[1]);
+    r.q1 = __ldg(s[2]);
 }
 __device__ __forceinline__ float dot_Q4_K2(const raw_Q4_K2& r, int c, const signed char* xq,
                                           const float* xd, const int* xs16) {
@@ -474,6 +492,74 @@ __device__ __forceinline__ void qgemv_body_{T}(
             }
         }
     };
+#if QASYNC_{T}
+    // EngineOptions.qgemv_async: the weights travel to shared memory by cp.async (sm_80+: a copy
+    // that holds no registers and no L1 line), S work items a thread ahead of the one it sums, so
+    // a thread keeps S - 1 items in flight at the kernels' 48 registers (QGEMV_PIPE holds one, in
+    // registers, at 64). Each thread has its own slots (no barrier: cp.async.wait_group orders a
+    // thread's copies before its reads). The items and their order are the loop's below: the
+    // same sums, the same bits. One chunk an item (U is 1 at the default unroll).
+    static_assert(U == 1, "qgemv_async: one chunk a work item");
+    constexpr int S = NR == 1 ? QASYNC_S : 2;  // gate+up: 2 (its 64-byte items: 32 KB a block)
+    constexpr int NP = QNP_{T};
+    __shared__ __align__(16) uint4 ring[S][NR * NP][256];
+    float acc[NR];
+    #pragma unroll
+    for (int r = 0; r < NR; r++) acc[r] = 0.f;
+    // the items of a row group: chunks t + k tpr, k < ipg (past nc: empty); chunk t + k tpr of a row
+    // is chunk t of the row k stride bytes on (tpr is a multiple of the chunks a 256-value block)
+    const int ipg = (nc + tpr - 1) / tpr;
+    const long long stride = (long long)(tpr / (256 >> QCW_{T})) * QBB_{T}, upb = (long long)up_off * row_bytes;
+    const smem_addr mine = shared_addr(&ring[0][0][tid]);  // piece p of slot s: + (s NR NP + p) 4096
+    int ig = g0, ik = 0;  // the next item to request; its row, and chunk t of it k strides on
+    const unsigned char* irow = W + (long long)(g0 * rpb + rl) * row_bytes;
+    const unsigned char* ip = irow;
+    // that item requested into `slot` as one commit group - an empty one past the last item, so the
+    // groups stay one an item and waiting for all but the newest S - 1 completes the oldest
+    auto issue = [&](int slot) {
+        if (ig < ngroups && ig * rpb + rl < rows && t + ik * tpr < nc) {
+            #pragma unroll
+            for (int r = 0; r < NR; r++) {
+                const uint4* src[NP];
+                src_{T}(ip + r * upb, t, src);
+                #pragma unroll
+                for (int q = 0; q < NP; q++) cp_async16(mine + ((slot * NR + r) * NP + q) * 4096, src[q]);
+            }
+        }
+        cp_async_commit();
+        ip += stride;
+        if (++ik == ipg) {
+            ik = 0;
+            ig += gs;
+            irow += (long long)gs * rpb * row_bytes;
+            ip = irow;
+        }
+    };
+    PDL_LAUNCH();
+    #pragma unroll
+    for (int s = 0; s < S - 1; s++) issue(s);  // the first S - 1 items before the wait
+    PDL_WAIT();
+    int g = g0, k = 0;
+    for (int rs = 0, ws = S - 1; g < ngroups; rs = rs + 1 == S ? 0 : rs + 1, ws = ws + 1 == S ? 0 : ws + 1) {
+        issue(ws);
+        cp_async_wait<S - 1>();
+        raw_{T} b[NR][1];
+        #pragma unroll
+        for (int r = 0; r < NR; r++) {
+            #pragma unroll
+            for (int q = 0; q < NP; q++) ((uint4*)&b[r][0])[q] = ring[rs][r * NP + q][tid];
+        }
+        dots(b, g, t + k * tpr, acc);
+        if (++k == ipg) {
+            finish(g, acc);
+            #pragma unroll
+            for (int r = 0; r < NR; r++) acc[r] = 0.f;
+            k = 0;
+            g += gs;
+        }
+    }
+    cp_async_wait<0>();
+#else
     raw_{T} buf[NR][U];
     // the first weight chunks are loaded before waiting for the kernel that writes the input
     PDL_LAUNCH();
@@ -522,6 +608,7 @@ __device__ __forceinline__ void qgemv_body_{T}(
         }
         finish(g, acc);
     }
+#endif
 #endif
 }
 """
@@ -573,6 +660,39 @@ def mix_pairs(types: list[str] | tuple[str, ...]) -> list[tuple[str, str]]:
     return [(a, b) for a in qt for b in qt if a != b and QTYPES[a] == QTYPES[b]]
 
 
+ASYNC_HELPERS = r"""
+// cp.async (EngineOptions.qgemv_async; sm_80+): 16 bytes from global to shared memory, through L2
+// only, holding no register until cp_async_wait; a plain copy in the host build (tests/cuda_host.py)
+// and before sm_80
+// (`dst` is a shared-memory address: shared_addr; its generic pointer in the host build)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+typedef unsigned int smem_addr;
+__device__ __forceinline__ smem_addr shared_addr(void* p) { return (smem_addr)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void cp_async16(smem_addr dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src) : "memory");
+}
+#else
+typedef unsigned char* smem_addr;
+__device__ __forceinline__ smem_addr shared_addr(void* p) { return (smem_addr)p; }
+__device__ __forceinline__ void cp_async16(smem_addr dst, const void* src) { *(uint4*)dst = *(const uint4*)src; }
+#endif
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+// every commit group but the newest N complete (and their writes visible to this thread)
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
+#endif
+}
+"""
+ASYNC = {"Q4_K": ("Q4_K", "Q4_K2")}
+"""The types whose GEMV bodies have a cp.async form (`qgemv_async`), and their chunk codes (`src_<C>`:
+16-byte aligned pieces; Q6_K's 210-byte blocks are only 2-byte aligned)."""
+
 KQ2 = ("Q4_K2", "Q6_K2")
 """The 64-value K-quant chunk codes, whose plain and two-piece kernels have launch bounds (QLB_KQ2)."""
 
@@ -583,6 +703,7 @@ def source(
     unroll_glu: int = UNROLL_GLU,
     min_blocks: int = 0,
     pipe: bool | Collection[str] = False,
+    async_stages: int = 0,
 ) -> str:
     """The integer-dot GEMV kernels for those of `types` that have one (after UNITS + COMMON),
     loading `unroll` chunks at once (`unroll_glu` per row of the fused gate+up kernels), and the
@@ -590,17 +711,26 @@ def source(
     blocks of 256 threads an SM (`__launch_bounds__`; 0: the rule above, 5 for the 64-value K-quant
     kernels at the default unroll, none for the others); `pipe`: the bodies of these types (True:
     every type) software-pipelined, the next chunks requested before the current ones are summed
-    (QPIPE_<C>, `EngineOptions.qgemv_pipe` / `qgemv_pipe_types`; `pipelined` says which)."""
+    (QPIPE_<C>, `EngineOptions.qgemv_pipe` / `qgemv_pipe_types`; `pipelined` says which);
+    `async_stages` 2 or 3: the types of `ASYNC` copy their weights to shared memory by cp.async that
+    many work items ahead (QASYNC_<C>, `EngineOptions.qgemv_async`; the gate+up kernel 2), instead
+    of pipelining (0: off)."""
+    if async_stages not in (0, 2, 3):
+        raise ValueError(f"qgemv_async takes 0, 2 or 3 stages, not {async_stages}")
     qt = sorted(t for t in set(types) if t in QTYPES)
     if not qt:
         return ""
-    piped = pipelined(qt, pipe)
+    piped = pipelined(qt, pipe, async_stages)
     unroll_defs = f"#define QGEMV_U {int(unroll)}\n#define QGEMV_UG {int(unroll_glu)}\n"
     if min_blocks > 0:
         unroll_defs += f"#define QGEMV_MINB {int(min_blocks)}\n"
     bodies = sorted({*qt, *(PLAIN[t] for t in qt)})
     codes = {c for t in piped for c in (t, PLAIN[t])}
     unroll_defs += "".join(f"#define QPIPE_{c} {int(c in codes)}\n" for c in bodies)
+    if async_stages:
+        copied = {c for t in qt for c in ASYNC.get(t, ())}
+        unroll_defs += f"#define QASYNC_S {async_stages}\n" + ASYNC_HELPERS
+        unroll_defs += "".join(f"#define QASYNC_{c} {int(c in copied)}\n" for c in bodies)
 
     def bounds(code: str, piped_body: bool) -> str:
         """A plain or two-piece kernel's launch bounds: its first chunk code's (QLB_KQ2P where a
@@ -623,11 +753,12 @@ def source(
     return unroll_defs + QDOT + QPREP + "".join(QGEMV.replace("{T}", t) for t in bodies) + kernels + mixed
 
 
-def pipelined(types: Collection[str], pipe: bool | Collection[str]) -> list[str]:
+def pipelined(types: Collection[str], pipe: bool | Collection[str], async_stages: int = 0) -> list[str]:
     """Those of `types` with an integer GEMV whose bodies `pipe` (True or 1: every type, False or 0:
-    none, else the types named) software-pipelines."""
+    none, else the types named) software-pipelines - less those that copy by cp.async instead
+    (`async_stages` > 0 and the type in `ASYNC`)."""
     want = (set(QTYPES) if pipe else set()) if isinstance(pipe, (bool, int)) else set(pipe)
-    return sorted(t for t in set(types) if t in QTYPES and t in want)
+    return sorted(t for t in set(types) if t in QTYPES and t in want and not (async_stages and t in ASYNC))
 
 
 def round_source() -> str:

@@ -330,6 +330,15 @@ __device__ __forceinline__ float stkv_kept(kv_t* row, unsigned short* dsc, int i
     return sizeof(kv_t) == 2 ? h2f(f2h(v)) : v;
 #endif
 }
+// RoPE (neox: pairs d, d + HALF; else d, d ^ 1; the first 2 HALF values of a head): the partner
+// of element d, the cos / sin index of its pair, and element d rotated (val(i): element i)
+__device__ __forceinline__ int rope_partner(int d) { return NEOX ? (d < HALF ? d + HALF : d - HALF) : d ^ 1; }
+__device__ __forceinline__ int rope_pair(int d) { return NEOX ? (d < HALF ? d : d - HALF) : d >> 1; }
+template <typename F>
+__device__ __forceinline__ float rope_rotate(int d, F val, float c, float s) {
+    if (NEOX) return d < HALF ? val(d) * c - val(d + HALF) * s : val(d - HALF) * s + val(d) * c;
+    return (d & 1) == 0 ? val(d) * c - val(d + 1) * s : val(d - 1) * s + val(d) * c;
+}
 // scale of element `idx` of a layer's int8 cache (1 without KVQ)
 #if KVQ
 #define KV_SCALE(dsc, idx) h2f((dsc)[(idx) >> 5])
@@ -359,7 +368,7 @@ extern "C" __global__ void __launch_bounds__(128) qkv_post(
     #pragma unroll
     for (int k = 0; k < (D + 127) / 128; k++) {
         int d = tid + 128 * k;
-        int j = NEOX ? (d < HALF ? d : d - HALF) : d >> 1;
+        int j = rope_pair(d);
         bool rot = b < H + KVH && d < D && d < 2 * HALF;
         nwv[k] = (nw && b < H + KVH && d < D) ? nw[d] : 1.f;
         cj[k] = rot ? c[j] : 0.f;
@@ -398,15 +407,7 @@ extern "C" __global__ void __launch_bounds__(128) qkv_post(
         int d = tid + 128 * k;
         if (d >= D) break;
         float v = xs[d];
-        if (d < 2 * HALF) {  // cj / sj: c[j], s[j] of this thread's pair j
-            if (NEOX) {
-                if (d < HALF) v = xs[d] * cj[k] - xs[d + HALF] * sj[k];
-                else { int j = d - HALF; v = xs[j] * sj[k] + xs[d] * cj[k]; }
-            } else {
-                if ((d & 1) == 0) v = xs[d] * cj[k] - xs[d + 1] * sj[k];
-                else v = xs[d - 1] * sj[k] + xs[d] * cj[k];
-            }
-        }
+        if (d < 2 * HALF) v = rope_rotate(d, [&](int i) { return xs[i]; }, cj[k], sj[k]);  // cj / sj: c[j], s[j] of its pair j
         out[k] = v;
     }
     #pragma unroll
@@ -538,8 +539,6 @@ template <int N> __device__ __forceinline__ void ldrow(const signed char* p, flo
 // arithmetic in the same order as qkv_post (its 128 threads a head are 4 warps of this block), so the
 // same queries and cache rows: one launch a layer less. (Else qkv_post runs before: `q` is its output.)
 #define ATT_QKV {ATT_QKV}
-// qkv_post's RoPE partner of element d (the value d's rotation pairs it with)
-__device__ __forceinline__ int rope_partner(int d) { return NEOX ? (d < HALF ? d + HALF : d - HALF) : d ^ 1; }
 extern "C" __global__ void ATT_BOUNDS attn_decode(
         const float* __restrict__ q, const kv_t* __restrict__ Kc, const kv_t* __restrict__ Vc,
         const unsigned short* __restrict__ Kd, const unsigned short* __restrict__ Vd, const int* ids,
@@ -627,7 +626,7 @@ extern "C" __global__ void ATT_BOUNDS attn_decode(
         for (int k = 0; k < DK; k++) {
             int d = 32 * (vw & 3) + lane + 128 * k;
             bool rot = vw < NVW && d < D && d < 2 * HALF;
-            int j = NEOX ? (d < HALF ? d : d - HALF) : d >> 1;
+            int j = rope_pair(d);
             nw_[r][k] = (nw && vw < NVW && d < D) ? nw[d] : 1.f;
             pnw_[r][k] = (nw && rot) ? nw[rope_partner(d)] : 1.f;
             c_[r][k] = rot ? rope_c[(long long)pos * HALF + j] : 0.f;
@@ -688,11 +687,8 @@ extern "C" __global__ void ATT_BOUNDS attn_decode(
                 if (d >= D) break;
                 float v = xo[r][k], pv = xp[r][k];
                 if (nrm) { v = v / rr * nw_[r][k]; pv = pv / rr * pnw_[r][k]; }
-                float o = v;
-                if (d < 2 * HALF) {  // qkv_post's rotation: this element and its partner
-                    if (NEOX) o = d < HALF ? v * c_[r][k] - pv * s_[r][k] : pv * s_[r][k] + v * c_[r][k];
-                    else o = (d & 1) == 0 ? v * c_[r][k] - pv * s_[r][k] : pv * s_[r][k] + v * c_[r][k];
-                }
+                // qkv_post's rotation: this element and its partner
+                float o = d < 2 * HALF ? rope_rotate(d, [&](int i) { return i == d ? v : pv; }, c_[r][k], s_[r][k]) : v;
                 if (u < G) { qs_[u][d] = o; continue; }
                 kv_t* dst = Kw + ((long long)kvh * n_ctx + pos) * D;
                 qs_[G][d] = stkv_kept(dst, KVQ ? Kdw + ((long long)kvh * n_ctx + pos) * (D / 32) : nullptr, d, o, ksc_);

@@ -52,7 +52,7 @@ class EngineOptions:
     for tuning: fewer registers a thread, maybe spills); 0: the built-in rule (5 for the 64-value
     K-quant kernels at the default unroll: 48 registers; none for the others)."""
     qgemv_pipe: bool = False
-    """Whether every integer decode GEMV is software-pipelined (`QGEMV_PIPE`): each thread requests
+    """Whether every integer decode GEMV is software-pipelined (`QPIPE_<C>`): each thread requests
     its next chunks (the next ones of the row, or the next row group's first) into a second buffer
     before summing the current ones, so it keeps a load in flight while it computes - the same sums
     in the same order, at 64 registers (4 blocks an SM) instead of 48; off until measured on a GPU."""

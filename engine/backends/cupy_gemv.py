@@ -146,10 +146,14 @@ def gemv_launches(
             prepped = True
         return qin
 
+    def rows_budget(*types: str) -> int:
+        """`qgemv_config`'s budget for a launch running the bodies of `types`."""
+        return budget or (4 if any(t in piped for t in types) else 5)
+
     pieces = w.pieces()
     if mixes(pieces, aq, epi, out_rows):  # two pieces of two types: one launch (qgemv_mix_<A>_<B>)
         (pa, pb), q = pieces, prep()
-        rb = budget or (4 if pa.type_name in piped or pb.type_name in piped else 5)
+        rb = rows_budget(pa.type_name, pb.type_name)
         (tpr_a, blocks_a), (tpr_b, blocks_b) = (qgemv_grid(p.type_name, p.shape[0], n_sm, cols, rb) for p in pieces)
         mix_args: tuple[Any, ...] = (pa.raw, np.int64(pa.raw.shape[1]), np.int32(pa.shape[0]), np.int32(tpr_a))
         mix_args += (np.int32(blocks_a), pb.raw, np.int64(pb.raw.shape[1]), np.int32(pb.shape[0]), np.int32(tpr_b))
@@ -165,7 +169,7 @@ def gemv_launches(
         if USE_QGEMV and qdot_src.QTYPES.get(p.type_name) == code:
             qin = prep()
             glu = epi >= 2
-            tpr, blocks = qgemv_grid(p.type_name, rows, n_sm, cols, budget or (4 if p.type_name in piped else 5))
+            tpr, blocks = qgemv_grid(p.type_name, rows, n_sm, cols, rows_budget(p.type_name))
             name = f"qgemv_{p.type_name}[{rows}x{cols}]"
             tail = (y[r0:], ptr(b), np.int32(epi), np.int32(out_rows or 0), np.int32(tpr))
             k = fn(f"qgemv{'_glu' if glu else ''}_{p.type_name}")

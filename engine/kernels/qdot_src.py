@@ -495,7 +495,7 @@ __device__ __forceinline__ void qgemv_body_{T}(
 #if QASYNC_{T}
     // EngineOptions.qgemv_async: the weights travel to shared memory by cp.async (sm_80+: a copy
     // that holds no registers and no L1 line), S work items a thread ahead of the one it sums, so
-    // a thread keeps S - 1 items in flight at the kernels' 48 registers (QGEMV_PIPE holds one, in
+    // a thread keeps S - 1 items in flight at the kernels' 48 registers (QPIPE_<C> holds one, in
     // registers, at 64). Each thread has its own slots (no barrier: cp.async.wait_group orders a
     // thread's copies before its reads). The items and their order are the loop's below: the
     // same sums, the same bits. One chunk an item (U is 1 at the default unroll).

@@ -671,23 +671,18 @@ __device__ __forceinline__ smem_addr shared_addr(void* p) { return (smem_addr)__
 __device__ __forceinline__ void cp_async16(smem_addr dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src) : "memory");
 }
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// every commit group but the newest N complete (and their writes visible to this thread)
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
 #else
 typedef unsigned char* smem_addr;
 __device__ __forceinline__ smem_addr shared_addr(void* p) { return (smem_addr)p; }
 __device__ __forceinline__ void cp_async16(smem_addr dst, const void* src) { *(uint4*)dst = *(const uint4*)src; }
-#endif
-__device__ __forceinline__ void cp_async_commit() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-}
-// every commit group but the newest N complete (and their writes visible to this thread)
+__device__ __forceinline__ void cp_async_commit() {}
 template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
+__device__ __forceinline__ void cp_async_wait() {}
 #endif
-}
 """
 ASYNC = {"Q4_K": ("Q4_K", "Q4_K2")}
 """The types whose GEMV bodies have a cp.async form (`qgemv_async`), and their chunk codes (`src_<C>`:

@@ -25,7 +25,7 @@ benchmark: prefill by tile precision, memory, llama.cpp).
 
     python -m bench.decode_ab --against /tmp/prev --preset qwen3-4b-q4_k_m --preset smollm2-135m-q4_1 --backend cupy
     python -m bench.decode_ab --against /tmp/prev --model m.gguf --backend native --tokens 32
-    python -m bench.decode_ab --against . --env GENIE_CUPY_ATTN_QKV=1 --preset qwen3-4b-q4_k_m --backend cupy
+    python -m bench.decode_ab --against . --env GENIE_QGEMV_MIN_BLOCKS=4 --preset qwen3-4b-q4_k_m --backend cupy
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         metavar="NAME=VALUE",
         help="an environment variable of this checkout's processes only (repeatable; with --against . "
-        "it compares an EngineOptions setting, e.g. GENIE_CUPY_ATTN_QKV=1, with the default)",
+        "it compares an EngineOptions setting, e.g. GENIE_QGEMV_MIN_BLOCKS=4, with the default)",
     )
     a = ap.parse_args(argv)
     extra = dict(kv.split("=", 1) for kv in a.env)

@@ -12,7 +12,7 @@ time: a GEMV whose body issues fewer instructions at the same registers is likel
 only `bench.decode_ab` on a GPU says by how much.
 
     python -m bench.sass_loops --against /tmp/prev --preset qwen3-4b-q4_k_m --kernels qgemv
-    python -m bench.sass_loops --against . --set qgemv_pipe=1 --kernels qgemv
+    python -m bench.sass_loops --against . --set qgemv_min_blocks=4 --kernels qgemv
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def sources(
     checkout: Path, presets: list[str], archs: list[str], settings: dict[str, Any] | None = None
 ) -> dict[str, str]:
     """The decode modules of `checkout`'s engine, by `preset@sm_count`; `settings` are more keyword
-    arguments of its `decode_src.source` (e.g. `qgemv_pipe`)."""
+    arguments of its `decode_src.source` (e.g. `qgemv_min_blocks`)."""
     env = {**os.environ, "PYTHONPATH": str(checkout)}
     sms = ",".join(str(SMS[a]) for a in archs)
     r = subprocess.run(
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         metavar="NAME=VALUE",
         help="a keyword of decode_src.source for this checkout's modules only, an integer or a "
-        "comma-separated list (e.g. qgemv_pipe=1, qgemv_pipe=Q4_K; with --against . it compares a "
+        "comma-separated list (e.g. qgemv_min_blocks=4, attn_cluster=4; with --against . it compares a "
         "setting with the default)",
     )
     ap.add_argument("--out", type=Path, help="write the figures as JSON here")

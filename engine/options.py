@@ -8,10 +8,7 @@ environment by `EngineOptions.from_env` (the only place the engine reads these v
 | `qgemv_unroll` | `GENIE_QGEMV_UNROLL` | 2 | chunks a thread of `qgemv_<T>` loads at once |
 | `qgemv_unroll_glu` | `GENIE_QGEMV_UNROLL_GLU` | 1 | the same for each row of `qgemv_glu_<T>` |
 | `qgemv_min_blocks` | `GENIE_QGEMV_MIN_BLOCKS` | 0 (the rule) | blocks of 256 threads an SM every integer decode GEMV is held to (launch bounds: fewer registers, maybe spills) |
-| `qgemv_pipe` | `GENIE_QGEMV_PIPE` (`1`: on) | False | every integer decode GEMV software-pipelined: a thread's next chunks are requested before its current ones are summed (two buffers, 64 registers) |
-| `qgemv_pipe_types` | `GENIE_QGEMV_PIPE_TYPES` (comma-separated, e.g. `Q4_K`) | () (every type) | with `qgemv_pipe`, only these weight types' GEMVs are pipelined (Q6_K's two buffers spill at 64 registers) |
-| `qgemv_async` | `GENIE_QGEMV_ASYNC` (`2` or `3`) | 0 (off) | the Q4_K integer decode GEMVs copy their weights to shared memory by cp.async (sm_80+), that many work items ahead of the one they sum (gate+up: 2); instead of `qgemv_pipe` for Q4_K |
-| `qgemv_row_budget` | `GENIE_QGEMV_ROW_BUDGET` | 0 (5; 4 for a pipelined launch) | row groups an SM the integer decode GEMVs' threads a row are chosen for (`qgemv_config`: the most threads a row that keep the grid within this many blocks an SM) |
+| `qgemv_row_budget` | `GENIE_QGEMV_ROW_BUDGET` | 0 (5) | row groups an SM the integer decode GEMVs' threads a row are chosen for (`qgemv_config`: the most threads a row that keep the grid within this many blocks an SM) |
 | `cupy_pdl` | `GENIE_CUPY_PDL` (`0`: off) | True | programmatic dependent launch in the decode step |
 | `cupy_prefill` | `GENIE_CUPY_PREFILL` | "auto" | prefill tile precision: auto, float16, float32 |
 | `cupy_mmq` | `GENIE_CUPY_MMQ` (`0`: off) | True | fp16 prefill GEMMs read the GGUF blocks (`mmq_h_<T>` / `mmq_w_<T>`, sm_80+) instead of dequantized tiles + cuBLAS |
@@ -24,7 +21,6 @@ environment by `EngineOptions.from_env` (the only place the engine reads these v
 | `attn_chunk` | `GENIE_CUPY_ATTN_CHUNK` | 32 | fewest positions a decode-attention slice takes |
 | `attn_warps` | `GENIE_CUPY_ATTN_WARPS` | 0 (the rule) | warps of a decode-attention block |
 | `attn_cluster` | `GENIE_CUPY_ATTN_CLUSTER` | 8 | sm_90+: blocks of the thread-block cluster that takes one KV head's positions in decode attention (merged through distributed shared memory); 0: split-K slices merged through global memory (always below sm_90) |
-| `attn_qkv` | `GENIE_CUPY_ATTN_QKV` (`1`: on) | False | decode attention also does `qkv_post`'s work (Q/K norm, RoPE, the new K/V rows): one launch a layer less, the same logits |
 | `prefill_chunk` | — (the caller's) | None (the backend's: CPU 64, CuPy 512) | prompt tokens per prefill pass the caller uses: sizes the memory plan's prefill scratch and CuPy's first-chunk graph |
 """
 
@@ -51,25 +47,10 @@ class EngineOptions:
     """Blocks of 256 threads an SM that every integer decode GEMV is held to (`__launch_bounds__`,
     for tuning: fewer registers a thread, maybe spills); 0: the built-in rule (5 for the 64-value
     K-quant kernels at the default unroll: 48 registers; none for the others)."""
-    qgemv_pipe: bool = False
-    """Whether every integer decode GEMV is software-pipelined (`QPIPE_<C>`): each thread requests
-    its next chunks (the next ones of the row, or the next row group's first) into a second buffer
-    before summing the current ones, so it keeps a load in flight while it computes - the same sums
-    in the same order, at 64 registers (4 blocks an SM) instead of 48; off until measured on a GPU."""
-    qgemv_pipe_types: tuple[str, ...] = ()
-    """With `qgemv_pipe`, the weight types (GGUF names) whose integer decode GEMVs are pipelined;
-    empty: every type. (The Q6_K bodies' two chunk buffers spill 16 bytes at 64 registers, the
-    Q4_K ones none: `GENIE_QGEMV_PIPE_TYPES=Q4_K` measures the pipe without the spill.)"""
-    qgemv_async: int = 0
-    """Stages (2 or 3; 0: off) of the Q4_K integer decode GEMVs' cp.async form (`QASYNC_<C>`): each
-    thread copies its next work items' weights into its own shared-memory slots (sm_80+: no
-    registers held) and sums the oldest, so 2 (gate+up: 1) stay in flight at the kernels' 48
-    registers and 5 blocks an SM - the same sums in the same order; takes the place of
-    `qgemv_pipe` for Q4_K. Off until measured on a GPU."""
     qgemv_row_budget: int = 0
     """Row groups of 256 threads an SM that `qgemv_config` sizes the integer GEMVs' threads a row
-    for (the most threads a row whose grid stays within it); 0: the kernels' resident blocks, 5
-    (4 for a launch running a `qgemv_pipe` body). Measured at 5 (session 39: 3, 4, 8, 10 gave 0.80-1.00x)."""
+    for (the most threads a row whose grid stays within it); 0: 5, the kernels' resident blocks.
+    Measured at 5 (session 39: 3, 4, 8, 10 gave 0.80-1.00x)."""
     cupy_pdl: bool = True
     """Whether the CUDA decode step uses programmatic dependent launch where the device has it."""
     cupy_prefill: str = "auto"
@@ -104,10 +85,6 @@ class EngineOptions:
     """On sm_90+, the blocks of one thread-block cluster that take a KV head's positions in decode
     attention and merge through distributed shared memory (at most 8); 0: split-K slices of at
     least `attn_chunk` positions merged through global memory, the only path below sm_90."""
-    attn_qkv: bool = False
-    """Whether decode attention also does `qkv_post`'s work for its KV head (every block rotates
-    its group's queries, the block holding the position writes the new K/V rows and reads them
-    from shared memory): one launch a layer less, bit-identical logits; off until measured on a GPU."""
     prefill_chunk: int | None = None
     """Prompt tokens per prefill pass the caller will use (the daemon: the policy's
     `voice.prefill_chunk_tokens`); sizes the plan's prefill scratch and CuPy's first-chunk graph.
@@ -126,11 +103,6 @@ class EngineOptions:
             qgemv_unroll=int(env.get("GENIE_QGEMV_UNROLL", "2")),
             qgemv_unroll_glu=int(env.get("GENIE_QGEMV_UNROLL_GLU", "1")),
             qgemv_min_blocks=int(env.get("GENIE_QGEMV_MIN_BLOCKS", "0")),
-            qgemv_pipe=env.get("GENIE_QGEMV_PIPE", "0") == "1",
-            qgemv_pipe_types=tuple(
-                t.strip().upper() for t in env.get("GENIE_QGEMV_PIPE_TYPES", "").split(",") if t.strip()
-            ),
-            qgemv_async=int(env.get("GENIE_QGEMV_ASYNC", "0")),
             qgemv_row_budget=int(env.get("GENIE_QGEMV_ROW_BUDGET", "0")),
             cupy_pdl=env.get("GENIE_CUPY_PDL", "1") != "0",
             cupy_prefill=env.get("GENIE_CUPY_PREFILL", "auto"),
@@ -144,7 +116,6 @@ class EngineOptions:
             attn_chunk=int(env.get("GENIE_CUPY_ATTN_CHUNK", "32")),
             attn_warps=int(env.get("GENIE_CUPY_ATTN_WARPS", "0")),
             attn_cluster=int(env.get("GENIE_CUPY_ATTN_CLUSTER", "8")),
-            attn_qkv=env.get("GENIE_CUPY_ATTN_QKV", "0") == "1",
         )
 
 

@@ -433,12 +433,10 @@ def decode_module(
     rope_half: int | None = None,
     neox: bool = True,
     cluster: int = 0,
-    attn_qkv: bool = False,
 ) -> HostModule:
     """The decode module of one head shape with no weight types (attention, `qkv_post` and the
     small kernels: quicker to build) and a `kv` cache ("float32", "float16" or "int8"), for the
-    host; `cluster`: the sm_90 build's thread-block clusters (0: none); `attn_qkv`: attention
-    doing `qkv_post`'s work (`EngineOptions.attn_qkv`)."""
+    host; `cluster`: the sm_90 build's thread-block clusters (0: none)."""
     from engine.kernels import decode_src
 
     src = decode_src.source(
@@ -453,7 +451,6 @@ def decode_module(
         kv_int8=kv == "int8",
         n_split=n_split,
         attn_cluster=cluster,
-        attn_qkv=attn_qkv,
     )
     return HostModule(folder, src, cxx_or_skip("the decode kernels"), "decode")
 

@@ -140,23 +140,6 @@ def decode_sources(sm_counts: tuple[int, ...], cluster: int = 0) -> dict[str, st
                     out[f"decode-long[{name},{kv},split={n_split}]"] = decode_src.source(
                         types, **shape, warps=decode_src.attn_warps(c.n_heads // c.n_kv_heads, hd), attention_only=True
                     )
-                # attention doing qkv_post's work (EngineOptions.attn_qkv), both modules
-                out[f"decode-qkv[{name},{kv},split={n_split},cluster={cluster}]"] = decode_src.source(
-                    [],
-                    **shape,
-                    warps=decode_src.attn_warps(c.n_heads // c.n_kv_heads, hd, cluster),
-                    attn_cluster=cluster,
-                    attention_only=True,
-                    attn_qkv=True,
-                )
-                if cluster:
-                    out[f"decode-qkv-long[{name},{kv},split={n_split}]"] = decode_src.source(
-                        [],
-                        **shape,
-                        warps=decode_src.attn_warps(c.n_heads // c.n_kv_heads, hd),
-                        attention_only=True,
-                        attn_qkv=True,
-                    )
     return out
 
 
@@ -181,12 +164,6 @@ def sources(arch: str) -> dict[str, str]:
     out["decode[every type]"] = decode_src.source(every_type, **shape)
     # the GEMVs held to more blocks an SM (EngineOptions.qgemv_min_blocks, a tuning option)
     out["decode[every type, min_blocks=6]"] = decode_src.source(every_type, **shape, qgemv_min_blocks=6)
-    # every GEMV software-pipelined (EngineOptions.qgemv_pipe)
-    out["decode[every type, pipe]"] = decode_src.source(every_type, **shape, qgemv_pipe=True)
-    # the Q4_K kernels only (EngineOptions.qgemv_pipe_types): pipelined and plain bodies in one module
-    out["decode[every type, pipe Q4_K]"] = decode_src.source(every_type, **shape, qgemv_pipe=["Q4_K"])
-    # the Q4_K bodies copying by cp.async (EngineOptions.qgemv_async), the others pipelined
-    out["decode[every type, async 3 + pipe]"] = decode_src.source(every_type, **shape, qgemv_pipe=True, qgemv_async=3)
     return out
 
 

@@ -246,77 +246,32 @@ def test_long_contexts_run_the_plain_attention_kernel(tmp_path: Path) -> None:
     assert runs == list(range(runs[0], runs[0] + len(runs))) and runs[0] <= 1530 and runs[-1] >= 1540, runs
 
 
-ATTN_QKV_CASES = [
-    ("qwen3", "Q4_K", {"head_dim": 128}, "f16"),  # Q/K norms, neox pairs
-    ("llama", "Q4_1", {}, "int8"),  # no Q/K norms, interleaved pairs, int8 rows
-    ("gemma3", "Q5_K", {"sliding_window": 16, "n_layers": 6}, "f32"),  # windows, f32 rows
-    ("qwen3", "Q8_0", {"head_dim": 96}, "int8"),  # the one-position-a-warp attention loop
-]
-
-
-@pytest.mark.parametrize("arch,t,extra,kv", ATTN_QKV_CASES)
-def test_attention_doing_qkv_post_gives_the_same_logits(
-    tmp_path: Path, arch: str, t: str, extra: dict, kv: str
-) -> None:
-    """With `attn_qkv` decode attention does `qkv_post`'s work (no `qkv_post` launch): the same
-    logits over steps past a sliding window and the same chained greedy tokens (the same queries
-    and cache rows; bit for bit where the compiler contracts both kernels' float operations alike,
-    as the host build's tests/test_attn_host.py asserts)."""
-    p = write_synthetic_gguf(tmp_path / "m.gguf", arch, weight_type=t, seed=9, **{**SHAPE, **extra})
-    ids = np.random.default_rng(9).integers(0, SHAPE["n_vocab"], 40).tolist()
-    outs, gens, posts = [], [], []
-    for on in (False, True):
-        m = load_model(p, backend="cupy", n_ctx=256, kv_dtype=kv, options=replace(EXACT, attn_qkv=on))
-        dec = m.decoder
-        assert isinstance(dec, CupyDecoder) and dec.mode == "graph"
-        posts.append(sum(ln.name == "qkv_post" for ln in dec.plan))
-        m.step_logits(ids[:8], 0)
-        outs.append(np.stack([m.step_logits([ids[pos]], pos) for pos in range(8, 28)]))
-        m.transformer.kv.tokens = []
-        gens.append(_generate(m, ids[:30], 12))
-        del m, dec
-    assert posts == [extra.get("n_layers", SHAPE["n_layers"]), 0], posts
-    assert rel(outs[1], outs[0]) < 1e-6, rel(outs[1], outs[0])
-    assert (outs[1].argmax(1) == outs[0].argmax(1)).all()
-    assert gens[1] == gens[0]
-
-
 VARIANTS = {
     "unroll4": {"qgemv_unroll": 4, "qgemv_unroll_glu": 4},
-    "pipe": {"qgemv_pipe": True},
-    "pipe Q4_K": {"qgemv_pipe": True, "qgemv_pipe_types": ("Q4_K",)},
-    "async 3": {"qgemv_async": 3},
-    "async 2 + pipe": {"qgemv_async": 2, "qgemv_pipe": True},
+    "min_blocks 4": {"qgemv_min_blocks": 4},
 }
-SAME_ORDER = {"pipe", "pipe Q4_K", "async 3", "async 2 + pipe"}
+SAME_ORDER = {"min_blocks 4"}
 """Variants that sum the same chunks in the same order as the default: their logits are the same bits."""
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_gemv_variants_give_the_default_logits(tmp_path: Path, variant: str) -> None:
-    """The decode GEMV knobs (four chunks a thread; `qgemv_pipe`: the next chunks requested before
-    the current ones are summed - bit for bit - for every type or, with `qgemv_pipe_types`, the
-    Q4_K kernels only, beside plain Q6_K ones in the same two-piece launches; `qgemv_async`: the
-    Q4_K weights copied to shared memory by cp.async, alone or beside pipelined Q6_K kernels - bit
-    for bit) change how the integer sums are split among threads, not what they are: the logits of
-    the default decoder's steps (Q4_K layers; a Q6_K gate+up piece, down matrix and V piece, the
-    last in a two-piece QKV launch) to float rounding, the same argmax."""
+    """The decode GEMV knobs (four chunks a thread; other launch bounds - bit for bit) change how
+    the integer sums are split among threads, not what they are: the logits of the default decoder's steps (Q4_K layers; a Q6_K gate+up piece, down
+    matrix and V piece, the last in a two-piece QKV launch) to float rounding, the same argmax."""
     overrides = {"blk.0.ffn_up.weight": "Q6_K", "blk.1.ffn_down.weight": "Q6_K", "blk.1.attn_v.weight": "Q6_K"}
     extra = {"type_overrides": overrides}
     p = write_synthetic_gguf(tmp_path / "m.gguf", "qwen3", weight_type="Q4_K", seed=8, **{**SHAPE, **extra})
     ids = np.random.default_rng(8).integers(0, SHAPE["n_vocab"], 16).tolist()
-    outs, sources, piped = [], [], []
+    outs, sources = [], []
     for opts in (EXACT, replace(EXACT, **VARIANTS[variant])):
         m = load_model(p, backend="cupy", n_ctx=256, kv_dtype="f16", options=opts)
         assert isinstance(m.decoder, CupyDecoder) and m.decoder.mode == "graph"
         sources.append(m.decoder.module)
-        piped.append(m.decoder.describe()["qgemv_pipe"])
         m.step_logits(ids[:8], 0)
         outs.append(np.stack([m.step_logits([ids[pos]], pos) for pos in range(8, 16)]))
         del m
     assert sources[0] is not sources[1]  # the knob did build another module
-    want = {"pipe": ["Q4_K", "Q6_K"], "pipe Q4_K": ["Q4_K"], "async 2 + pipe": ["Q6_K"]}.get(variant, [])
-    assert piped == [[], want], piped
     assert rel(outs[1], outs[0]) < 1e-5, rel(outs[1], outs[0])
     assert (outs[1].argmax(1) == outs[0].argmax(1)).all()
     if variant in SAME_ORDER:
@@ -360,7 +315,7 @@ QCASES = [
 def test_gemv_threads_a_row_keep_one_wave_of_the_row_budget(budget: int, want: list[int]) -> None:
     """`qgemv_config` gives the Qwen3-4B shape's GEMVs (Q, gate+up rows, down, O, head) on 132 SMs
     the most threads a row whose grid stays within `budget` blocks an SM (5: the default kernels'
-    resident blocks; 4: the software-pipelined ones')."""
+    resident blocks; 4: `EngineOptions.qgemv_row_budget` 4)."""
     from engine.backends.cupy_gemv import qgemv_grid
 
     shapes = [(4096, 2560), (9728, 2560), (2560, 9728), (2560, 4096), (151936, 2560)]
@@ -369,24 +324,21 @@ def test_gemv_threads_a_row_keep_one_wave_of_the_row_budget(budget: int, want: l
     assert all(blocks <= budget * 132 for _, blocks in got[:4])  # the head's grid is capped (8 an SM)
 
 
-def _gemv_module(types: list[str], pipe: bool | tuple[str, ...] = False) -> tuple[Any, int]:
-    """A small decode module with the GEMVs of `types` (`pipe`: software-pipelined,
-    `EngineOptions.qgemv_pipe`), and the GPU's multiprocessor count."""
+def _gemv_module(types: list[str]) -> tuple[Any, int]:
+    """A small decode module with the GEMVs of `types`, and the GPU's multiprocessor count."""
     from engine.backends import cupy_decoder as cd
     from engine.kernels import decode_src
 
     shape = {"n_heads": 4, "n_kv_heads": 2, "head_dim": 64, "v_head_dim": 64, "rope_half": 32}
-    mod = cd._module(decode_src.source(types, **shape, neox=True, kv_half=True, n_split=8, qgemv_pipe=pipe))
+    mod = cd._module(decode_src.source(types, **shape, neox=True, kv_half=True, n_split=8))
     return mod, int(cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["multiProcessorCount"])
 
 
-@pytest.mark.parametrize("pipe", [False, True])
 @pytest.mark.parametrize("epi", [0, 1, 2])
 @pytest.mark.parametrize("t,rows,cols", QCASES)
-def test_qgemv_matches_numpy_and_float_path(t: str, rows: int, cols: int, epi: int, pipe: bool) -> None:
+def test_qgemv_matches_numpy_and_float_path(t: str, rows: int, cols: int, epi: int) -> None:
     """norm + llama.cpp rounding + integer dot products == NumPy (rms_norm, act_quant, W @ x),
-    and == the float kernel with the same rounding up to float summation order; software-pipelined
-    too (`qgemv_pipe`)."""
+    and == the float kernel with the same rounding up to float summation order."""
     from engine.backends import cupy_gemv
     from engine.backends.numpy_backend import NumpyOps
     from engine.gguf_file import TensorInfo
@@ -415,7 +367,7 @@ def test_qgemv_matches_numpy_and_float_path(t: str, rows: int, cols: int, epi: i
     else:
         g, u = acc[:rows], acc[rows:]
         ref = g / (1 + np.exp(-g)) * u
-    mod, n_sm = _gemv_module([t], pipe)
+    mod, n_sm = _gemv_module([t])
     outs = {}
     for use_q in (True, False):
         cupy_gemv.USE_QGEMV = use_q
@@ -456,16 +408,12 @@ TWO_TYPES = [("Q4_K", "Q6_K", 5120, 1024, 2560), ("Q6_K", "Q4_K", 77, 300, 512),
 
 
 @pytest.mark.parametrize("epi", [0, 1])
-@pytest.mark.parametrize(
-    "ta,tb,ra,rb,cols,pipe",
-    [(*c, p) for c in TWO_TYPES for p in (False, True)] + [(*c, ("Q4_K",)) for c in TWO_TYPES[:2]],
-)
+@pytest.mark.parametrize("ta,tb,ra,rb,cols", TWO_TYPES)
 def test_two_type_matrix_in_one_launch_matches_a_launch_a_piece(
-    ta: str, tb: str, ra: int, rb: int, cols: int, epi: int, pipe: bool | tuple[str, ...]
+    ta: str, tb: str, ra: int, rb: int, cols: int, epi: int
 ) -> None:
     """A matrix of two pieces of two types (a Q4_K_M QKV) runs as one `qgemv_mix` launch that
-    gives the same bits as one launch a piece, bias or adding epilogue included (software-pipelined
-    too, `qgemv_pipe`: every body, or the Q4_K piece's only, beside a plain Q6_K one)."""
+    gives the same bits as one launch a piece, bias or adding epilogue included."""
     from engine.backends import cupy_gemv
     from engine.gguf_file import TensorInfo
     from engine.kernels import qdot_src
@@ -480,8 +428,7 @@ def test_two_type_matrix_in_one_launch_matches_a_launch_a_piece(
     w = ops.concat_rows(parts)
     assert [p.type_name for p in w.pieces()] == [ta, tb]
     aq = {1: "q8_0", 2: "q8_k"}[qdot_src.QTYPES[ta]]
-    mod, n_sm = _gemv_module([ta, tb], pipe)
-    piped = qdot_src.pipelined([ta, tb], pipe)
+    mod, n_sm = _gemv_module([ta, tb])
     x, nw = (
         cp.asarray(rng.standard_normal(cols, dtype=np.float32)),
         cp.asarray(rng.random(cols, dtype=np.float32) + 0.5),
@@ -493,9 +440,7 @@ def test_two_type_matrix_in_one_launch_matches_a_launch_a_piece(
         cupy_gemv.USE_MIX = mix
         try:
             y = cp.asarray(y0)
-            ls = cupy_gemv.gemv_launches(
-                mod.get_function, n_sm, w, x, nw, np.float32(1e-6), aq, y, bias, epi, piped=piped
-            )
+            ls = cupy_gemv.gemv_launches(mod.get_function, n_sm, w, x, nw, np.float32(1e-6), aq, y, bias, epi)
         finally:
             cupy_gemv.USE_MIX = True
         for ln in ls:

@@ -65,8 +65,7 @@ def test_defaults_are_the_engines_and_the_value_is_frozen() -> None:
     )
     assert o.cupy_device_loop is True and o.cupy_mmq is True and o.cupy_mmq_split is True
     assert o.cupy_mmq_tokens == 128 and o.cupy_mmq_i8 is False and o.qgemv_min_blocks == 0
-    assert o.attn_cluster == 8 and o.attn_qkv is False and o.qgemv_pipe is False and o.qgemv_row_budget == 0
-    assert o.qgemv_pipe_types == () and o.qgemv_async == 0
+    assert o.attn_cluster == 8 and o.qgemv_row_budget == 0
     with pytest.raises(FrozenInstanceError):
         o.threads = 3  # type: ignore[misc]
 
@@ -101,9 +100,6 @@ def test_from_env_parses_every_variable() -> None:
         "GENIE_QGEMV_UNROLL": "4",
         "GENIE_QGEMV_UNROLL_GLU": "2",
         "GENIE_QGEMV_MIN_BLOCKS": "6",
-        "GENIE_QGEMV_PIPE": "1",
-        "GENIE_QGEMV_PIPE_TYPES": " q4_k, Q8_0 ,",
-        "GENIE_QGEMV_ASYNC": "3",
         "GENIE_QGEMV_ROW_BUDGET": "4",
         "GENIE_CUPY_PDL": "0",
         "GENIE_CUPY_PREFILL": "float16",
@@ -117,7 +113,6 @@ def test_from_env_parses_every_variable() -> None:
         "GENIE_CUPY_ATTN_CHUNK": "64",
         "GENIE_CUPY_ATTN_WARPS": "8",
         "GENIE_CUPY_ATTN_CLUSTER": "0",
-        "GENIE_CUPY_ATTN_QKV": "1",
     }
     assert EngineOptions.from_env(env) == EngineOptions(
         threads=3,
@@ -125,9 +120,6 @@ def test_from_env_parses_every_variable() -> None:
         qgemv_unroll=4,
         qgemv_unroll_glu=2,
         qgemv_min_blocks=6,
-        qgemv_pipe=True,
-        qgemv_pipe_types=("Q4_K", "Q8_0"),
-        qgemv_async=3,
         qgemv_row_budget=4,
         cupy_pdl=False,
         cupy_prefill="float16",
@@ -141,7 +133,6 @@ def test_from_env_parses_every_variable() -> None:
         attn_chunk=64,
         attn_warps=8,
         attn_cluster=0,
-        attn_qkv=True,
     )
 
 
@@ -329,35 +320,6 @@ def test_min_blocks_bounds_every_integer_gemv_and_only_when_asked() -> None:
     held_defs = held[held.index("#ifdef QGEMV_MINB") : held.index("#else", held.index("#ifdef QGEMV_MINB"))]
     for name in ("QLB_Q4_1", "QLB_Q8_0", "QLB_KQ2", "QLB_GLU"):
         assert f"#define {name} __launch_bounds__(256, QGEMV_MINB)" in held_defs
-
-
-def test_pipe_types_pipeline_only_their_bodies_and_bound_their_kernels() -> None:
-    """`qgemv_pipe` for some types (`qgemv_pipe_types`) turns on the pipelined body of those types'
-    chunk codes only, puts the 64-register bounds (QLB_KQ2P) on their plain kernels and on every
-    two-piece kernel with a pipelined piece, and keeps the others' bounds; True is every type but
-    those copying by cp.async (`qgemv_async`: Q4_K), and stage counts other than 0, 2, 3 are refused."""
-    from engine.kernels import qdot_src
-
-    types = ["Q4_K", "Q6_K", "Q4_1", "Q8_0"]
-    assert qdot_src.pipelined(types, True) == sorted(types) and qdot_src.pipelined(types, False) == []
-    assert qdot_src.pipelined(["Q4_K", "F16"], ["Q4_K", "Q6_K", "F16"]) == ["Q4_K"]
-    src = qdot_src.source(types, pipe=["Q4_K"])
-    defs = dict(re.findall(r"#define QPIPE_(\w+) (\d)", src))
-    assert defs == {"Q4_K": "1", "Q4_K2": "1", "Q6_K": "0", "Q6_K2": "0", "Q4_1": "0", "Q8_0": "0"}
-    bounds = {k: b for b, k in re.findall(r'extern "C" __global__ void (\w+) (qgemv\w+)\(', src)}
-    assert bounds["qgemv_Q4_K"] == "QLB_KQ2P" and bounds["qgemv_Q6_K"] == "QLB_Q6_K2"
-    assert bounds["qgemv_mix_Q4_K_Q6_K"] == bounds["qgemv_mix_Q6_K_Q4_K"] == "QLB_KQ2P"
-    assert bounds["qgemv_Q4_1"] == "QLB_Q4_1" and bounds["qgemv_glu_Q4_K"] == "QLB_GLU"
-    assert qdot_src.pipelined(types, True, 3) == ["Q4_1", "Q6_K", "Q8_0"]  # Q4_K copies by cp.async instead
-    copying = qdot_src.source(types, pipe=True, async_stages=2)
-    assert (
-        "#define QASYNC_Q4_K 1" in copying and "#define QASYNC_Q6_K2 0" in copying and "#define QPIPE_Q4_K 0" in copying
-    )
-    with pytest.raises(ValueError, match="0, 2 or 3"):
-        qdot_src.source(types, async_stages=4)
-    every = qdot_src.source(types, pipe=True)
-    assert "#define QPIPE_Q6_K2 1" in every and qdot_src.source(types, pipe=False) == qdot_src.source(types)
-    assert "QLB_KQ2P" not in qdot_src.source(types).split("#define QLB_KQ2P")[-1]
 
 
 def test_short_chunks_split_k_only_where_the_grid_leaves_the_gpu_idle() -> None:

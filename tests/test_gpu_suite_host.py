@@ -33,15 +33,12 @@ RUNS: dict[str, tuple[str, str, dict[str, str], int]] = {
         {},
         4,
     ),
-    # the eager fallback, the GEMV knobs against the default (qgemv_pipe too), two-type matrices in
-    # one launch (without qgemv_pipe, with it, and with it for the Q4_K piece only), the Q4_K
-    # kernels' cp.async form (qgemv_async),
-    # attention doing qkv_post's work (attn_qkv: norms + neox pairs, an int8 cache)
+    # the eager fallback, the GEMV knobs against the default, two-type matrices in one launch
     "decoder-wiring": (
         "test_cupy_decoder.py",
-        "eager_fallback or gemv_variants or two_type_matrix or attention_doing_qkv and (qwen3-Q4_K or llama-Q4_1)",
+        "eager_fallback or gemv_variants or two_type_matrix",
         {},
-        24,
+        9,
     ),
     "chain": ("test_cupy_chain.py", "sampled-all", {}, 1),
     # the H200's path (clusters, compute capability 9.0): past one cluster's positions the plain

@@ -36,7 +36,7 @@ import numpy as np
 
 from ..errors import ContextOverflowError
 from ..gguf_file import TensorInfo
-from ..kernels import decode_src, qdot_src
+from ..kernels import decode_src
 from ..kv_cache import Int8Rows
 from ..options import DEFAULT_OPTIONS, EngineOptions
 from ..quants import dequantize_rows
@@ -85,16 +85,12 @@ class CupyDecoder:
         self.attn_warps = opts.attn_warps or decode_src.attn_warps(nh // nkv, hd, self.attn_cluster)
         self.row_budget = opts.qgemv_row_budget
         """Row groups an SM the integer GEMVs' threads a row are chosen for (`qgemv_config`; 0: the
-        rule, 4 for a launch running a pipelined body, else 5)."""
+        rule, 5)."""
         rope_half = int(next(iter(tf.rope.values()))[0].shape[1])
         types = {p.type_name for lw in tf.layers for w in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down) for p in w.pieces()}
         types |= {p.type_name for p in tf.output.pieces()}
         if not isinstance(tf.embed_table, TensorInfo):
             types.add(tf.embed_table.type_name)
-        pipe = (opts.qgemv_pipe_types or True) if opts.qgemv_pipe else False
-        self.piped = tuple(qdot_src.pipelined(types, pipe, opts.qgemv_async))
-        """The weight types whose integer GEMVs run software-pipelined bodies (`qgemv_pipe`; not
-        those with a cp.async body, `qgemv_async`)."""
         shape: dict[str, Any] = {
             "n_heads": nh,
             "n_kv_heads": nkv,
@@ -114,10 +110,7 @@ class CupyDecoder:
             qgemv_unroll=opts.qgemv_unroll,
             qgemv_unroll_glu=opts.qgemv_unroll_glu,
             qgemv_min_blocks=opts.qgemv_min_blocks,
-            qgemv_pipe=self.piped,
-            qgemv_async=opts.qgemv_async,
             attn_cluster=self.attn_cluster,
-            attn_qkv=opts.attn_qkv,
         )
         self.module = _module(src)
         self._fns: dict[str, Any] = {}
@@ -131,9 +124,7 @@ class CupyDecoder:
         self.long_warps = opts.attn_warps or decode_src.attn_warps(nh // nkv, hd)
         self.long_module = None
         if self.long_from:
-            long_src = decode_src.source(
-                sorted(types), **shape, warps=self.long_warps, attention_only=True, attn_qkv=opts.attn_qkv
-            )
+            long_src = decode_src.source(sorted(types), **shape, warps=self.long_warps, attention_only=True)
             self.long_module = _module(long_src)
         # --- buffers (allocated once) -------------------------------------------------------
         f32 = cp.float32
@@ -318,9 +309,6 @@ class CupyDecoder:
             "n_split": self.n_split,
             "attn_cluster": self.attn_cluster,
             "long_from": self.long_from,
-            "attn_qkv": self.options.attn_qkv,
-            "qgemv_pipe": list(self.piped),
-            "qgemv_async": self.options.qgemv_async,
             "row_budget": self.row_budget,
             "scratch_bytes": self.scratch_bytes,
         }

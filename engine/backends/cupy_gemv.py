@@ -8,7 +8,6 @@ Kernels: `engine.kernels.decode_src` and `engine.kernels.qdot_src`.
 
 from __future__ import annotations
 
-from collections.abc import Collection
 from typing import Any
 
 import cupy as cp
@@ -62,7 +61,7 @@ USE_MIX = True  # a matrix of two pieces of two types in one launch (False: a la
 
 def qgemv_config(type_name: str, rows: int, n_sm: int, cols: int = 0, budget: int = 5) -> tuple[int, int]:
     """(threads per row, grid cap in blocks per SM) of the integer GEMV (`budget`: row groups an SM,
-    the kernels' resident blocks: 5, 4 with `EngineOptions.qgemv_pipe`).
+    the kernels' resident blocks: 5).
 
     Inputs of >= 1536 values (v7, timed with the weights coming from DRAM, each launch after an
     L2 flush: bench/results/decode_profile-*-v7a*/v7b*.txt): the most threads a row (64, 32, 16) that
@@ -120,14 +119,12 @@ def gemv_launches(
     qin: QInput | None = None,
     input_ready: bool = False,
     budget: int = 0,
-    piped: Collection[str] = (),
 ) -> list[Launch]:
     """The launches of y = W @ prep(x) (norm by `nw`, llama.cpp rounding `aq`) with epilogue `epi`:
     where W's type has an integer dot product and the rounding is on, one `qprep_x` launch rounds
     the input into `qin` (allocated here when not given), then the integer-dot kernel
     (`qgemv_<T>`) reads it; other pieces use the float kernel (`dgemv_<T>`, which prepares its
-    input itself). `budget`: `qgemv_config`'s (0: 4 for a launch running a body of a type in
-    `piped` - the module's software-pipelined ones, 4 blocks an SM - else 5).
+    input itself). `budget`: `qgemv_config`'s (0: 5).
     `fn(name)` gives a compiled kernel of the decode module."""
     out: list[Launch] = []
     cols = w.shape[1]
@@ -146,14 +143,9 @@ def gemv_launches(
             prepped = True
         return qin
 
-    def rows_budget(*types: str) -> int:
-        """`qgemv_config`'s budget for a launch running the bodies of `types`."""
-        return budget or (4 if any(t in piped for t in types) else 5)
-
-    pieces = w.pieces()
+    pieces, rb = w.pieces(), budget or 5
     if mixes(pieces, aq, epi, out_rows):  # two pieces of two types: one launch (qgemv_mix_<A>_<B>)
         (pa, pb), q = pieces, prep()
-        rb = rows_budget(pa.type_name, pb.type_name)
         (tpr_a, blocks_a), (tpr_b, blocks_b) = (qgemv_grid(p.type_name, p.shape[0], n_sm, cols, rb) for p in pieces)
         mix_args: tuple[Any, ...] = (pa.raw, np.int64(pa.raw.shape[1]), np.int32(pa.shape[0]), np.int32(tpr_a))
         mix_args += (np.int32(blocks_a), pb.raw, np.int64(pb.raw.shape[1]), np.int32(pb.shape[0]), np.int32(tpr_b))
@@ -169,7 +161,7 @@ def gemv_launches(
         if USE_QGEMV and qdot_src.QTYPES.get(p.type_name) == code:
             qin = prep()
             glu = epi >= 2
-            tpr, blocks = qgemv_grid(p.type_name, rows, n_sm, cols, rows_budget(p.type_name))
+            tpr, blocks = qgemv_grid(p.type_name, rows, n_sm, cols, rb)
             name = f"qgemv_{p.type_name}[{rows}x{cols}]"
             tail = (y[r0:], ptr(b), np.int32(epi), np.int32(out_rows or 0), np.int32(tpr))
             k = fn(f"qgemv{'_glu' if glu else ''}_{p.type_name}")

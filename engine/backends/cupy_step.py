@@ -65,11 +65,8 @@ class _Step:
             cache = (kc, vc, ptr(kd), ptr(vd), d.ids)  # the layer's K/V cache and scales, token + position
             cos, sin = tf.rope[s.layer_rope_base(i)]
             self.gemv(lw.wqkv, d.x, lw.attn_norm, lw.aq["qkv"], d.qkv, lw.bqkv)
-            rope_norms = (cos, sin, ptr(lw.q_norm), ptr(lw.k_norm))  # qkv_post's work: its tables and weights
-            fused = d.options.attn_qkv  # attention does qkv_post's work (ATT_QKV): no launch of its own
-            if not fused:
-                post_args = (d.qkv, d.q, *cache, *rope_norms, np.int32(d.n_ctx), eps)
-                self.plan.append(Launch(d.function("qkv_post"), (nh + 2 * nkv,), (128,), post_args, 0, "qkv_post"))
+            post_args = (d.qkv, d.q, *cache, cos, sin, ptr(lw.q_norm), ptr(lw.k_norm), np.int32(d.n_ctx), eps)
+            self.plan.append(Launch(d.function("qkv_post"), (nh + 2 * nkv,), (128,), post_args, 0, "qkv_post"))
             window = s.sliding_window if s.is_swa_layer(i) else 0
             # attention's last block per KV head also rounds its heads for the output projection
             o_round = rounds_input(lw.wo, lw.aq["o"], (nh // nkv) * s.v_head_dim)
@@ -80,7 +77,7 @@ class _Step:
                     (nkv, d.n_split if plain else d.attn_blocks),
                     (32 * (d.long_warps if plain else d.attn_warps),),
                     (
-                        d.qkv if fused else d.q,
+                        d.q,
                         *cache,
                         d.pm,
                         d.pl,
@@ -94,7 +91,6 @@ class _Step:
                         d.qin.xq,
                         d.qin.xd,
                         d.qin.xs16,
-                        *((*cache[:4], *rope_norms, eps) if fused else ()),  # the cache again, to write
                     ),
                     0,
                     "attn",
@@ -170,7 +166,6 @@ class _Step:
                 d.qin,
                 input_ready,
                 budget=d.row_budget,
-                piped=d.piped,
             )
         )
 

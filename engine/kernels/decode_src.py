@@ -27,8 +27,6 @@ filled per shape), read as CUDA, not as Python; splitting it would scatter one t
 
 from __future__ import annotations
 
-from collections.abc import Collection
-
 from . import grid_src, qdot_src
 from .quant_units import UNITS
 
@@ -307,32 +305,13 @@ __device__ __forceinline__ void stkv(float* p, float v) { *p = v; }
 __device__ __forceinline__ void stkv(unsigned short* p, float v) { *p = f2h(v); }
 // int8 cache (KVQ): element i of a row, stored by a whole warp holding 32 consecutive elements
 // (one scale block): d = max|v| / 127, q = rint(v / d), scale stored as fp16 (engine.kv_cache).
-// Returns q; `sc` (if not null) keeps the block's scale as the cache holds it in sc[i / 32].
-__device__ __forceinline__ signed char stkv_q8(signed char* q, unsigned short* dsc, int i, float v,
-                                               float* sc = nullptr) {
+__device__ __forceinline__ void stkv_q8(signed char* q, unsigned short* dsc, int i, float v) {
     float d = warp_max(fabsf(v)) / 127.0f;
-    signed char r = (signed char)(d > 0.f ? __float2int_rn(v / d) : 0);
-    q[i] = r;
-    if ((i & 31) == 0) {
-        dsc[i >> 5] = f2h(d);
-        if (sc) sc[i >> 5] = h2f(f2h(d));
-    }
-    return r;
+    q[i] = (signed char)(d > 0.f ? __float2int_rn(v / d) : 0);
+    if ((i & 31) == 0) dsc[i >> 5] = f2h(d);
 }
-// Element i of a new cache row stored as qkv_post stores it (f16 / f32, or int8 by stkv_q8),
-// returned as the attention loop reads it back (int8: the integer, its block's scale kept in
-// sc[i / 32]).
-__device__ __forceinline__ float stkv_kept(kv_t* row, unsigned short* dsc, int i, float v, float* sc) {
-#if KVQ
-    return (float)stkv_q8(row, dsc, i, v, sc);
-#else
-    stkv(row + i, v);
-    return sizeof(kv_t) == 2 ? h2f(f2h(v)) : v;
-#endif
-}
-// RoPE (neox: pairs d, d + HALF; else d, d ^ 1; the first 2 HALF values of a head): the partner
-// of element d, the cos / sin index of its pair, and element d rotated (val(i): element i)
-__device__ __forceinline__ int rope_partner(int d) { return NEOX ? (d < HALF ? d + HALF : d - HALF) : d ^ 1; }
+// RoPE (neox: pairs d, d + HALF; else d, d ^ 1; the first 2 HALF values of a head): the cos / sin
+// index of element d's pair, and element d rotated (val(i): element i)
 __device__ __forceinline__ int rope_pair(int d) { return NEOX ? (d < HALF ? d : d - HALF) : d >> 1; }
 template <typename F>
 __device__ __forceinline__ float rope_rotate(int d, F val, float c, float s) {
@@ -530,20 +509,11 @@ template <int N> __device__ __forceinline__ void ldrow(const signed char* p, flo
         }
     }
 }
-// ATT_QKV (EngineOptions.attn_qkv): the kernel also does qkv_post's work for its KV head, and
-// `q` is the QKV GEMV's raw output [H*D | KVH*D | KVH*DV] (Kw, Vw, Kdw, Vdw: the cache and scales
-// again, the pointers the new rows are written through - Kc etc. are read-only here; rope_c, rope_s: RoPE
-// cos / sin; qnorm, knorm: the Q / K norm weights or null). Every block normalises and rotates its group's queries into shared
-// memory itself; the block whose positions hold `pos` also makes the new key and value rows, writes
-// them into the cache and reads them from shared memory where the others read the cache. The same
-// arithmetic in the same order as qkv_post (its 128 threads a head are 4 warps of this block), so the
-// same queries and cache rows: one launch a layer less. (Else qkv_post runs before: `q` is its output.)
-#define ATT_QKV {ATT_QKV}
 extern "C" __global__ void ATT_BOUNDS attn_decode(
         const float* __restrict__ q, const kv_t* __restrict__ Kc, const kv_t* __restrict__ Vc,
         const unsigned short* __restrict__ Kd, const unsigned short* __restrict__ Vd, const int* ids,
         float* pm, float* pl, float* pacc, int* counter, float* out, int n_ctx, int window, float scale,
-        int aq, signed char* xq, float* xd, int* xs16{ATT_QKV_PARAMS}) {
+        int aq, signed char* xq, float* xd, int* xs16) {
     PDL_LAUNCH();  // PDL_WAIT below, once this block's K/V rows are requested into L2
     __shared__ float wm[NW][G], wl[NW][G];
     __shared__ float wacc[NW][G][DV];
@@ -595,8 +565,8 @@ extern "C" __global__ void ATT_BOUNDS attn_decode(
     float kn[KPL], vn[VPL], ksn = 1.f, vsn = 1.f;  // int8 cache: a lane's run is one scale block
     int sb = s0 + warp * PPW;
     // This lane's first K/V rows are loaded before the wait: rows before pos were written by
-    // earlier graph launches (complete), row pos is this step's (after the wait, or from shared
-    // memory with ATT_QKV) - the first step's load latency overlaps the kernel before.
+    // earlier graph launches (complete), row pos is this step's (after the wait) - the first
+    // step's load latency overlaps the kernel before.
     auto ld_first = [&](int s) {
         ldrow<KPL>(Kh + (long long)s * D + ol * KPL, kn);
         ldrow<VPL>(Vh + (long long)s * DV + ol * VPL, vn);
@@ -605,97 +575,9 @@ extern "C" __global__ void ATT_BOUNDS attn_decode(
     };
     if (sb + oct < s1 && sb + oct != pos) ld_first(sb + oct);
 #endif
-#if ATT_QKV
-    // qkv_post's work: unit u < G is query head kvh G + u, unit G the key head (the owner of pos
-    // only); qkv_post's 4 warps a unit are "virtual warps" vw = 4 u + w, taken by this block's
-    // warps in turn (RW each). Its lane's elements d = 32 (vw & 3) + lane + 128 k, k < DK.
-    constexpr int DK = (D + 127) / 128, NVW = 4 * (G + 1), RW = (NVW + NW - 1) / NW;
-    __shared__ float qs_[G + 1][D];  // the group's rotated queries; [G]: the new key row as the cache holds it
-    __shared__ float vs_[DV];  // the new value row as the cache holds it
-    __shared__ float ksc_[(D + 31) / 32], vsc_[(DV + 31) / 32];  // int8 cache: their scales
-    __shared__ float red_[G + 1][4];
-    const bool own = s0 <= pos && pos < s1;  // this block's positions hold pos: it makes the new rows
-    // what does not depend on the QKV GEMV is loaded before the wait: the norm weights of this
-    // lane's elements and of their RoPE partners, the cos / sin at the position
-    float nw_[RW][DK], pnw_[RW][DK], c_[RW][DK], s_[RW][DK];
-    #pragma unroll
-    for (int r = 0; r < RW; r++) {
-        int vw = warp + r * NW, u = vw >> 2;
-        const float* nw = u < G ? qnorm : knorm;
-        #pragma unroll
-        for (int k = 0; k < DK; k++) {
-            int d = 32 * (vw & 3) + lane + 128 * k;
-            bool rot = vw < NVW && d < D && d < 2 * HALF;
-            int j = rope_pair(d);
-            nw_[r][k] = (nw && vw < NVW && d < D) ? nw[d] : 1.f;
-            pnw_[r][k] = (nw && rot) ? nw[rope_partner(d)] : 1.f;
-            c_[r][k] = rot ? rope_c[(long long)pos * HALF + j] : 0.f;
-            s_[r][k] = rot ? rope_s[(long long)pos * HALF + j] : 0.f;
-        }
-    }
-#endif
     PDL_WAIT();
 #if ATT_STAGE == 3
     return;  // profiling: the launch alone
-#endif
-#if ATT_QKV
-    // (a lambda: each attention loop below calls it, its first K/V rows already requested)
-    auto qkv_here = [&]() {
-        float xo[RW][DK], xp[RW][DK];
-        #pragma unroll
-        for (int r = 0; r < RW; r++) {
-            int vw = warp + r * NW, u = vw >> 2;
-            const float* src = q + (u < G ? (kvh * G + u) * D : H * D + kvh * D);
-            #pragma unroll
-            for (int k = 0; k < DK; k++) {
-                int d = 32 * (vw & 3) + lane + 128 * k;
-                bool on = vw < NVW && (u < G || own) && d < D;
-                xo[r][k] = on ? src[d] : 0.f;
-                xp[r][k] = on && d < 2 * HALF ? src[rope_partner(d)] : 0.f;
-            }
-        }
-        if (own) {  // the value row: stored as qkv_post stores it, kept as the cache will read it
-            const float* src = q + H * D + KVH * D + kvh * DV;
-            kv_t* dst = Vw + ((long long)kvh * n_ctx + pos) * DV;
-            for (int i = tid; i < DV; i += NT)
-                vs_[i] = stkv_kept(dst, KVQ ? Vdw + ((long long)kvh * n_ctx + pos) * (DV / 32) : nullptr, i, src[i], vsc_);
-        }
-        #pragma unroll
-        for (int r = 0; r < RW; r++) {
-            int vw = warp + r * NW, u = vw >> 2;
-            if (vw < NVW && (u < G || own) && (u < G ? qnorm : knorm)) {
-                float ss = 0.f;
-                #pragma unroll
-                for (int k = 0; k < DK; k++) {
-                    int d = 32 * (vw & 3) + lane + 128 * k;
-                    if (d < D) ss += xo[r][k] * xo[r][k];
-                }
-                ss = warp_sum(ss);
-                if (lane == 0) red_[u][vw & 3] = ss;
-            }
-        }
-        __syncthreads();
-        #pragma unroll
-        for (int r = 0; r < RW; r++) {
-            int vw = warp + r * NW, u = vw >> 2;
-            if (!(vw < NVW && (u < G || own))) continue;
-            const bool nrm = (u < G ? qnorm : knorm) != nullptr;
-            float rr = nrm ? sqrtf((red_[u][0] + red_[u][1] + red_[u][2] + red_[u][3]) / (float)D + eps) : 1.f;
-            #pragma unroll
-            for (int k = 0; k < DK; k++) {
-                int d = 32 * (vw & 3) + lane + 128 * k;
-                if (d >= D) break;
-                float v = xo[r][k], pv = xp[r][k];
-                if (nrm) { v = v / rr * nw_[r][k]; pv = pv / rr * pnw_[r][k]; }
-                // qkv_post's rotation: this element and its partner
-                float o = d < 2 * HALF ? rope_rotate(d, [&](int i) { return i == d ? v : pv; }, c_[r][k], s_[r][k]) : v;
-                if (u < G) { qs_[u][d] = o; continue; }
-                kv_t* dst = Kw + ((long long)kvh * n_ctx + pos) * D;
-                qs_[G][d] = stkv_kept(dst, KVQ ? Kdw + ((long long)kvh * n_ctx + pos) * (D / 32) : nullptr, d, o, ksc_);
-            }
-        }
-        __syncthreads();
-    };
 #endif
 #if FASTATT
     // LPP lanes a position (each an aligned run of D/LPP key and DV/LPP value dims), 32/LPP
@@ -704,31 +586,10 @@ extern "C" __global__ void ATT_BOUNDS attn_decode(
     // The first K/V rows (before the wait, above) and this lane's slice of the group's queries
     // need no shared-memory staging or barrier; each step loads the next rows before it uses the
     // current ones (one step ahead), so load latency is paid about once a block.
-#if ATT_QKV
-    // position pos: this lane's run of the new K / V rows (and scales) from shared memory
-    auto ld_new = [&]() {
-        #pragma unroll
-        for (int i = 0; i < KPL; i++) kn[i] = qs_[G][ol * KPL + i];
-        #pragma unroll
-        for (int i = 0; i < VPL; i++) vn[i] = vs_[ol * VPL + i];
-        ksn = KVQ ? ksc_[(ol * KPL) >> 5] : 1.f;
-        vsn = KVQ ? vsc_[(ol * VPL) >> 5] : 1.f;
-    };
-#endif
     float qr[G][KPL];
-#if ATT_QKV
-    qkv_here();
-    if (own && sb + oct == pos) ld_new();
-    #pragma unroll
-    for (int g = 0; g < G; g++) {
-        #pragma unroll
-        for (int i = 0; i < KPL; i++) qr[g][i] = qs_[g][ol * KPL + i];
-    }
-#else
     if (sb + oct == pos && pos < s1) ld_first(pos);  // the row qkv_post wrote this step
     #pragma unroll
     for (int g = 0; g < G; g++) ldrow<KPL>(q + (kvh * G + g) * D + ol * KPL, qr[g]);
-#endif
     float m[G], l[G], acc[G][VPL];
     #pragma unroll
     for (int g = 0; g < G; g++) {
@@ -746,10 +607,6 @@ extern "C" __global__ void ATT_BOUNDS attn_decode(
         #pragma unroll
         for (int i = 0; i < VPL; i++) v[i] = vn[i];
         int sn = s + NW * PPW;
-#if ATT_QKV
-        if (own && sn == pos) ld_new();
-        else
-#endif
         if (sn < s1) {
             ldrow<KPL>(Kh + (long long)sn * D + ol * KPL, kn);
             ldrow<VPL>(Vh + (long long)sn * DV + ol * VPL, vn);
@@ -800,14 +657,9 @@ extern "C" __global__ void ATT_BOUNDS attn_decode(
         }
     }
 #else
-#if ATT_QKV
-    qkv_here();
-    float (*qs)[D] = qs_;
-#else
     __shared__ float qs[G][D];  // the group's queries (the one-position-a-warp loop only)
     for (int i = tid; i < G * D; i += NT) qs[i / D][i % D] = q[(kvh * G) * D + i];
     __syncthreads();
-#endif
     float m[G], l[G], acc[G][VL];
     #pragma unroll
     for (int g = 0; g < G; g++) {
@@ -826,17 +678,6 @@ extern "C" __global__ void ATT_BOUNDS attn_decode(
     #pragma unroll
     for (int i = 0; i < VL; i++) vn[i] = 0.f;
     int s = s0 + warp;
-#if ATT_QKV
-    // position pos: the new rows from shared memory, scaled as the cache's values are
-    auto ld_new = [&]() {
-        #pragma unroll
-        for (int i = 0; i < DL; i++) if (lane + 32 * i < D) kn[i] = qs_[G][lane + 32 * i] * (KVQ ? ksc_[(lane + 32 * i) >> 5] : 1.0f);
-        #pragma unroll
-        for (int i = 0; i < VL; i++) if (lane + 32 * i < DV) vn[i] = vs_[lane + 32 * i] * (KVQ ? vsc_[(lane + 32 * i) >> 5] : 1.0f);
-    };
-    if (own && s == pos) ld_new();
-    else
-#endif
     if (s < s1) {
         #pragma unroll
         for (int i = 0; i < DL; i++) if (lane + 32 * i < D) kn[i] = ldkv(Kh + (long long)s * D + lane + 32 * i) * KV_SCALE(Khd, (long long)s * D + lane + 32 * i);
@@ -849,10 +690,6 @@ extern "C" __global__ void ATT_BOUNDS attn_decode(
         for (int i = 0; i < DL; i++) k[i] = kn[i];
         #pragma unroll
         for (int i = 0; i < VL; i++) v[i] = vn[i];
-#if ATT_QKV
-        if (own && s + NW == pos) ld_new();
-        else
-#endif
         if (s + NW < s1) {
             #pragma unroll
             for (int i = 0; i < DL; i++) if (lane + 32 * i < D) kn[i] = ldkv(Kh + (long long)(s + NW) * D + lane + 32 * i) * KV_SCALE(Khd, (long long)(s + NW) * D + lane + 32 * i);
@@ -1022,14 +859,6 @@ but measured slower on an H200: Qwen3-4B shape 12.2 vs 11.7 us at 640 positions,
 4000; bench/attn_sweep.py --lanes 8,16.)"""
 
 
-ATT_QKV_PARAMS = (
-    ",\n        kv_t* Kw, kv_t* Vw, unsigned short* Kdw, unsigned short* Vdw, const float* __restrict__ rope_c,"
-    "\n        const float* __restrict__ rope_s, const float* __restrict__ qnorm, const float* __restrict__ knorm,"
-    " float eps"
-)
-"""`attn_decode`'s parameters after `xs16` with `attn_qkv` (its ATT_QKV comment says what they are)."""
-
-
 CLUSTER_MIN = 192
 """Fewest positions a block of a decode-attention cluster takes before the context is cut into
 slices over the grid instead (`CLMIN`): one cluster of N blocks takes up to N x 192 positions."""
@@ -1084,23 +913,18 @@ def source(
     qgemv_unroll: int = qdot_src.UNROLL,
     qgemv_unroll_glu: int = qdot_src.UNROLL_GLU,
     qgemv_min_blocks: int = 0,
-    qgemv_pipe: bool | Collection[str] = False,
-    qgemv_async: int = 0,
     attn_cluster: int = 0,
     cluster_min: int = CLUSTER_MIN,
     attention_only: bool = False,
-    attn_qkv: bool = False,
 ) -> str:
     """The decode module for one model shape and the given weight types (`kv_half` / `kv_int8`:
     the cache's element type; `min_chunk`: fewest positions an attention slice takes;
-    `qgemv_unroll` / `qgemv_unroll_glu` / `qgemv_min_blocks` / `qgemv_pipe`: the integer-dot GEMVs'
-    unrolling, launch bounds and software pipelining (True, or the types pipelined), `qgemv_async`:
-    cp.async stages of the Q4_K bodies, `qdot_src.source`; `attn_cluster`: 0, or the blocks of one thread-block cluster
+    `qgemv_unroll` / `qgemv_unroll_glu` / `qgemv_min_blocks`: the integer-dot GEMVs' unrolling and
+    launch bounds, `qdot_src.source`; `attn_cluster`: 0, or the blocks of one thread-block cluster
     that take a KV head's positions in decode attention, merged through distributed shared memory:
     sm_90+, up to `attn_cluster` x `cluster_min` positions; longer contexts in slices over the grid,
     `attn_blocks` blocks a KV head; `attention_only`: without the GEMVs, for a second module whose
-    `attn_decode` a decoder runs past one cluster's positions, `CupyDecoder.long_from`); `attn_qkv`:
-    `attn_decode` also does `qkv_post`'s work (ATT_QKV, `EngineOptions.attn_qkv`)."""
+    `attn_decode` a decoder runs past one cluster's positions, `CupyDecoder.long_from`)."""
     shaped = SHAPED
     width = 8 if (kv_half or kv_int8) else 4  # values a lane loads at once: 16 bytes (8 for int8)
     lpp = lanes_per_pos or ATTN_LANES
@@ -1124,12 +948,10 @@ def source(
         "{ATT_CLUSTER}": attn_cluster,
         "{CLMIN}": cluster_min,
         "{FASTATT}": int(head_dim % align == 0 and v_head_dim % align == 0),
-        "{ATT_QKV}": int(attn_qkv),
-        "{ATT_QKV_PARAMS}": ATT_QKV_PARAMS if attn_qkv else "",
     }.items():
         shaped = shaped.replace(k, str(v))
     if attention_only:
         return UNITS + COMMON + grid_src.LAST_BLOCK + qdot_src.round_source() + shaped
     gemv = "".join(GEMV.replace("{T}", t) for t in sorted(set(types)))
-    qdot = qdot_src.source(types, qgemv_unroll, qgemv_unroll_glu, qgemv_min_blocks, qgemv_pipe, qgemv_async)
+    qdot = qdot_src.source(types, qgemv_unroll, qgemv_unroll_glu, qgemv_min_blocks)
     return UNITS + COMMON + grid_src.LAST_BLOCK + qdot_src.round_source() + gemv + qdot + MISC + shaped

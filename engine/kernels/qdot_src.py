@@ -30,8 +30,6 @@ contribution given the int8 activations `xq`, their per-block scales `xd` (per 3
 256 for q8_k) and per-16 sums `xs16`.
 """
 
-from collections.abc import Collection
-
 from ..options import DEFAULT_OPTIONS
 
 UNROLL = DEFAULT_OPTIONS.qgemv_unroll
@@ -78,7 +76,6 @@ __device__ __forceinline__ void ld16_a2(const unsigned char* p, unsigned int* o)
 #define QLB_Q4_1 __launch_bounds__(256, QGEMV_MINB)
 #define QLB_Q8_0 __launch_bounds__(256, QGEMV_MINB)
 #define QLB_KQ2 __launch_bounds__(256, QGEMV_MINB)
-#define QLB_KQ2P __launch_bounds__(256, QGEMV_MINB)
 #define QLB_GLU __launch_bounds__(256, QGEMV_MINB)
 #else
 #define QLB_Q4_1 __launch_bounds__(256)
@@ -91,9 +88,6 @@ __device__ __forceinline__ void ld16_a2(const unsigned char* p, unsigned int* o)
 #else
 #define QLB_KQ2 __launch_bounds__(256)
 #endif
-// QLB_KQ2P: the same kernels with a software-pipelined body (QPIPE_<C>, EngineOptions.qgemv_pipe:
-// two chunk buffers a thread): 64 registers, 4 blocks an SM
-#define QLB_KQ2P __launch_bounds__(256, 4)
 #endif
 // 64-value chunks a thread loads at once for an unroll u: the bytes of u 32-value chunks
 #define QU_KQ2(u) ((u) > 1 ? (u) / 2 : 1)
@@ -111,20 +105,11 @@ __device__ __forceinline__ void q4k_pair(const uint4& h, int j, unsigned int& sc
     mn = (j & 2) ? mn_hi : (z & 0x3f3fu);
 }
 struct raw_Q4_K { uint4 h; uint4 q; };
-// src_<C>: the QNP_<C> 16-byte pieces of chunk c (16-byte aligned), the members of raw_<C> in order
-#define QNP_Q4_K 2
-#define QBB_Q4_K 144  // bytes a 256-value block
-__device__ __forceinline__ void src_Q4_K(const unsigned char* row, int c, const uint4* (&s)[2]) {
+__device__ __forceinline__ void ld_Q4_K(const unsigned char* row, int c, raw_Q4_K& r) {
     const unsigned char* p = row + (long long)(c >> 3) * 144;
     int k = c & 7;
-    s[0] = (const uint4*)p;
-    s[1] = (const uint4*)(p + 16 + 32 * (k >> 1) + 16 * (k & 1));
-}
-__device__ __forceinline__ void ld_Q4_K(const unsigned char* row, int c, raw_Q4_K& r) {
-    const uint4* s[2];
-    src_Q4_K(row, c, s);
-    r.h = __ldg(s[0]);
-    r.q = __ldg(s[1]);
+    r.h = __ldg((const uint4*)p);
+    r.q = __ldg((const uint4*)(p + 16 + 32 * (k >> 1) + 16 * (k & 1)));
 }
 __device__ __forceinline__ float dot_Q4_K(const raw_Q4_K& r, int c, const signed char* xq,
                                           const float* xd, const int* xs16) {
@@ -152,21 +137,12 @@ __device__ __forceinline__ float dot_Q4_K(const raw_Q4_K& r, int c, const signed
 #define QU_Q4_K2(u) QU_KQ2(u)
 #define QLB_Q4_K2 QLB_KQ2  // 48 registers at the default unroll (59 unbounded), no spills: 5 blocks an SM
 struct raw_Q4_K2 { uint4 h; uint4 q0; uint4 q1; };
-#define QNP_Q4_K2 3
-#define QBB_Q4_K2 144
-__device__ __forceinline__ void src_Q4_K2(const unsigned char* row, int c, const uint4* (&s)[3]) {
+__device__ __forceinline__ void ld_Q4_K2(const unsigned char* row, int c, raw_Q4_K2& r) {
     const unsigned char* p = row + (long long)(c >> 2) * 144;
     int j = c & 3;
-    s[0] = (const uint4*)p;
-    s[1] = (const uint4*)(p + 16 + 32 * j);
-    s[2] = (const uint4*)(p + 32 + 32 * j);
-}
-__device__ __forceinline__ void ld_Q4_K2(const unsigned char* row, int c, raw_Q4_K2& r) {
-    const uint4* s[3];
-    src_Q4_K2(row, c, s);
-    r.h = __ldg(s[0]);
-    r.q0 = __ldg(s[1]);
-    r.q1 = __ldg(s[2]);
+    r.h = __ldg((const uint4*)p);
+    r.q0 = __ldg((const uint4*)(p + 16 + 32 * j));
+    r.q1 = __ldg((const uint4*)(p + 32 + 32 * j));
 }
 __device__ __forceinline__ float dot_Q4_K2(const raw_Q4_K2& r, int c, const signed char* xq,
                                           const float* xd, const int* xs16) {
@@ -492,109 +468,11 @@ __device__ __forceinline__ void qgemv_body_{T}(
             }
         }
     };
-#if QASYNC_{T}
-    // EngineOptions.qgemv_async: the weights travel to shared memory by cp.async (sm_80+: a copy
-    // that holds no registers and no L1 line), S work items a thread ahead of the one it sums, so
-    // a thread keeps S - 1 items in flight at the kernels' 48 registers (QPIPE_<C> holds one, in
-    // registers, at 64). Each thread has its own slots (no barrier: cp.async.wait_group orders a
-    // thread's copies before its reads). The items and their order are the loop's below: the
-    // same sums, the same bits. One chunk an item (U is 1 at the default unroll).
-    static_assert(U == 1, "qgemv_async: one chunk a work item");
-    constexpr int S = NR == 1 ? QASYNC_S : 2;  // gate+up: 2 (its 64-byte items: 32 KB a block)
-    constexpr int NP = QNP_{T};
-    __shared__ __align__(16) uint4 ring[S][NR * NP][256];
-    float acc[NR];
-    #pragma unroll
-    for (int r = 0; r < NR; r++) acc[r] = 0.f;
-    // the items of a row group: chunks t + k tpr, k < ipg (past nc: empty); chunk t + k tpr of a row
-    // is chunk t of the row k stride bytes on (tpr is a multiple of the chunks a 256-value block)
-    const int ipg = (nc + tpr - 1) / tpr;
-    const long long stride = (long long)(tpr / (256 >> QCW_{T})) * QBB_{T}, upb = (long long)up_off * row_bytes;
-    const smem_addr mine = shared_addr(&ring[0][0][tid]);  // piece p of slot s: + (s NR NP + p) 4096
-    int ig = g0, ik = 0;  // the next item to request; its row, and chunk t of it k strides on
-    const unsigned char* irow = W + (long long)(g0 * rpb + rl) * row_bytes;
-    const unsigned char* ip = irow;
-    // that item requested into `slot` as one commit group - an empty one past the last item, so the
-    // groups stay one an item and waiting for all but the newest S - 1 completes the oldest
-    auto issue = [&](int slot) {
-        if (ig < ngroups && ig * rpb + rl < rows && t + ik * tpr < nc) {
-            #pragma unroll
-            for (int r = 0; r < NR; r++) {
-                const uint4* src[NP];
-                src_{T}(ip + r * upb, t, src);
-                #pragma unroll
-                for (int q = 0; q < NP; q++) cp_async16(mine + ((slot * NR + r) * NP + q) * 4096, src[q]);
-            }
-        }
-        cp_async_commit();
-        ip += stride;
-        if (++ik == ipg) {
-            ik = 0;
-            ig += gs;
-            irow += (long long)gs * rpb * row_bytes;
-            ip = irow;
-        }
-    };
-    PDL_LAUNCH();
-    #pragma unroll
-    for (int s = 0; s < S - 1; s++) issue(s);  // the first S - 1 items before the wait
-    PDL_WAIT();
-    int g = g0, k = 0;
-    for (int rs = 0, ws = S - 1; g < ngroups; rs = rs + 1 == S ? 0 : rs + 1, ws = ws + 1 == S ? 0 : ws + 1) {
-        issue(ws);
-        cp_async_wait<S - 1>();
-        raw_{T} b[NR][1];
-        #pragma unroll
-        for (int r = 0; r < NR; r++) {
-            #pragma unroll
-            for (int q = 0; q < NP; q++) ((uint4*)&b[r][0])[q] = ring[rs][r * NP + q][tid];
-        }
-        dots(b, g, t + k * tpr, acc);
-        if (++k == ipg) {
-            finish(g, acc);
-            #pragma unroll
-            for (int r = 0; r < NR; r++) acc[r] = 0.f;
-            k = 0;
-            g += gs;
-        }
-    }
-    cp_async_wait<0>();
-#else
     raw_{T} buf[NR][U];
     // the first weight chunks are loaded before waiting for the kernel that writes the input
     PDL_LAUNCH();
     if (g0 < ngroups) qload_{T}<NR, U>(buf, W, row_bytes, g0 * rpb + rl, rows, up_off, t, tpr, nc);
     PDL_WAIT();
-#if QPIPE_{T}
-    // EngineOptions.qgemv_pipe: software-pipelined - the chunks of this thread's next work item
-    // (the next U chunks of the row, or the next row group's first) are requested before the
-    // current ones are summed, into a second buffer (the two alternate), so every thread keeps a
-    // load in flight while it computes. The same sums in the same order as the loop below.
-    raw_{T} buf2[NR][U];
-    float acc[NR];
-    #pragma unroll
-    for (int r = 0; r < NR; r++) acc[r] = 0.f;
-    // one work item (g, c0), whose chunks are in `from`: the next item's are requested into
-    // `into`, these summed, the row group closed where it ends; (g, c0) becomes the next item
-    auto step = [&](const raw_{T} (&from)[NR][U], raw_{T} (&into)[NR][U], int& g, int& c0) {
-        int gn = g, cn = c0 + U * tpr;
-        if (cn - t >= nc) { cn = t; gn += gs; }
-        if (gn < ngroups) qload_{T}<NR, U>(into, W, row_bytes, gn * rpb + rl, rows, up_off, cn, tpr, nc);
-        dots(from, g, c0, acc);
-        if (gn != g) {
-            finish(g, acc);
-            #pragma unroll
-            for (int r = 0; r < NR; r++) acc[r] = 0.f;
-        }
-        g = gn; c0 = cn;
-    };
-    int g = g0, c0 = t;
-    while (g < ngroups) {
-        step(buf, buf2, g, c0);
-        if (g >= ngroups) break;
-        step(buf2, buf, g, c0);
-    }
-#else
     bool pre = g0 < ngroups;
     for (int g = g0; g < ngroups; g += gs) {
         int row = g * rpb + rl;
@@ -608,8 +486,6 @@ __device__ __forceinline__ void qgemv_body_{T}(
         }
         finish(g, acc);
     }
-#endif
-#endif
 }
 """
 QGEMV_KERNELS = r"""
@@ -634,8 +510,7 @@ QGEMV_GLU = r"""extern "C" __global__ void QLB_GLU qgemv_glu_{T}(
 # A's `rows_a` outputs. Each block runs one body, so its registers and shared memory are the larger
 # of the two kernels', and the rows and sums are those of two separate launches (same bits). Its
 # launch bounds are its chunk codes' (the two round alike, so they share them: QLB_KQ2 for the
-# K-quants - QLB_KQ2P where either body is software-pipelined - none for Q4_1 / Q8_0, which spill
-# 28 bytes under QLB_KQ2).
+# K-quants, none for Q4_1 / Q8_0, which spill 28 bytes under QLB_KQ2).
 QGEMV_MIX = r"""
 extern "C" __global__ void {BOUNDS} qgemv_mix_{A}_{B}(
         const unsigned char* __restrict__ Wa, long long rba, int rows_a, int tpr_a, int nblk_a,
@@ -660,85 +535,31 @@ def mix_pairs(types: list[str] | tuple[str, ...]) -> list[tuple[str, str]]:
     return [(a, b) for a in qt for b in qt if a != b and QTYPES[a] == QTYPES[b]]
 
 
-ASYNC_HELPERS = r"""
-// cp.async (EngineOptions.qgemv_async; sm_80+): 16 bytes from global to shared memory, through L2
-// only, holding no register until cp_async_wait; a plain copy in the host build (tests/cuda_host.py)
-// and before sm_80
-// (`dst` is a shared-memory address: shared_addr; its generic pointer in the host build)
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-typedef unsigned int smem_addr;
-__device__ __forceinline__ smem_addr shared_addr(void* p) { return (smem_addr)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void cp_async16(smem_addr dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-// every commit group but the newest N complete (and their writes visible to this thread)
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
-#else
-typedef unsigned char* smem_addr;
-__device__ __forceinline__ smem_addr shared_addr(void* p) { return (smem_addr)p; }
-__device__ __forceinline__ void cp_async16(smem_addr dst, const void* src) { *(uint4*)dst = *(const uint4*)src; }
-__device__ __forceinline__ void cp_async_commit() {}
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {}
-#endif
-"""
-ASYNC = {"Q4_K": ("Q4_K", "Q4_K2")}
-"""The types whose GEMV bodies have a cp.async form (`qgemv_async`), and their chunk codes (`src_<C>`:
-16-byte aligned pieces; Q6_K's 210-byte blocks are only 2-byte aligned)."""
-
-KQ2 = ("Q4_K2", "Q6_K2")
-"""The 64-value K-quant chunk codes, whose plain and two-piece kernels have launch bounds (QLB_KQ2)."""
-
-
 def source(
     types: list[str] | tuple[str, ...],
     unroll: int = UNROLL,
     unroll_glu: int = UNROLL_GLU,
     min_blocks: int = 0,
-    pipe: bool | Collection[str] = False,
-    async_stages: int = 0,
 ) -> str:
     """The integer-dot GEMV kernels for those of `types` that have one (after UNITS + COMMON),
     loading `unroll` chunks at once (`unroll_glu` per row of the fused gate+up kernels), and the
     two-piece kernels of `mix_pairs(types)`; `min_blocks` > 0 holds every one of them to that many
     blocks of 256 threads an SM (`__launch_bounds__`; 0: the rule above, 5 for the 64-value K-quant
-    kernels at the default unroll, none for the others); `pipe`: the bodies of these types (True:
-    every type) software-pipelined, the next chunks requested before the current ones are summed
-    (QPIPE_<C>, `EngineOptions.qgemv_pipe` / `qgemv_pipe_types`; `pipelined` says which);
-    `async_stages` 2 or 3: the types of `ASYNC` copy their weights to shared memory by cp.async that
-    many work items ahead (QASYNC_<C>, `EngineOptions.qgemv_async`; the gate+up kernel 2), instead
-    of pipelining (0: off)."""
-    if async_stages not in (0, 2, 3):
-        raise ValueError(f"qgemv_async takes 0, 2 or 3 stages, not {async_stages}")
+    kernels at the default unroll, none for the others)."""
     qt = sorted(t for t in set(types) if t in QTYPES)
     if not qt:
         return ""
-    piped = pipelined(qt, pipe, async_stages)
     unroll_defs = f"#define QGEMV_U {int(unroll)}\n#define QGEMV_UG {int(unroll_glu)}\n"
     if min_blocks > 0:
         unroll_defs += f"#define QGEMV_MINB {int(min_blocks)}\n"
     bodies = sorted({*qt, *(PLAIN[t] for t in qt)})
-    codes = {c for t in piped for c in (t, PLAIN[t])}
-    unroll_defs += "".join(f"#define QPIPE_{c} {int(c in codes)}\n" for c in bodies)
-    if async_stages:
-        copied = {c for t in qt for c in ASYNC.get(t, ())}
-        unroll_defs += f"#define QASYNC_S {async_stages}\n" + ASYNC_HELPERS
-        unroll_defs += "".join(f"#define QASYNC_{c} {int(c in copied)}\n" for c in bodies)
-
-    def bounds(code: str, piped_body: bool) -> str:
-        """A plain or two-piece kernel's launch bounds: its first chunk code's (QLB_KQ2P where a
-        64-value K-quant kernel runs a pipelined body)."""
-        return "QLB_KQ2P" if code in KQ2 and piped_body else f"QLB_{code}"
-
     kernels = "".join(
-        QGEMV_KERNELS.replace("{BOUNDS}", bounds(PLAIN[t], t in piped)).replace("{T}", t).replace("{P}", PLAIN[t])
+        QGEMV_KERNELS.replace("{BOUNDS}", f"QLB_{PLAIN[t]}").replace("{T}", t).replace("{P}", PLAIN[t])
         + QGEMV_GLU.replace("{T}", t)
         for t in qt
     )
     mixed = "".join(
-        QGEMV_MIX.replace("{BOUNDS}", bounds(PLAIN[a], a in piped or b in piped))
+        QGEMV_MIX.replace("{BOUNDS}", f"QLB_{PLAIN[a]}")
         .replace("{A}", a)
         .replace("{B}", b)
         .replace("{PA}", PLAIN[a])
@@ -746,14 +567,6 @@ def source(
         for a, b in mix_pairs(qt)
     )
     return unroll_defs + QDOT + QPREP + "".join(QGEMV.replace("{T}", t) for t in bodies) + kernels + mixed
-
-
-def pipelined(types: Collection[str], pipe: bool | Collection[str], async_stages: int = 0) -> list[str]:
-    """Those of `types` with an integer GEMV whose bodies `pipe` (True or 1: every type, False or 0:
-    none, else the types named) software-pipelines - less those that copy by cp.async instead
-    (`async_stages` > 0 and the type in `ASYNC`)."""
-    want = (set(QTYPES) if pipe else set()) if isinstance(pipe, (bool, int)) else set(pipe)
-    return sorted(t for t in set(types) if t in QTYPES and t in want and not (async_stages and t in ASYNC))
 
 
 def round_source() -> str:

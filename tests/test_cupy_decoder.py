@@ -256,9 +256,10 @@ SAME_ORDER = {"min_blocks 4"}
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_gemv_variants_give_the_default_logits(tmp_path: Path, variant: str) -> None:
-    """The decode GEMV knobs (four chunks a thread; other launch bounds - bit for bit) change how
-    the integer sums are split among threads, not what they are: the logits of the default decoder's steps (Q4_K layers; a Q6_K gate+up piece, down
-    matrix and V piece, the last in a two-piece QKV launch) to float rounding, the same argmax."""
+    """The decode GEMV knobs (four chunks a thread: the integer sums split otherwise among threads;
+    other launch bounds: the same bits) give the default decoder's logits (Q4_K layers; a Q6_K
+    gate+up piece, down matrix and V piece, the last in a two-piece QKV launch) to float rounding,
+    the same argmax."""
     overrides = {"blk.0.ffn_up.weight": "Q6_K", "blk.1.ffn_down.weight": "Q6_K", "blk.1.attn_v.weight": "Q6_K"}
     extra = {"type_overrides": overrides}
     p = write_synthetic_gguf(tmp_path / "m.gguf", "qwen3", weight_type="Q4_K", seed=8, **{**SHAPE, **extra})

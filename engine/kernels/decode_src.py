@@ -310,14 +310,6 @@ __device__ __forceinline__ void stkv_q8(signed char* q, unsigned short* dsc, int
     q[i] = (signed char)(d > 0.f ? __float2int_rn(v / d) : 0);
     if ((i & 31) == 0) dsc[i >> 5] = f2h(d);
 }
-// RoPE (neox: pairs d, d + HALF; else d, d ^ 1; the first 2 HALF values of a head): the cos / sin
-// index of element d's pair, and element d rotated (val(i): element i)
-__device__ __forceinline__ int rope_pair(int d) { return NEOX ? (d < HALF ? d : d - HALF) : d >> 1; }
-template <typename F>
-__device__ __forceinline__ float rope_rotate(int d, F val, float c, float s) {
-    if (NEOX) return d < HALF ? val(d) * c - val(d + HALF) * s : val(d - HALF) * s + val(d) * c;
-    return (d & 1) == 0 ? val(d) * c - val(d + 1) * s : val(d - 1) * s + val(d) * c;
-}
 // scale of element `idx` of a layer's int8 cache (1 without KVQ)
 #if KVQ
 #define KV_SCALE(dsc, idx) h2f((dsc)[(idx) >> 5])
@@ -347,7 +339,7 @@ extern "C" __global__ void __launch_bounds__(128) qkv_post(
     #pragma unroll
     for (int k = 0; k < (D + 127) / 128; k++) {
         int d = tid + 128 * k;
-        int j = rope_pair(d);
+        int j = NEOX ? (d < HALF ? d : d - HALF) : d >> 1;
         bool rot = b < H + KVH && d < D && d < 2 * HALF;
         nwv[k] = (nw && b < H + KVH && d < D) ? nw[d] : 1.f;
         cj[k] = rot ? c[j] : 0.f;
@@ -386,7 +378,15 @@ extern "C" __global__ void __launch_bounds__(128) qkv_post(
         int d = tid + 128 * k;
         if (d >= D) break;
         float v = xs[d];
-        if (d < 2 * HALF) v = rope_rotate(d, [&](int i) { return xs[i]; }, cj[k], sj[k]);  // cj / sj: c[j], s[j] of its pair j
+        if (d < 2 * HALF) {  // cj / sj: c[j], s[j] of this thread's pair j
+            if (NEOX) {
+                if (d < HALF) v = xs[d] * cj[k] - xs[d + HALF] * sj[k];
+                else { int j = d - HALF; v = xs[j] * sj[k] + xs[d] * cj[k]; }
+            } else {
+                if ((d & 1) == 0) v = xs[d] * cj[k] - xs[d + 1] * sj[k];
+                else v = xs[d - 1] * sj[k] + xs[d] * cj[k];
+            }
+        }
         out[k] = v;
     }
     #pragma unroll

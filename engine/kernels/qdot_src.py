@@ -421,10 +421,33 @@ __device__ __forceinline__ void qgemv_body_{T}(
     int ngroups = (rows + rpb - 1) / rpb;
     int width = tpr < 32 ? tpr : 32;
     int g0 = SUB ? bid : blockIdx.x, gs = SUB ? nblk : gridDim.x;
-    // a row group's sums, reduced over its threads and stored (every thread of the block calls it
-    // for the same group at the same point: the barriers below are uniform)
-    auto finish = [&](int g, float (&acc)[NR]) {
+    raw_{T} buf[NR][U];
+    // the first weight chunks are loaded before waiting for the kernel that writes the input
+    PDL_LAUNCH();
+    bool pre = g0 < ngroups;
+    if (pre) qload_{T}<NR, U>(buf, W, row_bytes, g0 * rpb + rl, rows, up_off, t, tpr, nc);
+    PDL_WAIT();
+    for (int g = g0; g < ngroups; g += gs) {
         int row = g * rpb + rl;
+        float acc[NR];
+        #pragma unroll
+        for (int r = 0; r < NR; r++) acc[r] = 0.f;
+        for (int c0 = t; c0 - t < nc; c0 += U * tpr) {
+            if (!pre) qload_{T}<NR, U>(buf, W, row_bytes, row, rows, up_off, c0, tpr, nc);
+            pre = false;
+            if (row < rows) {
+                #pragma unroll
+                for (int r = 0; r < NR; r++) {
+                    #pragma unroll
+                    for (int u = 0; u < U; u++) {
+                        int c = c0 + u * tpr;
+                        if (c < nc) acc[r] += dot_{T}(buf[r][u], c, xq, xd, xs16);
+                    }
+                }
+            }
+        }
+        // the group's sums, reduced over its threads (every thread of the block reaches this for
+        // the same group: the barriers are uniform) and stored
         #pragma unroll
         for (int r = 0; r < NR; r++) {
             for (int o = width >> 1; o > 0; o >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);
@@ -454,37 +477,6 @@ __device__ __forceinline__ void qgemv_body_{T}(
                 y[row] = epi == 2 ? glu_silu(acc[0], acc[NR - 1]) : glu_gelu(acc[0], acc[NR - 1]);
             }
         }
-    };
-    // U chunks of each of the NR rows of this thread in row group g from chunk c0, summed into acc
-    auto dots = [&](const raw_{T} (&b)[NR][U], int g, int c0, float (&acc)[NR]) {
-        if (g * rpb + rl < rows) {
-            #pragma unroll
-            for (int r = 0; r < NR; r++) {
-                #pragma unroll
-                for (int u = 0; u < U; u++) {
-                    int c = c0 + u * tpr;
-                    if (c < nc) acc[r] += dot_{T}(b[r][u], c, xq, xd, xs16);
-                }
-            }
-        }
-    };
-    raw_{T} buf[NR][U];
-    // the first weight chunks are loaded before waiting for the kernel that writes the input
-    PDL_LAUNCH();
-    if (g0 < ngroups) qload_{T}<NR, U>(buf, W, row_bytes, g0 * rpb + rl, rows, up_off, t, tpr, nc);
-    PDL_WAIT();
-    bool pre = g0 < ngroups;
-    for (int g = g0; g < ngroups; g += gs) {
-        int row = g * rpb + rl;
-        float acc[NR];
-        #pragma unroll
-        for (int r = 0; r < NR; r++) acc[r] = 0.f;
-        for (int c0 = t; c0 - t < nc; c0 += U * tpr) {
-            if (!pre) qload_{T}<NR, U>(buf, W, row_bytes, row, rows, up_off, c0, tpr, nc);
-            pre = false;
-            dots(buf, g, c0, acc);
-        }
-        finish(g, acc);
     }
 }
 """
